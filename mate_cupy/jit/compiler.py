@@ -1,0 +1,196 @@
+"""Compile kernel variants with NVRTC: through CuPy on a GPU, directly without one.
+
+* :func:`get_kernel` returns a launchable ``cupy.RawKernel`` for the current
+  device's arch, compiling the variant's module on first use (memory cache per
+  (source text, options, arch); CuPy's disk cache underneath).
+* :func:`compile_variant` / :func:`compile_all` build cubins with NVRTC alone
+  (``cupy.cuda.nvrtc``), so every variant can be checked on a machine with no
+  GPU and no driver.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+from .registry import KernelSpec, registered
+from .sources import source_text
+
+CXX_STD = "--std=c++17"
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a variant; carries the variant, the options and the log."""
+
+    def __init__(self, spec: KernelSpec, options, log: str):
+        self.spec, self.options, self.log = spec, tuple(options), log
+        super().__init__(
+            f"NVRTC failed to compile {spec.name} (kernels {', '.join(spec.kernels)})\n"
+            f"options: {' '.join(self.options)}\n{log}"
+        )
+
+
+def arch_for_capability(cc: str) -> str:
+    """'90' -> 'sm_90a' (wgmma needs the arch-specific target); others 'sm_XY'."""
+    cc = str(cc).replace(".", "")
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+def device_arch(device_id=None) -> str:
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return arch_for_capability(dev.compute_capability)
+
+
+@lru_cache(maxsize=None)
+def cuda_include_dirs() -> tuple:
+    """Directories holding ``cuda_fp16.h``/``cuda_bf16.h``/``cuda_fp8.h``."""
+    dirs = []
+    for mod in ("nvidia.cu13", "nvidia.cuda_runtime"):
+        try:
+            import importlib
+
+            m = importlib.import_module(mod)
+            for p in getattr(m, "__path__", []):
+                inc = Path(p) / "include"
+                if (inc / "cuda_fp16.h").is_file():
+                    dirs.append(str(inc))
+        except ImportError:
+            pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen and os.path.isfile(os.path.join(d, "cuda_fp16.h")):
+            seen.add(d)
+            out.append(d)
+    return tuple(out)
+
+
+def compile_options(arch: str) -> tuple:
+    opts = [CXX_STD, f"-arch={arch}", "-DNDEBUG"]
+    opts += [f"-I{d}" for d in cuda_include_dirs()]
+    return tuple(opts)
+
+
+def full_source(spec: KernelSpec) -> str:
+    """Macro prelude + the family source with headers pasted in."""
+    return spec.prelude() + f'#line 1 "{spec.source}"\n' + source_text(spec.source)
+
+
+_modules: dict = {}
+_kernels: dict = {}
+
+
+def get_module(spec: KernelSpec, device_id=None):
+    """The ``cupy.RawModule`` of ``spec`` for the device's arch (compiled once)."""
+    import cupy
+
+    arch = device_arch(device_id)
+    src = full_source(spec)
+    opts = compile_options(arch)
+    key = (src, opts, arch, spec.kernels)
+    mod = _modules.get(key)
+    if mod is None:
+        mod = cupy.RawModule(code=src, options=opts, name_expressions=list(spec.kernels))
+        try:
+            mod.compile()
+        except cupy.cuda.compiler.CompileException as e:
+            raise KernelCompileError(spec, opts, str(e)) from None
+        _modules[key] = mod
+    return mod
+
+
+def get_kernel(spec: KernelSpec, kernel: str | None = None, device_id=None):
+    """Launchable ``cupy.RawKernel`` for ``kernel`` (default: the spec's first)."""
+    import cupy
+
+    kernel = spec.kernels[0] if kernel is None else kernel
+    if device_id is None:
+        device_id = cupy.cuda.Device().id
+    key = (spec, kernel, device_id)
+    k = _kernels.get(key)
+    if k is None:
+        if kernel not in spec.kernels:
+            raise KeyError(f"{kernel} is not exported by {spec.name}")
+        k = get_module(spec, device_id).get_function(kernel)
+        _kernels[key] = k
+    return k
+
+
+def launch(kernel, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
+    """Launch with dynamic shared memory above 48 KiB allowed when asked for."""
+    if shared_mem > 48 * 1024 and getattr(kernel, "_mate_smem", 0) < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+        kernel._mate_smem = shared_mem
+    kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
+
+
+def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bool = False) -> dict:
+    """Compile ``spec`` to a cubin with NVRTC alone (no GPU needed).
+
+    Returns ``{"name", "seconds", "cubin_bytes", "log"}``; raises
+    :class:`KernelCompileError` with the NVRTC log on failure.
+    """
+    from cupy.cuda import nvrtc
+
+    src = full_source(spec)
+    opts = list(compile_options(arch)) + ["--device-as-default-execution-space", "-ftz=true"]
+    if ptxas_verbose:
+        opts.append("--ptxas-options=-v")
+    t0 = time.perf_counter()
+    prog = nvrtc.createProgram(src, spec.source, [], [])
+    try:
+        for k in spec.kernels:
+            nvrtc.addNameExpression(prog, k)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(spec, opts, nvrtc.getProgramLog(prog)) from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return {"name": spec.name, "kernels": spec.kernels, "seconds": time.perf_counter() - t0,
+            "cubin_bytes": len(cubin), "log": log}
+
+
+def _compile_one(args):
+    spec, arch = args
+    try:
+        return compile_variant(spec, arch)
+    except KernelCompileError as e:
+        return {"name": spec.name, "kernels": spec.kernels, "error": str(e)}
+
+
+def compile_all(arch: str = "sm_90a", *, jobs: int | None = None, progress=None, specs=None) -> list:
+    """Compile every registered variant for ``arch`` without a GPU.
+
+    ``progress(done, total, result)`` is called after each variant. Returns
+    the per-variant results; failures carry ``"error"`` instead of raising.
+    """
+    specs = registered() if specs is None else list(specs)
+    jobs = jobs or max(1, min(len(specs), os.cpu_count() or 1))
+    results = []
+    if jobs == 1 or len(specs) <= 1:
+        it = map(_compile_one, [(s, arch) for s in specs])
+        for r in it:
+            results.append(r)
+            if progress:
+                progress(len(results), len(specs), r)
+        return results
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn" if sys.platform != "linux" else "fork")
+    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        for r in pool.map(_compile_one, [(s, arch) for s in specs]):
+            results.append(r)
+            if progress:
+                progress(len(results), len(specs), r)
+    return results

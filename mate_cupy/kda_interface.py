@@ -1,0 +1,2 @@
+"""Public KDA API (being written)."""
+__all__ = []

@@ -1,0 +1,2 @@
+"""Public MSA API (being written)."""
+__all__ = []
