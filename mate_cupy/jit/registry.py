@@ -13,8 +13,10 @@ from dataclasses import dataclass
 # Modules whose import registers kernel variants.
 _OP_MODULES = (
     "mate_cupy.util_kernels",
-    "mate_cupy.msa.kernels",
-    "mate_cupy.kda.kernels",
+    "mate_cupy.msa.attention_kernels",
+    "mate_cupy.msa.index_kernels",
+    "mate_cupy.kda.decode_kernels",
+    "mate_cupy.kda.chunk_kernels",
 )
 
 
