@@ -136,6 +136,8 @@ def wrap(name: str, obj) -> Arg:
     if fw == "cupy":
         dt = obj.dtype
         return Arg(name, obj, obj, FP8_E4M3 if dt == FP8_E4M3 else dt, fw, int(obj.device.id))
+    if fw == "torch" and getattr(obj, "requires_grad", False):
+        obj = obj.detach()  # DLPack refuses tensors that require grad; the memory is the same
     dev_type, dev_id = _dlpack.device_of(obj)
     if dev_type in _dlpack._HOST_DEVICE_TYPES:
         desc = _dlpack.describe(obj, stream=None)

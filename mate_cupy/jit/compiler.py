@@ -160,8 +160,15 @@ def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bo
             "cubin_bytes": len(cubin), "log": log}
 
 
+def arch_sm(arch: str) -> int:
+    """'sm_90a' -> 90."""
+    return int("".join(c for c in arch.split("_", 1)[-1] if c.isdigit()))
+
+
 def _compile_one(args):
     spec, arch = args
+    if spec.min_sm > arch_sm(arch):
+        return {"name": spec.name, "kernels": spec.kernels, "skipped": f"needs sm_{spec.min_sm}+"}
     try:
         return compile_variant(spec, arch)
     except KernelCompileError as e:

@@ -27,6 +27,7 @@ class KernelSpec:
     source: str
     kernels: tuple
     defines: tuple = ()
+    min_sm: int = 80  # lowest compute capability the variant builds for (fp8 mma: 89, wgmma: 90)
 
     @property
     def name(self) -> str:
@@ -43,11 +44,15 @@ class KernelSpec:
 _REGISTRY: dict = {}
 
 
-def register(source: str, kernels, **defines) -> KernelSpec:
-    """Register (or look up) the variant ``source`` specialised by ``defines``."""
+def register(source: str, kernels, *, min_sm: int = 80, **defines) -> KernelSpec:
+    """Register (or look up) the variant ``source`` specialised by ``defines``.
+
+    ``min_sm`` is the lowest compute capability the variant targets (e.g. 89 for fp8
+    mma.sync, 90 for wgmma); ``compile_all`` skips it for older archs.
+    """
     if isinstance(kernels, str):
         kernels = (kernels,)
-    spec = KernelSpec(source, tuple(kernels), tuple(sorted((k, str(v)) for k, v in defines.items())))
+    spec = KernelSpec(source, tuple(kernels), tuple(sorted((k, str(v)) for k, v in defines.items())), int(min_sm))
     return _REGISTRY.setdefault(spec.name + "|" + ",".join(spec.kernels), spec)
 
 

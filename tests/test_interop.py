@@ -1,0 +1,118 @@
+"""Interop layer on the host: NumPy and torch CPU arrays, dtypes, errors."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mate_cupy import _interop
+from mate_cupy._interop import BFLOAT16, FP8_E4M3, Call, as_dtype, export, to_host, wrap
+
+TORCH_DTYPES = ["bfloat16", "float16", "float8_e4m3fn", "float32", "int32", "int64"]
+
+
+def test_numpy_is_passed_through(rng):
+    x = rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16)
+    a = wrap("x", x)
+    assert a.data is x and a.dtype == BFLOAT16 and a.device == -1 and a.framework == "numpy"
+    assert not a.is_cuda and a.shape == (3, 5)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float8_e4m3fn", "float32", "int32", "int64"])
+def test_as_dtype_names(name):
+    assert as_dtype(name).name == name
+    assert as_dtype(np.dtype(as_dtype(name))) == as_dtype(name)
+
+
+def test_non_array_rejected():
+    with pytest.raises(TypeError, match="x must be an array implementing DLPack"):
+        wrap("x", [1.0, 2.0])
+    with pytest.raises(TypeError, match="y must be an array"):
+        Call(x=np.zeros(2), y="not an array")
+
+
+def test_call_framework_follows_first_array(rng):
+    call = Call(a=None, b=np.ones(3, np.float32), c=np.zeros(3, np.int32))
+    assert call.framework == "numpy" and not call.is_cuda and call.xp is np
+    assert call["a"] is None and call["b"].dtype == np.float32
+    out = call.export(np.arange(3, dtype=np.float32))
+    assert isinstance(out, np.ndarray)
+
+
+def test_export_fp8_host_view(rng):
+    x = rng.standard_normal(8).astype(ml_dtypes.float8_e4m3fn)
+    as_u8 = x.view(np.uint8)
+    back = export(as_u8, "numpy", dtype=FP8_E4M3)
+    assert back.dtype == FP8_E4M3 and np.array_equal(back.view(np.uint8), as_u8)
+
+
+def test_to_host_accepts_lists_and_arrays():
+    assert to_host([1, 2, 3]).tolist() == [1, 2, 3]
+    x = np.arange(4, dtype=np.int32)
+    assert to_host(x) is x
+    assert to_host(None) is None
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", TORCH_DTYPES)
+def test_torch_cpu_round_trip_zero_copy(name, rng):
+    import torch
+
+    tdt = getattr(torch, name)
+    t = torch.from_numpy(rng.standard_normal((4, 6)).astype(np.float32) * 4).to(tdt)
+    a = wrap("t", t)
+    assert a.framework == "torch" and a.device == -1
+    assert a.dtype == as_dtype(name)
+    assert a.data.ctypes.data == t.data_ptr()  # zero-copy view
+    np.testing.assert_array_equal(a.data.astype(np.float64), t.double().numpy())
+    back = export(a.data, "torch", dtype=a.dtype)
+    assert back.dtype == tdt and back.data_ptr() == t.data_ptr()
+    assert torch.equal(back, t)
+
+
+@pytest.mark.torch
+def test_torch_strided_view_and_grad(rng):
+    import torch
+
+    base = torch.randn(4, 6, requires_grad=True)
+    t = base[:, ::2]
+    a = wrap("t", t)
+    assert not a.is_contiguous()
+    np.testing.assert_array_equal(a.data, t.detach().numpy())
+    assert a.data.strides == (24, 8)
+
+
+@pytest.mark.torch
+def test_torch_results_come_back_as_torch(rng):
+    import torch
+
+    call = Call(q=torch.zeros(2, dtype=torch.bfloat16), k=np.zeros(2, np.float32))
+    assert call.framework == "torch"
+    y = call.export(np.ones(3, dtype=ml_dtypes.bfloat16))
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    assert y.float().tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.torch
+def test_torch_mixed_host_frameworks_share_device():
+    import torch
+
+    call = Call(a=np.zeros(2, np.float32), b=torch.zeros(2))
+    assert call.device == -1 and call.framework == "numpy"
+
+
+def test_mixed_devices_error_names_arguments(monkeypatch):
+    """A CUDA array next to a host array raises ValueError naming both (no GPU needed)."""
+
+    class FakeCuda:
+        pass
+
+    def fake_wrap(name, obj):
+        if isinstance(obj, FakeCuda):
+            return _interop.Arg(name, obj, None, np.dtype(np.float32), "dlpack", 0)
+        return real_wrap(name, obj)
+
+    real_wrap = _interop.wrap
+    monkeypatch.setattr(_interop, "wrap", fake_wrap)
+    with pytest.raises(ValueError, match=r"k is on cuda:0 but q is on cpu"):
+        Call(q=np.zeros(2, np.float32), k=FakeCuda())
