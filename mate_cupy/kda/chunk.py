@@ -1,0 +1,220 @@
+"""``chunk_kda``: argument checks, then the float64 reference (host) or the chunk kernel (CUDA).
+
+The public function lives in :mod:`mate_cupy.kda_interface`; this module does the work.
+Checks follow the order and exception types of the API it reproduces, extended so that
+every shape the kernel relies on is checked (states, gate parameters, ``cu_seqlens``).
+"""
+from __future__ import annotations
+
+from .._interop import FLOAT32, Call, dtype_name
+from ..reference.kda import kda_recurrent, sequence_bounds
+from .common import (
+    FLOAT_DTYPES,
+    HALF_DTYPES,
+    INDEX_DTYPES,
+    CudaOut,
+    cuda_contiguous,
+    cuda_float32,
+    load_launcher,
+    names,
+    with_batch,
+)
+
+HEAD_DIM = 128
+
+
+def _shape4(arg, varlen: bool) -> tuple:
+    """Shape of a q/k/v/g argument as ``[B, T, H, 128]`` (varlen ``[S, H, D]`` gets B = 1)."""
+    name, shape = arg.name, arg.shape
+    if not varlen:
+        if arg.ndim != 4:
+            raise ValueError(f"{name} must be a 4D array [B, T, H, {HEAD_DIM}], got shape {shape}")
+        return shape
+    if arg.ndim == 3:
+        return (1,) + shape
+    if arg.ndim == 4:
+        if shape[0] != 1:
+            raise ValueError(
+                f"{name}.shape[0] must be 1 when cu_seqlens is given (flatten variable-length "
+                f"input as [S, H, {HEAD_DIM}] or [1, S, H, {HEAD_DIM}]), got shape {shape}"
+            )
+        return shape
+    raise ValueError(
+        f"{name} must be [S, H, {HEAD_DIM}] or [1, S, H, {HEAD_DIM}] when cu_seqlens is given, got shape {shape}"
+    )
+
+
+def _check_state_dtype(arg, q_dtype) -> None:
+    if arg.dtype not in (q_dtype, FLOAT32):
+        raise TypeError(
+            f"{arg.name} must have dtype {dtype_name(q_dtype)} (q's dtype) or float32, got {dtype_name(arg.dtype)}"
+        )
+
+
+class ChunkArgs:
+    """Validated ``chunk_kda`` arguments (shapes in batched 4-D form)."""
+
+
+def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
+             lower_bound, use_qk_l2norm_in_kernel, output, final_state):
+    """Check every argument; return ``(call, ChunkArgs)``. Raises before any launch."""
+    output_final_state = bool(output_final_state)
+    call = Call(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                A_log=A_log, dt_bias=dt_bias, output=output,
+                final_state=final_state if output_final_state else None)
+    varlen = cu_seqlens is not None
+    qa, ka, va, ga, ba = (call[n] for n in ("q", "k", "v", "g", "beta"))
+    qs, ks, vs, gs = (_shape4(a, varlen) for a in (qa, ka, va, ga))
+    bs = (1,) + ba.shape if (varlen and ba.ndim == 2) else ba.shape
+
+    for a, s in ((qa, qs), (ka, ks), (va, vs), (ga, gs)):
+        if s[-1] != HEAD_DIM:
+            raise ValueError(f"chunk_kda requires head dim {HEAD_DIM}: {a.name} has shape {a.shape}")
+    if ks != qs:
+        raise ValueError(f"k must have the same shape as q {qs}, got {ks}")
+    if qs[:2] != vs[:2] or qs[:2] != gs[:2]:
+        raise ValueError(f"q, v and g must have matching [B, T] dimensions, got q {qs}, v {vs}, g {gs}")
+    if gs != vs:
+        raise ValueError(f"g must have the same shape as v {vs}, got {gs}")
+    B, T, H, K = qs
+    HV = vs[2]
+    if HV % H != 0:
+        raise ValueError(f"the v/g head count must be a multiple of the q/k head count, got HV={HV}, H={H}")
+    if tuple(bs) != vs[:3]:
+        raise ValueError(f"beta must have shape [B, T, HV] = {vs[:3]}, got {ba.shape}")
+    if qa.dtype not in HALF_DTYPES:
+        raise TypeError(f"chunk_kda supports q of dtype {names(HALF_DTYPES)}, got {dtype_name(qa.dtype)}")
+    for a in (ka, va, ga, ba):
+        if a.dtype != qa.dtype:
+            raise TypeError(f"{a.name} must have q's dtype {dtype_name(qa.dtype)}, got {dtype_name(a.dtype)}")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias must be provided together (both or neither)")
+    if A_log is not None:
+        la, da = call["A_log"], call["dt_bias"]
+        if la.shape != (HV,):
+            raise ValueError(f"A_log must have shape [HV] = ({HV},), got {la.shape}")
+        if da.shape not in ((HV, K), (HV * K,)):
+            raise ValueError(f"dt_bias must have shape [HV, {K}] = {(HV, K)} or [HV*{K}] = ({HV * K},), got {da.shape}")
+        for a in (la, da):
+            if a.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{a.name} must be a floating array (float32 preferred), got {dtype_name(a.dtype)}")
+    ia = call["initial_state"]
+    if ia is not None:
+        _check_state_dtype(ia, qa.dtype)
+    ca = call["cu_seqlens"]
+    if ca is not None:
+        if ca.dtype not in INDEX_DTYPES:
+            raise TypeError(f"cu_seqlens must have dtype {names(INDEX_DTYPES)}, got {dtype_name(ca.dtype)}")
+        if ca.ndim != 1 or ca.shape[0] < 1:
+            raise ValueError(f"cu_seqlens must be a 1D array [N+1], got shape {ca.shape}")
+    N = ca.shape[0] - 1 if varlen else B
+    state_shape = (N, HV, HEAD_DIM, HEAD_DIM)
+    if ia is not None and ia.shape != state_shape:
+        raise ValueError(f"initial_state must have shape [N, HV, V, K] = {state_shape}, got {ia.shape}")
+
+    squeeze = varlen and qa.ndim == 3
+    oa = call["output"]
+    if oa is not None:
+        os_ = (1,) + oa.shape if (squeeze and oa.ndim == 3) else oa.shape
+        if tuple(os_) != vs:
+            raise ValueError(f"output must have the shape of v {va.shape}, got {oa.shape}")
+        if oa.dtype != qa.dtype:
+            raise TypeError(f"output must have q's dtype {dtype_name(qa.dtype)}, got {dtype_name(oa.dtype)}")
+    fa = call["final_state"]
+    if fa is not None:
+        _check_state_dtype(fa, qa.dtype)
+        if fa.shape != state_shape:
+            raise ValueError(f"final_state must have shape [N, HV, V, K] = {state_shape}, got {fa.shape}")
+        if ia is not None and ia.dtype != fa.dtype:
+            raise TypeError(
+                f"initial_state and final_state must have the same dtype, got "
+                f"{dtype_name(ia.dtype)} and {dtype_name(fa.dtype)}"
+            )
+
+    a = ChunkArgs()
+    a.varlen, a.squeeze, a.B, a.T, a.H, a.HV, a.N = varlen, squeeze, B, T, H, HV, N
+    a.vshape, a.state_shape = vs, state_shape
+    a.dtype = qa.dtype
+    a.state_dtype = fa.dtype if fa is not None else ia.dtype if ia is not None else qa.dtype
+    a.output_final_state = output_final_state
+    a.scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    a.lower_bound = float(lower_bound)
+    a.use_qk_l2norm = bool(use_qk_l2norm_in_kernel)
+    return call, a
+
+
+def run(call: Call, a: ChunkArgs, output, final_state):
+    """Compute and return ``output`` or ``(output, final_state)`` in the caller's framework."""
+    if call.is_cuda:
+        out_arr, fs_arr = _run_cuda(call, a)
+    else:
+        out_arr, fs_arr = _run_host(call, a)
+    out_obj = output if output is not None else call.export(out_arr)
+    if not a.output_final_state:
+        return out_obj
+    fs_obj = final_state if final_state is not None else call.export(fs_arr)
+    return out_obj, fs_obj
+
+
+def _batched(call: Call, a: ChunkArgs, name: str, packed_ndim: int):
+    """The data of ``name`` with a batch axis: packed varlen arrays get ``[None]`` (a view)."""
+    x = call.data(name)
+    return with_batch(x, a.varlen and x.ndim == packed_ndim)
+
+
+def _run_host(call: Call, a: ChunkArgs):
+    d = call.data
+    if a.varlen:
+        sequence_bounds(d("cu_seqlens"), a.T)  # ValueError on bad offsets, before any write
+    o, fs_ref = kda_recurrent(
+        *(_batched(call, a, n, 3) for n in ("q", "k", "v", "g")), _batched(call, a, "beta", 2),
+        scale=a.scale, initial_state=d("initial_state"), cu_seqlens=d("cu_seqlens"),
+        A_log=d("A_log"), dt_bias=d("dt_bias"), lower_bound=a.lower_bound, use_qk_l2norm=a.use_qk_l2norm,
+    )
+    out = d("output")
+    if out is not None:
+        out[...] = o.reshape(out.shape).astype(a.dtype)
+    else:
+        out = o.astype(a.dtype)
+        if a.squeeze:
+            out = out[0]
+    fs = None
+    if a.output_final_state:
+        fs = d("final_state")
+        if fs is not None:
+            fs[...] = fs_ref.astype(a.state_dtype)
+        else:
+            fs = fs_ref.astype(a.state_dtype)
+    return out, fs
+
+
+def _run_cuda(call: Call, a: ChunkArgs):
+    run_chunk = load_launcher("chunk_kernels", "run_chunk", "chunk_kda")
+    d = call.data
+    with call.launch_scope():
+        q, k, v, g = (cuda_contiguous(_batched(call, a, n, 3)) for n in ("q", "k", "v", "g"))
+        beta = cuda_contiguous(_batched(call, a, "beta", 2))
+        A_log = cuda_float32(call["A_log"])
+        dt_bias = cuda_float32(call["dt_bias"])
+        if dt_bias is not None:
+            dt_bias = dt_bias.reshape(a.HV * HEAD_DIM)
+        out_view = d("output")
+        if out_view is not None and out_view.ndim == 3:
+            out_view = out_view[None]
+        out = CudaOut(call, out_view, a.vshape, a.dtype)
+        fs = None
+        if a.output_final_state:
+            fs = CudaOut(call, d("final_state"), a.state_shape, a.state_dtype)
+        run_chunk(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+            initial_state=cuda_contiguous(d("initial_state")),
+            final_state=None if fs is None else fs.buf,
+            cu_seqlens=cuda_contiguous(d("cu_seqlens")),
+            out=out.buf, scale=a.scale, lower_bound=a.lower_bound, use_qk_l2norm=a.use_qk_l2norm,
+            stream=call.stream,
+        )
+        out.finish()
+        if fs is not None:
+            fs.finish()
+    out_arr = out.buf[0] if a.squeeze else out.buf
+    return out_arr, None if fs is None else fs.buf
