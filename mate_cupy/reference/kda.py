@@ -190,18 +190,21 @@ class _ChunkInputs:
     """Normalised ``chunk_kda``-style inputs: batched 4-D, float64, heads expanded."""
 
     def __init__(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
-                 lower_bound, use_qk_l2norm):
+                 lower_bound, use_qk_l2norm, beta_sigmoid=True):
         varlen = cu_seqlens is not None
         v64 = _f64(v, "v")
         self.out_shape = v64.shape
+        beta = _f64(beta, "beta")
+        per_channel = beta.ndim == v64.ndim  # [.., HV, V] per value channel, else [.., HV]
         q = _batched(_f64(q, "q"), varlen, 2)
         k = _batched(_f64(k, "k"), varlen, 2)
         v64 = _batched(v64, varlen, 2)
         g = _batched(_f64(g, "g"), varlen, 2)
-        beta = _batched(_f64(beta, "beta"), varlen, 1)
+        beta = _batched(beta, varlen, 2 if per_channel else 1)
         B, T, HV, V = v64.shape
         K = q.shape[-1]
-        if q.shape[:2] != (B, T) or k.shape != q.shape or g.shape != (B, T, HV, K) or beta.shape != (B, T, HV):
+        if (q.shape[:2] != (B, T) or k.shape != q.shape or g.shape != (B, T, HV, K)
+                or beta.shape != ((B, T, HV, V) if per_channel else (B, T, HV))):
             raise ValueError(
                 f"inconsistent shapes: q {q.shape}, k {k.shape}, v {v64.shape}, g {g.shape}, beta {beta.shape}"
             )
@@ -211,7 +214,10 @@ class _ChunkInputs:
         self.k = _expand_heads(k, HV)
         self.v = v64
         self.gk = kda_chunk_gate(g, A_log, dt_bias, lower_bound)
-        self.beta = sigmoid(beta)
+        self.beta = sigmoid(beta) if beta_sigmoid else beta
+        self.per_channel_beta = beta.ndim == 4
+        if not self.per_channel_beta:
+            self.beta = self.beta[..., None]  # [B, T, HV, 1]
         self.scale = K ** -0.5 if scale is None else float(scale)
         self.seqs = _sequences(B, T, cu_seqlens)
         N = len(self.seqs)
@@ -228,24 +234,26 @@ class _ChunkInputs:
 
 
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, A_log=None,
-                  dt_bias=None, lower_bound: float = -5.0, use_qk_l2norm: bool = True):
+                  dt_bias=None, lower_bound: float = -5.0, use_qk_l2norm: bool = True, *,
+                  beta_sigmoid: bool = True):
     """Token-by-token float64 reference of ``chunk_kda`` (the definition, SPEC 7).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (raw gate input when
     ``A_log``/``dt_bias`` are given, else the log-space decay); beta ``[B, T, HV]`` logits.
     Varlen: ``cu_seqlens [N+1]`` and ``[1, S, ...]`` or ``[S, ...]`` inputs.
     initial_state ``[N, HV, V, K]`` (any float dtype, widened) or None (zeros).
+    Extensions (not in ``chunk_kda``): ``beta_sigmoid=False`` takes ``beta`` as the update
+    strength itself, and ``beta [B, T, HV, V]`` gives one strength per value channel.
     Returns ``(o, final_state)``: o float64 shaped like ``v``, final_state float64 ``[N, HV, V, K]``.
     """
     x = _ChunkInputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
-                     lower_bound, use_qk_l2norm)
+                     lower_bound, use_qk_l2norm, beta_sigmoid)
     o = np.zeros((x.B, x.T, x.HV, x.V))
     final = np.empty_like(x.S0)
     for n, (b, bos, eos) in enumerate(x.seqs):
         S = x.S0[n].copy()
         for t in range(bos, eos):
-            S, o[b, t] = _delta_step(S, x.q[b, t], x.k[b, t], x.v[b, t], x.gk[b, t],
-                                     x.beta[b, t][:, None], x.scale)
+            S, o[b, t] = _delta_step(S, x.q[b, t], x.k[b, t], x.v[b, t], x.gk[b, t], x.beta[b, t], x.scale)
         final[n] = S
     return o.reshape(x.out_shape), final
 
@@ -295,10 +303,11 @@ def _chunk_forward(q, k, v, gk, beta, S, scale):
 
 def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, A_log=None,
                 dt_bias=None, lower_bound: float = -5.0, use_qk_l2norm: bool = True,
-                chunk_size: int = CHUNK_SIZE):
+                chunk_size: int = CHUNK_SIZE, *, beta_sigmoid: bool = True):
     r"""Chunked (WY/UT) float64 reference of ``chunk_kda``; the blueprint of the CUDA kernel.
 
-    Same arguments and results as :func:`kda_recurrent`, plus ``chunk_size`` (64).
+    Same arguments and results as :func:`kda_recurrent` (``beta`` per head only), plus
+    ``chunk_size`` (64).
 
     Per sequence and value head, the tokens are cut into chunks of ``C`` tokens (the last
     may be shorter). For a chunk entering with state ``S0 [V, K]`` (notation: rows are
@@ -331,7 +340,10 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=Non
     if C < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     x = _ChunkInputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
-                     lower_bound, use_qk_l2norm)
+                     lower_bound, use_qk_l2norm, beta_sigmoid)
+    if x.per_channel_beta:
+        raise ValueError("kda_chunked takes beta per head [B, T, HV]; use kda_recurrent for [B, T, HV, V]")
+    beta1 = x.beta[..., 0]
     o = np.zeros((x.B, x.T, x.HV, x.V))
     final = np.empty_like(x.S0)
     for n, (b, bos, eos) in enumerate(x.seqs):
@@ -340,7 +352,7 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=Non
             sl = slice(c0, min(c0 + C, eos))
             heads_first = lambda a: np.swapaxes(a[b, sl], 0, 1)  # noqa: E731  [C, HV, ...] -> [HV, C, ...]
             oc, S = _chunk_forward(heads_first(x.q), heads_first(x.k), heads_first(x.v),
-                                   heads_first(x.gk), heads_first(x.beta), S, x.scale)
+                                   heads_first(x.gk), heads_first(beta1), S, x.scale)
             o[b, sl] = np.swapaxes(oc, 0, 1)
         final[n] = S
     return o.reshape(x.out_shape), final
