@@ -1,0 +1,507 @@
+"""``gated_delta_rule_decode`` on host arrays.
+
+Every result is checked against a driver written here that runs the recurrent reference
+(``kda_recurrent``) one token at a time, with its own gate/beta formulas (SPEC 8) and its
+own slot bookkeeping (SPEC 8a): state pools, ``[B]`` and ``[B, T]`` slots, padding,
+speculative decoding, varlen, in-place and returned final states, both state layouts,
+fp32 and bf16 states. Then every refused input.
+"""
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mate_cupy import gated_delta_rule_decode
+from mate_cupy.reference.kda import kda_decode, kda_recurrent
+from test_kda_reference import rel
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+
+
+def f64(x):
+    return None if x is None else np.asarray(x).astype(np.float64)
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def _gate(a, A_log, dt_bias, use_gate_in_kernel, use_lower_bound, lower_bound):
+    a = f64(a)
+    if not use_gate_in_kernel:
+        return a
+    HV = a.shape[-2]
+    x = a + (0.0 if dt_bias is None else f64(dt_bias))
+    eA = np.exp(np.zeros(HV) if A_log is None else f64(A_log))[:, None]
+    if use_lower_bound:
+        return lower_bound / (1.0 + np.exp(-eA * x))
+    return -eA * np.log1p(np.exp(x))
+
+
+def _beta(b, apply_beta_sigmoid, allow_neg_eigval):
+    b = f64(b)
+    if apply_beta_sigmoid:
+        b = 1.0 / (1.0 + np.exp(-b))
+    return 2.0 * b if allow_neg_eigval else b
+
+
+def drive(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices=None, scale=None,
+          use_qk_l2norm=True, lower_bound=-5.0, use_gate_in_kernel=True, use_lower_bound=False,
+          apply_beta_sigmoid=False, allow_neg_eigval=False, use_initial_state=True, state_v_first=True,
+          store_final_state=False, inplace_final_state=False, state_dtype=None):
+    """(out, pool_after, final) by running kda_recurrent token by token."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gk = _gate(a, A_log, dt_bias, use_gate_in_kernel, use_lower_bound, lower_bound)
+    be = _beta(b, apply_beta_sigmoid, allow_neg_eigval)
+    sdt = np.dtype(state_dtype) if state_dtype is not None else (state.dtype if state is not None else F32)
+    pool = None
+    if state is not None:
+        pool = f64(state)
+        if not state_v_first:
+            pool = pool.swapaxes(-1, -2).copy()
+    if cu_seqlens is None:
+        seqs = [(n, 0, T) for n in range(B)]
+    else:
+        seqs = [(0, int(cu_seqlens[n]), int(cu_seqlens[n + 1])) for n in range(len(cu_seqlens) - 1)]
+    si = state_indices
+    out = np.zeros((B, T, HV, V))
+    after = pool.copy() if inplace_final_state else None
+    final = np.zeros((len(seqs), HV, V, K))
+    for n, (row, bos, eos) in enumerate(seqs):
+        per_token = si is not None and si.ndim == 2
+        if si is None:
+            read = n
+        elif not per_token:
+            read = int(si[n])
+        elif num_accepted_tokens is not None:
+            read = int(si[n, int(num_accepted_tokens[n]) - 1])
+        else:
+            read = int(si[n, 0])
+        if read < 0:
+            continue
+        S = pool[read].copy() if use_initial_state else np.zeros((HV, V, K))
+        for i, t in enumerate(range(bos, eos)):
+            slot = int(si[n, i]) if per_token and i < si.shape[1] else None
+            if slot is not None and slot < 0:
+                continue
+            sl = (slice(row, row + 1), slice(t, t + 1))
+            o, S1 = kda_recurrent(q[sl], k[sl], v[sl], gk[sl], be[sl], scale=scale, initial_state=S[None],
+                                  use_qk_l2norm=use_qk_l2norm, beta_sigmoid=False)
+            out[row, t] = o[0, 0]
+            S = S1[0]
+            if sdt == BF16:
+                S = S.astype(np.float32).astype(BF16).astype(np.float64)
+            if inplace_final_state and per_token:
+                after[slot] = S
+        if inplace_final_state and not per_token and eos > bos:
+            after[read] = S
+        final[n] = S
+    if not state_v_first:
+        final = final.swapaxes(-1, -2)
+        if after is not None:
+            after = after.swapaxes(-1, -2)
+    return out, after, (final if store_final_state and not inplace_final_state else None)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def decode_inputs(rng, B, T, H=2, HV=4, K=32, V=16, P=None, dtype=BF16, state_dtype=F32, state_v_first=True,
+                  per_channel_beta=False, gate_params=True, lens=None):
+    if lens is not None:
+        B, T = 1, int(sum(lens))
+    N = B if lens is None else len(lens)
+    P = N if P is None else P
+    shape = (P, HV, V, K) if state_v_first else (P, HV, K, V)
+    x = dict(
+        q=rng.standard_normal((B, T, H, K)).astype(dtype),
+        k=rng.standard_normal((B, T, H, K)).astype(dtype),
+        v=rng.standard_normal((B, T, HV, V)).astype(dtype),
+        state=(0.5 * rng.standard_normal(shape)).astype(state_dtype),
+        A_log=rng.uniform(-1, 1, HV).astype(np.float32) if gate_params else None,
+        a=rng.standard_normal((B, T, HV, K)).astype(dtype),
+        dt_bias=rng.standard_normal((HV, K)).astype(np.float32) if gate_params else None,
+        num_accepted_tokens=None,
+        cu_seqlens=None if lens is None else np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        b=rng.uniform(-2, 2, (B, T, HV, V) if per_channel_beta else (B, T, HV)).astype(dtype),
+    )
+    return x
+
+
+def check(x, opts, out_tol=1e-2):
+    """Run the public op, the float64 reference and the driver on the same inputs; compare all."""
+    pool0 = None if x["state"] is None else x["state"].copy()
+    ref_out, ref_pool, ref_final = kda_decode(**x, **opts)
+    drv_out, drv_pool, drv_final = drive(**{**x, "state": pool0}, **opts)
+    bf16_state = (opts.get("state_dtype") or (x["state"].dtype if x["state"] is not None else F32)) == BF16
+    st_tol = 1e-6 if bf16_state else 1e-12  # bf16 rounding may flip on float64 noise
+    assert rel(ref_out, drv_out) < 1e-10
+    if drv_pool is not None:
+        assert rel(ref_pool, drv_pool) < st_tol
+    else:
+        assert ref_pool is None
+    if drv_final is not None:
+        assert rel(ref_final, drv_final) < st_tol
+    else:
+        assert ref_final is None
+
+    out, fin = gated_delta_rule_decode(**x, **opts)
+    assert out.shape == drv_out.shape and out.dtype == x["q"].dtype
+    assert rel(out, drv_out) < out_tol
+    padded = np.all(drv_out == 0, axis=(-1, -2))
+    assert np.all(np.asarray(out, np.float64)[padded] == 0)
+    sdt = np.dtype(opts.get("state_dtype") or (x["state"].dtype if x["state"] is not None else F32))
+    tol = 1e-6 if sdt == F32 else 1e-2
+    if opts.get("inplace_final_state"):
+        assert fin is x["state"]
+        assert rel(x["state"], drv_pool) < tol
+        if sdt == BF16:  # the pool holds exactly the per-token-rounded states
+            assert rel(x["state"], ref_pool) < 1e-6
+    elif opts.get("store_final_state"):
+        assert fin.dtype == sdt and fin.shape == drv_final.shape
+        assert rel(fin, drv_final) < tol
+        if pool0 is not None:
+            np.testing.assert_array_equal(x["state"], pool0)  # not written
+    else:
+        assert fin is None
+        if pool0 is not None:
+            np.testing.assert_array_equal(x["state"], pool0)
+    return out, fin, drv_out
+
+
+# ----------------------------------------------------------------------------- flags
+
+GATES = {
+    "nogate": dict(use_gate_in_kernel=False),
+    "softplus": dict(),
+    "softplus-noparams": dict(_no_params=True),
+    "lowerbound": dict(use_lower_bound=True, lower_bound=-3.0),
+    "lowerbound-default": dict(use_lower_bound=True),
+}
+BETAS = {
+    "raw": dict(),
+    "sigmoid": dict(apply_beta_sigmoid=True),
+    "negeig": dict(allow_neg_eigval=True),
+    "sigmoid-negeig": dict(apply_beta_sigmoid=True, allow_neg_eigval=True),
+}
+
+
+@pytest.mark.parametrize("gate", list(GATES))
+@pytest.mark.parametrize("beta", list(BETAS))
+@pytest.mark.parametrize("l2", [True, False], ids=["l2", "nol2"])
+@pytest.mark.parametrize("v_first", [True, False], ids=["vfirst", "kfirst"])
+@pytest.mark.parametrize("sdt", [F32, BF16], ids=["f32state", "bf16state"])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["headbeta", "channelbeta"])
+def test_flags_match_token_by_token_driver(rng, gate, beta, l2, v_first, sdt, per_channel):
+    opts = dict(GATES[gate])
+    no_params = opts.pop("_no_params", False)
+    opts.update(BETAS[beta])
+    opts.update(use_qk_l2norm=l2, state_v_first=v_first, store_final_state=True)
+    x = decode_inputs(rng, 3, 2, state_dtype=sdt, state_v_first=v_first, per_channel_beta=per_channel,
+                      gate_params=not no_params)
+    if not l2:
+        x["q"] = (x["q"].astype(np.float32) / 6).astype(BF16)
+        x["k"] = (x["k"].astype(np.float32) / 6).astype(BF16)
+    check(x, opts)
+
+
+# ----------------------------------------------------------------------------- slots
+
+SLOT_CASES = {
+    # name: (decode_inputs kwargs, state_indices builder, num_accepted, options)
+    "none-store": (dict(B=3, T=3), None, None, dict(store_final_state=True)),
+    "none-inplace-multitoken": (dict(B=3, T=3, P=5), None, None, dict(inplace_final_state=True)),
+    "none-no-final": (dict(B=2, T=2), None, None, dict()),
+    "1d-inplace-padding": (dict(B=4, T=1, P=6), lambda: np.array([5, -1, 0, 2], np.int32), None,
+                           dict(inplace_final_state=True)),
+    "1d-store-multitoken": (dict(B=3, T=4, P=4), lambda: np.array([3, 1, -1], np.int64), None,
+                            dict(store_final_state=True)),
+    "2d-inplace-token-padding": (dict(B=3, T=4, P=12),
+                                 lambda: np.array([[0, 1, -1, 2], [-1, 4, 5, 6], [7, 8, 9, -1]], np.int32), None,
+                                 dict(inplace_final_state=True)),
+    "2d-store-extra-columns": (dict(B=2, T=2, P=8), lambda: np.array([[3, -1, 5], [6, 7, -1]], np.int32), None,
+                               dict(store_final_state=True)),
+    "2d-store-fewer-columns": (dict(B=2, T=3, P=4), lambda: np.array([[1], [2]], np.int32), None,
+                               dict(store_final_state=True)),
+    "2d-spec-inplace": (dict(B=3, T=3, P=12), lambda: np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32),
+                        lambda: np.array([2, 1, 3], np.int32), dict(inplace_final_state=True)),
+    "2d-spec-padded-read": (dict(B=2, T=2, P=6), lambda: np.array([[0, -1], [2, 3]], np.int32),
+                            lambda: np.array([2, 1], np.int64), dict(inplace_final_state=True)),
+    "2d-spec-store": (dict(B=2, T=3, P=6), lambda: np.array([[0, 1, 2], [3, 4, 5]], np.int64),
+                      lambda: np.array([3, 2], np.int32), dict(store_final_state=True)),
+    "varlen-2d-inplace": (dict(B=0, T=0, lens=[1, 3, 0, 2], P=12),
+                          lambda: np.array([[0, -1, -1], [1, 2, 3], [4, 5, 6], [-1, 8, 9]], np.int32), None,
+                          dict(inplace_final_state=True)),
+    "varlen-2d-spec": (dict(B=0, T=0, lens=[2, 3], P=8), lambda: np.array([[0, 1, 2], [3, 4, 5]], np.int32),
+                       lambda: np.array([1, 3], np.int32), dict(inplace_final_state=True)),
+    "varlen-none-store": (dict(B=0, T=0, lens=[3, 0, 4]), None, None, dict(store_final_state=True)),
+    "varlen-1d-store": (dict(B=0, T=0, lens=[2, 2], P=3), lambda: np.array([2, 0], np.int32), None,
+                        dict(store_final_state=True)),
+    "no-initial-state-inplace": (dict(B=2, T=2, P=4), lambda: np.array([[1, 2], [3, 0]], np.int32), None,
+                                 dict(use_initial_state=False, inplace_final_state=True)),
+    "no-initial-state-store": (dict(B=2, T=2), None, None, dict(use_initial_state=False, store_final_state=True)),
+}
+
+
+@pytest.mark.parametrize("sdt", [F32, BF16], ids=["f32state", "bf16state"])
+@pytest.mark.parametrize("v_first", [True, False], ids=["vfirst", "kfirst"])
+@pytest.mark.parametrize("case", list(SLOT_CASES))
+def test_slots_match_token_by_token_driver(rng, case, sdt, v_first):
+    kw, si, na, opts = SLOT_CASES[case]
+    x = decode_inputs(rng, **kw, state_dtype=sdt, state_v_first=v_first)
+    x["num_accepted_tokens"] = None if na is None else na()
+    opts = dict(opts, state_indices=None if si is None else si(), state_v_first=v_first,
+                apply_beta_sigmoid=True)
+    check(x, opts)
+
+
+def test_padding_sequences_and_tokens_write_nothing(rng):
+    x = decode_inputs(rng, 3, 3, P=10)
+    si = np.array([[0, -1, 1], [-1, 2, 3], [4, 5, 6]], np.int32)
+    pool0 = x["state"].copy()
+    out, fin = gated_delta_rule_decode(**x, state_indices=si, inplace_final_state=True)
+    assert fin is x["state"]
+    assert np.all(np.asarray(out[1], np.float32) == 0)  # read slot -1: whole sequence padding
+    assert np.all(np.asarray(out[0, 1], np.float32) == 0)  # token padding
+    untouched = [7, 8, 9]  # never named by a written slot (2, 3 belong to the padded sequence)
+    np.testing.assert_array_equal(x["state"][untouched], pool0[untouched])
+    np.testing.assert_array_equal(x["state"][[2, 3]], pool0[[2, 3]])
+    assert not np.array_equal(x["state"][1], pool0[1])
+
+
+def test_spec_reads_accepted_slot(rng):
+    """num_accepted_tokens = m reads state_indices[n, m-1]: same as decoding from that slot."""
+    x = decode_inputs(rng, 1, 2, P=4)
+    si = np.array([[2, 3]], np.int32)
+    y = {**x, "state": x["state"].copy()}
+    x["num_accepted_tokens"] = np.array([2], np.int32)
+    out_a, _ = gated_delta_rule_decode(**x, state_indices=si, store_final_state=True)
+    out_b, _ = gated_delta_rule_decode(**{**y, "state": y["state"][3:4]}, store_final_state=True)
+    assert np.abs(np.asarray(out_a, np.float32)).max() > 0
+    np.testing.assert_array_equal(out_a, out_b)
+
+
+def test_repeated_single_token_equals_multi_token(rng):
+    """T tokens in one call == T single-token in-place calls (fp32 and bf16 pools)."""
+    for sdt in (F32, BF16):
+        x = decode_inputs(rng, 2, 4, P=2, state_dtype=sdt)
+        pool = x["state"].copy()
+        out_multi, fin = gated_delta_rule_decode(**x, inplace_final_state=True)
+        for t in range(4):
+            step = {key: (val[:, t:t + 1] if key in ("q", "k", "v", "a", "b") else val) for key, val in x.items()}
+            step["state"] = pool
+            out_t, _ = gated_delta_rule_decode(**step, state_indices=np.arange(2, dtype=np.int32),
+                                               inplace_final_state=True)
+            assert rel(out_t, out_multi[:, t:t + 1]) < 1e-2
+        assert rel(pool, fin) < (1e-6 if sdt == F32 else 1e-2)
+
+
+def test_defaults(rng):
+    x = decode_inputs(rng, 2, 1)
+    o1, f1 = gated_delta_rule_decode(**x, store_final_state=True)
+    o2, f2 = gated_delta_rule_decode(
+        **x, store_final_state=True, scale=32 ** -0.5, use_qk_l2norm=True, lower_bound=-5.0,
+        use_gate_in_kernel=True, use_lower_bound=False, apply_beta_sigmoid=False, allow_neg_eigval=False,
+        use_initial_state=True, state_v_first=True, is_varlen=False, state_dtype=np.float32)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(f1, f2)
+    # lower_bound=None means -5.0 (not 0.0)
+    o3, _ = gated_delta_rule_decode(**x, use_lower_bound=True)
+    o4, _ = gated_delta_rule_decode(**x, use_lower_bound=True, lower_bound=-5.0)
+    o5, _ = gated_delta_rule_decode(**x, use_lower_bound=True, lower_bound=0.0)
+    np.testing.assert_array_equal(o3, o4)
+    assert not np.array_equal(o3, o5)
+
+
+def test_returns(rng):
+    x = decode_inputs(rng, 2, 1, P=3, state_v_first=False)
+    out, fin = gated_delta_rule_decode(**x, state_v_first=False)
+    assert fin is None and out.shape == (2, 1, 4, 16)
+    out, fin = gated_delta_rule_decode(**x, state_v_first=False, store_final_state=True)
+    assert fin.shape == (2, 4, 32, 16) and fin.dtype == F32  # K-first [N, HV, K, V]
+    pre = np.full((2, 1, 4, 16), np.nan, np.float32)
+    out, fin = gated_delta_rule_decode(**x, state_v_first=False, output=pre, inplace_final_state=True,
+                                       store_final_state=True)
+    assert out is pre and fin is x["state"] and np.isfinite(pre).all()
+
+
+def test_state_none_without_initial_state(rng):
+    x = decode_inputs(rng, 2, 2)
+    x["state"] = None
+    out, fin = gated_delta_rule_decode(**x, use_initial_state=False, store_final_state=True, state_dtype="bfloat16")
+    assert fin.dtype == BF16 and fin.shape == (2, 4, 16, 32)
+    _, _, drv = drive(**x, use_initial_state=False, store_final_state=True, state_dtype=BF16)
+    assert rel(fin, drv) < 1e-2
+    out2, fin2 = gated_delta_rule_decode(**x, use_initial_state=False, state_dtype=BF16)
+    assert fin2 is None
+    np.testing.assert_array_equal(out, out2)
+
+
+@pytest.mark.torch
+def test_torch_cpu_and_torch_state_dtype(rng):
+    import torch
+
+    x = decode_inputs(rng, 2, 2, P=3, state_dtype=BF16)
+    si = np.array([[2, 0], [1, -1]], np.int32)
+    ref_out, ref_pool, _ = kda_decode(**x, state_indices=si, inplace_final_state=True)
+
+    def tt(a):
+        if a is None:
+            return None
+        if a.dtype == BF16:
+            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(a.copy())
+
+    xt = {key: tt(val) for key, val in x.items()}
+    out, fin = gated_delta_rule_decode(**xt, state_indices=torch.from_numpy(si), inplace_final_state=True,
+                                       state_dtype=torch.bfloat16)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert fin is xt["state"]
+    assert rel(out.float().numpy(), ref_out) < 1e-2
+    np.testing.assert_array_equal(fin.float().numpy(), ref_pool)
+
+
+def test_non_contiguous_pool_and_inputs(rng):
+    x = decode_inputs(rng, 2, 2, P=4)
+    big = np.zeros((8,) + x["state"].shape[1:], np.float32)
+    big[::2] = x["state"]
+    view = big[::2]
+    si = np.array([[3, 1], [0, 2]], np.int32)
+    ref_out, ref_pool, _ = kda_decode(**x, state_indices=si, inplace_final_state=True)
+    qv = np.repeat(x["q"], 2, axis=1)[:, ::2]
+    out, fin = gated_delta_rule_decode(**{**x, "state": view, "q": qv}, state_indices=si, inplace_final_state=True)
+    assert fin is view
+    assert rel(view, ref_pool) < 1e-6 and np.all(big[1::2] == 0)
+    assert rel(out, ref_out) < 1e-2
+
+
+# ----------------------------------------------------------------------------- refused inputs
+
+
+def _base(rng, **kw):
+    return decode_inputs(rng, 2, 2, P=4, **kw)
+
+
+def _bad(name, mutate, exc, **opts):
+    return pytest.param(mutate, opts, exc, id=name)
+
+
+ERRORS = [
+    _bad("state_dtype-f16", lambda x: x, ValueError, state_dtype=np.float16),
+    _bad("state_dtype-bogus", lambda x: x, ValueError, state_dtype="int4"),
+    _bad("state-f16", lambda x: {**x, "state": x["state"].astype(np.float16)}, ValueError),
+    _bad("q-3d", lambda x: {**x, "q": x["q"][0]}, ValueError),
+    _bad("v-3d", lambda x: {**x, "v": x["v"][0]}, ValueError),
+    _bad("a-3d", lambda x: {**x, "a": x["a"][0]}, ValueError),
+    _bad("A_log-2d", lambda x: {**x, "A_log": x["A_log"][None]}, ValueError),
+    _bad("dt_bias-1d", lambda x: {**x, "dt_bias": x["dt_bias"].reshape(-1)}, ValueError),
+    _bad("k-shape", lambda x: {**x, "k": x["k"][:, :1]}, ValueError),
+    _bad("v-batch", lambda x: {**x, "v": x["v"][:1]}, ValueError),
+    _bad("gva-not-divisible", lambda x: {**x, "q": np.repeat(x["q"], 3, 2)[:, :, :3],
+                                         "k": np.repeat(x["k"], 3, 2)[:, :, :3]}, ValueError),
+    _bad("a-shape", lambda x: {**x, "a": x["a"][..., :8]}, ValueError),
+    _bad("A_log-numel", lambda x: {**x, "A_log": x["A_log"][:3]}, ValueError),
+    _bad("dt_bias-shape", lambda x: {**x, "dt_bias": x["dt_bias"][:, :8]}, ValueError),
+    _bad("q-float32", lambda x: {**x, "q": x["q"].astype(np.float32)}, NotImplementedError),
+    _bad("A_log-f16", lambda x: {**x, "A_log": x["A_log"].astype(np.float16)}, ValueError),
+    _bad("dt_bias-f16", lambda x: {**x, "dt_bias": x["dt_bias"].astype(np.float16)}, ValueError),
+    _bad("output-shape", lambda x: x, ValueError, output=np.empty((2, 2, 4, 8), np.float32)),
+    _bad("output-f64", lambda x: x, NotImplementedError, output=np.empty((2, 2, 4, 16), np.float64)),
+    _bad("k-dtype", lambda x: {**x, "k": x["k"].astype(np.float16)}, TypeError),
+    _bad("a-int", lambda x: {**x, "a": x["a"].astype(np.int32)}, TypeError),
+    _bad("b-shape", lambda x: {**x, "b": x["b"][..., :1]}, ValueError),
+    _bad("varlen-no-cu_seqlens", lambda x: x, ValueError, is_varlen=True),
+    _bad("cu_seqlens-2d", lambda x: {**x, "q": x["q"][:1], "k": x["k"][:1], "v": x["v"][:1], "a": x["a"][:1],
+                                     "b": x["b"][:1], "cu_seqlens": np.array([[0, 2]], np.int32)}, ValueError),
+    _bad("cu_seqlens-float", lambda x: {**x, "cu_seqlens": np.array([0.0, 1.0])}, TypeError),
+    _bad("varlen-batch-2", lambda x: {**x, "cu_seqlens": np.array([0, 1, 2], np.int32)}, ValueError),
+    _bad("cu_seqlens-values", lambda x: {**x, "q": x["q"][:1], "k": x["k"][:1], "v": x["v"][:1], "a": x["a"][:1],
+                                         "b": x["b"][:1], "cu_seqlens": np.array([0, 3], np.int32)}, ValueError),
+    _bad("num_accepted-shape", lambda x: {**x, "num_accepted_tokens": np.array([1, 1, 1], np.int32)}, ValueError,
+         state_indices=np.array([[0, 1], [2, 3]], np.int32)),
+    _bad("num_accepted-without-indices", lambda x: {**x, "num_accepted_tokens": np.array([1, 1], np.int32)},
+         ValueError),
+    _bad("num_accepted-zero", lambda x: {**x, "num_accepted_tokens": np.array([0, 1], np.int32)}, ValueError,
+         state_indices=np.array([[0, 1], [2, 3]], np.int32)),
+    _bad("num_accepted-too-large", lambda x: {**x, "num_accepted_tokens": np.array([3, 1], np.int32)}, ValueError,
+         state_indices=np.array([[0, 1], [2, 3]], np.int32)),
+    _bad("state_indices-3d", lambda x: x, ValueError, state_indices=np.zeros((2, 2, 1), np.int32)),
+    _bad("state_indices-float", lambda x: x, ValueError, state_indices=np.zeros(2, np.float32)),
+    _bad("state_indices-batch", lambda x: x, ValueError, state_indices=np.zeros(3, np.int32)),
+    _bad("state_indices-1d-spec", lambda x: {**x, "num_accepted_tokens": np.array([1, 1], np.int32)}, ValueError,
+         state_indices=np.zeros(2, np.int32)),
+    _bad("state_indices-1d-inplace-multitoken", lambda x: x, ValueError, state_indices=np.array([0, 1], np.int32),
+         inplace_final_state=True),
+    _bad("state_indices-1d-inplace-varlen", lambda x: {**x, "q": x["q"][:1], "k": x["k"][:1], "v": x["v"][:1],
+                                                       "a": x["a"][:1], "b": x["b"][:1],
+                                                       "cu_seqlens": np.array([0, 1], np.int32)},
+         ValueError, state_indices=np.array([0], np.int32), inplace_final_state=True),
+    _bad("state_indices-no-columns", lambda x: x, ValueError, state_indices=np.zeros((2, 0), np.int32)),
+    _bad("state_indices-few-columns-inplace", lambda x: x, ValueError, state_indices=np.zeros((2, 1), np.int32),
+         inplace_final_state=True),
+    _bad("state_indices-few-columns-spec", lambda x: {**x, "num_accepted_tokens": np.array([1, 1], np.int32)},
+         ValueError, state_indices=np.zeros((2, 1), np.int32)),
+    _bad("varlen-few-columns-inplace", lambda x: {**x, "q": x["q"][:1], "k": x["k"][:1], "v": x["v"][:1],
+                                                  "a": x["a"][:1], "b": x["b"][:1],
+                                                  "cu_seqlens": np.array([0, 2], np.int32)},
+         ValueError, state_indices=np.zeros((1, 1), np.int32), inplace_final_state=True),
+    _bad("slot-out-of-range", lambda x: x, ValueError, state_indices=np.array([0, 4], np.int32)),
+    _bad("token-slot-out-of-range", lambda x: x, ValueError, state_indices=np.array([[0, 1], [2, 9]], np.int32),
+         inplace_final_state=True),
+    _bad("no-state", lambda x: {**x, "state": None}, ValueError),
+    _bad("no-state-inplace", lambda x: {**x, "state": None}, ValueError, use_initial_state=False,
+         inplace_final_state=True),
+    _bad("state-vs-state_dtype", lambda x: x, ValueError, state_dtype="bfloat16"),
+    _bad("state-layout", lambda x: x, ValueError, state_v_first=False),
+    _bad("state-3d", lambda x: {**x, "state": x["state"][0]}, ValueError),
+    _bad("pool-too-small", lambda x: {**x, "state": x["state"][:1]}, ValueError),
+    _bad("pool-empty-with-indices", lambda x: {**x, "state": x["state"][:0]}, ValueError,
+         state_indices=np.array([-1, -1], np.int32)),
+    _bad("q-not-array", lambda x: {**x, "q": "q"}, TypeError),
+]
+
+
+@pytest.mark.parametrize("mutate,opts,exc", ERRORS)
+def test_refused_inputs(rng, mutate, opts, exc):
+    x = mutate(_base(rng))
+    pool0 = None if x["state"] is None else np.array(x["state"], copy=True)
+    with pytest.raises(exc):
+        gated_delta_rule_decode(**x, **opts)
+    if pool0 is not None:
+        np.testing.assert_array_equal(x["state"], pool0)  # refused before any write
+
+
+def test_error_messages_name_the_argument(rng):
+    x = _base(rng)
+    with pytest.raises(ValueError, match="state_indices"):
+        gated_delta_rule_decode(**x, state_indices=np.zeros((2, 1), np.int32), inplace_final_state=True)
+    with pytest.raises(ValueError, match="A_log"):
+        gated_delta_rule_decode(**{**x, "A_log": x["A_log"].astype(np.float16)})
+    with pytest.raises(ValueError, match="slot"):
+        gated_delta_rule_decode(**x, state_indices=np.array([0, 7], np.int32))
+
+
+def test_unused_state_is_not_read_but_checked(rng):
+    """use_initial_state=False without in-place: the pool is ignored (zeros start) yet still validated."""
+    x = _base(rng)
+    a1, _ = gated_delta_rule_decode(**x, use_initial_state=False)
+    a2, _ = gated_delta_rule_decode(**{**x, "state": None}, use_initial_state=False)
+    np.testing.assert_array_equal(a1, a2)
+    with pytest.raises(ValueError):
+        gated_delta_rule_decode(**{**x, "state": x["state"][..., :8]}, use_initial_state=False)
+
+
+def test_all_boolean_flag_combinations_run(rng):
+    """Every combination of the boolean options runs and agrees with the driver (small sizes)."""
+    names = ["use_qk_l2norm", "use_gate_in_kernel", "use_lower_bound", "apply_beta_sigmoid", "allow_neg_eigval",
+             "use_initial_state", "state_v_first"]
+    for values in itertools.product([False, True], repeat=len(names)):
+        opts = dict(zip(names, values))
+        x = decode_inputs(rng, 2, 2, H=1, HV=2, K=8, V=4, state_v_first=opts["state_v_first"])
+        x["q"] = (x["q"].astype(np.float32) / 3).astype(BF16)
+        x["k"] = (x["k"].astype(np.float32) / 3).astype(BF16)
+        check(x, dict(opts, store_final_state=True))
