@@ -1,2 +1,38 @@
-"""Public MSA API (being written)."""
-__all__ = []
+"""Public MSA (MiniMax Sparse Attention) API.
+
+Plans (:mod:`mate_cupy.msa.plan`), attention ops (:mod:`mate_cupy.msa.ops`), top-k block
+selection (:mod:`mate_cupy.msa.topk`) and the page-table builder
+(:mod:`mate_cupy.msa.page_table`). Every function takes any DLPack array: CUDA arrays
+run the kernels, NumPy arrays the float64 references (:mod:`mate_cupy.reference.msa`).
+"""
+from .msa.ops import msa, sparse_decode_atten_func, sparse_msa, sparse_msa_plan
+from .msa.page_table import build_page_table_from_flat_kv_indices
+from .msa.plan import (
+    MsaDecodePlan,
+    MsaPlan,
+    MsaPlanInfo,
+    MsaPrefillPlan,
+    MsaRuntimeMetadata,
+    msa_plan,
+    msa_plan_from_lengths,
+)
+from .msa.topk import sparse_topk_select
+
+# The seed's name for the eager planner.
+_msa_plan_from_lengths = msa_plan_from_lengths
+
+__all__ = [
+    "MsaDecodePlan",
+    "MsaPlan",
+    "MsaPlanInfo",
+    "MsaPrefillPlan",
+    "MsaRuntimeMetadata",
+    "build_page_table_from_flat_kv_indices",
+    "msa",
+    "msa_plan",
+    "msa_plan_from_lengths",
+    "sparse_decode_atten_func",
+    "sparse_msa",
+    "sparse_msa_plan",
+    "sparse_topk_select",
+]
