@@ -1,0 +1,581 @@
+// MSA index kernels: per-128-key-block max scores and top-k block selection.
+//
+//   msa_block_max_score_kernel   max_score[i, h, t] = max_{admissible j in block t} q[i,h] . k[j, h/r]
+//   msa_topk_select_kernel       per (query, head) row: forced blocks + the best remaining blocks
+//
+// Semantics: SPEC sections 3 and 4; decisions and layouts: docs/index_kernels.md.
+#include "common/dtype.cuh"
+#include "common/mma.cuh"
+#include "common/topk.cuh"
+
+using namespace mate;
+
+// ============================================================================
+// Top-k block selection
+// ============================================================================
+//
+// One row (query i, head h) of max_score [R, NT] f32 is handled by a group of G
+// threads: a warp (NW == 1, 8 rows per CTA) or a whole CTA (NW > 1, G = 32 NW).
+// Each thread holds NPT scores of the row as order keys in registers (VEC = 4:
+// 16-byte loads), read once with streaming loads. With V the row's valid block
+// count, W the output width and K = W - begin - end the free slots:
+//
+//   V <= W           every valid block, then -1 (no score is read)
+//   otherwise        [0, begin) ++ sorted(best K of [begin, V - end)) ++ [V - end, V)
+//
+// Best K, exactly: a lower bound t0 of the K-th largest key is the K-th largest
+// of the per-thread maxima (they are K distinct elements). Keys >= t0 are
+// compacted into shared memory (usually a few dozen) and one warp finds the
+// K-th largest key T by a bitwise search over them, then resolves ties at T by
+// a bitwise search over indices. If more than `cand_cap` keys pass t0 (heavy
+// ties), the same searches run over the registers of the whole group instead.
+
+constexpr int kTopkRowsPerWarpCta = 8;    // NW == 1: rows (warps) per CTA
+constexpr int kTopkWarpCandidates = 256;  // NW == 1: candidate capacity per row
+constexpr int kTopkCtaCandidates = 2048;  // NW > 1: candidate capacity per row
+constexpr int kTopkMaxSelect = 64;        // W <= 64
+constexpr int kTopkIndexBits = 14;        // NT < 12288 < 2^14
+
+template <int NW, bool TOP2>
+struct TopkSmem {
+    static constexpr int kCap = NW == 1 ? kTopkWarpCandidates : kTopkCtaCandidates;
+    static constexpr int kMaxima = NW == 1 ? 1 : 32 * NW * (TOP2 ? 2 : 1);
+    u32 cand_key[kCap];
+    int cand_idx[kCap];
+    int sel[kTopkMaxSelect];
+    u32 maxima[kMaxima];
+    int red[2 * NW];
+    u32 bcast;
+};
+
+// Reductions over the threads that share one row: a warp or the whole CTA.
+template <int NW>
+struct RowGroup {
+    int lane, warp;
+    int* red;  // [2 * NW] shared, double-buffered by `parity`
+    int parity;
+
+    __device__ __forceinline__ void sync() {
+        if constexpr (NW == 1) __syncwarp(); else __syncthreads();
+    }
+    __device__ __forceinline__ int sum(int x) {
+        x = __reduce_add_sync(kFullMask, x);
+        if constexpr (NW == 1) {
+            return x;
+        } else {
+            if (lane == 0) red[parity * NW + warp] = x;
+            __syncthreads();
+            int s = 0;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) s += red[parity * NW + w];
+            parity ^= 1;
+            return s;
+        }
+    }
+    // Exclusive prefix over the group in thread order; `total` gets the sum.
+    __device__ __forceinline__ int exclusive_scan(int x, int& total) {
+        const int incl = warp_inclusive_scan(x, lane);
+        const int wsum = __shfl_sync(kFullMask, incl, 31);
+        if constexpr (NW == 1) {
+            total = wsum;
+            return incl - x;
+        } else {
+            if (lane == 31) red[parity * NW + warp] = wsum;
+            __syncthreads();
+            int before = 0, all = 0;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const int v = red[parity * NW + w];
+                all += v;
+                before += w < warp ? v : 0;
+            }
+            parity ^= 1;
+            total = all;
+            return before + incl - x;
+        }
+    }
+};
+
+// One warp: the k best of the n candidates in shared memory (keys >= 1, all
+// competing), written ascending to out[0..k).
+template <class Smem>
+__device__ __forceinline__ void select_from_candidates(Smem& s, int n, int k, int lane, int* out) {
+    u32 T;
+    int greater, equal;
+    if (n <= 32) {
+        const u32 ck = lane < n ? s.cand_key[lane] : 0u;
+        T = kth_largest_key(k, [&](u32 c) { return __popc(__ballot_sync(kFullMask, ck >= c)); });
+        greater = __popc(__ballot_sync(kFullMask, ck > T));
+        equal = __popc(__ballot_sync(kFullMask, ck == T));
+    } else {
+        T = kth_largest_key(k, [&](u32 c) {
+            int m = 0;
+            for (int i = lane; i < n; i += 32) m += s.cand_key[i] >= c;
+            return __reduce_add_sync(kFullMask, m);
+        });
+        int g = 0, e = 0;
+        for (int i = lane; i < n; i += 32) {
+            const u32 x = s.cand_key[i];
+            g += x > T;
+            e += x == T;
+        }
+        greater = __reduce_add_sync(kFullMask, g);
+        equal = __reduce_add_sync(kFullMask, e);
+    }
+    const int need = k - greater;  // 1 <= need <= equal
+    int cut = 0x7fffffff;          // tied ids <= cut are taken
+    if (equal > need) {
+        cut = nth_smallest_index(need, kTopkIndexBits, [&](int c) {
+            int m = 0;
+            for (int i = lane; i < n; i += 32) m += (s.cand_key[i] == T) & (s.cand_idx[i] < c);
+            return __reduce_add_sync(kFullMask, m);
+        });
+    }
+    int base = 0;
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        bool take = false;
+        int id = 0;
+        if (i < n) {
+            const u32 x = s.cand_key[i];
+            id = s.cand_idx[i];
+            take = x > T || (x == T && id <= cut);
+        }
+        const u32 m = __ballot_sync(kFullMask, take);
+        if (take) s.sel[base + __popc(m & ((1u << lane) - 1u))] = id;
+        base += __popc(m);
+    }
+    __syncwarp();
+    write_ids_ascending(s.sel, k, lane, 32, out);
+}
+
+// scores [num_rows, nt] f32 (row = query * num_heads + head), out [num_rows, width] i32.
+// query_positions [num_rows / num_heads] i64 or null. cand_cap <= the smem capacity
+// (0 forces the register path; tests use it).
+template <int NW, int NPT, int VEC, bool TOP2>
+__global__ void __launch_bounds__(NW == 1 ? 32 * kTopkRowsPerWarpCta : 32 * NW)
+msa_topk_select_kernel(const float* __restrict__ scores, int* __restrict__ out, long long num_rows, int num_heads,
+                       int nt, int width, int num_valid_pages, int force_begin, int force_end,
+                       const long long* __restrict__ query_positions, int cand_cap) {
+    static_assert(NPT % VEC == 0, "NPT must be a multiple of VEC");
+    constexpr int G = 32 * NW;
+    constexpr int NV = NPT / VEC;
+    using Smem = TopkSmem<NW, TOP2>;
+    __shared__ Smem smem_rows[NW == 1 ? kTopkRowsPerWarpCta : 1];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    Smem& s = smem_rows[NW == 1 ? warp : 0];
+    const int rank = NW == 1 ? lane : (int)threadIdx.x;
+    const long long row = NW == 1 ? (long long)blockIdx.x * kTopkRowsPerWarpCta + warp : (long long)blockIdx.x;
+    if (row >= num_rows) return;  // uniform over the group
+
+    int valid = num_valid_pages;
+    if (query_positions != nullptr) {
+        const long long pos = query_positions[row / num_heads];
+        valid = pos < 0 ? 0 : (int)min((long long)valid, pos / 128 + 1);
+    }
+    int* orow = out + row * width;
+    if (valid <= width) {  // every valid block is chosen
+        for (int t = rank; t < width; t += G) orow[t] = t < valid ? t : -1;
+        return;
+    }
+    // valid > width >= begin + end: the forced sets are disjoint and complete.
+    for (int t = rank; t < force_begin; t += G) orow[t] = t;
+    for (int t = rank; t < force_end; t += G) orow[width - force_end + t] = valid - force_end + t;
+    const int k = width - force_begin - force_end;
+    if (k <= 0) return;
+    const int lo = force_begin;
+    const int hi = valid - force_end;  // competing blocks [lo, hi), more than k of them
+
+    // ---- load the row once, as order keys (0 = not competing)
+    u32 key[NPT];
+    const float* srow = scores + row * (long long)nt;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+        const int base = VEC * (G * v + rank);
+        if constexpr (VEC == 4) {
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (base < hi) x = __ldcs(reinterpret_cast<const float4*>(srow + base));
+            const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                key[4 * v + c] = (unsigned)(base + c - lo) < (unsigned)(hi - lo) ? score_order_key(xs[c]) : 0u;
+        } else {
+            float x = 0.f;
+            if (base < hi) x = __ldcs(srow + base);
+            key[v] = (unsigned)(base - lo) < (unsigned)(hi - lo) ? score_order_key(x) : 0u;
+        }
+    }
+    // Index of key[i] is VEC * rank + step(i), step(i) a compile-time constant: comparisons
+    // against an index bound subtract VEC * rank from the bound once.
+    auto step_of = [](int i) { return VEC * G * (i / VEC) + i % VEC; };
+    auto index_of = [&](int i) { return VEC * rank + step_of(i); };
+
+    RowGroup<NW> grp{lane, warp, s.red, 0};
+
+    // ---- lower bound t0 <= T: the k-th largest of the per-thread maxima (top-2 with TOP2)
+    u32 m1 = 0, m2 = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        if constexpr (TOP2) m2 = max(m2, min(m1, key[i]));
+        m1 = max(m1, key[i]);
+    }
+    u32 t0;
+    if constexpr (NW == 1) {
+        t0 = kth_largest_key(k, [&](u32 c) {
+            int n = __popc(__ballot_sync(kFullMask, m1 >= c));
+            if constexpr (TOP2) n += __popc(__ballot_sync(kFullMask, m2 >= c));
+            return n;
+        });
+    } else {
+        constexpr int PER_LANE = Smem::kMaxima / 32;
+        s.maxima[rank] = m1;
+        if constexpr (TOP2) s.maxima[G + rank] = m2;
+        __syncthreads();
+        if (warp == 0) {
+            u32 mv[PER_LANE];
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) mv[i] = s.maxima[lane + 32 * i];
+            const u32 t = kth_largest_key(k, [&](u32 c) {
+                int n = 0;
+#pragma unroll
+                for (int i = 0; i < PER_LANE; ++i) n += mv[i] >= c;
+                return __reduce_add_sync(kFullMask, n);
+            });
+            if (lane == 0) s.bcast = t;
+        }
+        __syncthreads();
+        t0 = s.bcast;
+    }
+    t0 = max(t0, 1u);  // a 0 came from threads without competing keys: no bound
+
+    // ---- candidates: keys >= t0, compacted into shared memory
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) mine += key[i] >= t0;
+    int total;
+    const int offset = grp.exclusive_scan(mine, total);
+    if (total <= min(cand_cap, Smem::kCap)) {
+        int pos = offset;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            if (key[i] >= t0) {
+                s.cand_key[pos] = key[i];
+                s.cand_idx[pos] = index_of(i);
+                ++pos;
+            }
+        }
+        grp.sync();
+        if (NW == 1 || warp == 0) select_from_candidates(s, total, k, lane, orow + lo);
+        return;
+    }
+
+    // ---- register path (many keys tie at the threshold): the same searches group-wide
+    const u32 T = kth_largest_key(k, [&](u32 c) {
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) n += key[i] >= c;
+        return grp.sum(n);
+    });
+    int g = 0, e = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        g += key[i] > T;
+        e += key[i] == T;
+    }
+    g = grp.sum(g);
+    e = grp.sum(e);
+    const int need = k - g;
+    int cut = 0x7fffffff;
+    if (e > need) {
+        cut = nth_smallest_index(need, kTopkIndexBits, [&](int c) {
+            const int c_rel = c - VEC * rank;
+            int n = 0;
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) n += (key[i] == T) & (step_of(i) < c_rel);
+            return grp.sum(n);
+        });
+    }
+    const int cut_rel = cut == 0x7fffffff ? cut : cut - VEC * rank;
+    int chosen = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) chosen += key[i] > T || (key[i] == T && step_of(i) <= cut_rel);
+    int all_chosen;
+    int pos = grp.exclusive_scan(chosen, all_chosen);
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        if (key[i] > T || (key[i] == T && step_of(i) <= cut_rel)) s.sel[pos++] = index_of(i);
+    }
+    grp.sync();
+    write_ids_ascending(s.sel, k, rank, G, orow + lo);
+}
+
+// ============================================================================
+// Per-128-key-block max score
+// ============================================================================
+//
+// The QK^T half of flash attention with a row-max epilogue. A CTA owns BM = 16
+// NWARPS packed rows of one request and one KV head g: packed row p is query
+// (p0 + p) / r, head g r + (p0 + p) % r, so the r query heads that read KV head
+// g share every K tile (GQA packing). Each warp keeps its 16 rows of Q in
+// registers (mma.sync A fragments) and, per 128-key block, computes the 16 x 128
+// scores with m16n8k16 tensor-core MMAs (f32 accumulate), masks inadmissible keys
+// (causal, j >= kv_len, keys of invalid pages) only on blocks that need it, and
+// reduces each row to its max. K tiles are double-buffered with cp.async in a
+// 128-byte XOR-swizzled layout (ldmatrix without bank conflicts). Row maxima are
+// staged in shared memory and stored 32 blocks at a time (128-byte row segments).
+// Blocks past the tile's last admissible key are not computed: they, and tiles
+// up to nt, are stored as -inf.
+
+constexpr int kMsBlock = 128;  // keys per block
+constexpr int kMsStash = 32;   // blocks staged per store
+
+template <typename T, int D, int NWARPS>
+struct MaxScoreTile {
+    static_assert(D % 64 == 0, "D must be a multiple of 64");
+    static constexpr int BM = 16 * NWARPS;       // packed (query, head) rows per CTA
+    static constexpr int THREADS = 32 * NWARPS;
+    static constexpr int CPR = D / 8;            // 16-byte chunks per row
+    static constexpr int K_TILE = kMsBlock * D;  // elements per K stage
+    static constexpr int Q_BYTES = BM * D * (int)sizeof(T);
+    static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
+    static constexpr int AUX_BYTES = Q_BYTES > STASH_BYTES ? Q_BYTES : STASH_BYTES;
+    static constexpr int SMEM_BYTES = 2 * K_TILE * (int)sizeof(T) + AUX_BYTES + 2 * kMsBlock;
+};
+
+// Element offset of (row, col) in a [rows][D] 16-bit tile whose 16-byte chunks are
+// XOR-swizzled by row % 8. col is a multiple of 8.
+template <int D>
+__device__ __forceinline__ int swizzled(int row, int col) {
+    return row * D + ((((col >> 3) ^ (row & 7))) << 3);
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// 16-byte cp.async to a shared-space byte address; pred == false zero-fills.
+__device__ __forceinline__ void cp_async_16_at(u32 saddr, const void* gmem, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0));
+}
+
+// ldmatrix x4 from a shared-space byte address (lets the constant part of the
+// address fold into the instruction's immediate offset).
+__device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
+}
+
+// q [total_q, Hq, D] (row strides q_stride_tok / q_stride_head, D contiguous).
+// K (kv_mode): 0 dense [total_k, Hkv, D], key j of request b at row cu_seqlens_k[b] + j;
+//   1 paged by page_table [batch, page_table_cols]; 2 paged by CSR kv_indices +
+//   kv_page_indptr [batch + 1]. Paged element offset of (page, slot, head):
+//   page * k_stride_outer + slot * k_stride_slot + head * k_stride_head (NHD or HND).
+//   k_extent: rows (dense) or pages (paged) of k; out-of-range ids are inadmissible keys.
+// max_score [total_q, Hq, nt] f32. Grid: (num_m_tiles * batch, Hkv).
+template <typename T, int D, int NWARPS>
+__global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
+msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
+                           const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
+                           const int* __restrict__ kv_lens, const int* __restrict__ qo_offset,
+                           const int* __restrict__ cu_seqlens_k, const int* __restrict__ page_table,
+                           const int* __restrict__ kv_indices, const int* __restrict__ kv_page_indptr,
+                           int kv_mode, long long q_stride_tok, long long q_stride_head, long long k_stride_outer,
+                           long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
+                           int page_shift, int page_table_cols, long long num_kv_indices, int batch,
+                           int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal) {
+    using Cfg = MaxScoreTile<T, D, NWARPS>;
+    constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* ks = reinterpret_cast<T*>(smem_raw);                                   // [2][128][D] swizzled
+    T* qs = reinterpret_cast<T*>(smem_raw + 2 * Cfg::K_TILE * sizeof(T));     // [BM][D] swizzled
+    float* stash = reinterpret_cast<float*>(qs);                              // [BM][kMsStash + 1] (after Q)
+    unsigned char* kvalid = smem_raw + 2 * Cfg::K_TILE * sizeof(T) + Cfg::AUX_BYTES;  // [2][128]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int b = blockIdx.x % batch;
+    const int m_tile = num_m_tiles - 1 - (int)(blockIdx.x / batch);  // longest causal tiles first
+    const int g = blockIdx.y;
+    const int r = num_heads_q / num_heads_kv;
+    const int qlen = max(qo_lens[b], 0);
+    const int p0 = m_tile * BM;
+    if ((long long)p0 >= (long long)qlen * r) return;
+    const int lk = max(kv_lens[b], 0);
+    const long long q0 = cu_seqlens_q[b];
+    const long long off = qo_offset[b];
+
+    // Admissible keys of packed row p: j < row_limit(p); rows outside the request
+    // (never stored) get no mask.
+    auto row_valid = [&](int p, int& qi) {
+        qi = (p0 + p) / r;
+        return qi < qlen && q0 + qi >= 0 && q0 + qi < total_q;
+    };
+    auto row_limit = [&](int p) -> int {
+        int qi;
+        if (!row_valid(p, qi)) return 0x7fffffff;
+        if (!causal) return lk;
+        return (int)min((long long)lk, max(off + qi + 1, 0LL));
+    };
+    const int q_last = (int)min((long long)qlen - 1, ((long long)p0 + BM - 1) / r);
+    const long long lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
+    const int t_end = (int)min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)nt);
+
+    // Lanes 0..15: output offset of the warp's row warp * 16 + lane (-1: not stored).
+    long long out_off = -1;
+    if (lane < 16) {
+        int qi;
+        const int p = warp * 16 + lane;
+        if (row_valid(p, qi)) out_off = ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt;
+    }
+    auto fill_neg_inf_from = [&](int t_from) {
+        for (int rr = 0; rr < 16; ++rr) {
+            const long long o = __shfl_sync(kFullMask, out_off, rr);
+            if (o >= 0)
+                for (int c = t_from + lane; c < nt; c += 32) max_score[o + c] = neg_inf();
+        }
+    };
+    if (t_end <= 0) {
+        fill_neg_inf_from(0);
+        return;
+    }
+
+    // ---- address of key j (head g) or -1 when the key is not admissible / not in memory
+    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
+    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
+    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
+    const int slot_mask = (1 << page_shift) - 1;
+    auto key_offset = [&](int j) -> long long {
+        if (j >= lk) return -1;
+        if (kv_mode == 0) {
+            const long long row = dense_start + j;
+            return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
+        }
+        const int pi = j >> page_shift;
+        long long page;
+        if (kv_mode == 1) {
+            if (pi >= page_table_cols) return -1;
+            page = page_table[(long long)b * page_table_cols + pi];
+        } else {
+            const long long at = csr_lo + pi;
+            if (at < 0 || at >= csr_hi || at >= num_kv_indices) return -1;
+            page = kv_indices[at];
+        }
+        if (page < 0 || page >= k_extent) return -1;
+        return page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
+    };
+    // Loader geometry: thread tid copies chunk ld_ch of K rows ld_row0 + i * LD_STEP.
+    constexpr int LD_STEP = THREADS / CPR;
+    const int ld_ch = tid % CPR, ld_row0 = tid / CPR;
+    auto load_k_tile = [&](int t, int buf) {
+        const u32 dst = smem_u32(ks + buf * Cfg::K_TILE);
+#pragma unroll
+        for (int i = 0; i < kMsBlock / LD_STEP; ++i) {
+            const int row = ld_row0 + i * LD_STEP;
+            const long long o = key_offset(t * kMsBlock + row);
+            cp_async_16_at(dst + (u32)(swizzled<D>(row, ld_ch * 8) * (int)sizeof(T)),
+                           o >= 0 ? kc + o + ld_ch * 8 : kc, o >= 0);
+            if (ld_ch == 0) kvalid[buf * kMsBlock + row] = o >= 0 ? 1 : 0;
+        }
+    };
+
+    // ---- prologue: Q tile and K tile 0
+#pragma unroll
+    for (int i = 0; i < BM * CPR / THREADS; ++i) {
+        const int cid = tid + THREADS * i;
+        const int p = cid / CPR, ch = cid % CPR;
+        int qi;
+        const bool ok = row_valid(p, qi);
+        const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * 8 : q;
+        cp_async_16(qs + swizzled<D>(p, ch * 8), src, ok);
+    }
+    load_k_tile(0, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const int mi = lane >> 3;  // ldmatrix: the 8x8 matrix this lane addresses
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
+        ldmatrix_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], qs + swizzled<D>(row, kk * 16 + (mi >> 1) * 8));
+    }
+    const int row_a = warp * 16 + (lane >> 2), row_b = row_a + 8;  // this thread's accumulator rows
+    const int lim_a = row_limit(row_a), lim_b = row_limit(row_b);
+    const int lim_min = min(lim_a, lim_b);
+    // B fragments: lane addresses K row np * 16 + (mi >> 1) * 8 + lane % 8, chunk 2 kk + (mi & 1).
+    // With z = (mi & 1) ^ (lane % 8) the swizzled chunk is (2 kk) ^ z = 8 (kk / 4) + ((2 (kk % 4)) ^ z):
+    // four per-thread byte offsets, the rest folds into constants.
+    const u32 k_lane_base = smem_u32(ks) + (u32)(((mi >> 1) * 8 + (lane & 7)) * D * (int)sizeof(T));
+    u32 k_chunk_off[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) k_chunk_off[m] = (u32)((((2 * m) ^ ((mi & 1) ^ (lane & 7)))) * 16);
+
+    for (int t = 0; t < t_end; ++t) {
+        const int buf = t & 1;
+        if (t + 1 < t_end) load_k_tile(t + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // K tile t (and its key flags) visible; Q reads done before the stash is used
+
+        const u32 kt = k_lane_base + (u32)(buf * Cfg::K_TILE * (int)sizeof(T));
+        float acc[16][4];
+#pragma unroll
+        for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 kk_addr = kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128);
+#pragma unroll
+            for (int np = 0; np < 8; ++np) {
+                u32 bf[4];
+                ldmatrix_x4_at(bf, kk_addr + (u32)(np * 16 * D * (int)sizeof(T)));
+                mma_16x8x16<T>(acc[2 * np], qf[kk], bf);
+                mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf + 2);
+            }
+        }
+
+        const int kbase = t * kMsBlock;
+        const unsigned char* kv = kvalid + buf * kMsBlock;
+        const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
+        const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min) || holes;
+        float mx_a = neg_inf(), mx_b = neg_inf();
+        if (!edge) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                mx_a = fmaxf(mx_a, fmaxf(acc[n][0], acc[n][1]));
+                mx_b = fmaxf(mx_b, fmaxf(acc[n][2], acc[n][3]));
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = n * 8 + 2 * (lane & 3) + e;
+                    const bool ok = kv[col] != 0;
+                    if (ok && kbase + col < lim_a) mx_a = fmaxf(mx_a, acc[n][e]);
+                    if (ok && kbase + col < lim_b) mx_b = fmaxf(mx_b, acc[n][2 + e]);
+                }
+            }
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
+
+        const int slot = t % kMsStash;
+        if ((lane & 3) == 0) {
+            stash[row_a * (kMsStash + 1) + slot] = mx_a;
+            stash[row_b * (kMsStash + 1) + slot] = mx_b;
+        }
+        if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's 16 rows
+            __syncwarp();
+            const int t_first = t - slot;
+            for (int rr = 0; rr < 16; ++rr) {
+                const long long o = __shfl_sync(kFullMask, out_off, rr);
+                if (o >= 0 && lane <= slot)
+                    max_score[o + t_first + lane] = stash[(warp * 16 + rr) * (kMsStash + 1) + lane];
+            }
+            __syncwarp();
+        }
+        __syncthreads();  // everyone is done with K tile t before it is refilled
+    }
+    fill_neg_inf_from(t_end);
+}
