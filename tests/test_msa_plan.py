@@ -1,0 +1,280 @@
+"""MSA planners: modes, the decode+prefill split, plan fields, static plans, every refusal."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mate_cupy as mc
+from mate_cupy import msa_interface
+from mate_cupy.msa.plan import selected_block_count
+
+SPARSE = dict(page_size=128, kv_block_num=8)
+
+
+def _plan(qo, kv, *args, **kw):
+    return mc.msa_plan_from_lengths(np.asarray(qo), np.asarray(kv), *args, **kw)
+
+
+# ----------------------------------------------------------------------------- eager plans
+
+
+def test_dense_plan_fields():
+    info = _plan([3, 0, 7], [10, 5, 7], 8, 2)
+    assert info[:3] == (False, 0, 3) and info[4] is None
+    p = info[3]
+    assert p.mode == "dense" and not p.is_static and p.decode_plan is None and p.kv_page_indptr is None
+    assert (p.batch_size, p.num_qo_heads, p.num_kv_heads, p.page_size) == (3, 8, 2, -1)
+    np.testing.assert_array_equal(p.qo_lens, [3, 0, 7])
+    np.testing.assert_array_equal(p.kv_lens, [10, 5, 7])
+    np.testing.assert_array_equal(p.qo_offset, [7, 5, 0])
+    assert p.qo_lens.dtype == np.int32 and p.qo_offset.dtype == np.int32
+    np.testing.assert_array_equal(p.prefill_plan.cu_seqlens_q, [0, 3, 3, 10])
+    np.testing.assert_array_equal(p.prefill_plan.cu_seqlens_k, [0, 10, 15, 22])
+    assert (p.prefill_plan.max_seqlen_q, p.prefill_plan.max_seqlen_k, p.prefill_plan.total_seqlen_k) == (7, 10, 22)
+    assert p.selected_block_count == -1
+    assert (p.num_kv_splits, p.kv_block_num, p.causal, p.output_maxscore, p.use_fp8_kvcache) == (-1, -1, True, False, False)
+    assert p.sparse_kernel_mode == "auto" and p.sparse_block_size == 128
+
+
+def test_paged_plan_fields():
+    p = _plan([1, 2], [33, 0], 4, page_size=16)[3]
+    assert p.mode == "paged"
+    np.testing.assert_array_equal(p.kv_page_indptr, [0, 3, 3])
+    assert p.decode_plan.page_size == 16 and p.decode_plan.sparse_block_size == 128
+    np.testing.assert_array_equal(p.decode_plan.cache_seqlens, [33, 0])
+    assert p.decode_plan.scheduler_metadata is None
+    assert p.num_kv_heads == 4  # default: num_qo_heads
+
+
+@pytest.mark.parametrize(
+    "qo, kw, mode",
+    [
+        pytest.param([33], {}, "sparse_prefill", id="auto-prefill-33"),
+        pytest.param([32], {}, "sparse_decode", id="auto-decode-32"),
+        pytest.param([1], {"sparse_kernel_mode": "prefill"}, "sparse_prefill", id="forced-prefill"),
+        pytest.param([300], {"sparse_kernel_mode": "decode"}, "sparse_decode", id="forced-decode"),
+    ],
+)
+def test_sparse_modes(qo, kw, mode):
+    info = _plan(qo, [1000], 16, 2, split_prefill_decode=False, **SPARSE, **kw)
+    p = info[3]
+    assert p.mode == mode and p.selected_block_count == 8
+    assert (p.decode_plan is not None) == (mode == "sparse_decode")
+    np.testing.assert_array_equal(p.kv_page_indptr, [0, 8])
+
+
+@pytest.mark.parametrize(
+    "topk, begin, end, in_topk, width",
+    [(4, 0, 0, True, 4), (8, 1, 2, True, 8), (16, 1, 1, False, 18), (16, 8, 8, True, 16),
+     (32, 0, 0, True, 32), (64, 0, 0, True, 64), (16, 20, 20, False, 56)],
+    ids=lambda x: str(x),
+)
+def test_selected_block_count(topk, begin, end, in_topk, width):
+    assert selected_block_count(topk, begin, end, in_topk) == width
+    p = _plan([1], [1000], 8, 1, page_size=128, kv_block_num=topk, force_begin_blocks=begin,
+              force_end_blocks=end, force_blocks_count_in_topk=in_topk)[3]
+    assert p.selected_block_count == width
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+@pytest.mark.parametrize(
+    "qo, sparse, split",
+    [
+        pytest.param([1, 1, 200, 3], False, 2, id="dense-decode-first"),
+        pytest.param([1, 129], False, 1, id="dense-129-is-prefill"),
+        pytest.param([1, 128], False, 0, id="dense-128-is-decode"),
+        pytest.param([200, 1], False, 0, id="prefill-first-no-split"),
+        pytest.param([5, 5, 5], False, 0, id="all-decode"),
+        pytest.param([1, 33], True, 1, id="sparse-33-is-prefill"),
+        pytest.param([1, 32], True, 0, id="sparse-32-is-decode"),
+        pytest.param([2, 4, 40, 1, 100], True, 2, id="sparse-later-decode-stays-in-prefill"),
+    ],
+)
+def test_mixed_split(qo, sparse, split):
+    kv = [q + 300 for q in qo]
+    kw = dict(SPARSE) if sparse else {}
+    info = _plan(qo, kv, 16, 2, **kw)
+    mixed, got_split, batch, first, second = info
+    assert batch == len(qo)
+    assert got_split == split and mixed == (split > 0)
+    if not mixed:
+        assert second is None and first.batch_size == len(qo)
+        return
+    assert first.batch_size == split and second.batch_size == len(qo) - split
+    np.testing.assert_array_equal(first.qo_lens, qo[:split])
+    np.testing.assert_array_equal(second.qo_lens, qo[split:])
+    np.testing.assert_array_equal(second.kv_lens, kv[split:])
+    np.testing.assert_array_equal(second.prefill_plan.cu_seqlens_q, np.cumsum([0] + qo[split:]))
+    if sparse:
+        assert first.mode == "sparse_decode" and second.mode == "sparse_prefill"
+    else:
+        assert first.mode == second.mode == "dense"
+
+
+def test_split_disabled_and_offsets_split():
+    info = _plan([1, 300], [10, 300], 4, split_prefill_decode=False)
+    assert info[0] is False and info[3].batch_size == 2
+    info = _plan([1, 300], [10, 400], 4, qo_offset=np.array([4, 50]))
+    np.testing.assert_array_equal(info[3].qo_offset, [4])
+    np.testing.assert_array_equal(info[4].qo_offset, [50])
+    info = _plan([1, 300], [10, 400], 4, qo_offset=3)
+    np.testing.assert_array_equal(info[4].qo_offset, [3])
+
+
+def test_mixed_paged_indptr_per_part():
+    _, _, _, d, p = _plan([1, 2, 300], [100, 17, 300], 4, page_size=16)
+    np.testing.assert_array_equal(d.kv_page_indptr, [0, 7, 9])
+    np.testing.assert_array_equal(p.kv_page_indptr, [0, 19])
+    assert d.mode == p.mode == "paged"
+
+
+def test_empty_batch():
+    info = _plan(np.zeros(0, np.int32), np.zeros(0, np.int32), 4)
+    assert info[:3] == (False, 0, 0)
+    pf = info[3].prefill_plan
+    assert (pf.max_seqlen_q, pf.max_seqlen_k, pf.total_seqlen_k) == (0, 0, 0)
+    np.testing.assert_array_equal(pf.cu_seqlens_q, [0])
+
+
+def test_lengths_from_lists_and_int64_and_keywords():
+    info = mc.msa_plan_from_lengths([2, 3], np.array([5, 6], np.int64), num_qo_heads=8, num_kv_heads=4)
+    assert info[3].num_kv_heads == 4 and info[3].kv_lens.dtype == np.int32
+    info = mc.msa_plan_from_lengths([2], [5], 8, num_kv_heads=0)  # <= 0 means "same as num_qo_heads"
+    assert info[3].num_kv_heads == 8
+    info = mc.msa_plan_from_lengths([2], [5], 8, usable_SM_count=132, device="cuda", stream=None)
+    assert info[3].mode == "dense"
+
+
+def test_seed_alias_is_the_eager_planner():
+    assert msa_interface._msa_plan_from_lengths is mc.msa_plan_from_lengths
+
+
+@pytest.mark.torch
+def test_lengths_from_torch():
+    import torch
+
+    info = mc.msa_plan_from_lengths(torch.tensor([3, 4]), torch.tensor([9, 4], dtype=torch.int64), 2)
+    np.testing.assert_array_equal(info[3].qo_offset, [6, 0])
+    assert isinstance(info[3].qo_lens, np.ndarray)
+
+
+# ----------------------------------------------------------------------------- eager refusals
+
+
+EAGER_ERRORS = [
+    ("qo-2d", ([[1, 2]], [[3, 4]], 4), {}, ValueError),
+    ("shape-mismatch", ([1, 2], [3], 4), {}, ValueError),
+    ("three-positionals", ([1], [3], 4, 2, 1), {}, TypeError),
+    ("missing-num-qo-heads", ([1], [3]), {}, TypeError),
+    ("heads-not-divisible", ([1], [3], 6, 4), {}, ValueError),
+    ("unexpected-keyword", ([1], [3], 4), {"bogus": 1}, TypeError),
+    ("num-qo-heads-twice", ([1], [3], 4), {"num_qo_heads": 4}, TypeError),
+    ("num-kv-heads-twice", ([1], [3], 4, 2), {"num_kv_heads": 2}, TypeError),
+    ("topk-5", ([1], [3], 4), {"page_size": 128, "kv_block_num": 5}, ValueError),
+    ("forced-exceed-topk", ([1], [3], 4), {"page_size": 128, "kv_block_num": 4, "force_begin_blocks": 3,
+                                           "force_end_blocks": 2}, ValueError),
+    ("forced-negative", ([1], [3], 4), {"page_size": 128, "kv_block_num": 4, "force_begin_blocks": -1}, ValueError),
+    ("width-over-64", ([1], [3], 4), {"page_size": 128, "kv_block_num": 64, "force_begin_blocks": 1,
+                                      "force_blocks_count_in_topk": False}, ValueError),
+    ("forced-without-sparse", ([1], [3], 4), {"force_end_blocks": 1}, ValueError),
+    ("sparse-without-pages", ([1], [3], 4), {"kv_block_num": 8}, ValueError),
+    ("sparse-bad-kernel-mode", ([1], [3], 4), {"page_size": 128, "kv_block_num": 8,
+                                               "sparse_kernel_mode": "fast"}, ValueError),
+    ("sparse-page-64", ([1], [3], 4), {"page_size": 64, "kv_block_num": 8}, ValueError),
+    ("sparse-block-64", ([1], [3], 4), {"page_size": 64, "sparse_block_size": 64, "kv_block_num": 8}, ValueError),
+    ("maxscore-page-64", ([1], [3], 4), {"page_size": 64, "output_maxscore": True}, ValueError),
+    ("offset-wrong-length", ([1, 2], [3, 4], 4), {"qo_offset": np.array([1, 2, 3])}, ValueError),
+    ("offset-2d", ([1, 2], [3, 4], 4), {"qo_offset": np.array([[1, 2]])}, ValueError),
+    ("negative-length", ([1, -2], [3, 4], 4), {}, ValueError),
+    ("zero-heads", ([1], [3], 0), {}, ValueError),
+]
+
+
+@pytest.mark.parametrize("args, kw, exc", [pytest.param(a, k, e, id=i) for i, a, k, e in EAGER_ERRORS])
+def test_eager_planner_refusals(args, kw, exc):
+    with pytest.raises(exc):
+        mc.msa_plan_from_lengths(*args, **kw)
+
+
+# ----------------------------------------------------------------------------- static plans
+
+
+def test_static_plan_fields():
+    info = mc.msa_plan(4, 16, 4096, 16, num_kv_heads=2, page_size=128, total_seqlen_k=65536, kv_block_num=16)
+    assert info[:3] == (False, 0, 4) and info[4] is None
+    p = info[3]
+    assert p.is_static and p.mode == "sparse_decode" and p.kv_page_indptr is None
+    assert p.prefill_plan.total_seqlen_k == 65536 and p.prefill_plan.max_seqlen_k == 4096
+    assert p.prefill_plan.max_seqlen_q == 16 and p.selected_block_count == 16
+    for vec in (p.qo_lens, p.kv_lens, p.qo_offset):
+        np.testing.assert_array_equal(vec, np.zeros(4))
+    np.testing.assert_array_equal(p.prefill_plan.cu_seqlens_q, np.zeros(5))
+    assert p.decode_plan is not None and p.decode_plan.page_size == 128
+
+
+@pytest.mark.parametrize(
+    "kw, mode",
+    [({}, "dense"), ({"page_size": 16}, "paged"), ({"page_size": 128, "kv_block_num": 4}, "sparse_prefill"),
+     ({"page_size": 128, "kv_block_num": 4, "sparse_kernel_mode": "decode"}, "sparse_decode")],
+    ids=["dense", "paged", "sparse-prefill", "sparse-decode"],
+)
+def test_static_modes(kw, mode):
+    p = mc.msa_plan(2, 512, 1024, 8, **kw)[3]
+    assert p.mode == mode and p.is_static
+    assert p.prefill_plan.total_seqlen_k == 1024  # defaults to max_seqlen_k
+
+
+STATIC_ERRORS = [
+    ("zero-q-heads", (2, 8, 8, 0), {}, ValueError),
+    ("zero-kv-heads", (2, 8, 8, 4), {"num_kv_heads": 0}, ValueError),
+    ("not-divisible", (2, 8, 8, 6), {"num_kv_heads": 4}, ValueError),
+    ("negative-batch", (-1, 8, 8, 4), {}, ValueError),
+    ("zero-max-q", (2, 0, 8, 4), {}, ValueError),
+    ("zero-max-k", (2, 8, 0, 4), {}, ValueError),
+    ("total-below-max", (2, 8, 64, 4), {"total_seqlen_k": 32}, ValueError),
+    ("total-not-positive", (2, 8, 64, 4), {"total_seqlen_k": -5}, ValueError),
+    ("sparse-without-pages", (2, 8, 64, 4), {"kv_block_num": 8}, ValueError),
+    ("sparse-mode-name", (2, 8, 64, 4), {"kv_block_num": 8, "page_size": 128, "sparse_kernel_mode": "x"}, ValueError),
+    ("sparse-page-64", (2, 8, 64, 4), {"kv_block_num": 8, "page_size": 64}, ValueError),
+    ("maxscore-page-32", (2, 8, 64, 4), {"page_size": 32, "output_maxscore": True}, ValueError),
+    ("topk-12", (2, 8, 64, 4), {"kv_block_num": 12, "page_size": 128}, ValueError),
+    ("forced-without-sparse", (2, 8, 64, 4), {"force_begin_blocks": 1}, ValueError),
+    ("unknown-keyword", (2, 8, 64, 4), {"qo_offset": 3}, TypeError),
+]
+
+
+@pytest.mark.parametrize("args, kw, exc", [pytest.param(a, k, e, id=i) for i, a, k, e in STATIC_ERRORS])
+def test_static_planner_refusals(args, kw, exc):
+    with pytest.raises(exc):
+        mc.msa_plan(*args, **kw)
+
+
+# ----------------------------------------------------------------------------- sparse_msa_plan
+
+
+def test_sparse_msa_plan_forces_prefill_and_no_split():
+    info = mc.sparse_msa_plan([1, 300], [500, 600], 16, 2, **SPARSE)
+    assert info[0] is False and info[3].mode == "sparse_prefill" and info[3].batch_size == 2
+    info = mc.sparse_msa_plan([1], [500], 16, 2, sparse_kernel_mode="decode", **SPARSE)
+    assert info[3].mode == "sparse_prefill"  # the mode is always prefill
+
+
+@pytest.mark.parametrize(
+    "kw, exc",
+    [({"page_size": 128}, ValueError), ({}, ValueError), ({"split_prefill_decode": True, **SPARSE}, ValueError),
+     ({"bogus": 1, **SPARSE}, TypeError)],
+    ids=["not-sparse-paged", "not-sparse-dense", "mixed-batch", "unknown-keyword"],
+)
+def test_sparse_msa_plan_refusals(kw, exc):
+    with pytest.raises(exc):
+        mc.sparse_msa_plan([1, 300], [500, 600], 16, 2, **kw)
+
+
+def test_plan_info_must_be_a_plan():
+    q = np.zeros((1, 1, 8), np.float16)
+    with pytest.raises(TypeError):
+        mc.msa(q, q, q, (1, 2, 3))
+    with pytest.raises(TypeError):
+        mc.msa(q, q, q, "plan")
