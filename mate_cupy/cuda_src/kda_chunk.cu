@@ -1,0 +1,699 @@
+// Kimi Delta Attention, chunked prefill (chunk_kda). K = V = 128, chunks of 64 tokens.
+//
+// Per value head hv (q/k head hv / (HV / H)) and token, with state S [V, K] (f32):
+//   S = S * exp(gk)[None, :];  S += b * (v - S k) k^T;  o = (S q) * scale
+// Per chunk (rows i, j < 64; gc = inclusive cumsum of gk over the chunk, per channel):
+//   Qs = q exp(gc) scale, Kt = k exp(gc), Kb = k exp(gc_last - gc), egl = exp(gc_last)
+//   Akk[i, j] = b_i sum_c k_i k_j exp(gc_i - gc_j)   (j < i)
+//   Aqk[i, j] = scale sum_c q_i k_j exp(gc_i - gc_j) (j <= i)
+//   T = (I + Akk)^-1 diag(b)
+//   U = T (V - Kt S^T);  O = Qs S^T + Aqk U;  S' = S diag(egl) + U^T Kb
+//
+// Kernels (launched by mate_cupy/kda/chunk_kernels.py, in this order):
+//   kda_chunk_offsets_kernel       varlen only: chunk-slot offset of every sequence.
+//   kda_chunk_prepare_kernel<T>    one CTA per (chunk slot, value head), fully parallel:
+//                                  l2norm, gate, cumsum, Qs/Kt/Kb/egl, Aqk, Akk (tf32
+//                                  mma.sync), T (f32 block forward substitution) -> workspace.
+//   kda_chunk_recurrence_kernel<T, NW>  one CTA per (sequence, value head, V slice of 16*NW
+//                                  rows of S), sequential over the chunks: state in f32
+//                                  registers, bf16/fp16 mma.sync m16n8k16, cp.async double
+//                                  buffering of the next chunk's workspace tiles.
+// T is the input dtype (half_t or bf16_t): the operand type of the recurrence GEMMs.
+#include "common/dtype.cuh"
+#include "common/mma.cuh"
+#include "common/kda_chunk_ops.cuh"
+
+using namespace mate;
+using namespace mate::kda;
+
+namespace {
+
+constexpr int kC = 64;     // tokens per chunk
+constexpr int kD = 128;    // head dim (K = V)
+constexpr int kS16 = 136;  // smem row stride (elements) of 16-bit [64][128] tiles
+constexpr int kSG = 132;   // smem row stride of the f32 cumulative gates (= 4 mod 32)
+constexpr int kSA = 68;    // smem row stride of f32 [64][64] tiles
+constexpr int kS64 = 72;   // smem row stride of 16-bit [64][64] tiles
+constexpr float kLog2e = 1.4426950408889634f;
+// Diagonal 16x16 blocks of Aqk/Akk use a mid-point reference, i.e. factors up to
+// exp(max |gc_i - gc_mid|). Beyond this span (natural-log units) the block is
+// computed element by element instead (exact for any gate values).
+constexpr float kDiagSpanLimit2 = 60.f * kLog2e;
+
+// Workspace slot of one (chunk, value head), bytes: Qs, Kt, Kb [64][128] T; T, Aqk [64][64] T;
+// egl [128] f32.
+constexpr int kWsQs = 0;
+constexpr int kWsKt = 16384;
+constexpr int kWsKb = 32768;
+constexpr int kWsT = 49152;
+constexpr int kWsAqk = 57344;
+constexpr int kWsEgl = 65536;
+constexpr int kWsSlotBytes = 66048;
+
+// Prepare kernel shared memory (bytes).
+constexpr int kPrepQ = 0;                              // T [64][136]; later f32 L [64][68]
+constexpr int kPrepK = kPrepQ + kC * kS16 * 2;         // T [64][136]; later f32 block temporaries
+constexpr int kPrepGc = kPrepK + kC * kS16 * 2;        // f32 [64][132], log2 units
+constexpr int kPrepG = kPrepGc + kC * kSG * 4;         // T [64][136] gate input; later f32 Akk [64][68]
+constexpr int kPrepQn = kPrepG + kC * kS16 * 2;        // f32 [64] q row scales
+constexpr int kPrepKn = kPrepQn + kC * 4;              // f32 [64] k row scales
+constexpr int kPrepB = kPrepKn + kC * 4;               // f32 [64] sigmoid(beta) (0 past the end)
+constexpr int kPrepFlag = kPrepB + kC * 4;             // int [4] diagonal-block fallback flags
+constexpr int kPrepSmemBytes = kPrepFlag + 16;
+static_assert(kPrepSmemBytes == 86800, "PREPARE_SMEM in chunk_kernels.py");
+static_assert(kC * kSA * 4 == kC * kS16 * 2, "f32 [64][68] must alias a 16-bit [64][136] tile");
+
+// Recurrence kernel shared memory, per pipeline stage (bytes).
+constexpr int kRecQs = 0;
+constexpr int kRecKt = kRecQs + kC * kS16 * 2;
+constexpr int kRecKb = kRecKt + kC * kS16 * 2;
+constexpr int kRecT = kRecKb + kC * kS16 * 2;
+constexpr int kRecAqk = kRecT + kC * kS64 * 2;
+constexpr int kRecEgl = kRecAqk + kC * kS64 * 2;
+constexpr int kRecV = kRecEgl + kD * 4;
+__host__ __device__ constexpr int rec_stage_bytes(int bv) { return kRecV + kC * (bv + 8) * 2; }
+
+__device__ __forceinline__ long long load_cu(const void* cu, int is64, long long i) {
+    return is64 ? reinterpret_cast<const long long*>(cu)[i] : (long long)reinterpret_cast<const int*>(cu)[i];
+}
+
+// Rows [bos, eos) of sequence n, clamped into [0, total_rows]: no cu_seqlens value can
+// make a kernel address rows outside the arrays.
+__device__ __forceinline__ void seq_bounds(const void* cu, int is64, int n, long long total_rows, long long& bos,
+                                           long long& eos) {
+    long long a = load_cu(cu, is64, n), b = load_cu(cu, is64, n + 1);
+    a = min(max(a, 0LL), total_rows);
+    b = min(max(b, a), total_rows);
+    bos = a;
+    eos = b;
+}
+
+}  // namespace
+
+// offsets[n] = sum over sequences m < n of ceil(len_m / 64), n = 0..num_seqs (saturating
+// at INT_MAX). One block of 1024 threads.
+__global__ void __launch_bounds__(1024) kda_chunk_offsets_kernel(const void* __restrict__ cu_seqlens, int cu_is_64,
+                                                                 int num_seqs, long long total_rows,
+                                                                 int* __restrict__ offsets) {
+    __shared__ long long warp_total[32];
+    __shared__ long long carry_s;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long kMax = 2147483647LL;
+    if (tid == 0) carry_s = 0;
+    __syncthreads();
+    for (int base = 0; base < num_seqs; base += 1024) {
+        const int n = base + tid;
+        long long cnt = 0;
+        if (n < num_seqs) {
+            long long bos, eos;
+            seq_bounds(cu_seqlens, cu_is_64, n, total_rows, bos, eos);
+            cnt = (eos - bos + kC - 1) / kC;
+        }
+        long long incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (lane == 31) warp_total[warp] = incl;
+        __syncthreads();
+        long long before = carry_s;
+        for (int w = 0; w < warp; ++w) before += warp_total[w];
+        if (n < num_seqs) offsets[n] = (int)min(before + incl - cnt, kMax);
+        __syncthreads();
+        if (tid == 1023) carry_s = before + incl;
+        __syncthreads();
+    }
+    if (tid == 0) offsets[num_seqs] = (int)min(carry_s, kMax);
+}
+
+// Phase 1: one CTA (4 warps) per (chunk slot, value head). Writes the workspace slot
+// (slot * HV + hv). Warp w owns rows [16w, 16w + 16) of Aqk/Akk in the tensor-core pass.
+//   dense (cu_seqlens == null): slot = n * ceil(T / 64) + chunk, rows n * T + ...
+//   varlen: slot in [offsets[n], offsets[n + 1]) for sequence n.
+template <typename T>
+__global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ g, const T* __restrict__ beta,
+    const float* __restrict__ A_log, const float* __restrict__ dt_bias, const void* __restrict__ cu_seqlens,
+    int cu_is_64, const int* __restrict__ chunk_offsets, unsigned char* __restrict__ ws, int num_seqs,
+    long long seq_len_dense, long long total_rows, int H, int HV, float scale, float lower_bound, int use_l2norm,
+    int has_gate) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sq = reinterpret_cast<T*>(smem + kPrepQ);
+    T* sk = reinterpret_cast<T*>(smem + kPrepK);
+    float* sgc = reinterpret_cast<float*>(smem + kPrepGc);
+    T* sg = reinterpret_cast<T*>(smem + kPrepG);
+    float* sakk = reinterpret_cast<float*>(smem + kPrepG);
+    float* sqn = reinterpret_cast<float*>(smem + kPrepQn);
+    float* skn = reinterpret_cast<float*>(smem + kPrepKn);
+    float* sb = reinterpret_cast<float*>(smem + kPrepB);
+    int* sflag = reinterpret_cast<int*>(smem + kPrepFlag);
+
+    const int slot = blockIdx.x, hv = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = hv / (HV / H);
+
+    // ---- locate the chunk
+    long long bos, len;
+    int chunk;
+    if (cu_seqlens != nullptr) {
+        if (slot >= chunk_offsets[num_seqs]) return;
+        int lo = 0, hi = num_seqs;  // offsets[lo] <= slot < offsets[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
+        }
+        long long eos;
+        seq_bounds(cu_seqlens, cu_is_64, lo, total_rows, bos, eos);
+        len = eos - bos;
+        chunk = slot - chunk_offsets[lo];
+    } else {
+        const int cps = (int)((seq_len_dense + kC - 1) / kC);
+        const int n = slot / cps;
+        chunk = slot - n * cps;
+        bos = (long long)n * seq_len_dense;
+        len = seq_len_dense;
+    }
+    if ((long long)chunk * kC >= len) return;
+    const long long row0 = bos + (long long)chunk * kC;
+    const int L = (int)min((long long)kC, len - (long long)chunk * kC);
+
+    // ---- load q, k (head h), g (head hv), beta; rows past the chunk end are zero
+    {
+        const long long qk_stride = (long long)H * kD, vg_stride = (long long)HV * kD;
+        for (int e = tid; e < kC * 16; e += 128) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            const bool ok = r < L;
+            const long long row = row0 + (ok ? r : 0);
+            cp_async_16(sq + r * kS16 + c, q + row * qk_stride + (long long)h * kD + c, ok);
+            cp_async_16(sk + r * kS16 + c, k + row * qk_stride + (long long)h * kD + c, ok);
+            cp_async_16(sg + r * kS16 + c, g + row * vg_stride + (long long)hv * kD + c, ok);
+        }
+        cp_async_commit();
+    }
+    if (tid < kC) {
+        float bb = 0.f;
+        if (tid < L) bb = 1.f / (1.f + __expf(-to_float(beta[(row0 + tid) * HV + hv])));
+        sb[tid] = bb;
+    }
+    if (tid < 4) sflag[tid] = 0;
+    float dtb = 0.f, ea = 0.f;
+    if (has_gate) {
+        dtb = dt_bias[(long long)hv * kD + tid];
+        ea = __expf(A_log[hv]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- q/k row scales: 1 / sqrt(sum x^2 + 1e-6) (two threads per row)
+    {
+        const int r = tid >> 1, c0 = (tid & 1) * 64;
+        float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float f[8];
+            unpack8<T>(*reinterpret_cast<const vec16*>(sq + r * kS16 + c0 + 8 * j), f);
+#pragma unroll
+            for (int x = 0; x < 8; ++x) ssq += f[x] * f[x];
+            unpack8<T>(*reinterpret_cast<const vec16*>(sk + r * kS16 + c0 + 8 * j), f);
+#pragma unroll
+            for (int x = 0; x < 8; ++x) ssk += f[x] * f[x];
+        }
+        ssq += __shfl_xor_sync(0xffffffffu, ssq, 1);
+        ssk += __shfl_xor_sync(0xffffffffu, ssk, 1);
+        if ((tid & 1) == 0) {
+            sqn[r] = use_l2norm ? rsqrtf(ssq + 1e-6f) : 1.f;
+            skn[r] = use_l2norm ? rsqrtf(ssk + 1e-6f) : 1.f;
+        }
+    }
+
+    // ---- gate activation and inclusive cumsum over the chunk (thread = channel), log2 units
+    {
+        const int c = tid;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int i = 0; i < kC; ++i) {
+            const float x = to_float(sg[i * kS16 + c]);
+            float gk = has_gate ? lower_bound / (1.f + __expf(-ea * (x + dtb))) : x;
+            gk = i < L ? gk : 0.f;
+            acc += gk;
+            sgc[i * kSG + c] = acc * kLog2e;
+        }
+#pragma unroll
+        for (int I = 0; I < 4; ++I) {
+            const float m = sgc[(16 * I + 7) * kSG + c];
+            float span = 0.f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) span = fmaxf(span, fabsf(sgc[(16 * I + i) * kSG + c] - m));
+            if (__any_sync(0xffffffffu, span > kDiagSpanLimit2) && lane == 0) sflag[I] = 1;
+        }
+    }
+    __syncthreads();
+
+    unsigned char* wslot = ws + ((long long)slot * HV + hv) * kWsSlotBytes;
+    T* wAqk = reinterpret_cast<T*>(wslot + kWsAqk);
+
+    // ---- Qs, Kt, Kb, egl (elementwise; 16-byte stores)
+    {
+        T* wQs = reinterpret_cast<T*>(wslot + kWsQs);
+        T* wKt = reinterpret_cast<T*>(wslot + kWsKt);
+        T* wKb = reinterpret_cast<T*>(wslot + kWsKb);
+        for (int e = tid; e < kC * 16; e += 128) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            float gcv[8], glv[8], qf[8], kf[8];
+            *reinterpret_cast<float4*>(gcv) = *reinterpret_cast<const float4*>(sgc + r * kSG + c);
+            *reinterpret_cast<float4*>(gcv + 4) = *reinterpret_cast<const float4*>(sgc + r * kSG + c + 4);
+            *reinterpret_cast<float4*>(glv) = *reinterpret_cast<const float4*>(sgc + (kC - 1) * kSG + c);
+            *reinterpret_cast<float4*>(glv + 4) = *reinterpret_cast<const float4*>(sgc + (kC - 1) * kSG + c + 4);
+            unpack8<T>(*reinterpret_cast<const vec16*>(sq + r * kS16 + c), qf);
+            unpack8<T>(*reinterpret_cast<const vec16*>(sk + r * kS16 + c), kf);
+            const float qs = sqn[r] * scale, ks = skn[r];
+            float oq[8], ok[8], ob[8];
+#pragma unroll
+            for (int x = 0; x < 8; ++x) {
+                const float e1 = fast_exp2(gcv[x]), e2 = fast_exp2(glv[x] - gcv[x]);
+                oq[x] = qf[x] * qs * e1;
+                ok[x] = kf[x] * ks * e1;
+                ob[x] = kf[x] * ks * e2;
+            }
+            *reinterpret_cast<vec16*>(wQs + r * kD + c) = pack8<T>(oq);
+            *reinterpret_cast<vec16*>(wKt + r * kD + c) = pack8<T>(ok);
+            *reinterpret_cast<vec16*>(wKb + r * kD + c) = pack8<T>(ob);
+        }
+        reinterpret_cast<float*>(wslot + kWsEgl)[tid] = fast_exp2(sgc[(kC - 1) * kSG + tid]);
+    }
+
+    // ---- Aqk, Akk with tf32 mma.sync: warp I computes row blocks I, column blocks J <= I.
+    // J < I: reference r = gc[16 I - 1]; rows exp(gc_i - r) <= 1, cols exp(r - gc_j) <= 1.
+    // J = I: reference m = gc[16 I + 7] (bounded factors; see kDiagSpanLimit2).
+    {
+        const int I = warp;
+        const int gq = lane >> 2, tq = lane & 3;
+        const bool diag_fast = sflag[I] == 0;
+        const int i0 = 16 * I + gq, i1 = i0 + 8;
+        const float qn0 = sqn[i0], qn1 = sqn[i1], kn0 = skn[i0], kn1 = skn[i1];
+        const float* gref = sgc + max(16 * I - 1, 0) * kSG;  // read only when I > 0
+        const float* gmid = sgc + (16 * I + 7) * kSG;
+        float accq[4][2][4], acck[4][2][4];
+#pragma unroll
+        for (int J = 0; J < 4; ++J)
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) accq[J][nj][x] = acck[J][nj][x] = 0.f;
+
+#pragma unroll 2
+        for (int ks = 0; ks < kD / 8; ++ks) {
+            const int c0 = 8 * ks + tq, c1 = c0 + 4;
+            // A fragment order: (i0, c0), (i1, c0), (i0, c1), (i1, c1)
+            const float qv[4] = {to_float(sq[i0 * kS16 + c0]) * qn0, to_float(sq[i1 * kS16 + c0]) * qn1,
+                                 to_float(sq[i0 * kS16 + c1]) * qn0, to_float(sq[i1 * kS16 + c1]) * qn1};
+            const float kv[4] = {to_float(sk[i0 * kS16 + c0]) * kn0, to_float(sk[i1 * kS16 + c0]) * kn1,
+                                 to_float(sk[i0 * kS16 + c1]) * kn0, to_float(sk[i1 * kS16 + c1]) * kn1};
+            const float gv[4] = {sgc[i0 * kSG + c0], sgc[i1 * kSG + c0], sgc[i0 * kSG + c1], sgc[i1 * kSG + c1]};
+            const float m0 = gmid[c0], m1 = gmid[c1];
+            float r0 = 0.f, r1 = 0.f;
+            u32 aq_off[4] = {0u, 0u, 0u, 0u}, ak_off[4] = {0u, 0u, 0u, 0u};
+            u32 aq_dg[4] = {0u, 0u, 0u, 0u}, ak_dg[4] = {0u, 0u, 0u, 0u};
+            if (I > 0) {
+                r0 = gref[c0];
+                r1 = gref[c1];
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const float e = fast_exp2(gv[x] - ((x & 2) ? r1 : r0));
+                    aq_off[x] = to_tf32(qv[x] * e);
+                    ak_off[x] = to_tf32(kv[x] * e);
+                }
+            }
+            if (diag_fast) {
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const float e = fast_exp2(gv[x] - ((x & 2) ? m1 : m0));
+                    aq_dg[x] = to_tf32(qv[x] * e);
+                    ak_dg[x] = to_tf32(kv[x] * e);
+                }
+            }
+#pragma unroll
+            for (int J = 0; J < 4; ++J) {
+                if (J > I || (J == I && !diag_fast)) continue;
+                const float ref0 = J < I ? r0 : m0, ref1 = J < I ? r1 : m1;
+#pragma unroll
+                for (int nj = 0; nj < 2; ++nj) {
+                    const int j = 16 * J + 8 * nj + gq;
+                    const float knj = skn[j];
+                    u32 b[2];
+                    b[0] = to_tf32(to_float(sk[j * kS16 + c0]) * knj * fast_exp2(ref0 - sgc[j * kSG + c0]));
+                    b[1] = to_tf32(to_float(sk[j * kS16 + c1]) * knj * fast_exp2(ref1 - sgc[j * kSG + c1]));
+                    if (J < I) {
+                        mma_tf32_16x8x8(accq[J][nj], aq_off, b);
+                        mma_tf32_16x8x8(acck[J][nj], ak_off, b);
+                    } else {
+                        mma_tf32_16x8x8(accq[J][nj], aq_dg, b);
+                        mma_tf32_16x8x8(acck[J][nj], ak_dg, b);
+                    }
+                }
+            }
+        }
+
+        // Epilogue: Akk * b_i (j < i) -> smem f32; Aqk * scale (j <= i) -> workspace.
+        // Blocks right of the diagonal are written as zeros. Masked entries of the
+        // diagonal blocks are selected away (they may hold inf from the factors).
+#pragma unroll
+        for (int J = 0; J < 4; ++J) {
+            if (J == I && !diag_fast) continue;  // written by the element-wise fallback
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj) {
+                const int j = 16 * J + 8 * nj + 2 * tq;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int i = hh ? i1 : i0;
+                    float vq0 = 0.f, vq1 = 0.f, vk0 = 0.f, vk1 = 0.f;
+                    if (J <= I) {
+                        const float bi = sb[i];
+                        vq0 = j <= i ? accq[J][nj][2 * hh] * scale : 0.f;
+                        vq1 = j + 1 <= i ? accq[J][nj][2 * hh + 1] * scale : 0.f;
+                        vk0 = j < i ? acck[J][nj][2 * hh] * bi : 0.f;
+                        vk1 = j + 1 < i ? acck[J][nj][2 * hh + 1] * bi : 0.f;
+                    }
+                    *reinterpret_cast<float2*>(sakk + i * kSA + j) = make_float2(vk0, vk1);
+                    *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(vq0, vq1);
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // ---- element-wise diagonal blocks where the gate span is too large for the fast path
+    if (sflag[0] | sflag[1] | sflag[2] | sflag[3]) {
+        for (int I = 0; I < 4; ++I) {
+            if (!sflag[I]) continue;
+            for (int e = tid; e < 256; e += 128) {
+                const int ii = e >> 4, jj = e & 15;
+                const int i = 16 * I + ii, j = 16 * I + jj;
+                float aq = 0.f, ak = 0.f;
+                if (jj <= ii) {
+                    for (int c = 0; c < kD; ++c) {
+                        const float d = fast_exp2(sgc[i * kSG + c] - sgc[j * kSG + c]);
+                        const float kj = to_float(sk[j * kS16 + c]) * d;
+                        aq += to_float(sq[i * kS16 + c]) * kj;
+                        ak += to_float(sk[i * kS16 + c]) * kj;
+                    }
+                    aq *= sqn[i] * skn[j] * scale;
+                    ak = jj < ii ? ak * skn[i] * skn[j] * sb[i] : 0.f;
+                }
+                sakk[i * kSA + j] = ak;
+                wAqk[i * kC + j] = from_float<T>(aq);
+            }
+        }
+        __syncthreads();
+    }
+
+    // ---- Lm = (I + Akk)^-1 in f32: diagonal 16x16 blocks by forward substitution, then
+    // Lm_IJ = -Lm_II sum_{K=J}^{I-1} Akk_IK Lm_KJ by block distance I - J = 1, 2, 3.
+    float* sL = reinterpret_cast<float*>(smem + kPrepQ);  // q no longer needed
+    float* sY = reinterpret_cast<float*>(smem + kPrepK);  // k no longer needed
+    if (tid < 64) {
+        const int I = tid >> 4, j = tid & 15;
+        const float* M = sakk + (16 * I) * kSA + 16 * I;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float s = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < i; ++kk) s += M[i * kSA + kk] * x[kk];
+            x[i] = i < j ? 0.f : (i == j ? 1.f : -s);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) sL[(16 * I + i) * kSA + 16 * I + j] = x[i];
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int d = 1; d < 4; ++d) {
+        const int nb = 4 - d;
+        for (int e = tid; e < nb * 256; e += 128) {
+            const int J = e >> 8, r = (e >> 4) & 15, c = e & 15, I = J + d;
+            float s = 0.f;
+            for (int K = J; K < I; ++K) {
+                const float* a = sakk + (16 * I + r) * kSA + 16 * K;
+                const float* l = sL + (16 * K) * kSA + 16 * J + c;
+#pragma unroll
+                for (int x = 0; x < 16; ++x) s += a[x] * l[x * kSA];
+            }
+            sY[e] = s;
+        }
+        __syncthreads();
+        for (int e = tid; e < nb * 256; e += 128) {
+            const int J = e >> 8, r = (e >> 4) & 15, c = e & 15, I = J + d;
+            const float* l = sL + (16 * I + r) * kSA + 16 * I;
+            const float* y = sY + (J << 8) + c;
+            float s = 0.f;
+#pragma unroll
+            for (int x = 0; x < 16; ++x) s += l[x] * y[x * 16];
+            sL[(16 * I + r) * kSA + 16 * J + c] = -s;
+        }
+        __syncthreads();
+    }
+
+    // ---- T = Lm diag(b) (zero above the diagonal blocks)
+    {
+        T* wT = reinterpret_cast<T*>(wslot + kWsT);
+        for (int e = tid; e < kC * 8; e += 128) {
+            const int r = e >> 3, c = (e & 7) * 8;
+            float f[8];
+#pragma unroll
+            for (int x = 0; x < 8; ++x) {
+                const int j = c + x;
+                f[x] = (j >> 4) <= (r >> 4) ? sL[r * kSA + j] * sb[j] : 0.f;
+            }
+            *reinterpret_cast<vec16*>(wT + r * kC + c) = pack8<T>(f);
+        }
+    }
+}
+
+// Phase 2: one CTA of NW warps per (sequence n, value head hv, V slice vb of 16 * NW rows).
+// Warp w owns rows [vb * 16NW + 16w, +16) of S (all 128 K columns) as mma accumulators
+// (64 f32 per thread), so warps never exchange data; they share the chunk's tiles in
+// shared memory (two stages, cp.async). grid = (N * (128 / (16 NW)), HV).
+// state_*_kind: 0 none (zeros / not stored), 1 float32, 2 bfloat16; layout [N, HV, V, K].
+template <typename T, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
+    const T* __restrict__ v, const unsigned char* __restrict__ ws, T* __restrict__ out,
+    const void* __restrict__ state_in, int state_in_kind, void* __restrict__ state_out, int state_out_kind,
+    const void* __restrict__ cu_seqlens, int cu_is_64, const int* __restrict__ chunk_offsets, int num_slots,
+    long long seq_len_dense, long long total_rows, int HV) {
+    constexpr int BV = 16 * NW, NT = 32 * NW, VB = kD / BV, SV = BV + 8;
+    constexpr int kStage = rec_stage_bytes(BV);
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const int vb = blockIdx.x % VB, n = blockIdx.x / VB, hv = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+
+    long long bos, len;
+    int base_slot;
+    if (cu_seqlens != nullptr) {
+        long long eos;
+        seq_bounds(cu_seqlens, cu_is_64, n, total_rows, bos, eos);
+        len = eos - bos;
+        base_slot = chunk_offsets[n];
+    } else {
+        bos = (long long)n * seq_len_dense;
+        len = seq_len_dense;
+        base_slot = n * (int)((seq_len_dense + kC - 1) / kC);
+    }
+    int nchunks = (int)((len + kC - 1) / kC);
+    nchunks = max(0, min(nchunks, num_slots - base_slot));
+
+    // ---- initial state rows of this warp
+    const int v0 = vb * BV + warp * 16;
+    const long long sbase = ((long long)n * HV + hv) * kD * kD;
+    float sacc[16][4];
+#pragma unroll
+    for (int kt = 0; kt < 16; ++kt) {
+        const long long ia = sbase + (long long)(v0 + gq) * kD + 8 * kt + 2 * tq, ib = ia + 8 * kD;
+        if (state_in_kind == 1) {
+            const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(state_in) + ia);
+            const float2 b = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(state_in) + ib);
+            sacc[kt][0] = a.x; sacc[kt][1] = a.y; sacc[kt][2] = b.x; sacc[kt][3] = b.y;
+        } else if (state_in_kind == 2) {
+            const float2 a = unpack2<bf16_t>(*reinterpret_cast<const u32*>(reinterpret_cast<const bf16_t*>(state_in) + ia));
+            const float2 b = unpack2<bf16_t>(*reinterpret_cast<const u32*>(reinterpret_cast<const bf16_t*>(state_in) + ib));
+            sacc[kt][0] = a.x; sacc[kt][1] = a.y; sacc[kt][2] = b.x; sacc[kt][3] = b.y;
+        } else {
+            sacc[kt][0] = sacc[kt][1] = sacc[kt][2] = sacc[kt][3] = 0.f;
+        }
+    }
+
+    auto issue_loads = [&](int tc, int stage) {
+        unsigned char* st = smem + stage * kStage;
+        const unsigned char* wslot = ws + ((long long)(base_slot + tc) * HV + hv) * kWsSlotBytes;
+        for (int e = tid; e < 3 * 1024; e += NT) {  // Qs, Kt, Kb
+            const int tile = e >> 10, r = (e >> 4) & 63, c = (e & 15) * 8;
+            cp_async_16(st + kRecQs + tile * (kC * kS16 * 2) + (r * kS16 + c) * 2, wslot + tile * 16384 + (r * kD + c) * 2);
+        }
+        for (int e = tid; e < 2 * 512; e += NT) {  // T, Aqk
+            const int tile = e >> 9, r = (e >> 3) & 63, c = (e & 7) * 8;
+            cp_async_16(st + kRecT + tile * (kC * kS64 * 2) + (r * kS64 + c) * 2, wslot + kWsT + tile * 8192 + (r * kC + c) * 2);
+        }
+        if (tid < 32) cp_async_16(st + kRecEgl + tid * 16, wslot + kWsEgl + tid * 16);
+        const long long row0 = bos + (long long)tc * kC;
+        const int L = (int)min((long long)kC, len - (long long)tc * kC);
+        for (int e = tid; e < kC * (BV / 8); e += NT) {  // V slice, zero past the sequence end
+            const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
+            const bool ok = r < L;
+            cp_async_16(st + kRecV + (r * SV + c) * 2, v + ((row0 + (ok ? r : 0)) * HV + hv) * kD + vb * BV + c, ok);
+        }
+    };
+
+    if (nchunks > 0) issue_loads(0, 0);
+    cp_async_commit();
+
+#pragma unroll 1
+    for (int tc = 0; tc < nchunks; ++tc) {
+        cp_async_wait<0>();
+        __syncthreads();  // chunk tc visible; every warp is done with chunk tc - 1's stage
+        if (tc + 1 < nchunks) issue_loads(tc + 1, (tc + 1) & 1);
+        cp_async_commit();
+
+        const unsigned char* st = smem + (tc & 1) * kStage;
+        const T* sQs = reinterpret_cast<const T*>(st + kRecQs);
+        const T* sKt = reinterpret_cast<const T*>(st + kRecKt);
+        const T* sKb = reinterpret_cast<const T*>(st + kRecKb);
+        const T* sT = reinterpret_cast<const T*>(st + kRecT);
+        const T* sAqk = reinterpret_cast<const T*>(st + kRecAqk);
+        const float* segl = reinterpret_cast<const float*>(st + kRecEgl);
+        const T* sV = reinterpret_cast<const T*>(st + kRecV);
+        const long long row0 = bos + (long long)tc * kC;
+        const int L = (int)min((long long)kC, len - (long long)tc * kC);
+        const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = (lane >> 4) * 8;  // ldmatrix_x4 row/col
+
+        // X = Kt S^T and O = Qs S^T: M = 64 tokens, N = this warp's 16 values, K = 128.
+        // S (C layout, rows v, cols k) is directly the B fragment of S^T.
+        float accX[4][2][4], accO[4][2][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nv = 0; nv < 2; ++nv)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) accX[mt][nv][x] = accO[mt][nv][x] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            u32 bS[2][2];
+            bS[0][0] = pack2<T>(sacc[2 * ks][0], sacc[2 * ks][1]);
+            bS[0][1] = pack2<T>(sacc[2 * ks + 1][0], sacc[2 * ks + 1][1]);
+            bS[1][0] = pack2<T>(sacc[2 * ks][2], sacc[2 * ks][3]);
+            bS[1][1] = pack2<T>(sacc[2 * ks + 1][2], sacc[2 * ks + 1][3]);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                u32 ak[4], aq[4];
+                ldmatrix_x4(ak[0], ak[1], ak[2], ak[3], sKt + (16 * mt + lr) * kS16 + 16 * ks + lc);
+                ldmatrix_x4(aq[0], aq[1], aq[2], aq[3], sQs + (16 * mt + lr) * kS16 + 16 * ks + lc);
+#pragma unroll
+                for (int nv = 0; nv < 2; ++nv) {
+                    mma_16x8x16<T>(accX[mt][nv], ak, bS[nv]);
+                    mma_16x8x16<T>(accO[mt][nv], aq, bS[nv]);
+                }
+            }
+        }
+
+        // D = V - X in the operand type, transposed into B fragments (k = token, n = value).
+        u32 dT[4][2][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nv = 0; nv < 2; ++nv) {
+                const int cv = 16 * warp + 8 * nv + 2 * tq;
+                const float2 va = unpack2<T>(*reinterpret_cast<const u32*>(sV + (16 * mt + gq) * SV + cv));
+                const float2 vc = unpack2<T>(*reinterpret_cast<const u32*>(sV + (16 * mt + gq + 8) * SV + cv));
+                dT[mt][nv][0] = movmatrix_trans(pack2<T>(va.x - accX[mt][nv][0], va.y - accX[mt][nv][1]));
+                dT[mt][nv][1] = movmatrix_trans(pack2<T>(vc.x - accX[mt][nv][2], vc.y - accX[mt][nv][3]));
+            }
+
+        // U = T D (T lower triangular by 16x16 blocks)
+        float accU[4][2][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+            for (int nv = 0; nv < 2; ++nv)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) accU[mt][nv][x] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks <= mt; ++ks) {
+                u32 a[4];
+                ldmatrix_x4(a[0], a[1], a[2], a[3], sT + (16 * mt + lr) * kS64 + 16 * ks + lc);
+#pragma unroll
+                for (int nv = 0; nv < 2; ++nv) mma_16x8x16<T>(accU[mt][nv], a, dT[ks][nv]);
+            }
+        }
+        // U in the operand type, transposed: B fragments of U (k = token, n = value), which
+        // are also the A fragments of U^T for the state update.
+        u32 uT[4][2][2];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nv = 0; nv < 2; ++nv) {
+                uT[mt][nv][0] = movmatrix_trans(pack2<T>(accU[mt][nv][0], accU[mt][nv][1]));
+                uT[mt][nv][1] = movmatrix_trans(pack2<T>(accU[mt][nv][2], accU[mt][nv][3]));
+            }
+
+        // O += Aqk U (lower triangular by blocks), then store the valid rows
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int ks = 0; ks <= mt; ++ks) {
+                u32 a[4];
+                ldmatrix_x4(a[0], a[1], a[2], a[3], sAqk + (16 * mt + lr) * kS64 + 16 * ks + lc);
+#pragma unroll
+                for (int nv = 0; nv < 2; ++nv) mma_16x8x16<T>(accO[mt][nv], a, uT[ks][nv]);
+            }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nv = 0; nv < 2; ++nv) {
+                const int col = vb * BV + 16 * warp + 8 * nv + 2 * tq;
+                const int i = 16 * mt + gq;
+                if (i < L)
+                    *reinterpret_cast<u32*>(out + ((row0 + i) * HV + hv) * kD + col) =
+                        pack2<T>(accO[mt][nv][0], accO[mt][nv][1]);
+                if (i + 8 < L)
+                    *reinterpret_cast<u32*>(out + ((row0 + i + 8) * HV + hv) * kD + col) =
+                        pack2<T>(accO[mt][nv][2], accO[mt][nv][3]);
+            }
+
+        // S = S diag(egl) + U^T Kb: M = 16 values, N = 128 channels, K = 64 tokens
+#pragma unroll
+        for (int kt = 0; kt < 16; ++kt) {
+            const float2 e = *reinterpret_cast<const float2*>(segl + 8 * kt + 2 * tq);
+            sacc[kt][0] *= e.x; sacc[kt][1] *= e.y; sacc[kt][2] *= e.x; sacc[kt][3] *= e.y;
+        }
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const u32 a[4] = {uT[ks][0][0], uT[ks][1][0], uT[ks][0][1], uT[ks][1][1]};
+#pragma unroll
+            for (int kp = 0; kp < 8; ++kp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b[0], b[1], b[2], b[3], sKb + (16 * ks + lr) * kS16 + 16 * kp + lc);
+                mma_16x8x16<T>(sacc[2 * kp], a, b);
+                mma_16x8x16<T>(sacc[2 * kp + 1], a, b + 2);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- final state
+    if (state_out_kind != 0) {
+#pragma unroll
+        for (int kt = 0; kt < 16; ++kt) {
+            const long long ia = sbase + (long long)(v0 + gq) * kD + 8 * kt + 2 * tq, ib = ia + 8 * kD;
+            if (state_out_kind == 1) {
+                float* so = reinterpret_cast<float*>(state_out);
+                *reinterpret_cast<float2*>(so + ia) = make_float2(sacc[kt][0], sacc[kt][1]);
+                *reinterpret_cast<float2*>(so + ib) = make_float2(sacc[kt][2], sacc[kt][3]);
+            } else {
+                bf16_t* so = reinterpret_cast<bf16_t*>(state_out);
+                *reinterpret_cast<u32*>(so + ia) = pack2<bf16_t>(sacc[kt][0], sacc[kt][1]);
+                *reinterpret_cast<u32*>(so + ib) = pack2<bf16_t>(sacc[kt][2], sacc[kt][3]);
+            }
+        }
+    }
+}
