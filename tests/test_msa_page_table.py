@@ -1,0 +1,70 @@
+"""build_page_table_from_flat_kv_indices on host arrays: properties and refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mate_cupy as mc
+
+
+def test_small_table():
+    table = mc.build_page_table_from_flat_kv_indices(np.array([5, 9, 2, 7], np.int32), np.array([17, 0, 64, 1]), 32)
+    np.testing.assert_array_equal(table, [[5, 0], [0, 0], [9, 2], [7, 0]])
+    assert table.dtype == np.int32
+
+
+def test_empty_inputs():
+    table = mc.build_page_table_from_flat_kv_indices(np.zeros(0, np.int32), np.zeros(0, np.int32), 16)
+    assert table.shape == (0, 0)
+    table = mc.build_page_table_from_flat_kv_indices(np.zeros(0, np.int64), np.zeros(3, np.int32), 16)
+    assert table.shape == (3, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 700), min_size=0, max_size=8),
+    page_size=st.sampled_from([1, 16, 32, 64, 128, 256]),
+    int64=st.booleans(),
+    data=st.data(),
+)
+def test_builder_property(lens, page_size, int64, data):
+    counts = [-(-n // page_size) for n in lens]
+    total = sum(counts)
+    ids = np.array(data.draw(st.lists(st.integers(0, 10**6), min_size=total, max_size=total)),
+                   dtype=np.int64 if int64 else np.int32)
+    table = mc.build_page_table_from_flat_kv_indices(ids, np.array(lens, dtype=np.int32), page_size)
+    assert table.dtype == np.int32 and table.shape == (len(lens), max(counts, default=0))
+    start = 0
+    for b, c in enumerate(counts):
+        np.testing.assert_array_equal(table[b, :c], ids[start:start + c])  # the request's pages, in order
+        assert np.all(table[b, c:] == 0)  # then zeros
+        start += c
+
+
+@pytest.mark.torch
+def test_torch_in_torch_out():
+    import torch
+
+    table = mc.build_page_table_from_flat_kv_indices(torch.tensor([3, 4, 5]), torch.tensor([20, 1]), 16)
+    assert isinstance(table, torch.Tensor) and table.dtype == torch.int32
+    assert table.tolist() == [[3, 4], [5, 0]]
+
+
+@pytest.mark.parametrize(
+    "idx, lens, page_size, exc",
+    [
+        pytest.param([1, 2], [20], 0, ValueError, id="page-size-zero"),
+        pytest.param([1, 2], [20], -16, ValueError, id="page-size-negative"),
+        pytest.param([1, 2, 3], [20], 16, ValueError, id="too-many-ids"),
+        pytest.param([1], [20], 16, ValueError, id="too-few-ids"),
+        pytest.param([[1, 2]], [20], 16, ValueError, id="ids-2d"),
+        pytest.param([1, 2], [[20]], 16, ValueError, id="lens-2d"),
+        pytest.param([1.0, 2.0], [20], 16, TypeError, id="float-ids"),
+        pytest.param([1, 2], [-4, 20], 16, ValueError, id="negative-length"),
+    ],
+)
+def test_builder_refusals(idx, lens, page_size, exc):
+    with pytest.raises(exc):
+        mc.build_page_table_from_flat_kv_indices(np.array(idx), np.array(lens), page_size)
