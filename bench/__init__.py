@@ -1,0 +1,1 @@
+"""Benchmark harness: times mate_cupy ops beside their peers (see bench/README.md)."""

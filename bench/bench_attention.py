@@ -1,0 +1,339 @@
+"""MSA attention cases (issue 8): dense causal prefill, paged decode, block-sparse prefill.
+
+Peers: torch SDPA (flash and cuDNN backends) for dense and decode (decode on a
+contiguous copy of the paged KV), FlexAttention with a block mask for sparse.
+All bf16, D = 128.
+"""
+from __future__ import annotations
+
+import math
+
+from . import ours
+from .checks import attention_rows, rel_err, sample_rows
+from .harness import Bound, Case, Impl, sized
+from .models import BLOCK, attention_flops, kv_bytes, sparse_attention_flops
+from .peers import flex_build, sdpa_build, tile_block_mask, token_block_mask
+from .report import Target
+
+D = 128
+
+
+def _gen(device, seed):
+    import torch
+
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randn(shape, gen, device, scale=1.0):
+    import torch
+
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if scale != 1.0:
+        x *= scale
+    return x.to(torch.bfloat16)
+
+
+def _checker(ref_fn, what: str):
+    """Case check: every impl's output on the sampled rows against ``ref_fn(inp) -> (rows, ref)``."""
+
+    def check(results, inp):
+        rows, ref = ref_fn(inp)
+        return {name: {"err": rel_err(out[rows], ref), "err_vs": what} for name, out in results.items()
+                if out is not None}
+
+    return check
+
+
+# --------------------------------------------------------------------------- dense prefill
+
+def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | None, label: str = "") -> Case:
+    dev = cfg.device
+    scale = D ** -0.5
+
+    def make_inputs(n):
+        g = _gen(dev, 1)
+        return [{"q": _randn((batch * s, hq, D), g, dev), "k": _randn((batch * s, hkv, D), g, dev),
+                 "v": _randn((batch * s, hkv, D), g, dev)} for _ in range(n)]
+
+    def ours_build(inputs):
+        import torch
+
+        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=True)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.msa(x["q"], x["k"], x["v"], plan, out=outs[i]))
+
+        return Bound(run)
+
+    def ref(inp):
+        import torch
+
+        rows = sample_rows(batch * s, 48 if s * batch <= 65536 else 24, dev)
+        b, pos = rows // s, rows % s
+        if batch == 1:
+            k, v = inp["k"], inp["v"]
+        else:
+            k = inp["k"].view(batch, s, hkv, D)[b]
+            v = inp["v"].view(batch, s, hkv, D)[b]
+        return rows, attention_rows(inp["q"][rows], k, v, pos, torch.full_like(pos, s), True, scale)
+
+    return Case(
+        op="msa dense prefill", name=f"B{batch} S{s} Hq{hq} Hkv{hkv} causal{label}",
+        make_inputs=make_inputs, set_bytes=2.0 * batch * s * (hq + 2 * hkv) * D,
+        impls=[
+            Impl("mate_cupy", "ours", ours_build),
+            Impl("sdpa_flash", "peer", sdpa_build("flash", batch, s, s, hq, hkv, D, causal=True), family="sdpa_flash"),
+            Impl("sdpa_cudnn", "peer", sdpa_build("cudnn", batch, s, s, hq, hkv, D, causal=True), family="sdpa_cudnn"),
+        ],
+        metric="tflops", flops=attention_flops(batch, hq, s, s, D, True), baseline="sdpa_flash", target=target,
+        check=_checker(ref, "fp32 reference on sampled query rows"), tol=2e-2,
+        params=dict(B=batch, S=s, Hq=hq, Hkv=hkv, D=D, causal=True, dtype="bfloat16"),
+    )
+
+
+# --------------------------------------------------------------------------- paged decode
+
+def decode_case(cfg, batch: int, seqlen: int, page: int, hq: int, hkv: int, *, target: Target | None) -> Case:
+    dev = cfg.device
+    scale = D ** -0.5
+    pages_per_req = math.ceil(seqlen / page)
+    n_pages = batch * pages_per_req
+
+    def make_inputs(n):
+        import torch
+
+        g = _gen(dev, 2)
+        sets = []
+        for _ in range(n):
+            perm = torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)
+            sets.append({"q": _randn((batch, hq, D), g, dev),
+                         "k_cache": _randn((n_pages, page, hkv, D), g, dev),
+                         "v_cache": _randn((n_pages, page, hkv, D), g, dev),
+                         "page_table": perm.view(batch, pages_per_req), "kv_indices": perm})
+        return sets
+
+    def contiguous_kv(x):
+        """[B, L, Hkv, D] copies of the paged K/V for SDPA (made once per set, untimed)."""
+        if "k_lin" not in x:
+            pt = x["page_table"].long()
+            x["k_lin"] = x["k_cache"][pt].reshape(batch, pages_per_req * page, hkv, D)[:, :seqlen]
+            x["v_lin"] = x["v_cache"][pt].reshape(batch, pages_per_req * page, hkv, D)[:, :seqlen]
+        return x["k_lin"], x["v_lin"]
+
+    def ours_eager(inputs):
+        import torch
+
+        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=page, causal=True)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
+                                       out=outs[i]))
+
+        return Bound(run)
+
+    def ours_static(inputs):
+        import torch
+
+        plan = ours.static_paged_plan(batch, 1, seqlen, hq, hkv, total_k=n_pages * page, page_size=page)
+        meta = ours.runtime_metadata([1] * batch, [seqlen] * batch, causal=True, page_size=page,
+                                     device=inputs[0]["q"].device)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
+                                       out=outs[i], runtime_metadata=meta))
+
+        return Bound(run)
+
+    def ref(inp):
+        import torch
+
+        rows = sample_rows(batch, 8, dev)
+        k, v = contiguous_kv(inp)
+        pos = torch.full_like(rows, seqlen - 1)
+        return rows, attention_rows(inp["q"][rows], k[rows], v[rows], pos, torch.full_like(rows, seqlen), True,
+                                    scale)
+
+    return Case(
+        op="msa paged decode", name=f"B{batch} L{seqlen} page{page} Hq{hq} Hkv{hkv}",
+        make_inputs=make_inputs, set_bytes=kv_bytes(batch, seqlen, hkv, D),
+        impls=[
+            Impl("mate_cupy", "ours", ours_eager),
+            Impl("mate_cupy.static", "ours", ours_static, capture_safe=True),
+            Impl("sdpa_flash", "peer", sdpa_build("flash", batch, 1, seqlen, hq, hkv, D, causal=False,
+                                                  kv_view=contiguous_kv), family="sdpa_flash", capture_safe=True),
+            Impl("sdpa_cudnn", "peer", sdpa_build("cudnn", batch, 1, seqlen, hq, hkv, D, causal=False,
+                                                  kv_view=contiguous_kv), family="sdpa_cudnn", capture_safe=True),
+        ],
+        metric="tbps", bytes=kv_bytes(batch, seqlen, hkv, D), baseline="sdpa_cudnn", target=target,
+        check=_checker(ref, "fp32 reference on sampled requests"), tol=2e-2,
+        params=dict(B=batch, L=seqlen, page_size=page, Hq=hq, Hkv=hkv, D=D, dtype="bfloat16",
+                    peer_kv="contiguous copy"),
+    )
+
+
+# --------------------------------------------------------------------------- block-sparse prefill
+
+def select_blocks(last_block, hkv: int, n_blocks: int, topk: int, gen):
+    """Random causal block selection like MSA's: block 0 and the query's own block
+    ``last_block`` are always chosen, ``topk - 2`` more at random from the blocks
+    between (all of them when fewer). Returns int32 [R, Hkv, topk], ascending, -1 padded."""
+    import torch
+
+    dev = last_block.device
+    t = last_block.to(torch.int64)
+    r = t.numel()
+    keys = torch.rand(r, hkv, n_blocks, generator=gen, device=dev)
+    b = torch.arange(n_blocks, device=dev)
+    middle = (b[None, None, :] >= 1) & (b[None, None, :] < t[:, None, None])
+    keys = keys.masked_fill(~middle, 2.0)
+    m = max(0, min(topk - 2, n_blocks))
+    picks = keys.topk(m, dim=-1, largest=False)
+    mid = torch.where(picks.values < 1.5, picks.indices, torch.full_like(picks.indices, -1))
+    first = torch.zeros(r, hkv, 1, dtype=torch.int64, device=dev)
+    last = torch.where(t > 0, t, torch.full_like(t, -1))[:, None, None].expand(r, hkv, 1)
+    ids = torch.cat([first, last, mid], dim=-1)
+    big = n_blocks + 1
+    ids = torch.where(ids < 0, torch.full_like(ids, big), ids).sort(-1).values
+    ids = torch.where(ids == big, torch.full_like(ids, -1), ids)
+    return ids[..., :topk].to(torch.int32).contiguous()
+
+
+def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, target: Target | None,
+                flex_note_ms: float | None = None) -> Case:
+    dev = cfg.device
+    scale = D ** -0.5
+    n_blocks = math.ceil(s / BLOCK)
+
+    def make_inputs(n):
+        import torch
+
+        g = _gen(dev, 3)
+        sets = []
+        for _ in range(n):
+            perm = torch.randperm(n_blocks, generator=g, device=dev).to(torch.int32)
+            if per_token:
+                own = torch.arange(s, device=dev) // BLOCK
+                ids = select_blocks(own, hkv, n_blocks, topk, g)
+                tiles = None
+            else:
+                tiles = select_blocks(torch.arange(n_blocks, device=dev), hkv, n_blocks, topk, g)
+                ids = tiles[torch.arange(s, device=dev) // BLOCK].contiguous()
+            sets.append({"q": _randn((s, hq, D), g, dev),
+                         "k_cache": _randn((n_blocks, BLOCK, hkv, D), g, dev),
+                         "v_cache": _randn((n_blocks, BLOCK, hkv, D), g, dev),
+                         "kv_indices": perm, "kv_block_indexes": ids, "tile_ids": tiles})
+        return sets
+
+    def linear_kv(x):
+        if "k_lin" not in x:
+            p = x["kv_indices"].long()
+            x["k_lin"] = x["k_cache"][p].reshape(n_blocks * BLOCK, hkv, D)[:s]
+            x["v_lin"] = x["v_cache"][p].reshape(n_blocks * BLOCK, hkv, D)[:s]
+        return x["k_lin"], x["v_lin"]
+
+    def ours_build(inputs):
+        import torch
+
+        plan = ours.sparse_plan([s], [s], hq, hkv, page_size=BLOCK, kv_block_num=topk, causal=True)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.sparse_msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
+                                              kv_block_indexes=x["kv_block_indexes"], out=outs[i]))
+
+        return Bound(run)
+
+    if per_token:
+        mask = lambda x: token_block_mask(x["kv_block_indexes"], hq, n_blocks)  # noqa: E731
+    else:
+        mask = lambda x: tile_block_mask(x["tile_ids"], hq, n_blocks)  # noqa: E731
+    flex = Impl("flex", "peer", flex_build(dev, s, hq, hkv, D, mask_from_set=mask, kv_view=linear_kv),
+                family="flex")
+    if per_token:
+        flex.samples = 3
+        if not cfg.flex_per_token:
+            if flex_note_ms is None:
+                flex = None
+            else:
+                flex.fixed = {"ms": flex_note_ms,
+                              "note": f"FlexAttention per-token selection: {flex_note_ms} ms per call measured on "
+                                      "this H200 earlier (project notes), not re-run; --flex-per-token times it"}
+
+    def ref(inp):
+        import torch
+
+        rows = sample_rows(s, 24, dev)
+        k, v = linear_kv(inp)
+        r = hq // hkv
+        outs = []
+        ids = inp["kv_block_indexes"][rows].to(torch.int64)  # [R, Hkv, W]
+        off = torch.arange(BLOCK, device=k.device)
+        for gi in range(hkv):
+            blk = ids[:, gi, :]                                           # [R, W]
+            pos = (blk[:, :, None] * BLOCK + off).reshape(len(rows), -1)  # [R, W*128]
+            pos = torch.where((blk[:, :, None] >= 0).expand(-1, -1, BLOCK).reshape(len(rows), -1), pos,
+                              torch.full_like(pos, -1))
+            safe = pos.clamp(0, s - 1)
+            kk, vv = k[safe, gi][:, :, None, :], v[safe, gi][:, :, None, :]
+            outs.append(attention_rows(inp["q"][rows, gi * r:(gi + 1) * r], kk, vv, rows, torch.full_like(rows, s),
+                                       True, scale, key_pos=pos))
+        return rows, torch.cat(outs, dim=1)
+
+    def flops_of(x):
+        import numpy as np
+
+        return sparse_attention_flops(x["kv_block_indexes"].cpu().numpy(), np.arange(s), s, hq, D)
+
+    case = Case(
+        op="msa sparse prefill",
+        name=f"S{s} Hq{hq} Hkv{hkv} top{topk} " + ("per-token blocks" if per_token else "tile-shared blocks"),
+        make_inputs=make_inputs, set_bytes=2.0 * s * hq * D + 4.0 * s * hkv * D,
+        impls=[Impl("mate_cupy", "ours", ours_build)] + ([flex] if flex is not None else []),
+        metric="tflops", flops=None, baseline="flex" if flex is not None else None, target=target,
+        check=_checker(ref, "fp32 reference on sampled query rows"), tol=2e-2,
+        params=dict(S=s, Hq=hq, Hkv=hkv, D=D, topk=topk, block=BLOCK, per_token=per_token, causal=True,
+                    dtype="bfloat16"),
+    )
+    _attach_flops(case, flops_of)
+    return case
+
+
+def _attach_flops(case: Case, flops_of):
+    """Sparse FLOPs depend on the drawn selection: count them on the first input set."""
+    make = case.make_inputs
+
+    def make_inputs(n):
+        sets = make(n)
+        case.flops = flops_of(sets[0])
+        return sets
+
+    case.make_inputs = make_inputs
+
+
+# --------------------------------------------------------------------------- the list
+
+def cases(cfg) -> list:
+    flash = Target("speedup", 1.0, "sdpa_flash")
+    flex = Target("speedup", 1.0, "flex")
+    out = []
+    b, s, hq, hkv = sized(cfg, (1, 8192, 64, 8), (1, 2048, 64, 8), (1, 256, 8, 2))
+    out.append(dense_case(cfg, b, s, hq, hkv, target=flash))
+    if cfg.size != "tiny":
+        b, s, hq, hkv = sized(cfg, (1, 32768, 64, 4), (1, 4096, 64, 4), None)
+        out.append(dense_case(cfg, b, s, hq, hkv, target=flash))
+    b, s, hq, hkv = sized(cfg, (16, 1024, 64, 8), (4, 1024, 64, 8), (2, 128, 8, 2))
+    out.append(dense_case(cfg, b, s, hq, hkv, target=flash))
+    b, L, page, hq, hkv = sized(cfg, (64, 8192, 64, 64, 8), (16, 2048, 64, 64, 8), (2, 256, 64, 8, 2))
+    out.append(decode_case(cfg, b, L, page, hq, hkv, target=Target("tbps", 3.0)))
+    s, hq, hkv, topk = sized(cfg, (32768, 64, 4, 16), (8192, 64, 4, 16), (2048, 16, 1, 4))
+    out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=False, target=flex))
+    out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=True, target=None,
+                           flex_note_ms=219.0 if cfg.size == "full" else None))
+    return out

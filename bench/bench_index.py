@@ -1,0 +1,145 @@
+"""MSA index cases (issue 5): top-k block selection and per-block max scores.
+
+* ``sparse_topk_select`` vs ``torch.topk`` (k = 16 over the last dim of fp32 scores).
+* Block max score (``msa(..., max_score=..., output_o=False)``) vs our own dense
+  attention on the same shape: the target is a time ratio (the max-score pass
+  must cost at most 0.6x of attention, or selection eats the sparse win).
+"""
+from __future__ import annotations
+
+import math
+
+from . import ours
+from .bench_attention import D, _gen, _randn
+from .checks import attention_rows, block_max_rows, rel_err, sample_rows, topk_mismatch
+from .harness import Bound, Case, Impl, sized
+from .models import BLOCK, attention_flops, max_score_flops, topk_bytes
+from .report import Target
+
+
+def topk_case(cfg, rows: int, heads: int, n: int, k: int, *, target: Target | None) -> Case:
+    dev = cfg.device
+
+    def make_inputs(nsets):
+        import torch
+
+        g = _gen(dev, 5)
+        return [{"x": torch.randn((rows, heads, n), generator=g, device=dev, dtype=torch.float32)}
+                for _ in range(nsets)]
+
+    def ours_build(inputs):
+        import torch
+
+        outs = [torch.empty((rows, heads, k), dtype=torch.int32, device=x["x"].device) for x in inputs]
+
+        def run(i):
+            return ours.sparse_topk_select(inputs[i]["x"], k, output=outs[i])
+
+        return Bound(run)
+
+    def torch_build(inputs):
+        import torch
+
+        vals = [torch.empty((rows, heads, k), dtype=torch.float32, device=x["x"].device) for x in inputs]
+        idx = [torch.empty((rows, heads, k), dtype=torch.int64, device=x["x"].device) for x in inputs]
+
+        def run(i):
+            return torch.topk(inputs[i]["x"], k, dim=-1, out=(vals[i], idx[i]))
+
+        return Bound(run, result=lambda out: out[1])
+
+    def check(results, inp):
+        import torch
+
+        ref = torch.topk(inp["x"], k, dim=-1).indices
+        return {name: {"err": topk_mismatch(out, ref), "err_vs": "fraction of rows whose id set differs from torch.topk"}
+                for name, out in results.items()}
+
+    return Case(
+        op="msa topk select", name=f"[{rows}, {heads}, {n}] fp32 k{k}",
+        make_inputs=make_inputs, set_bytes=topk_bytes(rows * heads, n),
+        impls=[Impl("mate_cupy", "ours", ours_build, capture_safe=True),
+               Impl("torch.topk", "peer", torch_build, family="torch_topk", capture_safe=True)],
+        metric="tbps", bytes=topk_bytes(rows * heads, n), baseline="torch.topk", target=target,
+        check=check, tol=1e-4, params=dict(shape=[rows, heads, n], k=k, dtype="float32"),
+    )
+
+
+def max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Target | None) -> Case:
+    """One request: ``sq`` queries at the end of ``sk`` keys (causal, bottom-right)."""
+    dev = cfg.device
+    off = sk - sq
+    n_tiles = math.ceil(sk / BLOCK)
+    scale = D ** -0.5
+
+    def make_inputs(n):
+        g = _gen(dev, 6)
+        return [{"q": _randn((sq, hq, D), g, dev), "k": _randn((sk, hkv, D), g, dev),
+                 "v": _randn((sk, hkv, D), g, dev)} for _ in range(n)]
+
+    def ours_max_score(inputs):
+        import torch
+
+        plan = ours.eager_plan([sq], [sk], hq, hkv, causal=True)
+        bufs = [torch.empty((sq, hq, n_tiles), dtype=torch.float32, device=x["q"].device) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            res = ours.msa(x["q"], x["k"], x["v"], plan, max_score=bufs[i], output_o=False)
+            return res[1] if isinstance(res, (tuple, list)) else res
+
+        return Bound(run)
+
+    def ours_attention(inputs):
+        import torch
+
+        plan = ours.eager_plan([sq], [sk], hq, hkv, causal=True)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.msa(x["q"], x["k"], x["v"], plan, out=outs[i]))
+
+        return Bound(run)
+
+    def check(results, inp):
+        import torch
+
+        rows = sample_rows(sq, 32, dev)
+        pos = rows + off
+        q = inp["q"][rows]
+        out = {}
+        if "mate_cupy" in results:
+            ref = block_max_rows(q, inp["k"], pos, sk, True, n_tiles)
+            out["mate_cupy"] = {"err": rel_err(results["mate_cupy"][rows], ref),
+                                "err_vs": "fp32 block max of q.k on sampled rows (-inf pattern must match)"}
+        if "mate_cupy.msa" in results:
+            ref = attention_rows(q, inp["k"], inp["v"], pos, torch.full_like(pos, sk), True, scale)
+            out["mate_cupy.msa"] = {"err": rel_err(results["mate_cupy.msa"][rows], ref),
+                                    "err_vs": "fp32 reference on sampled query rows"}
+        return out
+
+    return Case(
+        op="msa max score", name=f"Sq{sq} Sk{sk} Hq{hq} Hkv{hkv} causal",
+        make_inputs=make_inputs, set_bytes=2.0 * (sq * hq + 2 * sk * hkv) * D,
+        impls=[Impl("mate_cupy", "ours", ours_max_score, flops=max_score_flops(1, hq, sq, sk, D, True)),
+               Impl("mate_cupy.msa", "baseline", ours_attention, flops=attention_flops(1, hq, sq, sk, D, True))],
+        metric="tflops", baseline="mate_cupy.msa", target=target, check=check, tol=2e-2,
+        params=dict(Sq=sq, Sk=sk, qo_offset=off, Hq=hq, Hkv=hkv, D=D, causal=True, dtype="bfloat16",
+                    max_k_tiles=n_tiles),
+    )
+
+
+def cases(cfg) -> list:
+    five = Target("speedup", 5.0, "torch.topk")
+    ratio = Target("time_ratio", 0.6, "mate_cupy.msa")
+    out = []
+    r, h, n = sized(cfg, (8192, 64, 1024), (2048, 64, 1024), (64, 4, 256))
+    out.append(topk_case(cfg, r, h, n, 16, target=five))
+    r, h, n = sized(cfg, (64, 64, 8192), (64, 64, 8192), (8, 4, 1024))
+    out.append(topk_case(cfg, r, h, n, 16, target=five))
+    sq, sk, hq, hkv = sized(cfg, (8192, 8192, 64, 8), (2048, 2048, 64, 8), (256, 256, 8, 2))
+    out.append(max_score_case(cfg, sq, sk, hq, hkv, target=ratio))
+    sq, sk, hq, hkv = sized(cfg, (8192, 131072, 4, 1), (2048, 32768, 4, 1), (128, 1024, 4, 1))
+    out.append(max_score_case(cfg, sq, sk, hq, hkv, target=ratio))
+    return out

@@ -1,0 +1,162 @@
+"""flash-linear-attention (``fla-core`` 0.6.0) as a peer: import, time budget, autotune configs.
+
+fla is optional: when it cannot be imported its rows carry the error and the run
+goes on. Its kernels are Triton with ``@autotune``; the first ``chunk_kda`` call
+for a new head count tunes for 80-100 s. Two controls keep the bench short:
+
+* a time budget shared by every fla first call (``--fla-budget-s``): a first
+  call that overruns it is interrupted (SIGALRM) and later fla rows are skipped;
+* saved configs: after a run, every fla autotuner's chosen configs are written
+  to ``OUTDIR/fla_configs/<GPU>/<kernel>.json`` in fla's own config-cache format.
+  Committed under ``bench/fla_configs/<GPU>/``, they are replayed on later runs
+  (``FLA_CACHE_MODE=strict`` + ``FLA_CONFIG_DIR``): exact autotune-key matches
+  skip tuning, anything else still autotunes. fla keeps its own best configs.
+
+fla's backend dispatch is turned off (``FLA_DISABLE_BACKEND_DISPATCH=1``) so its
+Triton kernels run (the TileLang / FlashKDA backends are not installed there).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from .timing import time_box
+
+
+def gpu_dir_name(gpu_name: str) -> str:
+    """fla's sanitised GPU name ("NVIDIA H200" -> "NVIDIA_H200")."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu"
+
+
+class FlaSession:
+    """One process's fla: loaded once, with a time budget for first calls."""
+
+    def __init__(self, budget_s: float, configs_dir: str | None):
+        self.budget_s = float(budget_s)
+        self.used_s = 0.0
+        self.configs_dir = configs_dir
+        self.modules = None
+        self.error = None
+        self.version = None
+
+    # ------------------------------------------------------------------ loading
+    def load(self):
+        """Import fla (once). Returns a namespace with ``chunk_kda`` and ``fused_recurrent_kda_fwd``."""
+        if self.modules is not None:
+            return self.modules
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+        if self.configs_dir and Path(self.configs_dir).is_dir():
+            os.environ["FLA_CACHE_MODE"] = "strict"
+            os.environ["FLA_CONFIG_DIR"] = str(Path(self.configs_dir).resolve())
+        try:
+            from fla.ops.kda import chunk_kda
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        except Exception as e:  # ImportError, or a missing dependency inside fla
+            self.error = f"fla not importable ({type(e).__name__}: {e}); install the fla-core wheel (bench/README.md)"
+            raise RuntimeError(self.error) from None
+        try:
+            from importlib.metadata import version
+
+            self.version = version("fla-core")
+        except Exception:
+            self.version = "unknown"
+
+        class _Ns:
+            pass
+
+        ns = _Ns()
+        ns.chunk_kda = chunk_kda
+        ns.fused_recurrent_kda_fwd = fused_recurrent_kda_fwd
+        self.modules = ns
+        return ns
+
+    # ------------------------------------------------------------------ budget
+    @contextlib.contextmanager
+    def guard(self):
+        """Around an fla impl's build + first call: enforce what is left of the budget."""
+        left = self.budget_s - self.used_s
+        if left <= 0:
+            raise RuntimeError(f"skipped: the fla time budget ({self.budget_s:.0f} s, --fla-budget-s) is spent")
+        t0 = time.perf_counter()
+        try:
+            with time_box(left, "fla first call (Triton autotuning)"):
+                yield
+        finally:
+            self.used_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ configs
+    def autotuners(self):
+        """Every Triton autotuner object in the loaded fla modules (deduplicated)."""
+        try:
+            from triton.runtime.autotuner import Autotuner
+        except Exception:
+            return []
+        found = {}
+        for name, mod in list(sys.modules.items()):
+            if not (name == "fla" or name.startswith("fla.")) or mod is None:
+                continue
+            for obj in list(vars(mod).values()):
+                depth = 0
+                while obj is not None and depth < 6:
+                    if isinstance(obj, Autotuner):
+                        found[id(obj)] = obj
+                        break
+                    obj = getattr(obj, "fn", None)
+                    depth += 1
+        return list(found.values())
+
+    def dump_configs(self, outdir) -> list[str]:
+        """Write the chosen configs of every tuned fla kernel as ``<kernel>.json``; returns the files."""
+        if self.modules is None:
+            return []
+        import triton
+        from fla.ops.utils.cache import AutotuneKey
+
+        outdir = Path(outdir)
+        per_kernel: dict[str, dict] = {}
+        for at in self.autotuners():
+            cache = getattr(at, "cache", None) or {}
+            if not cache:
+                continue
+            fn = at.fn
+            kname = getattr(at, "kernel_name", None) or getattr(getattr(fn, "fn", fn), "__name__", None)
+            if not kname:
+                continue
+            entries = per_kernel.setdefault(kname, {})
+            for key, cfg in cache.items():
+                if getattr(cfg, "pre_hook", None) is not None:
+                    continue  # not serialisable; that kernel keeps autotuning
+                try:
+                    h = AutotuneKey.key_hash(key)
+                    entry = {"autotune_key": AutotuneKey.normalize_autotune_key(list(key)),
+                             "config": {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps,
+                                        "num_stages": cfg.num_stages, "num_ctas": getattr(cfg, "num_ctas", 1),
+                                        "maxnreg": getattr(cfg, "maxnreg", None)}}
+                    json.dumps(entry)
+                except (TypeError, ValueError):
+                    continue  # a key fla's cache cannot hash either
+                entries[h] = entry
+        written = []
+        if per_kernel:
+            outdir.mkdir(parents=True, exist_ok=True)
+        for kname, entries in sorted(per_kernel.items()):
+            path = outdir / f"{kname}.json"
+            old = {}
+            if path.is_file():
+                try:
+                    old = json.loads(path.read_text()).get("autotune_entries") or {}
+                except Exception:
+                    old = {}
+            old.update(entries)
+            path.write_text(json.dumps({"kernel_name": kname, "triton_version": triton.__version__,
+                                        "fla_version": self.version, "autotune_entries": old},
+                                       indent=1, sort_keys=True) + "\n")
+            written.append(str(path))
+        return written

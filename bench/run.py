@@ -1,0 +1,194 @@
+"""Benchmark mate_cupy beside its peers in one process; write results.json + results.md.
+
+    python bench/run.py OUTDIR [--only attention,index,kda] [--quick] [--peers LIST]
+
+Times each op with CUDA events (warm-up, median of several samples, input sets
+rotated so the L2 cache does not flatter), measures the machine's ceilings
+(device copy TB/s, bf16 GEMM TFLOP/s), checks every implementation's output
+against a cheap fp32 reference, prints a table (last lines of the output) and
+writes ``OUTDIR/results.json`` (a list of records) and ``OUTDIR/results.md``.
+See bench/README.md for the columns and the committed results.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ("attention", "index", "kda")
+PEERS = ("sdpa_flash", "sdpa_cudnn", "flex", "torch_topk", "fla")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="bench/run.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Peers: " + ", ".join(PEERS) + ". fla needs the fla-core wheel on PYTHONPATH (bench/README.md).")
+    ap.add_argument("outdir", help="folder for results.json, results.md (and fla_configs/)")
+    ap.add_argument("--only", default=",".join(FAMILIES),
+                    help="comma-separated op families: attention,index,kda (default: all)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smaller shapes, fewer samples, one decode/chunk shape per family (a few minutes less)")
+    ap.add_argument("--peers", default="all",
+                    help="comma-separated peers to time (default: all; 'none' = ours only)")
+    ap.add_argument("--case", default=None, help="only cases whose 'op name' matches this regex")
+    ap.add_argument("--samples", type=int, default=None, help="timed samples per impl (default 10, quick 5)")
+    ap.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay timing")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    ap.add_argument("--no-ceilings", action="store_true", help="skip measuring the copy/GEMM ceilings")
+    ap.add_argument("--flex-per-token", action="store_true",
+                    help="time FlexAttention on per-token sparse selection (about 219 ms per call)")
+    ap.add_argument("--fla-budget-s", type=float, default=300.0,
+                    help="seconds allowed for all fla first calls (Triton autotuning); then fla is skipped")
+    ap.add_argument("--fla-configs", default=None,
+                    help="folder of saved fla autotune configs to replay (default: bench/fla_configs/<GPU>/ "
+                         "if present; 'none' = autotune)")
+    ap.add_argument("--commit", default=None,
+                    help="commit id to record (default: git rev-parse HEAD, or $MATE_CUPY_COMMIT)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: smoke-test the harness with tiny shapes and wall-clock timing (no GPU)")
+    args = ap.parse_args(argv)
+    fams = [f.strip() for f in args.only.split(",") if f.strip()]
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad:
+        ap.error(f"--only: unknown families {bad}; choose from {', '.join(FAMILIES)}")
+    args.only = fams
+    if args.peers == "all":
+        args.peers = PEERS
+    elif args.peers == "none":
+        args.peers = ()
+    else:
+        peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+        bad = [p for p in peers if p not in PEERS]
+        if bad:
+            ap.error(f"--peers: unknown peers {bad}; choose from {', '.join(PEERS)}")
+        args.peers = peers
+    return args
+
+
+def git_commit(explicit=None) -> str:
+    if explicit:
+        return explicit
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if sha:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return sha[:12] + ("+dirty" if dirty else "")
+    except Exception:
+        pass
+    return os.environ.get("MATE_CUPY_COMMIT", "unknown")
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    meta = {"torch": torch.__version__}
+    for mod in ("cupy", "triton"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception:
+            meta[mod] = None
+    if device == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["cuda"] = torch.version.cuda
+        props = torch.cuda.get_device_properties(0)
+        meta["l2_bytes"] = int(getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20)
+    else:
+        import platform
+
+        meta["gpu"] = f"cpu ({platform.processor() or platform.machine()})"
+        meta["l2_bytes"] = 32 * 2**20
+    return meta
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from bench import bench_attention, bench_index, bench_kda
+    from bench.harness import BenchConfig, run_cases
+    from bench.report import format_table, new_record, status, write_results
+    from bench.timing import TimingConfig, make_timer, measure_ceilings
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/run.py: no CUDA device visible to torch (use --device cpu for a harness smoke run)",
+              file=sys.stderr)
+        return 2
+    size = "tiny" if args.device == "cpu" else ("quick" if args.quick else "full")
+    timing = {"full": TimingConfig(), "quick": TimingConfig(warmup=2, samples=5, budget_s=4.0),
+              "tiny": TimingConfig(warmup=1, samples=2, min_samples=1, budget_s=2.0)}[size]
+    if args.samples:
+        timing.samples = args.samples
+    meta = environment(args.device)
+    meta.update(commit=git_commit(args.commit), mode=size,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                command="python bench/run.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                   else sys.argv[1:])))
+    fla_configs = args.fla_configs
+    if fla_configs is None and args.device == "cuda":
+        fla_configs = bench_kda.default_fla_configs(meta["gpu"])
+    elif fla_configs == "none":
+        fla_configs = None
+    cfg = BenchConfig(device=args.device, size=size, peers=tuple(args.peers), graphs=not args.no_graphs,
+                      check=not args.no_check, case_filter=args.case, flex_per_token=args.flex_per_token,
+                      fla_budget_s=args.fla_budget_s, fla_configs=fla_configs, l2_bytes=meta["l2_bytes"],
+                      timing=timing, outdir=args.outdir)
+    timer = make_timer(args.device, timing)
+    print(f"mate_cupy bench: {meta['gpu']}, commit {meta['commit']}, {size} shapes, families {args.only}, "
+          f"peers {list(cfg.peers) or 'none'}" + (f", fla configs {fla_configs}" if fla_configs else ""))
+    t_start = time.perf_counter()
+    records = []
+    torch.set_grad_enabled(False)
+    if args.device == "cuda" and not args.no_ceilings:
+        try:
+            for c in measure_ceilings(timer, copy_bytes=(1 << 31) if size == "full" else (1 << 29)):
+                rec = new_record("ceiling", c["case"], "torch", "ceiling", ms=c["ms"], metric=c["metric"],
+                                 flops=c.get("flops"), bytes=c.get("bytes"))
+                if c["metric"] == "tflops":
+                    rec["tflops"] = c["flops"] / (c["ms"] * 1e-3) / 1e12
+                    cfg.ceilings["tflops"] = rec["tflops"]
+                else:
+                    rec["tbps"] = c["bytes"] / (c["ms"] * 1e-3) / 1e12
+                    cfg.ceilings["tbps"] = rec["tbps"]
+                rec["ceiling_frac"] = 1.0
+                records.append(rec)
+            print(f"ceilings: copy {cfg.ceilings.get('tbps', 0):.2f} TB/s, GEMM {cfg.ceilings.get('tflops', 0):.0f} "
+                  "TFLOP/s")
+        except Exception as e:
+            print(f"ceilings failed: {type(e).__name__}: {e}")
+    modules = {"attention": bench_attention, "index": bench_index, "kda": bench_kda}
+    for fam in args.only:
+        mod = modules[fam]
+        try:
+            records += run_cases(mod.cases(cfg), cfg, timer)
+            if hasattr(mod, "after"):
+                records += mod.after(cfg, timer)
+        except Exception as e:
+            print(f"[{fam}] family failed: {type(e).__name__}: {e}")
+            records.append(new_record(fam, "(all cases)", "harness", "ours", error=f"{type(e).__name__}: {e}"))
+    if bench_kda.SESSION is not None and bench_kda.SESSION.version:
+        meta["fla"] = bench_kda.SESSION.version
+    meta["seconds"] = round(time.perf_counter() - t_start, 1)
+    jpath, mpath = write_results(args.outdir, records, meta)
+    body = [r for r in records if r["kind"] != "ceiling"]
+    counts = {}
+    for r in body:
+        st = status(r)
+        counts[st] = counts.get(st, 0) + 1
+    print(f"\nwrote {jpath} and {mpath} ({meta['seconds']} s)\n")
+    print(format_table(records))
+    print("\n" + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f"  [{meta['gpu']}, {meta['commit']}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
