@@ -1,0 +1,761 @@
+// Kimi Delta Attention recurrent decode step (gated delta rule), SPEC sections 8 and 8a.
+//
+// One CTA advances one V-slice of one (sequence n, value head hv) state through all of
+// the sequence's tokens. Per token (S is [V, K] in the math, whatever the storage layout):
+//
+//     S <- S * exp(gk)[None, :]                   (gk: per-K log decay, computed here)
+//     u  = v - S @ k;  S <- S + (b * u) k^T
+//     o  = scale * S @ q = scale * (S_dec @ q + (b * u) (k . q))
+//
+// The last form gives both dot products (S_dec @ k, S_dec @ q) from one reduction pass.
+//
+// Work split. V rows of the state evolve independently (the only per-token values shared
+// across V are q, k and the gate, all [K]), so the grid is N * HV * (V-splits) CTAs:
+//   * V-first storage [P, HV, V, K]: a CTA owns nwarps * 16 consecutive V rows (nwarps 1..8,
+//     chosen by the launcher to fill the GPU); 8 lanes cover one 128-wide row, each lane 16
+//     columns as 16-byte chunks (a warp instruction touches four full 128-byte lines); each
+//     lane holds 4 rows (64 state floats: the register file, not overhead, holds the state).
+//   * K-first storage [P, HV, K, V]: a CTA owns 32 (fp32) or 64 (bf16) V columns, i.e. 128
+//     contiguous bytes of each of the 128 K rows; lanes run along V (16 bytes each), K is
+//     spread over 4 lane groups and 2 (fp32) / 4 (bf16) warps; the K reductions finish
+//     through shared memory (one barrier per token).
+//
+// Pipeline. The state slice is first staged into shared memory with 16-byte cp.async (L2
+// only), so its DRAM latency overlaps the prologue without holding registers: q/k L2 norm,
+// k.q, the gate exp(gk), v and beta of up to kMaxChunk tokens are computed once per CTA
+// into shared memory. Each lane then moves its own staged chunks into registers, runs the
+// tokens, and stores (streaming) the state where it goes. Between token chunks (sequences
+// longer than kMaxChunk) the registers go back to the stage, so the prologue never holds
+// the state in registers.
+//
+// Slots (CTA-uniform): the read slot is n, state_indices[n], state_indices[n, 0] or
+// state_indices[n, num_accepted_tokens[n] - 1]; a negative or out-of-pool read slot (or an
+// accepted count outside [1, C]) makes the whole sequence padding: zero output, no state
+// read or written, a zero final state. With [N, C] indices a negative slot at token t (or,
+// in place, one past the pool) makes that token padding: zero output, state carried, no
+// store. Tokens past column C are computed and not stored. Out-of-pool slots are never
+// dereferenced.
+#include "common/dtype.cuh"
+#include "common/mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
+
+using namespace mate;
+
+extern __shared__ __align__(16) unsigned char kda_decode_smem[];
+
+namespace kda_decode {
+
+constexpr int kDim = 128;     // K: head dim of q/k, the length of a state row
+constexpr int kMaxChunk = 8;  // tokens prepared per prologue (the launcher's `tc` <= this)
+
+// Element dtype codes of the inputs/outputs (runtime; loads are outside the hot loop).
+enum : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// Bit positions in the packed dtype word: q, k, v, a, b, dt_bias, out (2 bits each).
+enum : int { kDtQ = 0, kDtK = 2, kDtV = 4, kDtA = 6, kDtB = 8, kDtBias = 10, kDtOut = 12 };
+// Option flags (mirrored in mate_cupy/kda/decode_kernels.py).
+enum : int {
+    kVarlen = 1 << 0,
+    kL2Norm = 1 << 1,
+    kGateInKernel = 1 << 2,
+    kLowerBound = 1 << 3,
+    kBetaSigmoid = 1 << 4,
+    kNegEigval = 1 << 5,
+    kInitialState = 1 << 6,
+    kInplace = 1 << 7,
+    kBetaPerChannel = 1 << 8,
+    kIdx64 = 1 << 9,
+    kAccepted64 = 1 << 10,
+    kCu64 = 1 << 11,
+    kHasAccepted = 1 << 12,
+};
+// Per-token slot codes held in shared memory (>= 0: store the state there).
+constexpr long long kNoStore = -1;
+constexpr long long kPadToken = -2;
+
+struct Params {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* a;
+    const void* b;
+    const float* A_log;
+    const void* dt_bias;
+    void* state;
+    const void* state_indices;
+    const void* num_accepted;
+    const void* cu_seqlens;
+    void* out;
+    void* final_state;
+    long long pool_size;  // slots in `state` (LLONG_MAX when there is no pool)
+    int q_sb, q_st, q_sh;  // element strides: batch, token, head (last dim contiguous)
+    int k_sb, k_st, k_sh;
+    int v_sb, v_st, v_sh;
+    int a_sb, a_st, a_sh;
+    int b_sb, b_st, b_sh;
+    int N, T, H, HV, V;  // T: tokens per sequence (dense) or packed tokens (varlen)
+    int idx_cols;        // 0: no state_indices; -1: [N]; C > 0: [N, C]
+    int flags, dtypes;
+    float scale, lower_bound;
+    int n_splits, tc;
+};
+
+#define KDA_DECODE_KERNEL_ARGS                                                                            \
+    const void *q, const void *k, const void *v, const void *a, const void *b, const float *A_log,        \
+        const void *dt_bias, void *state, const void *state_indices, const void *num_accepted,            \
+        const void *cu_seqlens, void *out, void *final_state, long long pool_size, int q_sb, int q_st,    \
+        int q_sh, int k_sb, int k_st, int k_sh, int v_sb, int v_st, int v_sh, int a_sb, int a_st, int a_sh, \
+        int b_sb, int b_st, int b_sh, int N, int T, int H, int HV, int V, int idx_cols, int flags,        \
+        int dtypes, float scale, float lower_bound, int n_splits, int tc
+
+#define KDA_DECODE_PARAMS                                                                                  \
+    Params{q,    k,    v,    a,    b,    A_log, dt_bias, state, state_indices, num_accepted, cu_seqlens, \
+           out,  final_state, pool_size, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, a_sb,     \
+           a_st, a_sh, b_sb, b_st, b_sh, N, T, H, HV, V, idx_cols, flags, dtypes, scale, lower_bound,     \
+           n_splits, tc}
+
+// ------------------------------------------------------------------ scalar loads / stores
+
+__device__ __forceinline__ int dtype_of(int dtypes, int field) { return (dtypes >> field) & 3; }
+
+__device__ __forceinline__ float load_as_float(const void* p, long long i, int code) {
+    if (code == kF32) return static_cast<const float*>(p)[i];
+    if (code == kF16) return __half2float(static_cast<const half_t*>(p)[i]);
+    return __bfloat162float(static_cast<const bf16_t*>(p)[i]);
+}
+
+__device__ __forceinline__ void store_from_float(void* p, long long i, int code, float x) {
+    if (code == kF32) static_cast<float*>(p)[i] = x;
+    else if (code == kF16) static_cast<half_t*>(p)[i] = __float2half_rn(x);
+    else static_cast<bf16_t*>(p)[i] = __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ long long load_index(const void* p, long long i, bool is64) {
+    return is64 ? static_cast<const long long*>(p)[i] : static_cast<long long>(static_cast<const int*>(p)[i]);
+}
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+// log(1 + exp(x)) with torch's threshold (x > 20: x; the difference is below 2.1e-9).
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// ------------------------------------------------------------------ 16-byte state chunks
+
+// A 16-byte chunk of state elements <-> floats: 4 fp32 or 8 bf16 (bf16 widens exactly and
+// rounds to nearest even). Global stores stream (st.global.cs): every byte is touched once.
+template <typename StateT> struct Chunk;
+
+template <> struct Chunk<float> {
+    typedef float4 Vec;
+    static constexpr int kElems = 4;
+    static __device__ __forceinline__ void unpack(const float4& x, float* d) {
+        d[0] = x.x; d[1] = x.y; d[2] = x.z; d[3] = x.w;
+    }
+    static __device__ __forceinline__ float4 pack(const float* s) { return make_float4(s[0], s[1], s[2], s[3]); }
+    static __device__ __forceinline__ float round(float x) { return x; }
+};
+
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+template <> struct Chunk<bf16_t> {
+    typedef uint4 Vec;
+    static constexpr int kElems = 8;
+    static __device__ __forceinline__ void unpack(const uint4& x, float* d) {
+        d[0] = bf16_lo(x.x); d[1] = bf16_hi(x.x); d[2] = bf16_lo(x.y); d[3] = bf16_hi(x.y);
+        d[4] = bf16_lo(x.z); d[5] = bf16_hi(x.z); d[6] = bf16_lo(x.w); d[7] = bf16_hi(x.w);
+    }
+    static __device__ __forceinline__ uint4 pack(const float* s) {
+        return make_uint4(pack2<bf16_t>(s[0], s[1]), pack2<bf16_t>(s[2], s[3]), pack2<bf16_t>(s[4], s[5]),
+                          pack2<bf16_t>(s[6], s[7]));
+    }
+    // The state after every token is rounded to bf16, as repeated single-token decode.
+    static __device__ __forceinline__ float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+};
+
+template <typename StateT>
+__device__ __forceinline__ void chunk_to_regs(const StateT* smem, float* d) {
+    Chunk<StateT>::unpack(*reinterpret_cast<const typename Chunk<StateT>::Vec*>(smem), d);
+}
+template <typename StateT>
+__device__ __forceinline__ void regs_to_chunk(StateT* smem, const float* s) {
+    *reinterpret_cast<typename Chunk<StateT>::Vec*>(smem) = Chunk<StateT>::pack(s);
+}
+template <typename StateT>
+__device__ __forceinline__ void regs_to_global(StateT* gmem, const float* s) {
+    __stcs(reinterpret_cast<typename Chunk<StateT>::Vec*>(gmem), Chunk<StateT>::pack(s));
+}
+
+// ------------------------------------------------------------------ sequence and slots
+
+struct Seq {
+    int bidx;        // batch row of the inputs/outputs (0 for varlen)
+    long long bos;   // first token (in the batch row)
+    int len;         // number of tokens
+    long long slot;  // read slot (valid when !pad)
+    bool pad;        // padding sequence: zero outputs, no state traffic
+};
+
+__device__ __forceinline__ Seq sequence_of(const Params& p, int n) {
+    Seq s;
+    if (p.flags & kVarlen) {
+        const bool is64 = (p.flags & kCu64) != 0;
+        long long b0 = load_index(p.cu_seqlens, n, is64);
+        long long b1 = load_index(p.cu_seqlens, n + 1, is64);
+        b0 = b0 < 0 ? 0 : (b0 > p.T ? p.T : b0);  // clamp into the packed tokens
+        b1 = b1 < b0 ? b0 : (b1 > p.T ? p.T : b1);
+        s.bidx = 0;
+        s.bos = b0;
+        s.len = static_cast<int>(b1 - b0);
+    } else {
+        s.bidx = n;
+        s.bos = 0;
+        s.len = p.T;
+    }
+    const bool idx64 = (p.flags & kIdx64) != 0;
+    long long slot = n;
+    bool pad = false;
+    if (p.idx_cols < 0) {
+        slot = load_index(p.state_indices, n, idx64);
+    } else if (p.idx_cols > 0) {
+        long long col = 0;
+        if (p.flags & kHasAccepted) col = load_index(p.num_accepted, n, (p.flags & kAccepted64) != 0) - 1;
+        if (col < 0 || col >= p.idx_cols) pad = true;
+        else slot = load_index(p.state_indices, static_cast<long long>(n) * p.idx_cols + col, idx64);
+    }
+    s.pad = pad || slot < 0 || slot >= p.pool_size;
+    s.slot = slot;
+    return s;
+}
+
+// Slot code of token t (local index) of sequence n: where its state goes, or padding.
+__device__ __forceinline__ long long token_slot(const Params& p, int n, int t) {
+    if (p.idx_cols <= 0 || t >= p.idx_cols) return kNoStore;
+    const long long s =
+        load_index(p.state_indices, static_cast<long long>(n) * p.idx_cols + t, (p.flags & kIdx64) != 0);
+    if (s < 0) return kPadToken;
+    if (!(p.flags & kInplace)) return kNoStore;
+    return s < p.pool_size ? s : kPadToken;
+}
+
+// ------------------------------------------------------------------ shared memory
+
+// Layout (every region 16-byte aligned; tc tokens per chunk; VS state rows (V-first) or
+// columns (K-first) per CTA):
+//   stage   VS * 128 state elements (the CTA's slice, same element order as in global)
+//   slot    [tc] i64, padded to 16 bytes      kq [tc] f32, padded to 16 bytes
+//   q, k, e [tc][128] f32 each                v, b [tc][VS] f32 each
+//   red     K-first only: [2 parities][nwarps][2 (S_dec k, S_dec q)][VS] f32
+// The launcher computes the same total (decode_kernels.py: _smem_bytes).
+struct Smem {
+    long long* slot;
+    float* kq;
+    float* q;
+    float* k;
+    float* e;
+    float* v;
+    float* b;
+    float* red;
+};
+
+__device__ __forceinline__ Smem carve_smem(int stage_bytes, int tc, int VS) {
+    Smem m;
+    unsigned char* p = kda_decode_smem + stage_bytes;
+    m.slot = reinterpret_cast<long long*>(p);
+    p += ((tc + 1) / 2) * 16;
+    m.kq = reinterpret_cast<float*>(p);
+    p += ((tc + 3) / 4) * 16;
+    m.q = reinterpret_cast<float*>(p);
+    m.k = m.q + tc * kDim;
+    m.e = m.k + tc * kDim;
+    m.v = m.e + tc * kDim;
+    m.b = m.v + tc * VS;
+    m.red = m.b + tc * VS;
+    return m;
+}
+
+// Prepare tokens c0 .. c0+cn-1 of sequence n for value head hv (q/k head h) and the V range
+// [v0, v0+VS): normalised q and k, k.q, exp(gate), the token's slot code, v and beta.
+// Per token one warp task for q/k (4 channels per lane, warp reductions) and one for the
+// gate and slot; then all threads load v and b of the slice. Ends without a barrier.
+__device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, const Smem& m, int n, int hv, int h,
+                                               int v0, int VS, int c0, int cn) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    const int col = lane * 4;
+    for (int task = warp; task < 2 * cn; task += nwarps) {  // warp-uniform loop
+        const int t = task >> 1;
+        const long long tok = s.bos + c0 + t;
+        if ((task & 1) == 0) {
+            const long long qo = static_cast<long long>(s.bidx) * p.q_sb + tok * p.q_st +
+                                 static_cast<long long>(h) * p.q_sh + col;
+            const long long ko = static_cast<long long>(s.bidx) * p.k_sb + tok * p.k_st +
+                                 static_cast<long long>(h) * p.k_sh + col;
+            const int qc = dtype_of(p.dtypes, kDtQ), kc = dtype_of(p.dtypes, kDtK);
+            float qv[4], kv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                qv[e] = load_as_float(p.q, qo + e, qc);
+                kv[e] = load_as_float(p.k, ko + e, kc);
+            }
+            if (p.flags & kL2Norm) {  // x / sqrt(sum x^2 + 1e-6)
+                float sq = 0.f, sk = 0.f;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sq = fmaf(qv[e], qv[e], sq);
+                    sk = fmaf(kv[e], kv[e], sk);
+                }
+                const float rq = rsqrtf(warp_sum(sq) + 1e-6f);
+                const float rk = rsqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    qv[e] *= rq;
+                    kv[e] *= rk;
+                }
+            }
+            float kq = 0.f;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) kq = fmaf(qv[e], kv[e], kq);
+            kq = warp_sum(kq);
+            *reinterpret_cast<float4*>(m.q + t * kDim + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
+            *reinterpret_cast<float4*>(m.k + t * kDim + col) = make_float4(kv[0], kv[1], kv[2], kv[3]);
+            if (lane == 0) m.kq[t] = kq;
+        } else {
+            const long long ao = static_cast<long long>(s.bidx) * p.a_sb + tok * p.a_st +
+                                 static_cast<long long>(hv) * p.a_sh + col;
+            const int ac = dtype_of(p.dtypes, kDtA);
+            const bool gate = (p.flags & kGateInKernel) != 0;
+            const float eA = (gate && p.A_log != nullptr) ? expf(p.A_log[hv]) : 1.f;
+            float ev[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = load_as_float(p.a, ao + e, ac);
+                float gk = x;
+                if (gate) {
+                    if (p.dt_bias != nullptr)
+                        x += load_as_float(p.dt_bias, hv * kDim + col + e, dtype_of(p.dtypes, kDtBias));
+                    gk = (p.flags & kLowerBound) ? p.lower_bound * sigmoid_f(eA * x) : -eA * softplus_f(x);
+                }
+                ev[e] = expf(gk);
+            }
+            *reinterpret_cast<float4*>(m.e + t * kDim + col) = make_float4(ev[0], ev[1], ev[2], ev[3]);
+            if (lane == 0) m.slot[t] = token_slot(p, n, c0 + t);
+        }
+    }
+    const int vc = dtype_of(p.dtypes, kDtV), bc = dtype_of(p.dtypes, kDtB);
+    const bool per_channel = (p.flags & kBetaPerChannel) != 0;
+    for (int i = threadIdx.x; i < cn * VS; i += blockDim.x) {
+        const int t = i / VS;
+        const int row = v0 + (i - t * VS);
+        float vv = 0.f, bb = 0.f;
+        if (row < p.V) {
+            const long long tok = s.bos + c0 + t;
+            vv = load_as_float(p.v, static_cast<long long>(s.bidx) * p.v_sb + tok * p.v_st +
+                                        static_cast<long long>(hv) * p.v_sh + row, vc);
+            bb = load_as_float(p.b, static_cast<long long>(s.bidx) * p.b_sb + tok * p.b_st +
+                                        static_cast<long long>(hv) * p.b_sh + (per_channel ? row : 0), bc);
+            if (p.flags & kBetaSigmoid) bb = sigmoid_f(bb);
+            if (p.flags & kNegEigval) bb *= 2.f;
+        }
+        m.v[i] = vv;
+        m.b[i] = bb;
+    }
+}
+
+// Output offset (elements) of token `tok` of batch row `bidx`, head hv: out is [B, T, HV, V].
+__device__ __forceinline__ long long out_offset(const Params& p, const Seq& s, long long tok, int hv) {
+    return ((static_cast<long long>(s.bidx) * p.T + tok) * p.HV + hv) * p.V;
+}
+
+// Zero outputs of every token of a padding sequence for the V range [v0, v0+VS).
+__device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int hv, int v0, int VS) {
+    const int oc = dtype_of(p.dtypes, kDtOut);
+    for (int i = threadIdx.x; i < s.len * VS; i += blockDim.x) {
+        const int t = i / VS;
+        const int row = v0 + (i - t * VS);
+        if (row < p.V) store_from_float(p.out, out_offset(p, s, s.bos + t, hv) + row, oc, 0.f);
+    }
+}
+
+// ------------------------------------------------------------------ V-first kernel
+
+template <typename StateT>
+struct VFirst {
+    static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
+    static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
+    static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
+    static constexpr int kRows = 4;                     // rows per lane (64 state floats)
+    static constexpr int kRowsPerWarp = 4 * kRows;      // 16
+    // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
+    // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
+    static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
+    static __device__ constexpr int row_offset(int r) { return r * 4 * kDim; }  // rows r*4 apart
+};
+
+// State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps (1..8) warps; the
+// CTA owns rows [split * VS, +VS), VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r.
+template <typename StateT>
+__global__ void __launch_bounds__(256, 2) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = VFirst<StateT>;
+    const Params p = KDA_DECODE_PARAMS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
+    const int split = blockIdx.x % p.n_splits;
+    const int nh = blockIdx.x / p.n_splits;
+    const int hv = nh % p.HV, n = nh / p.HV;
+    const int h = hv / (p.HV / p.H);
+    const int v0 = split * VS;
+    const int g = lane & 7;
+    const Seq s = sequence_of(p, n);
+
+    const long long head_elems = static_cast<long long>(p.V) * kDim;
+    const long long slot_elems = head_elems * p.HV;
+    const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
+    const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
+    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
+    bool row_ok[C::kRows];
+#pragma unroll
+    for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
+
+    StateT* stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
+    const bool load = !s.pad && (p.flags & kInitialState);
+    if (load) {
+        const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+            if (!row_ok[r]) continue;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                const int o = C::row_offset(r) + C::chunk_offset(j);
+                cp_async_16(stage + o, src + o);
+            }
+        }
+    }
+    cp_async_commit();
+
+    const Smem m = carve_smem(VS * kDim * static_cast<int>(sizeof(StateT)), p.tc, VS);
+    if (s.pad) zero_outputs(p, s, hv, v0, VS);
+    const int len = s.pad ? 0 : s.len;
+    const int oc = dtype_of(p.dtypes, kDtOut);
+    bool changed = false;
+    float S[C::kRows][C::kCols];
+    // Registers <- own staged chunks (zeros for rows past V and without an initial state).
+    auto stage_to_regs = [&](bool from_stage) {
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                if (from_stage && row_ok[r]) {
+                    chunk_to_regs(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < C::kEPC; ++e) S[r][j * C::kEPC + e] = 0.f;
+                }
+            }
+        }
+    };
+    for (int c0 = 0; c0 < len; c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);
+        if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
+        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+        cp_async_wait<0>();
+        __syncthreads();
+        stage_to_regs(c0 > 0 || load);
+        for (int t = 0; t < cn; ++t) {
+            const long long slot = m.slot[t];
+            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
+            if (slot == kPadToken) {
+                if (g == 0) {
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r)
+                        if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                }
+                continue;
+            }
+            const float* qs = m.q + t * kDim + g * C::kEPC;
+            const float* ks = m.k + t * kDim + g * C::kEPC;
+            const float* es = m.e + t * kDim + g * C::kEPC;
+            float dk[C::kRows], dq[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float& x = S[r][j * C::kEPC + e4 + e];
+                            x *= ea[e];
+                            dk[r] = fmaf(x, ka[e], dk[r]);
+                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                }
+            }
+            const float kq = m.kq[t];
+            float bu[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+                const int i = t * VS + lrow0 + 4 * r;
+                bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                const float o = (dq[r] + bu[r] * kq) * p.scale;
+                if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
+            }
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + C::chunk_offset(j) + e4);
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float& x = S[r][j * C::kEPC + e4 + e];
+                            x = Chunk<StateT>::round(fmaf(bu[r], ka[e], x));
+                        }
+                    }
+                }
+            }
+            changed = true;
+            if (slot >= 0) {
+                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+                    if (!row_ok[r]) continue;
+#pragma unroll
+                    for (int j = 0; j < C::kChunks; ++j)
+                        regs_to_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                }
+            }
+        }
+        if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j)
+                    regs_to_chunk(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+            }
+        }
+    }
+    if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
+        cp_async_wait<0>();
+        stage_to_regs(load);
+    }
+    // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
+    StateT* dsts[2] = {nullptr, nullptr};
+    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
+    if (p.final_state != nullptr)
+        dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        if (dsts[d] == nullptr) continue;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+            if (!row_ok[r]) continue;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j)
+                regs_to_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ K-first kernel
+
+template <typename StateT>
+struct KFirst {
+    static constexpr int kVPL = Chunk<StateT>::kElems;  // V columns per lane (one chunk): 4 / 8
+    static constexpr int kKPL = 64 / kVPL;              // K rows per lane (64 state floats): 16 / 8
+    static constexpr int kWarps = kDim / (4 * kKPL);    // 2 / 4
+    static constexpr int kThreads = 32 * kWarps;        // 64 / 128
+    static constexpr int kVS = 8 * kVPL;                // V columns per CTA: 32 / 64 (128 bytes)
+};
+
+// State [P, HV, K, V] (K-first). Grid: N * HV * ceil(V / kVS) CTAs of kThreads threads.
+// Lane: V columns v0 + (lane&7)*kVPL + [0, kVPL), K rows warp*4*kKPL + (lane>>3) + 4i.
+// The stage holds the slice as [128 K rows][kVS].
+template <typename StateT>
+__global__ void __launch_bounds__(KFirst<StateT>::kThreads, 512 / KFirst<StateT>::kThreads)
+    kda_decode_kfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = KFirst<StateT>;
+    const Params p = KDA_DECODE_PARAMS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int VS = C::kVS;
+    const int split = blockIdx.x % p.n_splits;
+    const int nh = blockIdx.x / p.n_splits;
+    const int hv = nh % p.HV, n = nh / p.HV;
+    const int h = hv / (p.HV / p.H);
+    const int v0 = split * VS;
+    const int kg = lane >> 3;
+    const int lcol = (lane & 7) * C::kVPL;  // first V column of the lane within the slice
+    const bool col_ok = v0 + lcol < p.V;    // V % kVPL == 0: a chunk is all in or all out
+    const int krow0 = warp * 4 * C::kKPL + kg;  // K row of i = 0; row i is krow0 + 4i
+    const Seq s = sequence_of(p, n);
+
+    const long long head_elems = static_cast<long long>(p.V) * kDim;
+    const long long slot_elems = head_elems * p.HV;
+    // Lane's element offset within a head: row krow0, column v0 + lcol; row i adds 4i rows.
+    const long long lane_off = hv * head_elems + static_cast<long long>(krow0) * p.V + v0 + lcol;
+    const long long row_step = 4LL * p.V;
+
+    StateT* stage = reinterpret_cast<StateT*>(kda_decode_smem) + krow0 * VS + lcol;
+    const bool load = !s.pad && (p.flags & kInitialState) && col_ok;
+    if (load) {
+        const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + lane_off;
+#pragma unroll
+        for (int i = 0; i < C::kKPL; ++i) cp_async_16(stage + i * 4 * VS, src + i * row_step);
+    }
+    cp_async_commit();
+
+    const Smem m = carve_smem(kDim * VS * static_cast<int>(sizeof(StateT)), p.tc, VS);
+    if (s.pad) zero_outputs(p, s, hv, v0, VS);
+    const int len = s.pad ? 0 : s.len;
+    const int oc = dtype_of(p.dtypes, kDtOut);
+    const bool writer = warp == 0 && kg == 0 && col_ok;  // stores the outputs of the lane's columns
+    bool changed = false;
+    int parity = 0;
+    float S[C::kKPL][C::kVPL];
+    auto stage_to_regs = [&](bool from_stage) {
+#pragma unroll
+        for (int i = 0; i < C::kKPL; ++i) {
+            if (from_stage) {
+                chunk_to_regs(stage + i * 4 * VS, S[i]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < C::kVPL; ++e) S[i][e] = 0.f;
+            }
+        }
+    };
+    for (int c0 = 0; c0 < len; c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);
+        if (c0 > 0) __syncthreads();
+        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+        cp_async_wait<0>();
+        __syncthreads();
+        stage_to_regs(c0 > 0 || load);
+        for (int t = 0; t < cn; ++t) {
+            const long long slot = m.slot[t];
+            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lcol;
+            if (slot == kPadToken) {
+                if (writer) {
+#pragma unroll
+                    for (int e = 0; e < C::kVPL; ++e) store_from_float(p.out, ob + e, oc, 0.f);
+                }
+                continue;
+            }
+            const float* qs = m.q + t * kDim + krow0;
+            const float* ks = m.k + t * kDim + krow0;
+            const float* es = m.e + t * kDim + krow0;
+            float dk[C::kVPL], dq[C::kVPL];
+#pragma unroll
+            for (int e = 0; e < C::kVPL; ++e) dk[e] = dq[e] = 0.f;
+#pragma unroll
+            for (int i = 0; i < C::kKPL; ++i) {
+                const float ee = es[4 * i], kk = ks[4 * i], qq = qs[4 * i];
+#pragma unroll
+                for (int e = 0; e < C::kVPL; ++e) {
+                    const float x = S[i][e] * ee;
+                    S[i][e] = x;
+                    dk[e] = fmaf(x, kk, dk[e]);
+                    dq[e] = fmaf(x, qq, dq[e]);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < C::kVPL; ++e) {  // over the 4 K lane groups of the warp
+                dk[e] += __shfl_xor_sync(0xffffffffu, dk[e], 8);
+                dq[e] += __shfl_xor_sync(0xffffffffu, dq[e], 8);
+                dk[e] += __shfl_xor_sync(0xffffffffu, dk[e], 16);
+                dq[e] += __shfl_xor_sync(0xffffffffu, dq[e], 16);
+            }
+            // Across warps through shared memory; alternating buffers need one barrier per token.
+            float* red = m.red + parity * (C::kWarps * 2 * VS);
+            parity ^= 1;
+            if (kg == 0) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kVPL; e4 += 4) {
+                    *reinterpret_cast<float4*>(red + (warp * 2 + 0) * VS + lcol + e4) =
+                        make_float4(dk[e4], dk[e4 + 1], dk[e4 + 2], dk[e4 + 3]);
+                    *reinterpret_cast<float4*>(red + (warp * 2 + 1) * VS + lcol + e4) =
+                        make_float4(dq[e4], dq[e4 + 1], dq[e4 + 2], dq[e4 + 3]);
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int e = 0; e < C::kVPL; ++e) dk[e] = dq[e] = 0.f;
+#pragma unroll
+            for (int w = 0; w < C::kWarps; ++w) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kVPL; e4 += 4) {
+                    const float4 a4 = *reinterpret_cast<const float4*>(red + (w * 2 + 0) * VS + lcol + e4);
+                    const float4 b4 = *reinterpret_cast<const float4*>(red + (w * 2 + 1) * VS + lcol + e4);
+                    dk[e4] += a4.x; dk[e4 + 1] += a4.y; dk[e4 + 2] += a4.z; dk[e4 + 3] += a4.w;
+                    dq[e4] += b4.x; dq[e4 + 1] += b4.y; dq[e4 + 2] += b4.z; dq[e4 + 3] += b4.w;
+                }
+            }
+            const float kq = m.kq[t];
+            float bu[C::kVPL];
+#pragma unroll
+            for (int e = 0; e < C::kVPL; ++e) {
+                const int i = t * VS + lcol + e;
+                bu[e] = m.b[i] * (m.v[i] - dk[e]);
+                const float o = (dq[e] + bu[e] * kq) * p.scale;
+                if (writer) store_from_float(p.out, ob + e, oc, o);
+            }
+#pragma unroll
+            for (int i = 0; i < C::kKPL; ++i) {
+                const float kk = ks[4 * i];
+#pragma unroll
+                for (int e = 0; e < C::kVPL; ++e) S[i][e] = Chunk<StateT>::round(fmaf(bu[e], kk, S[i][e]));
+            }
+            changed = true;
+            if (slot >= 0 && col_ok) {
+                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + lane_off;
+#pragma unroll
+                for (int i = 0; i < C::kKPL; ++i) regs_to_global(dst + i * row_step, S[i]);
+            }
+        }
+        if (c0 + p.tc < len) {
+#pragma unroll
+            for (int i = 0; i < C::kKPL; ++i) regs_to_chunk(stage + i * 4 * VS, S[i]);
+        }
+    }
+    if (len == 0) {
+        cp_async_wait<0>();
+        stage_to_regs(load);
+    }
+    if (!col_ok) return;
+    StateT* dsts[2] = {nullptr, nullptr};
+    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + lane_off;
+    if (p.final_state != nullptr) dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + lane_off;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        if (dsts[d] == nullptr) continue;
+#pragma unroll
+        for (int i = 0; i < C::kKPL; ++i) regs_to_global(dsts[d] + i * row_step, S[i]);
+    }
+}
+
+}  // namespace kda_decode
