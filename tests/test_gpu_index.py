@@ -1,0 +1,530 @@
+"""MSA index kernels: per-128-key-block max score and top-k block selection.
+
+CPU tests (run everywhere): a NumPy model of the top-k kernel's algorithm (same
+thread layout, lower bound, candidate compaction, bitwise searches, tie rule) is
+checked against the float64 reference on adversarial rows, and every registered
+variant compiles with NVRTC. GPU tests: the CUDA kernels, through the launchers and
+through the public API, against ``mate_cupy.reference.msa`` on fresh random inputs
+with poisoned outputs: selected ids must be identical; max scores must match to
+fp32 rounding with ``-inf`` exactly where the reference has it.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mate_cupy.msa import index_kernels as ik
+from mate_cupy.reference import msa as ref
+
+BLOCK = 128
+F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+
+
+# ============================================================================ score generators
+
+
+def _scores(rng, shape, kind: str) -> np.ndarray:
+    """float32 scores with the features a selection must get right."""
+    if kind == "normal":
+        x = rng.standard_normal(shape)
+    elif kind == "ties":  # few distinct values: ties everywhere, at the threshold too
+        x = rng.integers(0, 6, size=shape) * 0.5
+    elif kind == "constant":  # every score equal: the register (heavy-tie) path
+        x = np.full(shape, 1.25)
+    elif kind == "special":  # NaN, +-inf, +-0, denormals, huge values, ties
+        x = rng.standard_normal(shape)
+        pick = rng.random(shape)
+        x = np.where(pick < 0.10, np.nan, x)
+        x = np.where((pick >= 0.10) & (pick < 0.20), -np.inf, x)
+        x = np.where((pick >= 0.20) & (pick < 0.23), np.inf, x)
+        x = np.where((pick >= 0.23) & (pick < 0.30), 0.0, x)
+        x = np.where((pick >= 0.30) & (pick < 0.35), -0.0, x)
+        x = np.where((pick >= 0.35) & (pick < 0.40), 1e-42 * rng.choice([-1, 1], size=shape), x)
+        x = np.where((pick >= 0.40) & (pick < 0.45), 3e38, x)
+        x = np.where((pick >= 0.45) & (pick < 0.50), np.round(x), x)
+    elif kind == "causal":  # a -inf tail per row, as a causal max-score pass leaves it
+        x = rng.standard_normal(shape)
+        nt = shape[-1]
+        cut = rng.integers(0, nt + 1, size=shape[:-1])[..., None]
+        x = np.where(np.arange(nt) >= cut, -np.inf, x)
+    elif kind == "allnan":
+        x = np.full(shape, np.nan)
+    else:
+        raise ValueError(kind)
+    return np.ascontiguousarray(x.astype(np.float32))
+
+
+SCORE_KINDS = ("normal", "ties", "constant", "special", "causal", "allnan")
+
+
+# ============================================================================ NumPy model of the top-k kernel
+
+
+def _order_keys(x: np.ndarray) -> np.ndarray:
+    """score_order_key of common/topk.cuh, on float32 bits."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    b = np.where(b == 0x80000000, 0, b)
+    k = np.where(b >> 31, (~b) & 0xFFFFFFFF, b | 0x80000000)
+    return np.where(nan, 1, k).astype(np.uint64)
+
+
+def _kth_largest(vals: np.ndarray, k: int) -> int:
+    t = 0
+    for bit in range(31, -1, -1):
+        c = t | (1 << bit)
+        if int((vals >= c).sum()) >= k:
+            t = c
+    return t
+
+
+def _nth_index(idx: np.ndarray, need: int, bits: int = 14) -> int:
+    t = 0
+    for bit in range(bits - 1, -1, -1):
+        c = t | (1 << bit)
+        if int((idx < c).sum()) < need:
+            t = c
+    return t
+
+
+def model_topk_row(row: np.ndarray, width: int, valid: int, begin: int, end: int, cap=None) -> np.ndarray:
+    """What msa_topk_select_kernel writes for one row (thread layout included)."""
+    nt = row.shape[0]
+    out = np.full(width, -7, dtype=np.int64)
+    if valid <= width:
+        t = np.arange(width)
+        return np.where(t < valid, t, -1)
+    out[:begin] = np.arange(begin)
+    out[width - end:] = np.arange(valid - end, valid)
+    k = width - begin - end
+    if k <= 0:
+        return out
+    lo, hi = begin, valid - end
+    nw, npt, vec, top2 = ik.topk_variant(nt, k, nt % 4 == 0)
+    g = 32 * nw
+    v, c = np.meshgrid(np.arange(npt // vec), np.arange(vec), indexing="ij")
+    step = (vec * g * v + c).reshape(-1)                        # [NPT] in key[] order
+    idx = vec * np.arange(g)[:, None] + step[None, :]           # [G, NPT]
+    keys = _order_keys(row[np.minimum(idx, nt - 1)])
+    keys = np.where((idx >= lo) & (idx < hi), keys, 0)
+    srt = np.sort(keys, axis=1)
+    maxima = srt[:, -1] if not top2 else np.concatenate([srt[:, -1], srt[:, -2]])
+    t0 = max(_kth_largest(maxima, k), 1)
+    cap = (ik._TOPK_WARP_CANDIDATES if nw == 1 else ik._TOPK_CTA_CANDIDATES) if cap is None else cap
+    sel_pool = keys >= t0
+    if sel_pool.sum() > cap:  # register path: all keys
+        sel_pool = keys >= 1
+    ck, ci = keys[sel_pool], idx[sel_pool]
+    T = _kth_largest(ck, k)
+    greater, equal = int((ck > T).sum()), int((ck == T).sum())
+    need = k - greater
+    assert 1 <= need <= equal
+    cut = _nth_index(ci[ck == T], need) if equal > need else 2**31 - 1
+    chosen = ci[(ck > T) | ((ck == T) & (ci <= cut))]
+    assert chosen.shape[0] == k
+    out[lo:lo + k] = np.sort(chosen)
+    return out
+
+
+def _valid_per_row(total_q, nt, num_valid_pages, query_positions):
+    v = np.full(total_q, nt if num_valid_pages is None else num_valid_pages, dtype=np.int64)
+    if query_positions is not None:
+        v = np.clip(np.minimum(v, np.floor_divide(query_positions, BLOCK) + 1), 0, None)
+    return v
+
+
+def _width(topk, begin, end, count_in):
+    return topk if count_in else topk + begin + end
+
+
+def _selection_cases(rng, n_cases: int, nts):
+    """Random (nt, topk, begin, end, count_in, num_valid_pages, query_positions?, kind) tuples."""
+    cases = []
+    for _ in range(n_cases):
+        nt = int(rng.choice(nts))
+        topk = int(rng.choice([4, 8, 16, 32, 64]))
+        begin, end = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        count_in = bool(rng.integers(0, 2))
+        if _width(topk, begin, end, count_in) > 64 or (count_in and begin + end > topk):
+            count_in, topk = True, min(topk, 64)
+        nvp = None if rng.random() < 0.5 else int(rng.integers(1, nt + 1))
+        use_qp = rng.random() < 0.5
+        kind = str(rng.choice(SCORE_KINDS))
+        cases.append((nt, topk, begin, end, count_in, nvp, use_qp, kind))
+    return cases
+
+
+def _positions(rng, total_q, nt):
+    hi = nt * BLOCK + 300
+    qp = rng.integers(-300, hi, size=total_q).astype(np.int64)
+    qp[: max(1, total_q // 4)] = rng.integers(-200, 3 * BLOCK, size=max(1, total_q // 4))  # small / negative
+    return qp
+
+
+@pytest.mark.parametrize("cap", [None, 0], ids=["candidates", "registers"])
+def test_topk_model_matches_reference(rng, cap):
+    """The kernel's algorithm, modelled in NumPy, is exact on adversarial rows."""
+    nts = [1, 5, 16, 63, 64, 100, 128, 200, 255, 256, 257, 700, 1024, 1025, 2048, 3001, 4100, 8192, 12287]
+    for nt, topk, begin, end, count_in, nvp, use_qp, kind in _selection_cases(rng, 120, nts):
+        total_q, hq = 3, 2
+        ms = _scores(rng, (total_q, hq, nt), kind)
+        qp = _positions(rng, total_q, nt) if use_qp else None
+        want = ref.topk_select(ms, topk, nvp, begin, end, count_in, qp)
+        valid = _valid_per_row(total_q, nt, nvp, qp)
+        width = _width(topk, begin, end, count_in)
+        for i in range(total_q):
+            for h in range(hq):
+                got = model_topk_row(ms[i, h], width, int(valid[i]), begin, end, cap)
+                assert np.array_equal(got, want[i, h]), (nt, topk, begin, end, count_in, nvp, kind, i, h)
+
+
+def test_order_keys_sort_like_the_reference():
+    x = np.array([np.nan, -np.inf, -3e38, -1.0, -1e-42, -0.0, 0.0, 1e-42, 1.0, 3e38, np.inf, -np.nan],
+                 dtype=np.float32)
+    k = _order_keys(x)
+    assert k[0] == k[-1] == 1                      # every NaN lowest
+    assert k[5] == k[6]                            # -0 == +0
+    assert np.all(np.diff(k[1:-1].astype(np.int64)[[0, 1, 2, 3, 4, 6, 7, 8, 9]]) > 0)
+    assert k[1] > 1                                # -inf above NaN
+
+
+def test_topk_variant_choice():
+    assert ik.topk_variant(64, 16, True) == (1, 8, 4, False)
+    assert ik.topk_variant(1024, 16, True) == (1, 32, 4, False)
+    assert ik.topk_variant(1024, 64, False) == (1, 32, 1, True)
+    assert ik.topk_variant(8192, 16, True) == (8, 32, 4, False)
+    assert ik.topk_variant(12287, 64, False) == (12, 32, 1, False)
+    for nt in (1, 256, 257, 1024, 1025, 2048, 2049, 4096, 4097, 8192, 8193, 12287):
+        for slots in (1, 16, 17, 32, 33, 64):
+            for vec_ok in (True, False):
+                nw, npt, vec, top2 = ik.topk_variant(nt, slots, vec_ok)
+                assert 32 * nw * npt >= nt
+                assert (nw, npt, vec, top2) in ik.TOPK_SPECS
+
+
+def test_index_variants_compile():
+    """Every registered variant builds with NVRTC for sm_90a (no GPU needed)."""
+    from mate_cupy.jit import compile_all
+
+    specs = list(ik.TOPK_SPECS.values()) + list(ik.MAX_SCORE_SPECS.values())
+    results = compile_all("sm_90a", specs=specs)
+    errors = [r for r in results if "error" in r]
+    assert not errors, errors[0]["error"][:4000]
+    for r in results:
+        assert "spill" not in r.get("log", "") or " 0 bytes spill" in r.get("log", "")
+
+
+# ============================================================================ GPU helpers
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _dev(a: np.ndarray):
+    """Host array (bf16 included) -> CuPy array."""
+    cp = _cp()
+    try:
+        return cp.asarray(a)
+    except Exception:  # CuPy without bfloat16 upload support: move the bits
+        return cp.asarray(a.view(np.uint16)).view(a.dtype)
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+# ============================================================================ GPU: top-k select
+
+
+def _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp, cap=None):
+    cp = _cp()
+    width = _width(topk, begin, end, count_in)
+    d_ms = cp.asarray(ms)
+    out = cp.full(ms.shape[:2] + (width,), -7, dtype=cp.int32)  # poison
+    ik._launch_topk(d_ms, out, topk=topk, num_valid_pages=nvp, force_begin_blocks=begin,
+                    force_end_blocks=end, force_blocks_count_in_topk=count_in,
+                    query_positions=None if qp is None else cp.asarray(qp), stream=None,
+                    candidate_capacity=cap)
+    return _host(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cap", [None, 0], ids=["candidates", "registers"])
+@pytest.mark.parametrize("nt", [1, 3, 7, 16, 64, 100, 128, 255, 256, 257, 1000, 1024, 1025, 2047, 2048,
+                                3001, 4096, 6000, 8192, 10000, 12287])
+def test_topk_select_exact(rng, nt, cap):
+    for topk, begin, end, count_in, nvp, use_qp, kind in [c[1:] for c in _selection_cases(rng, 24, [nt])]:
+        total_q, hq = (7, 3) if nt <= 2048 else (3, 2)
+        ms = _scores(rng, (total_q, hq, nt), kind)
+        qp = _positions(rng, total_q, nt) if use_qp else None
+        want = ref.topk_select(ms, topk, nvp, begin, end, count_in, qp)
+        got = _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp, cap)
+        assert np.array_equal(got, want), (nt, topk, begin, end, count_in, nvp, use_qp, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [4, 8, 16, 32, 64])
+@pytest.mark.parametrize("count_in", [True, False])
+@pytest.mark.parametrize("begin,end", [(0, 0), (1, 0), (0, 1), (2, 2), (1, 2)])
+def test_topk_select_flags_grid(rng, topk, count_in, begin, end):
+    if _width(topk, begin, end, count_in) > 64:
+        pytest.skip("width > 64")
+    for nt in (33, 200, 1024, 5000):
+        for kind in ("normal", "ties", "special"):
+            ms = _scores(rng, (6, 4, nt), kind)
+            for nvp, qp in ((None, None), (max(1, nt // 2), None), (None, _positions(rng, 6, nt)),
+                            (nt, _positions(rng, 6, nt))):
+                want = ref.topk_select(ms, topk, nvp, begin, end, count_in, qp)
+                got = _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp)
+                assert np.array_equal(got, want), (nt, kind, nvp, qp is not None)
+
+
+@pytest.mark.gpu
+def test_topk_select_many_rows_and_tie_blocks(rng):
+    """Thousands of rows (several CTAs, the partial last CTA), ties placed at the threshold."""
+    total_q, hq, nt = 1031, 5, 512
+    ms = _scores(rng, (total_q, hq, nt), "normal")
+    # force exact ties around the 16th largest of some rows
+    top = np.sort(ms, axis=-1)[..., -16]
+    tie_rows = rng.random((total_q, hq)) < 0.3
+    cols = rng.integers(0, nt, size=(total_q, hq, 5))
+    for j in range(5):
+        np.put_along_axis(ms, cols[..., j:j + 1], np.where(tie_rows, top, np.take_along_axis(
+            ms, cols[..., j:j + 1], -1)[..., 0])[..., None], -1)
+    for topk, begin, end, count_in in ((16, 0, 0, True), (16, 1, 1, False), (64, 2, 2, True)):
+        want = ref.topk_select(ms, topk, None, begin, end, count_in, None)
+        got = _run_topk_gpu(ms, topk, None, begin, end, count_in, None)
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_sparse_topk_select_public_api(rng, framework):
+    """Through mate_cupy.sparse_topk_select, fresh and preallocated outputs, both frameworks."""
+    cp = _cp()
+    from mate_cupy import msa_interface as mi
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    for nt, topk, begin, end, count_in, qp_on in ((64, 16, 1, 1, True), (1024, 16, 0, 2, False),
+                                                  (8192, 8, 1, 0, True), (300, 4, 0, 0, True),
+                                                  (12287, 32, 2, 2, False)):
+        ms = _scores(rng, (9, 4, nt), "special")
+        qp = _positions(rng, 9, nt) if qp_on else None
+        want = ref.topk_select(ms, topk, None, begin, end, count_in, qp)
+        if framework == "cupy":
+            d_ms, d_qp = cp.asarray(ms), None if qp is None else cp.asarray(qp)
+            out = cp.full(want.shape, -7, dtype=cp.int32)
+        else:
+            d_ms = torch.from_numpy(ms).cuda()
+            d_qp = None if qp is None else torch.from_numpy(qp).cuda()
+            out = torch.full(want.shape, -7, dtype=torch.int32, device="cuda")
+        got = mi.sparse_topk_select(d_ms, topk, query_positions=d_qp, force_begin_blocks=begin,
+                                    force_end_blocks=end, force_blocks_count_in_topk=count_in)
+        assert np.array_equal(_host(got) if framework == "cupy" else got.cpu().numpy(), want)
+        same = mi.sparse_topk_select(d_ms, topk, output=out, query_positions=d_qp, force_begin_blocks=begin,
+                                     force_end_blocks=end, force_blocks_count_in_topk=count_in)
+        assert same is out
+        assert np.array_equal(_host(out) if framework == "cupy" else out.cpu().numpy(), want)
+
+
+# ============================================================================ GPU: max score
+
+
+def _rand(rng, shape, dtype):
+    return (rng.standard_normal(shape)).astype(np.float32).astype(dtype)
+
+
+def _check_max_score(got, want, q, k_rows, what=""):
+    """-inf exactly where the reference has it; values within fp32 accumulation error."""
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert not np.isnan(got).any(), f"{what}: unwritten (NaN) elements at {np.argwhere(np.isnan(got))[:5]}"
+    fin = np.isfinite(want)
+    bad = np.argwhere(np.isfinite(got) != fin)
+    assert bad.shape[0] == 0, f"{what}: -inf pattern differs at {bad[:5]} (got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]})"
+    assert np.array_equal(got[~fin], want[~fin]), what
+    qn = np.linalg.norm(q.astype(np.float64), axis=-1)                   # [total_q, Hq]
+    kmax = float(np.linalg.norm(k_rows.astype(np.float64), axis=-1).max(initial=1.0))
+    tol = 2e-5 * qn[..., None] * kmax + 1e-30
+    err = np.abs(got - want)
+    worst = np.unravel_index(np.argmax(np.where(fin, err / tol, 0)), err.shape)
+    assert np.all(np.where(fin, err <= tol, True)), f"{what}: error {err[worst]:.3e} > tol {tol[worst]:.3e} at {worst}"
+
+
+def _lengths(rng, case: str):
+    if case == "mixed":
+        qo = np.array([1, 0, 37, 130, 5, 200, 64], dtype=np.int32)
+        kv = np.array([1, 50, 300, 129, 0, 1000, 64], dtype=np.int32)
+    elif case == "prefill":
+        qo = np.array([257, 128], dtype=np.int32)
+        kv = np.array([257, 700], dtype=np.int32)
+    elif case == "decode":
+        kv = rng.integers(1, 2000, size=9).astype(np.int32)
+        qo = np.ones(9, dtype=np.int32)
+    else:
+        raise ValueError(case)
+    return qo, kv
+
+
+def _meta(qo, kv, offsets):
+    cu_q = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    off = (kv - qo if offsets is None else offsets).astype(np.int32)
+    return cu_q, cu_k, off
+
+
+def _launch_max_score(q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
+                      indptr=None, kv_layout="NHD", page_size=0, causal=True, extra_rows=0):
+    cp = _cp()
+    total_q = q.shape[0]
+    ms = cp.full((total_q, q.shape[1], nt), np.nan, dtype=cp.float32)  # poison
+    dv = lambda a: None if a is None else cp.asarray(a)  # noqa: E731
+    ik.run_max_score(_dev(q), _dev(k), ms, cu_seqlens_q=dv(cu_q), qo_lens=dv(qo), kv_lens=dv(kv),
+                     qo_offset=dv(off), cu_seqlens_k=dv(cu_k), page_table=dv(page_table),
+                     kv_indices=dv(kv_indices), kv_page_indptr=dv(indptr), kv_layout=kv_layout,
+                     page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal)
+    return _host(ms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2), (6, 6), (12, 4)], ids=lambda h: f"Hq{h[0]}Hkv{h[1]}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_max_score_dense(rng, dtype, d, heads, causal):
+    hq, hkv = heads
+    for case in ("mixed", "prefill", "decode"):
+        qo, kv = _lengths(rng, case)
+        offsets = None if rng.random() < 0.5 else (kv - qo + rng.integers(-150, 40, size=qo.shape)).astype(np.int32)
+        cu_q, cu_k, off = _meta(qo, kv, offsets)
+        total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+        q = _rand(rng, (total_q, hq, d), dtype)
+        k = _rand(rng, (max(total_k, 1), hkv, d), dtype)
+        nt = -(-int(kv.max()) // BLOCK) + 2  # tiles past every request: -inf
+        got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal)
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
+                                   qo_lens=qo, kv_lens=kv)
+        _check_max_score(got, want, q, k, f"{case} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("source", ["table", "csr"])
+def test_max_score_paged(rng, page_size, kv_layout, source):
+    hq, hkv, d, dtype = 8, 2, 128, BF16
+    qo, kv = _lengths(rng, "mixed")
+    cu_q, _, off = _meta(qo, kv, None)
+    counts = -(-kv // page_size)
+    num_pages = int(counts.sum()) + 5
+    perm = rng.permutation(num_pages).astype(np.int32)  # scattered pages
+    kv_indices = perm[: int(counts.sum())]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
+    shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+    k_cache = _rand(rng, shape, dtype)
+    total_q = int(cu_q[-1])
+    q = _rand(rng, (total_q, hq, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    kw = dict(page_table=table) if source == "table" else dict(kv_indices=kv_indices, indptr=indptr)
+    got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size, **kw)
+    want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
+                                     causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
+    k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+    _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size}")
+
+
+@pytest.mark.gpu
+def test_max_score_invalid_pages_are_not_admissible(rng):
+    """Page ids -1, >= num_pages and columns past the table make keys inadmissible (-inf)."""
+    hq, hkv, d, dtype, page_size = 4, 1, 64, F16, 16
+    qo = np.array([3, 40], dtype=np.int32)
+    kv = np.array([200, 130], dtype=np.int32)
+    cu_q, _, off = _meta(qo, kv, None)
+    num_pages = 30
+    table = rng.integers(0, num_pages, size=(2, 11)).astype(np.int32)  # 11 * 16 = 176 < 200: short table
+    table[0, 2] = -1
+    table[1, 4] = num_pages + 7
+    table[1, 0] = -5
+    k_cache = _rand(rng, (num_pages, page_size, hkv, d), dtype)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    nt = 2
+    got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, page_table=table, page_size=page_size)
+    want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt)
+    _check_max_score(got, want, q, k_cache.reshape(-1, d), "invalid pages")
+
+
+@pytest.mark.gpu
+def test_max_score_rows_outside_requests_untouched(rng):
+    """Rows of no request keep their poison; empty requests and kv_len 0 write -inf rows."""
+    hq, hkv, d, dtype = 4, 2, 128, BF16
+    qo = np.array([2, 0, 3], dtype=np.int32)
+    kv = np.array([0, 10, 129], dtype=np.int32)
+    cu_q = np.array([0, 2, 2, 5], dtype=np.int32)
+    off = (kv - qo).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
+    q = _rand(rng, (8, hq, d), dtype)  # rows 5..7 belong to no request
+    k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
+    got = _launch_max_score(q, k, 3, qo, kv, off, cu_q, cu_k=cu_k)
+    assert np.isnan(got[5:]).all()
+    want = ref.block_max_score(q[:5], k, cu_q, cu_k, qo_offset=off, max_k_tiles=3, qo_lens=qo, kv_lens=kv)
+    _check_max_score(got[:5], want, q[:5], k)
+    assert np.isneginf(got[:2]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_msa_output_maxscore_public_api(rng, paged):
+    """msa(..., output_maxscore=True, output_o=False) through an eager plan, CuPy arrays."""
+    cp = _cp()
+    from mate_cupy import msa_interface as mi
+
+    hq, hkv, d, dtype = 8, 2, 128, BF16
+    qo = np.array([100, 1, 300], dtype=np.int32)
+    kv = np.array([500, 77, 300], dtype=np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK)
+    if not paged:
+        k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
+        plan = mi.msa_plan_from_lengths(qo, kv, hq, hkv, causal=True, split_prefill_decode=False)
+        _, ms = mi.msa(_dev(q), _dev(k), _dev(k), plan, output_o=False, output_maxscore=True)
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, max_k_tiles=nt)
+        _check_max_score(_host(ms), want, q, k)
+    else:
+        counts = -(-kv // BLOCK)
+        pages = rng.permutation(int(counts.sum())).astype(np.int32)
+        k_cache = _rand(rng, (int(counts.sum()), BLOCK, hkv, d), dtype)
+        plan = mi.msa_plan_from_lengths(qo, kv, hq, hkv, causal=True, page_size=BLOCK,
+                                        split_prefill_decode=False)
+        _, ms = mi.msa(_dev(q), _dev(k_cache), _dev(k_cache), plan, kv_indices=cp.asarray(pages),
+                       output_o=False, output_maxscore=True)
+        table = ref.page_table_from_csr(pages, kv, BLOCK)
+        want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, max_k_tiles=nt)
+        _check_max_score(_host(ms), want, q, k_cache.reshape(-1, d))
+
+
+@pytest.mark.gpu
+def test_max_score_then_select_end_to_end(rng):
+    """The intended pipeline: causal max score, then top-16 with forced blocks and positions."""
+    cp = _cp()
+    hq, hkv, d, dtype = 8, 1, 128, BF16
+    qo = np.array([333], dtype=np.int32)
+    kv = np.array([4000], dtype=np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    q = _rand(rng, (333, hq, d), dtype)
+    k = _rand(rng, (4000, hkv, d), dtype)
+    nt = 32
+    ms = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k)
+    pos = (off[0] + np.arange(333)).astype(np.int64)
+    got = _run_topk_gpu(ms, 16, None, 1, 2, True, pos)
+    want = ref.topk_select(ms, 16, None, 1, 2, True, pos)  # same scores in: exact ids out
+    assert np.array_equal(got, want)
+    assert cp is not None
