@@ -209,3 +209,14 @@ def test_decode_out_of_range_slots_are_padding(rng):
     pool = _host(f)
     for s in (0, 2, 3):
         np.testing.assert_array_equal(pool[s], x["state"][s])
+
+
+@pytest.mark.parametrize("state", [None, np.float16, F32], ids=["nostate", "state-f16", "state-f32"])
+def test_chunk_fp16_inputs_and_fp16_state(rng, state):
+    """fp16 q allows fp16 states (the default final-state dtype for fp16 q is fp16)."""
+    x = kda_inputs(rng, 2, 90, 2, 2, dtype=np.float16, gate_params=True, state=state)
+    o_ref, fs_ref = kda_recurrent(**x)
+    o, f = _call(chunk_kda, **_dev(x), output_final_state=True)
+    assert o.dtype == np.float16 and f.dtype == (np.float16 if state is None else state)
+    assert rel(_host(o), o_ref) < 5e-3
+    assert rel(_host(f), fs_ref) < (1e-4 if state == F32 else 5e-3)

@@ -6,8 +6,9 @@ every shape the kernel relies on is checked (states, gate parameters, ``cu_seqle
 """
 from __future__ import annotations
 
-from .._interop import FLOAT32, Call, dtype_name
+from .._interop import FLOAT16, FLOAT32, Call, dtype_name
 from ..reference.kda import kda_recurrent, sequence_bounds
+from ..util_kernels import cast
 from .common import (
     FLOAT_DTYPES,
     HALF_DTYPES,
@@ -205,14 +206,23 @@ def _run_cuda(call: Call, a: ChunkArgs):
         fs = None
         if a.output_final_state:
             fs = CudaOut(call, d("final_state"), a.state_shape, a.state_dtype)
+        init = cuda_contiguous(d("initial_state"))
+        fs_buf = None if fs is None else fs.buf
+        half_state = a.state_dtype == FLOAT16
+        if half_state:
+            # The kernel keeps float32/bfloat16 states; an fp16 state (fp16 q) is widened to
+            # float32 on the way in and rounded once on the way out, as SPEC 7 states.
+            init = None if init is None else cast(init, FLOAT32)
+            fs_buf = None if fs is None else call.empty(a.state_shape, FLOAT32)
         run_chunk(
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
-            initial_state=cuda_contiguous(d("initial_state")),
-            final_state=None if fs is None else fs.buf,
+            initial_state=init, final_state=fs_buf,
             cu_seqlens=cuda_contiguous(d("cu_seqlens")),
             out=out.buf, scale=a.scale, lower_bound=a.lower_bound, use_qk_l2norm=a.use_qk_l2norm,
             stream=call.stream,
         )
+        if half_state and fs is not None:
+            cast(fs_buf, FLOAT16, out=fs.buf)
         out.finish()
         if fs is not None:
             fs.finish()
