@@ -220,3 +220,15 @@ def test_chunk_fp16_inputs_and_fp16_state(rng, state):
     assert o.dtype == np.float16 and f.dtype == (np.float16 if state is None else state)
     assert rel(_host(o), o_ref) < 5e-3
     assert rel(_host(f), fs_ref) < (1e-4 if state == F32 else 5e-3)
+
+
+def test_decode_bf16_state_without_state_buffers(rng):
+    """No pool read, none stored, state_dtype=bf16: multi-token outputs still see the per-token rounding."""
+    x = _decode_inputs(rng, 2, 4, 2, sdt=BF16)
+    ref_out, _, _ = kda_decode(**x, use_initial_state=False)
+    d = _dev(x)
+    o1, f1 = _call(gated_delta_rule_decode, **d, use_initial_state=False)
+    o2, _ = _call(gated_delta_rule_decode, **dict(d, state=None), use_initial_state=False, state_dtype="bfloat16")
+    assert f1 is None
+    assert rel(_host(o1), ref_out) < 1e-2
+    np.testing.assert_array_equal(_host(o1), _host(o2))

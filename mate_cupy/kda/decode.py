@@ -242,13 +242,18 @@ def _run_cuda(call: Call, r: DecodeArgs):
             st = d("state")
             state = CudaOut(call, st, st.shape, r.state_dtype, initial=True)
         fs = CudaOut(call, None, r.final_shape, r.state_dtype) if (r.store_final_state and not r.inplace) else None
+        final_buf = None if fs is None else fs.buf
+        if state is None and final_buf is None and r.state_dtype != FLOAT32:
+            # The launcher takes the state dtype from its state buffers; with none, hand it a
+            # scratch final state so a bf16 state is still rounded after every token.
+            final_buf = call.empty(r.final_shape, r.state_dtype)
         run_decode(
             q=q, k=k, v=v, a=a, b=b, A_log=cuda_contiguous(d("A_log")), dt_bias=cuda_float32(call["dt_bias"]),
             state=None if state is None else state.buf,
             state_indices=cuda_contiguous(d("state_indices")),
             num_accepted_tokens=cuda_contiguous(d("num_accepted_tokens")),
             cu_seqlens=cuda_contiguous(d("cu_seqlens")),
-            out=out.buf, final_state=None if fs is None else fs.buf,
+            out=out.buf, final_state=final_buf,
             stream=call.stream, **_options(r),
         )
         out.finish()
