@@ -291,14 +291,20 @@ def _page_source(ctx: _Ctx, part: _Part, lens: Lengths, *, what: str, exact_coun
             indptr = xp.zeros(plan.batch_size + 1, dtype=xp.int32)
             if plan.batch_size:
                 indptr[1:] = xp.cumsum(counts).astype(xp.int32)
-    host_lens = not call.is_cuda or not lens.from_runtime
-    if host_lens:
+    # Count checks where the lengths are host data already (never a device read here).
+    if not lens.from_runtime:
+        kv_host, indptr_host = plan.kv_lens, plan.kv_page_indptr
+    elif not call.is_cuda:
+        kv_host, indptr_host = lens.kv_lens, indptr
+    else:
+        kv_host = indptr_host = None
+    if kv_host is not None:
         n = int(kv_indices.shape[0])
         if exact_count:
-            total = int(_ceil_div(_host(lens.kv_lens).astype(np.int64), plan.page_size).sum())
+            total = int(_ceil_div(np.asarray(kv_host, dtype=np.int64), plan.page_size).sum())
             if n != total:
                 raise ValueError(f"kv_indices does not match the page count implied by kv_lens: {n} vs {total}")
-        needed = int(_host(indptr)[-1]) if plan.batch_size else 0
+        needed = int(indptr_host[-1]) if plan.batch_size else 0
         if n < needed:
             raise ValueError(f"kv_indices has {n} entries but kv_page_indptr addresses {needed}")
     return None, kv_indices, indptr

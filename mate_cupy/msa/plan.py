@@ -131,21 +131,23 @@ class MsaPlan:
         return getattr(self, name)
 
     def device_vector(self, name: str, device: int):
-        """Device copy of :meth:`host_vector` (made once per device, then reused).
+        """Device copy of :meth:`host_vector`, made once per device and then reused.
 
-        Call inside the caller's device/stream scope; never used for static plans.
+        Call inside the caller's device/stream scope. The first call on a device copies
+        every vector of the plan and synchronises that stream once, so the copies are
+        complete for any stream that uses them later. Never used for static plans.
         """
         key = (int(device), name)
-        arr = self._device_cache.get(key)
-        if arr is None:
-            host = self.host_vector(name)
-            if host is None:
-                return None
+        if key not in self._device_cache:
             import cupy
 
-            arr = cupy.asarray(np.ascontiguousarray(host, dtype=np.int32))
-            self._device_cache[key] = arr
-        return arr
+            for field_name in ("qo_lens", "kv_lens", "qo_offset", "kv_page_indptr", "cu_seqlens_q", "cu_seqlens_k"):
+                host = self.host_vector(field_name)
+                self._device_cache[(int(device), field_name)] = (
+                    None if host is None else cupy.asarray(np.ascontiguousarray(host, dtype=np.int32))
+                )
+            cupy.cuda.get_current_stream().synchronize()
+        return self._device_cache[key]
 
 
 @dataclass(eq=False)

@@ -1,0 +1,253 @@
+"""The public MSA ops on CUDA arrays against the float64 references (``-m gpu``).
+
+Outputs are poisoned with NaN (indices with a sentinel) before every launch, so any
+element a kernel fails to write shows up. Static plans are also captured in a CUDA
+graph: a host read or an allocation during execution would break the capture.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_rel, to_f64
+from msa_cases import BF16, FP8, make_problem, offsets_of, random_selection
+
+import mate_cupy as mc
+from mate_cupy.reference import msa as R
+
+pytestmark = pytest.mark.gpu
+
+TOL_OUT = {BF16: 1e-2, np.dtype(np.float16): 5e-3}
+TOL_FP8 = 4e-2
+
+
+def dev(x):
+    """Host array -> CUDA array (CuPy; fp8 goes through torch, which CuPy cannot hold)."""
+    import cupy
+
+    x = np.asarray(x)
+    if x.dtype == FP8:
+        import torch
+
+        return torch.from_dlpack(cupy.asarray(x.view(np.uint8))).view(torch.float8_e4m3fn)
+    return cupy.asarray(x)
+
+
+def poisoned(shape, dtype):
+    import cupy
+
+    a = cupy.empty(shape, dtype=dtype)
+    a.fill(-12345 if np.dtype(dtype).kind in "iu" else np.nan)
+    return a
+
+
+def dense_ref(p, qo_offset=None, causal=True):
+    return R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=offsets_of(p, qo_offset), causal=causal)
+
+
+def masked_ref(p, sel, k_scale=1.0, v_scale=1.0):
+    return R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel, k_scale=k_scale,
+                              v_scale=v_scale, kv_layout=p.layout)
+
+
+def check(out, lse, ref, dtype, what):
+    tol = TOL_FP8 if np.dtype(dtype) == FP8 else TOL_OUT[np.dtype(dtype)]
+    assert_rel(out, ref[0], tol, f"{what} out")
+    if lse is not None:
+        assert_rel(lse, ref[1], 1e-4, f"{what} lse")
+
+
+# ----------------------------------------------------------------------------- dense and paged
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 64), (8, 1, 128), (16, 1, 128), (8, 2, 256)],
+                         ids=["gqa1-d64", "gqa8-d128", "gqa16-d128", "gqa4-d256"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dense(rng, dtype, hq, hkv, d, causal):
+    p = make_problem(rng, [3, 0, 200, 1, 77], [300, 9, 200, 0, 1000], hq, hkv, d, dtype=dtype)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, causal=causal, split_prefill_decode=False)
+    out, lse = poisoned(p.q.shape, dtype), poisoned((p.total_q, hq), np.float32)
+    res, _ = mc.msa(dev(p.q), dev(p.k), dev(p.v), info, out=out, lse=lse)
+    assert res is out
+    check(out, lse, dense_ref(p, causal=causal), dtype, "dense")
+
+
+def test_dense_offsets_and_mixed_split(rng):
+    p = make_problem(rng, [1, 2, 300, 5], [64, 500, 300, 40], 8, 1, 128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, output_maxscore=True)
+    assert info[0]
+    offs = np.array([3, -10, 100, 60], np.int32)
+    out, ms = mc.msa(dev(p.q), dev(p.k), dev(p.v), info, q_offset_override=dev(offs))
+    check(out, None, dense_ref(p, offs), BF16, "mixed dense")
+    assert_rel(ms, R.block_max_score(p.q, p.k, p.cu_q, p.cu_k, qo_offset=offs, max_k_tiles=ms.shape[2]), 1e-5)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("source", ["kv_indices", "page_table"])
+def test_paged(rng, page_size, layout, source):
+    p = make_problem(rng, [1, 4, 0, 130, 1], [300, 4, 17, 130, 2000], 8, 1, 128, page_size=page_size,
+                     layout=layout)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=page_size, split_prefill_decode=False)
+    kw = {"kv_indices": dev(p.kv_indices)} if source == "kv_indices" else {"page_table": dev(p.page_table)}
+    out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 8), np.float32)
+    mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, out=out, lse=lse, **kw)
+    check(out, lse, dense_ref(p), BF16, f"paged {page_size} {layout}")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_max_score_paged(rng, layout):
+    p = make_problem(rng, [3, 20, 1], [300, 129, 5000], 16, 2, 128, page_size=128, layout=layout)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, output_maxscore=True)
+    ms = poisoned((p.total_q, 16, 40), np.float32)
+    out, res = mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices), max_score=ms,
+                      output_o=False)
+    assert out is None and res is ms
+    assert_rel(ms, R.block_max_score(p.q, p.k, p.cu_q, p.cu_k, max_k_tiles=40), 1e-5, "paged max score")
+
+
+# ----------------------------------------------------------------------------- sparse
+
+
+@pytest.mark.parametrize("hq", [8, 16], ids=["gqa8", "gqa16"])
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_sparse_prefill(rng, hq, dtype):
+    p = make_problem(rng, [40, 0, 300], [300, 10, 3000], hq, 1, 128, dtype=dtype, page_size=128)
+    info = mc.sparse_msa_plan(p.qo, p.kv, hq, 1, page_size=128, kv_block_num=16, force_begin_blocks=1,
+                              force_end_blocks=2, use_fp8_kvcache=dtype == FP8)
+    sel = random_selection(rng, p, 16)
+    scales = dict(k_scale=0.5, v_scale=1.5) if dtype == FP8 else {}
+    out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, hq), np.float32)
+    mc.sparse_msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices),
+                  kv_block_indexes=dev(sel), out=out, lse=lse, **scales)
+    check(out, lse, masked_ref(p, sel, **scales), dtype, "sparse prefill")
+
+
+@pytest.mark.parametrize("per_q_head", [False, True], ids=["per-kv-head", "per-q-head"])
+def test_sparse_decode(rng, per_q_head):
+    p = make_problem(rng, [1, 4, 1, 2], [129, 7000, 1, 300], 16, 2, 128, page_size=128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, kv_block_num=8)
+    assert info[3].mode == "sparse_decode"
+    sel = random_selection(rng, p, 8)
+    arg = np.repeat(sel, 8, axis=1) if per_q_head else sel
+    out, lse = mc.sparse_decode_atten_func(dev(p.q), dev(p.k_cache), dev(p.v_cache), info,
+                                           page_table=dev(p.page_table), kv_block_indexes=dev(arg),
+                                           return_softmax_lse=True)
+    check(out, lse, masked_ref(p, sel), BF16, "sparse decode")
+
+
+def test_sparse_mixed_plan(rng):
+    p = make_problem(rng, [1, 3, 100, 2], [300, 129, 900, 200], 8, 1, 128, page_size=128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+    assert info[0]
+    sel = random_selection(rng, p, 4)
+    out, _ = mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices),
+                    kv_block_indexes=dev(sel))
+    check(out, None, masked_ref(p, sel), BF16, "mixed sparse")
+
+
+# ----------------------------------------------------------------------------- selection and tables
+
+
+@pytest.mark.parametrize("nt", [7, 300, 2000])
+@pytest.mark.parametrize("kw", [dict(), dict(force_begin_blocks=1, force_end_blocks=2),
+                                dict(force_begin_blocks=2, force_end_blocks=2, force_blocks_count_in_topk=False),
+                                dict(num_valid_pages=5), dict(qpos=True, force_begin_blocks=1)],
+                         ids=["plain", "forced", "forced-extra", "identity", "query-positions"])
+def test_topk_select(rng, nt, kw):
+    kw = dict(kw)
+    ms = np.round(rng.standard_normal((33, 4, nt)) * 2).astype(np.float32) / 2
+    ms[rng.random(ms.shape) < 0.05] = np.nan
+    ms[rng.random(ms.shape) < 0.05] = -np.inf
+    qpos = None
+    if kw.pop("qpos", False):
+        qpos = rng.integers(-100, nt * 128, size=33).astype(np.int64)
+        kw["query_positions"] = dev(qpos)
+    if kw.get("num_valid_pages", 0) > nt:
+        kw["num_valid_pages"] = nt
+    width = 16 + (0 if kw.get("force_blocks_count_in_topk", True) else
+                  kw.get("force_begin_blocks", 0) + kw.get("force_end_blocks", 0))
+    out = poisoned((33, 4, width), np.int32)
+    res = mc.sparse_topk_select(dev(ms), 16, output=out, **kw)
+    assert res is out
+    ref_kw = {k: v for k, v in kw.items() if k != "query_positions"}
+    np.testing.assert_array_equal(out.get(), R.topk_select(ms, 16, query_positions=qpos, **ref_kw))
+
+
+def test_page_table_builder(rng):
+    lens = np.array([0, 17, 300, 64], np.int32)
+    ids = rng.permutation(100)[: int((-(-lens // 16)).sum())].astype(np.int32)
+    table = mc.build_page_table_from_flat_kv_indices(dev(ids), dev(lens), 16)
+    np.testing.assert_array_equal(table.get(), R.page_table_from_csr(ids, lens, 16))
+
+
+# ----------------------------------------------------------------------------- static plans and capture
+
+
+def _metadata(p, **extra):
+    return mc.MsaRuntimeMetadata(
+        qo_lens=dev(p.qo), kv_lens=dev(p.kv), qo_offset=dev((p.kv - p.qo).astype(np.int32)),
+        cu_seqlens_q=dev(p.cu_q), cu_seqlens_k=dev(p.cu_k), seqused_k=dev(p.kv), **extra)
+
+
+def test_static_dense_graph_capture(rng):
+    import cupy
+
+    p = make_problem(rng, [3, 50, 1], [100, 50, 700], 8, 1, 128)
+    info = mc.msa_plan(3, 64, 1024, 8, num_kv_heads=1, total_seqlen_k=2048)
+    q, k, v, md = dev(p.q), dev(p.k), dev(p.v), _metadata(p)
+    out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 8), np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mc.msa(q, k, v, info, runtime_metadata=md, out=out, lse=lse)  # warm-up: compiles kernels
+        out.fill(np.nan)
+        stream.begin_capture()
+        mc.msa(q, k, v, info, runtime_metadata=md, out=out, lse=lse)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    check(out, lse, dense_ref(p), BF16, "captured static dense")
+
+
+def test_static_sparse_decode_graph_capture(rng):
+    import cupy
+
+    p = make_problem(rng, [1, 1, 1], [300, 129, 4000], 16, 1, 128, page_size=128)
+    info = mc.msa_plan(3, 1, 4096, 16, num_kv_heads=1, page_size=128, kv_block_num=8, total_seqlen_k=8192)
+    table = np.zeros((3, 32), np.int32)
+    table[:, : p.page_table.shape[1]] = np.where(p.page_table >= 0, p.page_table, 0)
+    sel = random_selection(rng, p, 8)
+    args = (dev(p.q), dev(p.k_cache), dev(p.v_cache), info)
+    kw = dict(kv_block_indexes=dev(sel), runtime_metadata=_metadata(p, page_table=dev(table)),
+              out=poisoned(p.q.shape, BF16))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mc.sparse_decode_atten_func(*args, **kw)
+        kw["out"].fill(np.nan)
+        stream.begin_capture()
+        mc.sparse_decode_atten_func(*args, **kw)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    check(kw["out"], None, masked_ref(p, sel), BF16, "captured static sparse decode")
+
+
+# ----------------------------------------------------------------------------- frameworks and devices
+
+
+def test_torch_cuda_in_torch_out(rng):
+    import torch
+
+    p = make_problem(rng, [5, 40], [100, 40], 8, 1, 128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1)
+    t = [torch.from_dlpack(dev(x)) for x in (p.q, p.k, p.v)]
+    out, _ = mc.msa(*t, info)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.bfloat16
+    assert_rel(to_f64(out), dense_ref(p)[0], 1e-2)
+
+
+def test_host_index_array_with_cuda_q_is_refused(rng):
+    p = make_problem(rng, [2], [40], 8, 1, 128, page_size=16)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=16)
+    with pytest.raises(ValueError, match="device"):
+        mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=p.kv_indices)
