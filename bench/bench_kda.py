@@ -40,12 +40,6 @@ def _gate_params(g, hv, device):
     return a_log, dt_bias
 
 
-def _no_grad():
-    import torch
-
-    return torch.inference_mode()
-
-
 # --------------------------------------------------------------------------- decode
 
 def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target: Target | None) -> Case:
@@ -99,7 +93,7 @@ def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target
                 out=outs[i])[0]
 
         idx0 = inputs[0]["idx"].long()
-        return Bound(run, result=lambda out: (out, pool[idx0]), context=_no_grad)
+        return Bound(run, result=lambda out: (out, pool[idx0]))
 
     def check(results, inp):
         idx = inp["idx"].long()
@@ -170,7 +164,7 @@ def chunk_case(cfg, seqs: list, h: int, hv: int, *, varlen: bool, session: FlaSe
                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, state_v_first=True,
                 cu_seqlens=x["cu64"], cu_seqlens_cpu=x["cu64_cpu"], A_log=x["A_log"], dt_bias=x["dt_bias"])[0]
 
-        return Bound(run, context=_no_grad)
+        return Bound(run)
 
     def check(results, inp):
         import torch

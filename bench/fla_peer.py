@@ -6,11 +6,11 @@ for a new head count tunes for 80-100 s. Two controls keep the bench short:
 
 * a time budget shared by every fla first call (``--fla-budget-s``): a first
   call that overruns it is interrupted (SIGALRM) and later fla rows are skipped;
-* saved configs: after a run, every fla autotuner's chosen configs are written
-  to ``OUTDIR/fla_configs/<GPU>/<kernel>.json`` in fla's own config-cache format.
-  Committed under ``bench/fla_configs/<GPU>/``, they are replayed on later runs
-  (``FLA_CACHE_MODE=strict`` + ``FLA_CONFIG_DIR``): exact autotune-key matches
-  skip tuning, anything else still autotunes. fla keeps its own best configs.
+* saved configs: after a run, every tuned fla kernel's chosen configs are
+  written to ``OUTDIR/fla_configs/<GPU>/<module>.<kernel>.json``. Committed under
+  ``bench/fla_configs/<GPU>/``, they seed the Triton autotuners' caches on later
+  runs (exact autotune-key matches skip tuning; anything else still tunes), so
+  fla still runs its own best configs, without the 80-100 s search.
 
 fla's backend dispatch is turned off (``FLA_DISABLE_BACKEND_DISPATCH=1``) so its
 Triton kernels run (the TileLang / FlashKDA backends are not installed there).
@@ -43,6 +43,7 @@ class FlaSession:
         self.modules = None
         self.error = None
         self.version = None
+        self.preloaded = None  # entries seeded from configs_dir
 
     # ------------------------------------------------------------------ loading
     def load(self):
@@ -52,9 +53,6 @@ class FlaSession:
         if self.error is not None:
             raise RuntimeError(self.error)
         os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-        if self.configs_dir and Path(self.configs_dir).is_dir():
-            os.environ["FLA_CACHE_MODE"] = "strict"
-            os.environ["FLA_CONFIG_DIR"] = str(Path(self.configs_dir).resolve())
         try:
             from fla.ops.kda import chunk_kda
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -75,6 +73,11 @@ class FlaSession:
         ns.chunk_kda = chunk_kda
         ns.fused_recurrent_kda_fwd = fused_recurrent_kda_fwd
         self.modules = ns
+        if self.configs_dir and Path(self.configs_dir).is_dir():
+            try:
+                self.preloaded = self.preload_configs(self.configs_dir)
+            except Exception as e:  # a stale folder must not cost the peer
+                self.preloaded = f"failed: {type(e).__name__}: {e}"
         return ns
 
     # ------------------------------------------------------------------ budget
@@ -112,51 +115,79 @@ class FlaSession:
                     depth += 1
         return list(found.values())
 
+    @staticmethod
+    def kernel_id(autotuner) -> str:
+        fn = autotuner.base_fn
+        return f"{fn.__module__}.{fn.__qualname__}"
+
     def dump_configs(self, outdir) -> list[str]:
-        """Write the chosen configs of every tuned fla kernel as ``<kernel>.json``; returns the files."""
+        """Write every tuned fla kernel's chosen configs to ``<module>.<kernel>.json``
+        (merged with what the folder already holds); returns the files written."""
         if self.modules is None:
             return []
         import triton
-        from fla.ops.utils.cache import AutotuneKey
 
         outdir = Path(outdir)
-        per_kernel: dict[str, dict] = {}
+        written = []
         for at in self.autotuners():
             cache = getattr(at, "cache", None) or {}
-            if not cache:
-                continue
-            fn = at.fn
-            kname = getattr(at, "kernel_name", None) or getattr(getattr(fn, "fn", fn), "__name__", None)
-            if not kname:
-                continue
-            entries = per_kernel.setdefault(kname, {})
+            entries = []
             for key, cfg in cache.items():
                 if getattr(cfg, "pre_hook", None) is not None:
                     continue  # not serialisable; that kernel keeps autotuning
+                entry = {"key": list(key),
+                         "config": {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps,
+                                    "num_stages": cfg.num_stages, "num_ctas": getattr(cfg, "num_ctas", 1),
+                                    "maxnreg": getattr(cfg, "maxnreg", None)}}
                 try:
-                    h = AutotuneKey.key_hash(key)
-                    entry = {"autotune_key": AutotuneKey.normalize_autotune_key(list(key)),
-                             "config": {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps,
-                                        "num_stages": cfg.num_stages, "num_ctas": getattr(cfg, "num_ctas", 1),
-                                        "maxnreg": getattr(cfg, "maxnreg", None)}}
                     json.dumps(entry)
                 except (TypeError, ValueError):
-                    continue  # a key fla's cache cannot hash either
-                entries[h] = entry
-        written = []
-        if per_kernel:
+                    continue
+                entries.append(entry)
+            if not entries:
+                continue
             outdir.mkdir(parents=True, exist_ok=True)
-        for kname, entries in sorted(per_kernel.items()):
-            path = outdir / f"{kname}.json"
-            old = {}
+            path = outdir / f"{self.kernel_id(at)}.json"
+            merged = {}
             if path.is_file():
                 try:
-                    old = json.loads(path.read_text()).get("autotune_entries") or {}
+                    for e in json.loads(path.read_text()).get("entries", []):
+                        merged[json.dumps(e["key"])] = e
                 except Exception:
-                    old = {}
-            old.update(entries)
-            path.write_text(json.dumps({"kernel_name": kname, "triton_version": triton.__version__,
-                                        "fla_version": self.version, "autotune_entries": old},
-                                       indent=1, sort_keys=True) + "\n")
+                    merged = {}
+            for e in entries:
+                merged[json.dumps(e["key"])] = e
+            path.write_text(json.dumps({"kernel": self.kernel_id(at), "fla_version": self.version,
+                                        "triton_version": triton.__version__,
+                                        "entries": sorted(merged.values(), key=lambda e: json.dumps(e["key"]))},
+                                       indent=1) + "\n")
             written.append(str(path))
         return written
+
+    def preload_configs(self, folder) -> int:
+        """Seed each fla autotuner's cache with the configs saved in ``folder``, so
+        matching calls skip tuning. A saved config is used only if it is one of that
+        autotuner's own candidates (a changed fla falls back to tuning). Returns the
+        number of (kernel, key) entries loaded."""
+        import triton
+
+        folder = Path(folder)
+        loaded = 0
+        for at in self.autotuners():
+            path = folder / f"{self.kernel_id(at)}.json"
+            if not path.is_file():
+                continue
+            try:
+                entries = json.loads(path.read_text()).get("entries", [])
+            except Exception:
+                continue
+            for e in entries:
+                c = e["config"]
+                cfg = triton.Config(dict(c["kwargs"]), num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                    num_ctas=c.get("num_ctas", 1), maxnreg=c.get("maxnreg"))
+                match = next((x for x in at.configs if x == cfg), None)
+                if match is None:
+                    continue
+                at.cache[tuple(e["key"])] = match
+                loaded += 1
+        return loaded

@@ -175,8 +175,10 @@ def main(argv=None) -> int:
         except Exception as e:
             print(f"[{fam}] family failed: {type(e).__name__}: {e}")
             records.append(new_record(fam, "(all cases)", "harness", "ours", error=f"{type(e).__name__}: {e}"))
-    if bench_kda.SESSION is not None and bench_kda.SESSION.version:
-        meta["fla"] = bench_kda.SESSION.version
+    fla = bench_kda.SESSION
+    if fla is not None and fla.version:
+        meta["fla"] = fla.version + (f" (autotune configs from {fla.configs_dir}: {fla.preloaded} entries preloaded)"
+                                     if fla.configs_dir else " (autotuned in this run)")
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     jpath, mpath = write_results(args.outdir, records, meta)
     body = [r for r in records if r["kind"] != "ceiling"]

@@ -422,3 +422,18 @@ def test_cpu_smoke_run_writes_results(tmp_path):
     ours = [r for r in recs if r["impl"] == "mate_cupy"]
     assert all(r["error"] or r["err"] == 0.0 for r in ours)  # our reference path, or a recorded error
     assert (tmp_path / "out" / "results.md").read_text().count("| msa topk select |") == 4
+
+
+def test_compare_runs():
+    from bench.compare import compare
+
+    old = [new_record("op", "c", "mate_cupy", "ours", ms=2.0, commit="a"),
+           new_record("op", "c", "flash", "peer", ms=3.0, commit="a")]
+    new = [new_record("op", "c", "mate_cupy", "ours", ms=1.0, commit="b"),
+           new_record("op", "c", "flash", "peer", error="x", commit="b"),
+           new_record("op", "d", "mate_cupy", "ours", ms=5.0, commit="b"),
+           new_record("ceiling", "copy", "torch", "ceiling", ms=1.0)]
+    rows = compare(old, new)
+    assert [(r["case"], r["impl"], r["speedup"]) for r in rows] == [
+        ("c", "mate_cupy", 2.0), ("c", "flash", None), ("d", "mate_cupy", None)]
+    assert [r["impl"] for r in compare(old, new, impl="flash")] == ["flash"]
