@@ -452,6 +452,8 @@ ERRORS = [
     _bad("slot-out-of-range", lambda x: x, ValueError, state_indices=np.array([0, 4], np.int32)),
     _bad("token-slot-out-of-range", lambda x: x, ValueError, state_indices=np.array([[0, 1], [2, 9]], np.int32),
          inplace_final_state=True),
+    _bad("token-slot-out-of-range-store", lambda x: x, ValueError,
+         state_indices=np.array([[0, 1], [2, 4]], np.int32), store_final_state=True),
     _bad("no-state", lambda x: {**x, "state": None}, ValueError),
     _bad("no-state-inplace", lambda x: {**x, "state": None}, ValueError, use_initial_state=False,
          inplace_final_state=True),

@@ -390,7 +390,8 @@ def kda_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlen
     float64 copy of the pool after the in-place writes (None unless
     ``inplace_final_state``); final_state float64 ``[N, HV, V, K]`` (K-first when
     ``state_v_first`` is False) when ``store_final_state`` and not in place, else None.
-    Slots that would be dereferenced out of range raise ``ValueError``.
+    Slots at or past the pool size (the read slot, and with ``[N, C]`` indices the slot of
+    every token of a non-padding sequence) raise ``ValueError``.
     """
     from .._interop import BFLOAT16, FLOAT32, as_dtype
 
@@ -472,7 +473,7 @@ def kda_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlen
             token_slots = [int(si[n, t]) if t < C else None for t in range(L)]
         if read >= 0:
             check_slot(read, f"state slot of sequence {n}")
-            if token_slots is not None and inplace_final_state:
+            if token_slots is not None:
                 for t, s in enumerate(token_slots):
                     if s is not None and s >= 0:
                         check_slot(s, f"state_indices[{n}, {t}]")
