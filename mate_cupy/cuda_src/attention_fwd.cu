@@ -1,0 +1,629 @@
+// MSA attention forward: dense, paged and block-sparse KV, prefill and decode.
+//
+// One FlashAttention-2 style kernel whose key loop walks either a dense key
+// range, a paged key range through a page table / CSR page list, or the union
+// of the selected 128-key blocks of the CTA's queries (ATT_SPARSE). GQA is
+// packed: the rows of a CTA tile are (query, head-in-group) pairs of one KV
+// head, query-major (packed row P = i * group + h), so every K/V tile loaded
+// serves all query heads of the group.
+//
+//   q    [total_q, Hq, D]          (token and head strides given)
+//   k, v dense [total_k, Hkv, D]   (slot stride = token stride, page stride unused)
+//        paged [pages, page, Hkv, D] ("NHD") or [pages, Hkv, page, D] ("HND"),
+//        any page/slot/head strides with D contiguous
+//   out  [total_q, Hq, D] fp16/bf16 (bf16 for e4m3 inputs); lse [total_q, Hq] f32
+//   split-KV: partial out ws_o [splits, total_q*Hq, D] f32 and ws_lse
+//        [splits, total_q*Hq], combined by msa_attention_merge_kernel.
+//
+// Grid: x = row tiles (heaviest first), y = request, z = KV head * splits.
+// CTA: ATT_WARPS_M x ATT_WARPS_N warps; warp (wm, wn) owns ATT_MTILES 16-row
+// m-tiles and the wn-th slice of ATT_BLOCK_N / ATT_WARPS_N keys of each K/V
+// tile (decode shapes split the keys across warps and merge at the end).
+// K/V tiles stream through an ATT_STAGES-deep cp.async ring with one barrier
+// per tile. S = Q K^T and O += P V run on mma.sync (m16n8k16 fp16/bf16,
+// m16n8k32 e4m3 with P quantised to e4m3 after scaling by 256).
+//
+// Compile-time specialisation (macros): ATT_HEAD_DIM, ATT_DTYPE (0 fp16,
+// 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
+// ATT_STAGES, ATT_SPARSE, ATT_MIN_BLOCKS, ATT_SMEM_FIXED (host's view of the
+// fixed shared-memory bytes, checked below).
+#include "common/dtype.cuh"
+#include "common/mma.cuh"
+#include "common/attention_tile.cuh"
+#include "common/softmax.cuh"
+#include "common/kv_pages.cuh"
+#include "common/block_union.cuh"
+
+using namespace mate;
+using namespace mate::attn;
+
+// Elem: q/k/v storage; OutT: output; Mma16: operand type of the 16-bit PV path
+// (never executed for e4m3, but compiled).
+#if ATT_DTYPE == 0
+typedef half_t Elem;
+typedef half_t OutT;
+typedef half_t Mma16;
+#elif ATT_DTYPE == 1
+typedef bf16_t Elem;
+typedef bf16_t OutT;
+typedef bf16_t Mma16;
+#else
+typedef fp8_t Elem;
+typedef bf16_t OutT;
+typedef bf16_t Mma16;
+#endif
+
+namespace {
+
+constexpr int kD = ATT_HEAD_DIM;
+constexpr bool kFp8 = ATT_DTYPE == 2;
+constexpr int kElemBytes = kFp8 ? 1 : 2;
+constexpr int kElemsPerChunk = 16 / kElemBytes;
+constexpr int kRowBytes = kD * kElemBytes;
+constexpr int kChunks = kRowBytes / 16;
+constexpr int kWM = ATT_WARPS_M;
+constexpr int kMT = ATT_MTILES;
+constexpr int kWN = ATT_WARPS_N;
+constexpr int kBN = ATT_BLOCK_N;
+constexpr int kStages = ATT_STAGES;
+constexpr bool kSparse = ATT_SPARSE != 0;
+constexpr int kThreads = 32 * kWM * kWN;
+constexpr int kM = kWM * kMT * 16;          // rows per CTA
+constexpr int kKW = kBN / kWN;               // keys per warp per tile
+constexpr int kNT = kKW / 8;                 // S n-tiles per warp
+constexpr int kKSteps = kRowBytes / 32;      // QK k-steps
+constexpr int kDT = kD / 8;                  // O n-tiles
+constexpr float kPScale = kFp8 ? 256.f : 1.f;
+constexpr int kSparseBlock = 128;
+constexpr int kTilesPerBlock = kSparseBlock / kBN;
+typedef SwizzledTile<kRowBytes> Tile;
+
+static_assert(kD == 64 || kD == 128 || kD == 256, "head dim");
+static_assert(kKW % (kFp8 ? 32 : 16) == 0, "a warp's key slice must fill whole PV k-steps");
+static_assert(kThreads % kChunks == 0 && (kBN * kChunks) % kThreads == 0,
+              "K/V tile loads must divide evenly among the threads");
+static_assert(kBN <= kSparseBlock && kSparseBlock % kBN == 0, "key tiles must tile a 128-key block");
+static_assert(kStages >= 2 && kStages <= 4, "pipeline depth");
+
+constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// Shared memory: [Q tile][region: K/V stages | epilogue | sparse scratch][page flags][sparse lists]
+constexpr int kQBytes = kM * kRowBytes;
+constexpr int kStageBytes = 2 * kBN * kRowBytes;
+constexpr int kEpiStride = kD + 8;  // floats per staged output row (bank-conflict padding)
+constexpr int kEpiBytes = kWN * kM * kEpiStride * 4 + 3 * kWN * kM * 4;
+constexpr int kRegionBytes = round_up(cmax(kStages * kStageBytes, kEpiBytes), 128);
+constexpr int kFlagBytes = round_up(kStages * kBN, 128);
+constexpr int kSmemFixed = kQBytes + kRegionBytes + kFlagBytes;
+static_assert(kSmemFixed == ATT_SMEM_FIXED, "host and device disagree on the shared-memory layout");
+// Sparse scratch (bitmap + prefix words) aliases the region.
+constexpr int kUnionWords = kRegionBytes / 8;
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_attention_fwd_kernel(
+    const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v, OutT* __restrict__ out,
+    float* __restrict__ lse, float* __restrict__ ws_o, float* __restrict__ ws_lse,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
+    const int* __restrict__ qo_offset, const int* __restrict__ cu_seqlens_k, const int* __restrict__ page_list,
+    const int* __restrict__ page_indptr, const int* __restrict__ block_lists, long long q_tok_stride,
+    long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_page_stride,
+    long long k_slot_stride, long long k_head_stride, long long v_page_stride, long long v_slot_stride,
+    long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
+    int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int num_splits,
+    float scale_log2, float out_scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* sQ = smem;
+    unsigned char* sR = smem + kQBytes;
+    unsigned char* sFlags = sR + kRegionBytes;
+    int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);
+    int* sPage = sList + nq_cap * list_width;
+    u32* sQmask = reinterpret_cast<u32*>(sPage + nq_cap * list_width);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % kWM, wn = warp / kWM;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int m_base = wm * kMT * 16;  // first CTA row of this warp
+
+    const int b = blockIdx.y;
+    const int kvh = blockIdx.z / num_splits, split = blockIdx.z - kvh * num_splits;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * kM;
+
+    // ---- request geometry, clamped to the arrays ----
+    const int q_start = cu_seqlens_q[b];
+    int Lq = qo_lens[b];
+    Lq = (q_start < 0 || q_start > total_q) ? 0 : max(0, min(Lq, total_q - q_start));
+    const int rows_total = Lq * group;
+    if (row0 >= rows_total) return;
+
+    const bool paged = page_size_log2 >= 0;
+    int Lk = max(kv_lens[b], 0);
+    long long k_row0 = 0;
+    PageList pages{nullptr, 0};
+    if (!paged) {
+        const int ks = cu_seqlens_k[b];
+        if (ks < 0 || ks > kv_extent) {
+            Lk = 0;
+        } else {
+            Lk = min(Lk, kv_extent - ks);
+            k_row0 = ks;
+        }
+    } else {
+        pages = PageList::of_request(page_list, page_indptr, page_list_len, b);
+    }
+    const long long qoff = qo_offset[b];
+    const int qi_first = row0 / group;
+    const int qi_last = min(Lq - 1, (row0 + kM - 1) / group);
+    // Keys any row of this CTA may attend: [0, kend).
+    const int kend = causal ? (int)max(0LL, min((long long)Lk, qoff + qi_last + 1)) : Lk;
+
+    // ---- this thread's rows ----
+    // Local query index ql = qi - qi_first of row (mt, h), one byte each (0xff: padding row).
+    // A row attends keys j < row_limit(ql).
+    const int lim_base = (int)max(-(1LL << 30), min(1LL << 30, qoff + qi_first + 1));
+    auto row_limit = [&](int ql) -> int { return causal ? min(Lk, max(0, lim_base + ql)) : Lk; };
+    u32 row_qls = 0;
+    int lim_lo = 0x7fffffff, lim_hi = 0;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int P = row0 + m_base + mt * 16 + h * 8 + g;
+            int ql = 0xff;
+            if (P < rows_total) {
+                ql = P / group - qi_first;
+                const int lim = row_limit(ql);
+                lim_lo = min(lim_lo, lim);
+                lim_hi = max(lim_hi, lim);
+            }
+            row_qls |= (u32)ql << (8 * (2 * mt + h));
+        }
+    }
+    const int warp_lim_lo = __reduce_min_sync(0xffffffffu, lim_lo);
+    const int warp_lim_hi = __reduce_max_sync(0xffffffffu, lim_hi);
+
+    // ---- Q tile (zero rows past the request) ----
+    {
+        const int c = tid % kChunks;
+        constexpr int kQIters = (kM * kChunks + kThreads - 1) / kThreads;
+#pragma unroll
+        for (int i = 0; i < kQIters; ++i) {
+            const int r = tid / kChunks + i * (kThreads / kChunks);
+            if (kQIters * kThreads > kM * kChunks && r >= kM) break;
+            const int P = row0 + r;
+            const bool ok = P < rows_total;
+            const Elem* src = q;
+            if (ok) {
+                const int qi = P / group, h = P - qi * group;
+                src = q + (long long)(q_start + qi) * q_tok_stride + (long long)(kvh * group + h) * q_head_stride +
+                      c * kElemsPerChunk;
+            }
+            cp_async_16(sQ + Tile::offset(r, c), src, ok);
+        }
+        cp_async_commit();
+    }
+
+    // ---- the tiles this CTA walks ----
+    int n_tiles;
+    int nq = 0;  // queries whose block lists are loaded (sparse)
+    if constexpr (kSparse) {
+        nq = min(qi_last - qi_first + 1, nq_cap);
+        int nb = (kend + kSparseBlock - 1) / kSparseBlock;
+        nb = min(nb, min(pages.count, kUnionWords * 32));
+        const long long list_row0 = ((long long)(q_start + qi_first) * num_heads_kv + kvh) * list_width;
+        const int U = build_block_union<kThreads>(
+            block_lists, list_row0, (long long)num_heads_kv * list_width, list_width, nq, max(nb, 0), pages, kv_extent,
+            reinterpret_cast<u32*>(sR), reinterpret_cast<int*>(sR) + kUnionWords, sList, sPage, sQmask, qmask_words);
+        n_tiles = U * kTilesPerBlock;
+    } else {
+        n_tiles = (kend + kBN - 1) / kBN;
+    }
+    const int per_split = (n_tiles + num_splits - 1) / num_splits;
+    const int t_begin = min(n_tiles, split * per_split);
+    const int t_end = min(n_tiles, t_begin + per_split);
+
+    // First key of tile t (and, sparse, its page).
+    auto tile_start = [&](int t, int& page) -> int {
+        if constexpr (kSparse) {
+            const int u = t / kTilesPerBlock;
+            page = sPage[u];
+            return sList[u] * kSparseBlock + (t - u * kTilesPerBlock) * kBN;
+        } else {
+            page = 0;
+            return t * kBN;
+        }
+    };
+
+    // Issue the cp.async loads of K/V tile t into `stage` (one commit group,
+    // empty past t_end). Keys past Lk or on invalid pages are zero-filled and
+    // never read; returns 1 when a key < Lk sits on an invalid page.
+    const int ld_c = tid % kChunks, ld_r0 = tid / kChunks;
+    const Elem* kbase = k + (long long)kvh * k_head_stride + ld_c * kElemsPerChunk;
+    const Elem* vbase = v + (long long)kvh * v_head_stride + ld_c * kElemsPerChunk;
+    auto issue_tile = [&](int t, int stage) -> int {
+        int bad = 0;
+        if (t < t_end) {
+            unsigned char* dK = sR + stage * kStageBytes;
+            unsigned char* dV = dK + kBN * kRowBytes;
+            int spage;
+            const int kstart = tile_start(t, spage);
+            int last_pi = -1, pg = -1;
+#pragma unroll
+            for (int i = 0; i < kBN * kChunks / kThreads; ++i) {
+                const int r = ld_r0 + i * (kThreads / kChunks);
+                const int j = kstart + r;
+                bool ok = j < Lk;
+                long long page, slot;
+                if constexpr (kSparse) {
+                    page = spage;
+                    slot = j & (kSparseBlock - 1);
+                } else if (paged) {
+                    const int pi = j >> page_size_log2;
+                    if (pi != last_pi) {
+                        last_pi = pi;
+                        pg = pages.page(pi, kv_extent);
+                    }
+                    if (ld_c == 0) sFlags[stage * kBN + r] = pg >= 0 ? 1 : 0;
+                    if (ok && pg < 0) {
+                        bad = 1;
+                        ok = false;
+                    }
+                    page = pg;
+                    slot = j & ((1 << page_size_log2) - 1);
+                } else {
+                    page = 0;
+                    slot = k_row0 + j;
+                }
+                const Elem* ks = kbase;
+                const Elem* vs = vbase;
+                if (ok) {
+                    ks += page * k_page_stride + slot * k_slot_stride;
+                    vs += page * v_page_stride + slot * v_slot_stride;
+                }
+                cp_async_16(dK + Tile::offset(r, ld_c), ks, ok);
+                cp_async_16(dV + Tile::offset(r, ld_c), vs, ok);
+            }
+        }
+        cp_async_commit();
+        return bad;
+    };
+
+    float O[kMT][kDT][4];
+    float m_run[kMT][2], l_run[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < kDT; ++d) O[mt][d][0] = O[mt][d][1] = O[mt][d][2] = O[mt][d][3] = 0.f;
+        m_run[mt][0] = m_run[mt][1] = kNegInf;
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
+
+    // ---- pipeline prologue ----
+    // flags bit i: tile (current + i) has keys on invalid pages (paged mode).
+    u32 flags = 0;
+    int pending_bad = 0;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        pending_bad = issue_tile(t_begin + s, s);
+        if (s < kStages - 2 && paged) {
+            if (__syncthreads_or(pending_bad)) flags |= 1u << s;
+        }
+    }
+
+    const u32 sQ_addr = smem_u32(sQ), sR_addr = smem_u32(sR);
+    const u32 off_a = lane_offset_a<kRowBytes>(m_base, lane);
+    const u32 off_b = lane_offset_b<kRowBytes>(wn * kKW, lane);
+    const u32 off_v = kFp8 ? lane_offset_vt8<kRowBytes>(wn * kKW, lane) : lane_offset_vt<kRowBytes>(wn * kKW, lane);
+
+    for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
+        const int stage = n % kStages;
+        cp_async_wait<kStages - 2>();
+        if (paged) {
+            if (__syncthreads_or(pending_bad)) flags |= 1u << (kStages - 2);
+        } else {
+            __syncthreads();
+        }
+        // Stage (n - 1) % kStages is free: every warp finished tile t - 1.
+        pending_bad = issue_tile(t + kStages - 1, (n + kStages - 1) % kStages);
+
+        const u32 k_addr = sR_addr + stage * kStageBytes;
+        const u32 v_addr = k_addr + kBN * kRowBytes;
+        int spage;
+        const int kstart = tile_start(t, spage);
+        const int kw0 = kstart + wn * kKW;  // first key of this warp's slice
+        const bool tile_bad = flags & 1u;
+        flags >>= 1;
+
+        // Is any row of this warp attending a key of the slice; does any need masking?
+        u32 member = 0xffffffffu;  // bit 2*mt+h: the row's query listed this block (sparse)
+        bool active, need_mask;
+        if constexpr (kSparse) {
+            const int u = t / kTilesPerBlock;
+            bool any = false, full = true;
+            member = 0;
+#pragma unroll
+            for (int i = 0; i < 2 * kMT; ++i) {
+                const int ql = (row_qls >> (8 * i)) & 0xff;
+                if (ql == 0xff) continue;
+                const bool mem = ql < nq && ((sQmask[ql * qmask_words + (u >> 5)] >> (u & 31)) & 1u);
+                const int lim = row_limit(ql);
+                member |= (mem ? 1u : 0u) << i;
+                any |= mem && kw0 < lim;
+                full &= mem && kw0 + kKW <= lim;
+            }
+            active = __any_sync(0xffffffffu, any);
+            need_mask = tile_bad || !__all_sync(0xffffffffu, full);
+        } else {
+            active = kw0 < warp_lim_hi;
+            need_mask = tile_bad || kw0 + kKW > warp_lim_lo;
+        }
+        if (!active) continue;
+
+        // ---- S = Q K^T, scaled to the log2 domain ----
+        float S[kMT][kNT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int n8 = 0; n8 < kNT; ++n8) S[mt][n8][0] = S[mt][n8][1] = S[mt][n8][2] = S[mt][n8][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+            u32 a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) ldsm_x4(a[mt], sQ_addr + ((off_a + mt * 16 * kRowBytes) ^ (ks * 32)));
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bf[4];
+                ldsm_x4(bf, k_addr + ((off_b + np * 16 * kRowBytes) ^ (ks * 32)));
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    QkMma<Elem>::run(S[mt][2 * np], a[mt], bf);
+                    QkMma<Elem>::run(S[mt][2 * np + 1], a[mt], bf + 2);
+                }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int n8 = 0; n8 < kNT; ++n8)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) S[mt][n8][e] *= scale_log2;
+
+        if (need_mask) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 2 * mt + h;
+                    const int ql = (row_qls >> (8 * i)) & 0xff;
+                    const int lim = (ql != 0xff && ((member >> i) & 1u)) ? row_limit(ql) : 0;
+#pragma unroll
+                    for (int n8 = 0; n8 < kNT; ++n8) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = kw0 + n8 * 8 + 2 * t4 + e;
+                            bool ok = j < lim;
+                            if (tile_bad) ok = ok && sFlags[stage * kBN + (j - kstart)] != 0;
+                            if (!ok) S[mt][n8][2 * h + e] = kNegInf;
+                        }
+                    }
+                }
+            }
+        }
+
+        // ---- online softmax ----
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt]);
+
+        // ---- O += P V (P converted to the MMA operand type first, so S dies early) ----
+        if constexpr (!kFp8) {
+            u32 pa[kMT][kKW / 16][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                for (int kk = 0; kk < kKW / 16; ++kk) {
+                    pa[mt][kk][0] = pack2<Mma16>(S[mt][2 * kk][0], S[mt][2 * kk][1]);
+                    pa[mt][kk][1] = pack2<Mma16>(S[mt][2 * kk][2], S[mt][2 * kk][3]);
+                    pa[mt][kk][2] = pack2<Mma16>(S[mt][2 * kk + 1][0], S[mt][2 * kk + 1][1]);
+                    pa[mt][kk][3] = pack2<Mma16>(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < kKW / 16; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < kDT / 2; ++dp) {
+                    u32 bf[4];
+                    ldsm_x4_t(bf, v_addr + ((off_v + kk * 16 * kRowBytes) ^ (dp * 32)));
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        mma_16x8x16<Mma16>(O[mt][2 * dp], pa[mt][kk], bf);
+                        mma_16x8x16<Mma16>(O[mt][2 * dp + 1], pa[mt][kk], bf + 2);
+                    }
+                }
+            }
+        } else {
+            u32 pa[kMT][kKW / 32][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                for (int kk = 0; kk < kKW / 32; ++kk) {
+                    const float(&s0)[4] = S[mt][4 * kk];
+                    const float(&s1)[4] = S[mt][4 * kk + 1];
+                    const float(&s2)[4] = S[mt][4 * kk + 2];
+                    const float(&s3)[4] = S[mt][4 * kk + 3];
+                    pa[mt][kk][0] = pack4_e4m3(s0[0] * kPScale, s0[1] * kPScale, s1[0] * kPScale, s1[1] * kPScale);
+                    pa[mt][kk][1] = pack4_e4m3(s0[2] * kPScale, s0[3] * kPScale, s1[2] * kPScale, s1[3] * kPScale);
+                    pa[mt][kk][2] = pack4_e4m3(s2[0] * kPScale, s2[1] * kPScale, s3[0] * kPScale, s3[1] * kPScale);
+                    pa[mt][kk][3] = pack4_e4m3(s2[2] * kPScale, s2[3] * kPScale, s3[2] * kPScale, s3[3] * kPScale);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < kKW / 32; ++kk) {
+#pragma unroll
+                for (int c = 0; c < kD / 16; ++c) {
+                    u32 be[2], bo[2];
+                    ldsm_vt_e4m3(be, bo, v_addr + ((off_v + kk * 32 * kRowBytes) ^ (c * 16)));
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        mma_16x8x32_e4m3(O[mt][2 * c], pa[mt][kk], be);
+                        mma_16x8x32_e4m3(O[mt][2 * c + 1], pa[mt][kk], bo);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- epilogue: merge the key-split warps, normalise, store ----
+    cp_async_wait<0>();
+    __syncthreads();
+    float* eO = reinterpret_cast<float*>(sR);  // [kWN][kM][kEpiStride]
+    float* eM = eO + kWN * kM * kEpiStride;    // [kWN][kM] row max (log2 domain)
+    float* eL = eM + kWN * kM;                 // [kWN][kM] row sum
+    float* eF = eL + kWN * kM;                 // [kWN][kM] per-warp factor
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = m_base + mt * 16 + h * 8 + g;
+            const float l = quad_sum(l_run[mt][h]);
+            if (t4 == 0) {
+                eM[wn * kM + r] = m_run[mt][h];
+                eL[wn * kM + r] = l;
+            }
+            float* dst = eO + (wn * kM + r) * kEpiStride;
+            if constexpr (!kFp8) {
+#pragma unroll
+                for (int d = 0; d < kDT; ++d)
+                    *reinterpret_cast<float2*>(dst + d * 8 + 2 * t4) =
+                        make_float2(O[mt][d][2 * h], O[mt][d][2 * h + 1]);
+            } else {
+                // n-tile 2c holds the even dims 16c + 4t + {0, 2}, n-tile 2c+1 the odd ones.
+#pragma unroll
+                for (int c = 0; c < kD / 16; ++c)
+                    *reinterpret_cast<float4*>(dst + c * 16 + 4 * t4) =
+                        make_float4(O[mt][2 * c][2 * h], O[mt][2 * c + 1][2 * h], O[mt][2 * c][2 * h + 1],
+                                    O[mt][2 * c + 1][2 * h + 1]);
+            }
+        }
+    }
+    __syncthreads();
+    const long long split_rows = (long long)total_q * num_heads_q;
+    if (tid < kM) {
+        const int r = tid;
+        float mx = kNegInf;
+#pragma unroll
+        for (int w = 0; w < kWN; ++w) mx = fmaxf(mx, eM[w * kM + r]);
+        float f[kWN];
+        float L = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWN; ++w) {
+            f[w] = (mx == kNegInf) ? 0.f : fast_exp2(eM[w * kM + r] - mx);
+            L += eL[w * kM + r] * f[w];
+        }
+        const float inv = L > 0.f ? out_scale / (kPScale * L) : 0.f;
+#pragma unroll
+        for (int w = 0; w < kWN; ++w) eF[w * kM + r] = f[w] * inv;
+        const int P = row0 + r;
+        if (P < rows_total) {
+            const int qi = P / group, h = P - qi * group;
+            const long long ridx = (long long)(q_start + qi) * num_heads_q + kvh * group + h;
+            const float row_lse = L > 0.f ? (mx + __log2f(L)) * 0.69314718055994531f : kNegInf;
+            if (ws_lse != nullptr) {
+                ws_lse[split * split_rows + ridx] = row_lse;
+            } else if (lse != nullptr) {
+                lse[ridx] = row_lse;
+            }
+        }
+    }
+    __syncthreads();
+    constexpr int kC8 = kD / 8;
+    for (int it = tid; it < kM * kC8; it += kThreads) {
+        const int r = it / kC8, c8 = it - r * kC8;
+        const int P = row0 + r;
+        if (P >= rows_total) continue;
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWN; ++w) {
+            const float fw = eF[w * kM + r];
+            const float* src = eO + (w * kM + r) * kEpiStride + c8 * 8;
+            const float4 x0 = *reinterpret_cast<const float4*>(src);
+            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+            acc[0] += fw * x0.x;
+            acc[1] += fw * x0.y;
+            acc[2] += fw * x0.z;
+            acc[3] += fw * x0.w;
+            acc[4] += fw * x1.x;
+            acc[5] += fw * x1.y;
+            acc[6] += fw * x1.z;
+            acc[7] += fw * x1.w;
+        }
+        const int qi = P / group, h = P - qi * group;
+        const int tok = q_start + qi, head = kvh * group + h;
+        if (ws_o != nullptr) {
+            float* dst = ws_o + ((split * split_rows + (long long)tok * num_heads_q + head) * kD + c8 * 8);
+            *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        } else {
+            vec16 pk;
+            pk.w[0] = pack2<OutT>(acc[0], acc[1]);
+            pk.w[1] = pack2<OutT>(acc[2], acc[3]);
+            pk.w[2] = pack2<OutT>(acc[4], acc[5]);
+            pk.w[3] = pack2<OutT>(acc[6], acc[7]);
+            *reinterpret_cast<vec16*>(out + (long long)tok * out_tok_stride + (long long)head * out_head_stride +
+                                      c8 * 8) = pk;
+        }
+    }
+}
+
+// Combine split-KV partials: one warp per (query, head) row of request blockIdx.y.
+//   ws_o [splits, total_q*Hq, D] f32 (normalised per split), ws_lse [splits, total_q*Hq];
+//   out [total_q, Hq, D] (strided), lse [total_q, Hq] f32 or null.
+extern "C" __global__ void __launch_bounds__(128) msa_attention_merge_kernel(
+    const float* __restrict__ ws_o, const float* __restrict__ ws_lse, OutT* __restrict__ out,
+    float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens, int total_q,
+    int num_heads_q, int num_splits, long long out_tok_stride, long long out_head_stride) {
+    constexpr int kPer = kD / 32;  // values per lane: 2, 4 or 8
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int b = blockIdx.y;
+    const int q_start = cu_seqlens_q[b];
+    int Lq = qo_lens[b];
+    Lq = (q_start < 0 || q_start > total_q) ? 0 : max(0, min(Lq, total_q - q_start));
+    if (row >= (long long)Lq * num_heads_q) return;
+    const long long ridx = (long long)q_start * num_heads_q + row;
+    const int tok = (int)(ridx / num_heads_q), head = (int)(ridx - (long long)tok * num_heads_q);
+    const long long split_rows = (long long)total_q * num_heads_q;
+
+    float mx = kNegInf;
+    for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, ws_lse[s * split_rows + ridx]);
+    mx = warp_max(mx);
+    float acc[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+    float row_lse = kNegInf;
+    if (mx != kNegInf) {
+        float sum = 0.f;
+        for (int s = lane; s < num_splits; s += 32) sum += __expf(ws_lse[s * split_rows + ridx] - mx);
+        sum = warp_sum(sum);
+        const float inv = 1.f / sum;
+        for (int s = 0; s < num_splits; ++s) {
+            const float ls = ws_lse[s * split_rows + ridx];
+            if (ls == kNegInf) continue;
+            const float w = __expf(ls - mx) * inv;
+            const float* src = ws_o + (s * split_rows + ridx) * kD + lane * kPer;
+#pragma unroll
+            for (int e = 0; e < kPer; e += 2) {
+                const float2 x = *reinterpret_cast<const float2*>(src + e);
+                acc[e] += w * x.x;
+                acc[e + 1] += w * x.y;
+            }
+        }
+        row_lse = mx + __logf(sum);
+    }
+    OutT* dst = out + (long long)tok * out_tok_stride + (long long)head * out_head_stride + lane * kPer;
+#pragma unroll
+    for (int e = 0; e < kPer; e += 2) *reinterpret_cast<u32*>(dst + e) = pack2<OutT>(acc[e], acc[e + 1]);
+    if (lse != nullptr && lane == 0) lse[ridx] = row_lse;
+}

@@ -1,0 +1,72 @@
+// Online softmax in registers for the flash-attention kernels.
+//
+// Scores arrive in the log2 domain (s * sm_scale * log2(e)), masked entries
+// are -inf. Each thread owns two rows of a 16-row m-tile (g and g+8 of the
+// mma accumulator layout); the four lanes of a quad share those rows, so row
+// reductions are two xor-shuffles. The running row sum `l` stays a per-thread
+// partial until the epilogue (quad_sum), as in FlashAttention-2.
+//
+// Rows with no admissible key keep m = -inf, l = 0 and O = 0: the exponent is
+// taken relative to 0 instead of -inf, so no NaN is ever produced.
+#pragma once
+#include "dtype.cuh"
+
+namespace mate {
+namespace attn {
+
+// -inf as a value usable in device code (NVRTC has no INFINITY macro).
+#define kNegInf __int_as_float(0xff800000u)
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// One online-softmax step for a 16-row slab.
+//   S [NT][4]: this tile's scores (log2 domain); replaced by p = 2^(s - m_new).
+//   O [DT][4]: output accumulator, rescaled by 2^(m_old - m_new).
+//   m[2], l[2]: running max and partial sum of rows g (index 0) and g+8 (1).
+template <int NT, int DT>
+__device__ __forceinline__ void online_softmax_update(float (&S)[NT][4], float (&O)[DT][4], float (&m)[2],
+                                                      float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = m[h];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+        mx = quad_max(mx);
+        const float m_use = (mx == kNegInf) ? 0.f : mx;
+        const float alpha = fast_exp2(m[h] - m_use);
+        m[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = fast_exp2(S[n][2 * h + e] - m_use);
+                S[n][2 * h + e] = p;
+                sum += p;
+            }
+        }
+        l[h] = l[h] * alpha + sum;
+#pragma unroll
+        for (int d = 0; d < DT; ++d) {
+            O[d][2 * h] *= alpha;
+            O[d][2 * h + 1] *= alpha;
+        }
+    }
+}
+
+}  // namespace attn
+}  // namespace mate
