@@ -179,11 +179,12 @@ def kda_decode_beta(b: np.ndarray, *, apply_beta_sigmoid: bool = False, allow_ne
 
 
 def _delta_step(S, q, k, v, gk, beta, scale):
-    """One token for all heads. ``S [HV, V, K]``, ``q, k, gk [HV, K]``, ``v [HV, V]``,
-    ``beta [HV, 1]`` or ``[HV, V]``. Returns ``(S_new, o [HV, V])``."""
-    S = S * np.exp(gk)[:, None, :]
-    S = S + (beta * (v - np.einsum("hvk,hk->hv", S, k)))[:, :, None] * k[:, None, :]
-    return S, np.einsum("hvk,hk->hv", S, q) * scale
+    """One token for all heads (and any leading batch axes). ``S [..., HV, V, K]``,
+    ``q, k, gk [..., HV, K]``, ``v [..., HV, V]``, ``beta [..., HV, 1]`` or ``[..., HV, V]``.
+    Updates ``S`` in place (callers pass a state they own) and returns ``(S, o [..., HV, V])``."""
+    S *= np.exp(gk)[..., None, :]
+    S += (beta * (v - (S @ k[..., None])[..., 0]))[..., :, None] * k[..., None, :]
+    return S, (S @ q[..., None])[..., 0] * scale
 
 
 class _ChunkInputs:
@@ -249,6 +250,11 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     x = _ChunkInputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
                      lower_bound, use_qk_l2norm, beta_sigmoid)
     o = np.zeros((x.B, x.T, x.HV, x.V))
+    if cu_seqlens is None:  # equal lengths: all sequences advance together
+        S = x.S0.copy()
+        for t in range(x.T):
+            S, o[:, t] = _delta_step(S, x.q[:, t], x.k[:, t], x.v[:, t], x.gk[:, t], x.beta[:, t], x.scale)
+        return o.reshape(x.out_shape), S
     final = np.empty_like(x.S0)
     for n, (b, bos, eos) in enumerate(x.seqs):
         S = x.S0[n].copy()
