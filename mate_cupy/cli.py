@@ -81,7 +81,8 @@ def cmd_check(args) -> int:
     print(f"compiling {len(specs)} kernel variants with {how}")
     t0 = time.perf_counter()
     if compile_only:
-        results = compile_all(arch, jobs=args.jobs, progress=lambda d, n, r: _progress(d, n, r, t0))
+        results = compile_all(arch, jobs=args.jobs, cubin_dir=args.cubin_dir,
+                              progress=lambda d, n, r: _progress(d, n, r, t0))
     else:
         results = []
         for i, spec in enumerate(specs, 1):
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
     c.add_argument("--arch", default=None, help="target arch, e.g. sm_90a or sm_80 (default: the GPU's)")
     c.add_argument("--compile-only", action="store_true", help="compile with NVRTC alone (no GPU needed)")
     c.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
+    c.add_argument("--cubin-dir", default=None,
+                   help="with --compile-only: save the cubins there, for MATE_CUPY_CUBIN_DIR on a GPU machine")
     c.set_defaults(fn=cmd_check)
     d = sub.add_parser("demo", help="a small MSA and KDA call on the GPU (or the NumPy reference path)")
     d.add_argument("--cpu", action="store_true", help="run on the NumPy reference path even with a GPU")

@@ -88,3 +88,19 @@ def test_every_registered_variant_compiles(arch):
         if "skipped" in r:
             spec = next(s for s in specs if s.name == r["name"] and s.kernels == r["kernels"])
             assert spec.min_sm > 80 and arch == "sm_80"
+
+
+def test_cubin_dir_saves_cubin_and_lowered_names(src_dir, tmp_path_factory):
+    import json
+
+    from mate_cupy.jit.compiler import cubin_key
+
+    _write(src_dir / "fam.cu", "template <int N> __global__ void k(int* x) { x[0] = N; }\n")
+    spec = KernelSpec("fam.cu", ("k<3>",))
+    out = tmp_path_factory.mktemp("cubins")
+    compile_variant(spec, "sm_90a", cubin_dir=out)
+    key = cubin_key(spec, "sm_90a")
+    assert (out / f"{key}.cubin").stat().st_size > 0
+    assert json.loads((out / f"{key}.json").read_text()) == {"k<3>": "_Z1kILi3EEvPi"}
+    _write(src_dir / "fam.cu", "template <int N> __global__ void k(int* x) { x[0] = N + 1; }\n")
+    assert cubin_key(spec, "sm_90a") != key  # a source edit never reuses a stale cubin

@@ -87,8 +87,59 @@ _modules: dict = {}
 _kernels: dict = {}
 
 
+def _nvrtc_version() -> tuple:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def cubin_key(spec: KernelSpec, arch: str) -> str:
+    """Key of a prebuilt cubin: source text, machine-independent options, arch, NVRTC version."""
+    import hashlib
+
+    opts = [o for o in compile_options(arch) if not o.startswith("-I")]
+    text = "\0".join([full_source(spec), " ".join(opts), arch, repr(_nvrtc_version()), "\0".join(spec.kernels)])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _cubin_dir():
+    d = os.environ.get("MATE_CUPY_CUBIN_DIR")
+    return Path(d) if d else None
+
+
+class _PrebuiltModule:
+    """A cubin compiled ahead of time (``check --compile-only --cubin-dir``), loaded by CuPy."""
+
+    def __init__(self, path: Path, lowered: dict):
+        import cupy
+
+        self._mod = cupy.RawModule(path=str(path))
+        self._lowered = lowered
+
+    def get_function(self, name: str):
+        return self._mod.get_function(self._lowered[name])
+
+
+def _load_prebuilt(spec: KernelSpec, arch: str):
+    d = _cubin_dir()
+    if d is None:
+        return None
+    key = cubin_key(spec, arch)
+    cubin, meta = d / f"{key}.cubin", d / f"{key}.json"
+    if not (cubin.is_file() and meta.is_file()):
+        return None
+    import json
+
+    return _PrebuiltModule(cubin, json.loads(meta.read_text()))
+
+
 def get_module(spec: KernelSpec, device_id=None):
-    """The ``cupy.RawModule`` of ``spec`` for the device's arch (compiled once)."""
+    """The compiled module of ``spec`` for the device's arch (compiled once per process).
+
+    Looks first in ``$MATE_CUPY_CUBIN_DIR`` for a cubin built ahead of time with the same
+    source, options, arch and NVRTC version; else compiles through ``cupy.RawModule``
+    (CuPy's disk cache underneath).
+    """
     import cupy
 
     arch = device_arch(device_id)
@@ -97,11 +148,13 @@ def get_module(spec: KernelSpec, device_id=None):
     key = (src, opts, arch, spec.kernels)
     mod = _modules.get(key)
     if mod is None:
-        mod = cupy.RawModule(code=src, options=opts, name_expressions=list(spec.kernels))
-        try:
-            mod.compile()
-        except cupy.cuda.compiler.CompileException as e:
-            raise KernelCompileError(spec, opts, str(e)) from None
+        mod = _load_prebuilt(spec, arch)
+        if mod is None:
+            mod = cupy.RawModule(code=src, options=opts, name_expressions=list(spec.kernels))
+            try:
+                mod.compile()
+            except cupy.cuda.compiler.CompileException as e:
+                raise KernelCompileError(spec, opts, str(e)) from None
         _modules[key] = mod
     return mod
 
@@ -131,11 +184,14 @@ def launch(kernel, grid, block, args, *, shared_mem: int = 0, stream=None) -> No
     kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
 
 
-def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bool = False) -> dict:
+def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bool = False,
+                    cubin_dir=None) -> dict:
     """Compile ``spec`` to a cubin with NVRTC alone (no GPU needed).
 
     Returns ``{"name", "seconds", "cubin_bytes", "log"}``; raises
-    :class:`KernelCompileError` with the NVRTC log on failure.
+    :class:`KernelCompileError` with the NVRTC log on failure. With ``cubin_dir`` the
+    cubin and its lowered kernel names are saved there under :func:`cubin_key`, for
+    ``MATE_CUPY_CUBIN_DIR`` to load on a GPU machine without compiling.
     """
     from cupy.cuda import nvrtc
 
@@ -154,8 +210,17 @@ def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bo
             raise KernelCompileError(spec, opts, nvrtc.getProgramLog(prog)) from None
         log = nvrtc.getProgramLog(prog)
         cubin = nvrtc.getCUBIN(prog)
+        lowered = {k: nvrtc.getLoweredName(prog, k) for k in spec.kernels}
     finally:
         nvrtc.destroyProgram(prog)
+    if cubin_dir is not None:
+        import json
+
+        d = Path(cubin_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        key = cubin_key(spec, arch)
+        (d / f"{key}.cubin").write_bytes(cubin)
+        (d / f"{key}.json").write_text(json.dumps(lowered))
     return {"name": spec.name, "kernels": spec.kernels, "seconds": time.perf_counter() - t0,
             "cubin_bytes": len(cubin), "log": log}
 
@@ -166,16 +231,17 @@ def arch_sm(arch: str) -> int:
 
 
 def _compile_one(args):
-    spec, arch = args
+    spec, arch, cubin_dir = args
     if spec.min_sm > arch_sm(arch):
         return {"name": spec.name, "kernels": spec.kernels, "skipped": f"needs sm_{spec.min_sm}+"}
     try:
-        return compile_variant(spec, arch)
+        return compile_variant(spec, arch, cubin_dir=cubin_dir)
     except KernelCompileError as e:
         return {"name": spec.name, "kernels": spec.kernels, "error": str(e)}
 
 
-def compile_all(arch: str = "sm_90a", *, jobs: int | None = None, progress=None, specs=None) -> list:
+def compile_all(arch: str = "sm_90a", *, jobs: int | None = None, progress=None, specs=None,
+                cubin_dir=None) -> list:
     """Compile every registered variant for ``arch`` without a GPU.
 
     ``progress(done, total, result)`` is called after each variant. Returns
@@ -185,7 +251,7 @@ def compile_all(arch: str = "sm_90a", *, jobs: int | None = None, progress=None,
     jobs = jobs or max(1, min(len(specs), os.cpu_count() or 1))
     results = []
     if jobs == 1 or len(specs) <= 1:
-        it = map(_compile_one, [(s, arch) for s in specs])
+        it = map(_compile_one, [(s, arch, cubin_dir) for s in specs])
         for r in it:
             results.append(r)
             if progress:
@@ -196,7 +262,7 @@ def compile_all(arch: str = "sm_90a", *, jobs: int | None = None, progress=None,
 
     ctx = mp.get_context("spawn" if sys.platform != "linux" else "fork")
     with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        for r in pool.map(_compile_one, [(s, arch) for s in specs]):
+        for r in pool.map(_compile_one, [(s, arch, cubin_dir) for s in specs]):
             results.append(r)
             if progress:
                 progress(len(results), len(specs), r)
