@@ -6,6 +6,10 @@ every shape the kernel relies on is checked (states, gate parameters, ``cu_seqle
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from .._interop import FLOAT16, FLOAT32, Call, dtype_name
 from ..reference.kda import kda_recurrent, sequence_bounds
 from ..util_kernels import cast
@@ -52,8 +56,25 @@ def _check_state_dtype(arg, q_dtype) -> None:
         )
 
 
+@dataclass(frozen=True)
 class ChunkArgs:
     """Validated ``chunk_kda`` arguments (shapes in batched 4-D form)."""
+
+    varlen: bool
+    squeeze: bool  # q was given 3-D ([S, H, 128]): the allocated output is returned 3-D
+    B: int
+    T: int
+    H: int
+    HV: int
+    N: int  # sequences: B, or len(cu_seqlens) - 1
+    vshape: tuple  # [B, T, HV, 128]
+    state_shape: tuple  # [N, HV, 128, 128]
+    dtype: np.dtype  # q's dtype (inputs and output)
+    state_dtype: np.dtype  # final_state's, else initial_state's, else q's
+    output_final_state: bool
+    scale: float
+    lower_bound: float
+    use_qk_l2norm: bool
 
 
 def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
@@ -132,16 +153,15 @@ def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
                 f"{dtype_name(ia.dtype)} and {dtype_name(fa.dtype)}"
             )
 
-    a = ChunkArgs()
-    a.varlen, a.squeeze, a.B, a.T, a.H, a.HV, a.N = varlen, squeeze, B, T, H, HV, N
-    a.vshape, a.state_shape = vs, state_shape
-    a.dtype = qa.dtype
-    a.state_dtype = fa.dtype if fa is not None else ia.dtype if ia is not None else qa.dtype
-    a.output_final_state = output_final_state
-    a.scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
-    a.lower_bound = float(lower_bound)
-    a.use_qk_l2norm = bool(use_qk_l2norm_in_kernel)
-    return call, a
+    return call, ChunkArgs(
+        varlen=varlen, squeeze=squeeze, B=B, T=T, H=H, HV=HV, N=N, vshape=vs, state_shape=state_shape,
+        dtype=qa.dtype,
+        state_dtype=fa.dtype if fa is not None else ia.dtype if ia is not None else qa.dtype,
+        output_final_state=output_final_state,
+        scale=HEAD_DIM ** -0.5 if scale is None else float(scale),
+        lower_bound=float(lower_bound),
+        use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+    )
 
 
 def run(call: Call, a: ChunkArgs, output, final_state):

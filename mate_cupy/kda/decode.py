@@ -10,6 +10,11 @@ kernel treats an out-of-range slot as padding.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, dtype_name
 from ..reference.kda import kda_decode
 from .common import HALF_DTYPES, INDEX_DTYPES, CudaOut, cuda_contiguous, cuda_float32, load_launcher, names
@@ -20,8 +25,32 @@ OUTPUT_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
 DT_BIAS_DTYPES = (FLOAT32, BFLOAT16)
 
 
+@dataclass
 class DecodeArgs:
-    """Validated, resolved ``gated_delta_rule_decode`` options."""
+    """Validated, resolved ``gated_delta_rule_decode`` options and shapes (filled by :func:`validate`)."""
+
+    state_v_first: bool = True
+    varlen: bool = False
+    use_initial_state: bool = True
+    use_qk_l2norm: bool = True
+    lower_bound: float = -5.0
+    use_gate_in_kernel: bool = True
+    use_lower_bound: bool = False
+    apply_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    store_final_state: bool = False
+    inplace: bool = False
+    state_dtype: Optional[np.dtype] = None
+    B: int = 0
+    T: int = 0
+    H: int = 0
+    K: int = 0
+    HV: int = 0
+    V: int = 0
+    N: int = 0  # sequences: B, or len(cu_seqlens) - 1
+    out_dtype: Optional[np.dtype] = None
+    final_shape: tuple = ()  # [N, HV, V, K] (K-first: [N, HV, K, V])
+    scale: float = 0.0
 
 
 def _resolve_state_dtype(state_dtype, call: Call):
