@@ -2,7 +2,6 @@
 rules, preallocated outputs, varlen layouts, frameworks, and every refused input."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 

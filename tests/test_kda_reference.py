@@ -239,7 +239,8 @@ def test_varlen_equals_separate_dense_runs(rng):
     for n, L in enumerate(lens):
         sl = slice(cu[n], cu[n + 1])
         part = {key: x[key][:, sl] for key in ("q", "k", "v", "g", "beta")}
-        on, sn = kda_recurrent(**part, initial_state=x["initial_state"][n:n + 1], A_log=x["A_log"], dt_bias=x["dt_bias"])
+        on, sn = kda_recurrent(**part, initial_state=x["initial_state"][n:n + 1], A_log=x["A_log"],
+                               dt_bias=x["dt_bias"])
         assert rel(o[:, sl], on) < 1e-12
         assert rel(s[n], sn[0]) < 1e-12
     np.testing.assert_array_equal(s[1], x["initial_state"][1].astype(np.float64))  # empty: unchanged

@@ -134,7 +134,9 @@ def validate(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens,
     if aa.dtype not in GATE_DTYPES:
         raise TypeError(f"a must be {names(GATE_DTYPES)}, got {dtype_name(aa.dtype)}")
     if ba.shape not in ((B, T, HV), (B, T, HV, V)):
-        raise ValueError(f"b must have shape [B, T, HV] = {(B, T, HV)} or [B, T, HV, V] = {(B, T, HV, V)}, got {ba.shape}")
+        raise ValueError(
+            f"b must have shape [B, T, HV] = {(B, T, HV)} or [B, T, HV, V] = {(B, T, HV, V)}, got {ba.shape}"
+        )
     if ba.dtype not in GATE_DTYPES:
         raise TypeError(f"b must be {names(GATE_DTYPES)}, got {dtype_name(ba.dtype)}")
 
