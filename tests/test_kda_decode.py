@@ -507,3 +507,17 @@ def test_all_boolean_flag_combinations_run(rng):
         x["q"] = (x["q"].astype(np.float32) / 3).astype(BF16)
         x["k"] = (x["k"].astype(np.float32) / 3).astype(BF16)
         check(x, dict(opts, store_final_state=True))
+
+
+def test_is_varlen_flag(rng):
+    """is_varlen=False ignores a given cu_seqlens; is_varlen=None follows its presence."""
+    x = decode_inputs(rng, 1, 5, P=2, lens=None)
+    base, _ = gated_delta_rule_decode(**x, store_final_state=True)
+    cu = np.array([0, 2, 5], np.int32)
+    same, _ = gated_delta_rule_decode(**{**x, "cu_seqlens": cu}, is_varlen=False, store_final_state=True)
+    np.testing.assert_array_equal(base, same)
+    split, fin = gated_delta_rule_decode(**{**x, "cu_seqlens": cu}, store_final_state=True)
+    assert fin.shape[0] == 2
+    ref, _, ref_fin = kda_decode(**{**x, "cu_seqlens": cu}, store_final_state=True)
+    assert rel(split, ref) < 1e-2 and rel(fin, ref_fin) < 1e-6
+    assert not np.array_equal(split[:, 2:], base[:, 2:])  # sequence 1 restarts from slot 1
