@@ -2,7 +2,7 @@
 //
 // One FlashAttention-2 style kernel whose key loop walks either a dense key
 // range, a paged key range through a page table / CSR page list, or the union
-// of the selected 128-key blocks of the CTA's queries (ATT_SPARSE). GQA is
+// of the selected 128-key blocks of the CTA's queries (ATT_KV). GQA is
 // packed: the rows of a CTA tile are (query, head-in-group) pairs of one KV
 // head, query-major (packed row P = i * group + h), so every K/V tile loaded
 // serves all query heads of the group.
@@ -25,8 +25,8 @@
 //
 // Compile-time specialisation (macros): ATT_HEAD_DIM, ATT_DTYPE (0 fp16,
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
-// ATT_STAGES, ATT_SPARSE, ATT_MIN_BLOCKS, ATT_SMEM_FIXED (host's view of the
-// fixed shared-memory bytes, checked below).
+// ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
+// ATT_SMEM_FIXED (host's view of the fixed shared-memory bytes, checked below).
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/attention_tile.cuh"
@@ -66,7 +66,8 @@ constexpr int kMT = ATT_MTILES;
 constexpr int kWN = ATT_WARPS_N;
 constexpr int kBN = ATT_BLOCK_N;
 constexpr int kStages = ATT_STAGES;
-constexpr bool kSparse = ATT_SPARSE != 0;
+constexpr bool kSparse = ATT_KV == 2;  // union of selected 128-key blocks
+constexpr bool kPaged = ATT_KV >= 1;   // keys reached through a page list
 constexpr int kThreads = 32 * kWM * kWN;
 constexpr int kM = kWM * kMT * 16;          // rows per CTA
 constexpr int kKW = kBN / kWN;               // keys per warp per tile
@@ -137,11 +138,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     const int rows_total = Lq * group;
     if (row0 >= rows_total) return;
 
-    const bool paged = page_size_log2 >= 0;
     int Lk = max(kv_lens[b], 0);
     long long k_row0 = 0;
     PageList pages{nullptr, 0};
-    if (!paged) {
+    if constexpr (!kPaged) {
         const int ks = cu_seqlens_k[b];
         if (ks < 0 || ks > kv_extent) {
             Lk = 0;
@@ -258,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 if constexpr (kSparse) {
                     page = spage;
                     slot = j & (kSparseBlock - 1);
-                } else if (paged) {
+                } else if constexpr (kPaged) {
                     const int pi = j >> page_size_log2;
                     if (pi != last_pi) {
                         last_pi = pi;
@@ -306,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
         pending_bad = issue_tile(t_begin + s, s);
-        if (s < kStages - 2 && paged) {
+        if (kPaged && s < kStages - 2) {
             if (__syncthreads_or(pending_bad)) flags |= 1u << s;
         }
     }
@@ -319,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
         const int stage = n % kStages;
         cp_async_wait<kStages - 2>();
-        if (paged) {
+        if constexpr (kPaged && !kSparse) {
             if (__syncthreads_or(pending_bad)) flags |= 1u << (kStages - 2);
         } else {
             __syncthreads();

@@ -11,8 +11,8 @@ passes none, then reused; see :func:`split_workspace_bytes`).
 Variants (all registered at import, so ``compile_all`` builds them):
 ``ATT_HEAD_DIM`` in {64, 128, 256} x ``ATT_DTYPE`` (fp16, bf16, e4m3) x tile
 shape ("prefill": 64/128-row tiles; "decode": 16-row tiles with the keys of a
-tile split over 4 warps) x ``ATT_SPARSE`` (key range vs union of selected
-128-key blocks). Causality, paging, page size, KV layout and strides are
+tile split over 4 warps) x ``ATT_KV`` (dense key range, paged key range, or the
+union of the selected 128-key blocks). Causality, paging, page size, KV layout and strides are
 runtime arguments. Design notes: ``docs/attention.md``.
 """
 from __future__ import annotations
@@ -108,19 +108,23 @@ def _register_all() -> None:
             for kind in ("prefill", "decode"):
                 cfg = tile_config(kind, d, code)
                 lay = smem_layout(cfg, d, code)
-                for sparse in (0, 1):
-                    _SPECS[(d, code, kind, sparse)] = register(
+                for kv in (0, 1, 2):
+                    _SPECS[(d, code, kind, kv)] = register(
                         SOURCE, KERNELS, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=cfg.warps_m,
                         ATT_MTILES=cfg.mtiles, ATT_WARPS_N=cfg.warps_n, ATT_BLOCK_N=cfg.block_n,
-                        ATT_STAGES=cfg.stages, ATT_SPARSE=sparse, ATT_MIN_BLOCKS=cfg.min_blocks,
+                        ATT_STAGES=cfg.stages, ATT_KV=kv, ATT_MIN_BLOCKS=cfg.min_blocks,
                         ATT_SMEM_FIXED=lay["fixed"])
 
 
 _register_all()
 
 
-def attention_spec(head_dim: int, dtype_code: int, kind: str, sparse: bool):
-    return _SPECS[(head_dim, dtype_code, kind, int(bool(sparse)))]
+KV_DENSE, KV_PAGED, KV_SPARSE = 0, 1, 2
+
+
+def attention_spec(head_dim: int, dtype_code: int, kind: str, kv_mode: int):
+    """The registered variant; kv_mode 0 dense, 1 paged, 2 block-sparse."""
+    return _SPECS[(head_dim, dtype_code, kind, int(kv_mode))]
 
 
 # Order and C types of msa_attention_fwd_kernel's parameters (checked against
@@ -454,7 +458,7 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
     log2e = 1.4426950408889634
     scale_log2 = float(sm_scale) * log2e * (float(k_scale) if is_fp8 else 1.0)
     out_scale = float(v_scale) if is_fp8 else 1.0
-    spec = attention_spec(d, code, geo.kind, sparse)
+    spec = attention_spec(d, code, geo.kind, KV_SPARSE if sparse else (KV_DENSE if dense else KV_PAGED))
     values = dict(
         q=q, k=k, v=v, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, cu_seqlens_q=cu_seqlens_q, qo_lens=qo_lens,
         kv_lens=kv_lens, qo_offset=qo_offset, cu_seqlens_k=cu_seqlens_k if dense else None, page_list=page_list,

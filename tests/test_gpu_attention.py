@@ -1,0 +1,464 @@
+"""The attention kernels (``run_attention``) against the float64 references.
+
+CPU tests pin the launcher to the kernel source (parameter order and types, shared
+memory layout, tile and split choices). GPU tests (``-m gpu``) call
+``run_attention`` directly on CuPy arrays: fresh random inputs, outputs poisoned
+with NaN before every launch, every element compared. The CUDA-graph test captures
+a static plan through the public API with torch tensors and replays it with new
+runtime lengths.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import rel_err, to_f64
+from msa_cases import BF16, FP8, make_problem, random_selection
+
+from mate_cupy.msa import attention_kernels as ak
+from mate_cupy.reference import msa as R
+
+F16 = np.dtype(np.float16)
+TOL = {BF16: 1e-2, F16: 5e-3, FP8: 4e-2}
+LSE_TOL = 1e-3
+SRC = Path(ak.__file__).resolve().parent.parent / "cuda_src" / ak.SOURCE
+
+
+# ============================================================================ CPU: launcher vs source
+
+
+def _c_params(kernel: str) -> list:
+    text = SRC.read_text()
+    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", text, re.S)
+    assert m, kernel
+    params = []
+    for decl in m.group(1).split(","):
+        decl = " ".join(decl.replace("__restrict__", "").split())
+        name = decl.split()[-1].lstrip("*")
+        if "*" in decl:
+            kind = "ptr"
+        elif decl.startswith("long long"):
+            kind = "i64"
+        elif decl.startswith("int"):
+            kind = "i32"
+        elif decl.startswith("float"):
+            kind = "f32"
+        else:
+            raise AssertionError(decl)
+        params.append((name, kind))
+    return params
+
+
+@pytest.mark.parametrize("kernel,params", [("msa_attention_fwd_kernel", ak.FWD_PARAMS),
+                                           ("msa_attention_merge_kernel", ak.MERGE_PARAMS)])
+def test_launcher_arguments_match_kernel_signature(kernel, params):
+    assert _c_params(kernel) == list(params)
+
+
+def test_every_variant_fits_shared_memory_and_occupancy():
+    for (d, code, kind, kv), spec in ak._SPECS.items():
+        cfg = ak.tile_config(kind, d, code)
+        lay = ak.smem_layout(cfg, d, code)
+        assert dict(spec.defines)["ATT_SMEM_FIXED"] == str(lay["fixed"])
+        assert lay["fixed"] <= ak.SMEM_LIMIT, spec.name
+        if kind == "prefill" and d <= 128:
+            assert 2 * (lay["fixed"] + 1024) <= ak.SMEM_PER_SM, spec.name  # two CTAs per SM
+        # the e4m3 PV product needs 32 keys per warp, the 16-bit one 16
+        assert cfg.block_n // cfg.warps_n % (32 if code == 2 else 16) == 0
+
+
+def _geo(**kw):
+    base = dict(batch=1, num_heads_kv=8, group=8, head_dim=128, dtype_code=1, max_seqlen_q=8192,
+                max_seqlen_k=8192, sparse=False, sparse_decode=False, list_width=0, num_kv_splits=-1,
+                num_sms=132)
+    base.update(kw)
+    return ak.launch_geometry(**base)
+
+
+def test_launch_geometry_choices():
+    g = _geo()
+    assert g.kind == "prefill" and g.splits == 1 and g.grid == (8192 * 8 // 128, 1, 8)
+    # single-token decode packs the 8 heads of a group into one 16-row tile
+    g = _geo(batch=64, max_seqlen_q=1)
+    assert g.kind == "decode" and g.grid[:2] == (1, 64) and g.splits == 1
+    # too few CTAs to fill the GPU: split the keys
+    g = _geo(batch=8, max_seqlen_q=1, max_seqlen_k=65536)
+    assert g.splits > 1 and g.grid[2] == 8 * g.splits
+    assert _geo(batch=8, max_seqlen_q=1, max_seqlen_k=65536, num_kv_splits=5).splits == 5
+    assert _geo(batch=8, max_seqlen_q=1, max_seqlen_k=65536, num_kv_splits=1).splits == 1
+    # sparse: 128-row tiles for group >= 8, 16-row tiles otherwise or when asked for
+    g = _geo(sparse=True, list_width=16, max_seqlen_q=32768, max_seqlen_k=32768, num_heads_kv=4, group=16)
+    assert g.kind == "prefill" and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
+    assert _geo(sparse=True, list_width=16, group=4).kind == "decode"
+    assert _geo(sparse=True, list_width=16, sparse_decode=True, max_seqlen_q=4).kind == "decode"
+
+
+def test_split_choice_is_monotone_in_occupancy():
+    assert ak.choose_splits(1000, 100, 132, 2) == 1
+    assert ak.choose_splits(64, 1, 132, 2) == 1
+    s = ak.choose_splits(64, 512, 132, 2)
+    assert 2 <= s <= ak.MAX_SPLITS and 64 * s >= 0.8 * 264 * 0.85
+
+
+def test_sparse_context_limit_is_refused():
+    lay = ak.smem_layout(ak.tile_config("prefill", 128, 1), 128, 1)
+    with pytest.raises(NotImplementedError, match="max_seqlen_k"):
+        _geo(sparse=True, list_width=16, max_seqlen_k=lay["union_blocks"] * 128 + 1)
+
+
+# ============================================================================ GPU helpers
+
+
+def _cp(x):
+    import cupy
+
+    x = np.asarray(x)
+    if x.dtype == FP8:
+        return cupy.asarray(x.view(np.uint8))
+    return cupy.asarray(x)
+
+
+def _poison(shape, dtype):
+    import cupy
+
+    a = cupy.empty(shape, dtype=dtype)
+    a.fill(np.nan)
+    return a
+
+
+def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=None, sm_scale=None,
+         k_scale=1.0, v_scale=1.0, splits=-1, sparse_decode=False, table=None, with_lse=True, q=None, out=None,
+         max_seqlen_q=None, max_seqlen_k=None):
+    """Launch run_attention on the problem's arrays; returns (out, lse) as host arrays."""
+    import cupy
+
+    fp8 = p.q.dtype == FP8
+    d = p.q.shape[2]
+    offs = (p.kv - p.qo) if qo_offset is None else np.asarray(qo_offset)
+    kvl = p.kv if kv_lens is None else np.asarray(kv_lens)
+    q = _cp(p.q) if q is None else q
+    out = _poison(p.q.shape, BF16 if fp8 else p.q.dtype) if out is None else out
+    lse = _poison((p.total_q, p.hq), np.float32) if with_lse else None
+    kw = dict(cu_seqlens_q=_cp(p.cu_q), qo_lens=_cp(p.qo), kv_lens=_cp(kvl.astype(np.int32)),
+              qo_offset=_cp(offs.astype(np.int32)),
+              max_seqlen_q=int(p.qo.max()) if max_seqlen_q is None else max_seqlen_q,
+              max_seqlen_k=int(kvl.max()) if max_seqlen_k is None else max_seqlen_k, causal=causal,
+              sm_scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, k_scale=k_scale, v_scale=v_scale,
+              is_fp8=fp8, num_kv_splits=splits, sparse_decode=sparse_decode)
+    if source == "dense":
+        k, v = _cp(p.k), _cp(p.v)
+        kw.update(cu_seqlens_k=_cp(p.cu_k), page_size=0)
+    else:
+        k, v = _cp(p.k_cache), _cp(p.v_cache)
+        kw.update(page_size=p.page_size, kv_layout=p.layout)
+        tbl = p.page_table if table is None else table
+        if source == "table":
+            kw.update(page_table=_cp(tbl))
+        else:
+            counts = -(-kvl.astype(np.int64) // p.page_size)
+            indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            flat = np.concatenate([tbl[b, :c] for b, c in enumerate(counts)] + [np.zeros(0, np.int32)])
+            kw.update(kv_indices=_cp(flat.astype(np.int32)), kv_page_indptr=_cp(indptr))
+    if sel is not None:
+        kw.update(kv_block_indexes=_cp(sel))
+    ak.run_attention(q, k, v, out, lse, **kw)
+    cupy.cuda.get_current_stream().synchronize()
+    return out, lse
+
+
+def _check(out, lse, ref, dtype, what, check_lse=True):
+    o = to_f64(out)
+    ref_o, ref_l = ref
+    err = rel_err(o, ref_o)
+    assert err <= TOL[np.dtype(dtype)], f"{what}: out relative error {err:.3e}"
+    if lse is not None and check_lse:
+        l = to_f64(lse)
+        fin = np.isfinite(ref_l)
+        assert np.array_equal(np.isfinite(l), fin), f"{what}: lse finiteness differs"
+        assert np.all(l[~fin] == -np.inf), f"{what}: rows without keys must have lse = -inf"
+        if fin.any():
+            e = np.max(np.abs(l[fin] - ref_l[fin]))
+            assert e <= LSE_TOL, f"{what}: lse max abs error {e:.3e}"
+    # rows without any admissible key are exact zeros
+    empty = ~np.isfinite(ref_l)
+    assert np.all(o[empty] == 0.0), f"{what}: rows without keys must be 0"
+
+
+def _dense_ref(p, causal=True, qo_offset=None, kv_lens=None, **kw):
+    offs = (p.kv - p.qo) if qo_offset is None else np.asarray(qo_offset)
+    return R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=offs, causal=causal,
+                             kv_lens=None if kv_lens is None else np.asarray(kv_lens), **kw)
+
+
+def _paged_ref(p, table=None, causal=True, kv_lens=None):
+    kvl = p.kv if kv_lens is None else np.asarray(kv_lens)
+    return R.paged_attention(p.q, p.k_cache, p.v_cache, p.cu_q, kvl, p.page_table if table is None else table,
+                             qo_offset=(p.kv - p.qo), causal=causal, kv_layout=p.layout)
+
+
+def _sparse_ref(p, sel, table=None, **kw):
+    return R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table if table is None else table,
+                              sel, qo_offset=(p.kv - p.qo), kv_layout=p.layout, **kw)
+
+
+# varlen batch: empty request, single tokens, lengths off the 64/128 tiles, kv shorter than q (offset < 0)
+QO = [1, 0, 77, 300, 5, 130]
+KV = [1, 9, 77, 420, 0, 100]
+HEADS = [(4, 4), (16, 4), (32, 4), (32, 2)]  # GQA 1, 4, 8, 16
+
+
+# ============================================================================ GPU: dense
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=[f"r{a // b}" for a, b in HEADS])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dense_varlen(rng, dtype, hq, hkv, d, causal):
+    p = make_problem(rng, QO, KV, hq, hkv, d, dtype=dtype)
+    out, lse = _run(p, causal=causal)
+    _check(out, lse, _dense_ref(p, causal=causal), dtype, f"dense d{d} r{hq // hkv}")
+
+
+@pytest.mark.gpu
+def test_dense_offsets_and_short_kv_lens(rng):
+    # explicit offsets (negative: leading rows see no key), kv_lens shorter than the rows in cu_seqlens_k
+    p = make_problem(rng, [40, 200, 3], [300, 200, 50], 16, 2, 128)
+    offs = np.array([-10, 0, 700], np.int64)
+    kvl = np.array([250, 199, 50], np.int32)
+    out, lse = _run(p, qo_offset=offs, kv_lens=kvl)
+    _check(out, lse, _dense_ref(p, qo_offset=offs, kv_lens=kvl), BF16, "dense offsets")
+
+
+@pytest.mark.gpu
+def test_dense_without_lse_and_strided_views(rng):
+    import cupy
+
+    p = make_problem(rng, [70, 129], [70, 300], 8, 1, 128)
+    # q and out are views with a padded token stride (head dim contiguous)
+    qbig = cupy.zeros((p.total_q, 8, 256), dtype=BF16)
+    qbig[:, :, :128] = _cp(p.q)
+    obig = _poison((p.total_q, 8, 256), BF16)
+    out, _ = _run(p, q=qbig[:, :, :128], out=obig[:, :, :128], with_lse=False)
+    assert rel_err(to_f64(out), _dense_ref(p)[0]) <= TOL[BF16]
+    assert bool(cupy.isnan(obig[:, :, 128:]).all()), "the kernel wrote outside the out view"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3, 7, -1])
+def test_dense_decode_split_kv(rng, splits):
+    p = make_problem(rng, [1] * 6, [2000, 1, 0, 513, 4096, 64], 32, 4, 128)
+    out, lse = _run(p, splits=splits)
+    _check(out, lse, _dense_ref(p), BF16, f"dense decode splits={splits}")
+
+
+@pytest.mark.gpu
+def test_prefill_split_kv(rng):
+    # the prefill tile with a forced split and a merge
+    p = make_problem(rng, [300, 17], [1000, 40], 8, 8, 64)
+    out, lse = _run(p, splits=4)
+    _check(out, lse, _dense_ref(p), BF16, "prefill splits=4")
+
+
+# ============================================================================ GPU: paged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("source", ["table", "csr"])
+def test_paged(rng, page_size, layout, source):
+    p = make_problem(rng, [1, 90, 0, 200], [700, 90, 33, 450], 16, 2, 128, page_size=page_size, layout=layout)
+    out, lse = _run(p, source=source)
+    _check(out, lse, _paged_ref(p), BF16, f"paged {page_size} {layout} {source}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 4)])
+def test_paged_head_dims(rng, d, hq, hkv):
+    p = make_problem(rng, [3, 150], [400, 150], hq, hkv, d, dtype=F16, page_size=32)
+    out, lse = _run(p, source="table")
+    _check(out, lse, _paged_ref(p), F16, f"paged d{d}")
+
+
+@pytest.mark.gpu
+def test_paged_invalid_page_ids_are_masked(rng):
+    p = make_problem(rng, [1, 60], [500, 300], 8, 1, 128, page_size=64)
+    table = p.page_table.copy()
+    n_pages = p.k_cache.shape[0]
+    table[0, 2] = n_pages + 5  # past the cache
+    table[0, 5] = -3
+    table[1, 1] = 2**31 - 1
+    out, lse = _run(p, source="table", table=table)
+    _check(out, lse, _paged_ref(p, table=table), BF16, "paged invalid ids")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [-1, 6])
+def test_paged_decode_split_kv(rng, splits):
+    p = make_problem(rng, [1] * 5, [8192, 3000, 1, 0, 777], 64, 8, 128, page_size=64)
+    out, lse = _run(p, source="table", splits=splits)
+    _check(out, lse, _paged_ref(p), BF16, f"paged decode splits={splits}")
+
+
+# ============================================================================ GPU: block-sparse
+
+
+def _corrupt(rng, sel, p):
+    """Add -1 holes, ids past the request's blocks and far out-of-range ids."""
+    sel = sel.copy()
+    for row in range(sel.shape[0]):
+        b = int(np.searchsorted(p.cu_q, row, side="right") - 1)
+        nb = -(-int(p.kv[b]) // 128)
+        for h in range(sel.shape[1]):
+            free = np.flatnonzero(sel[row, h] < 0)
+            if free.size and rng.random() < 0.5:
+                sel[row, h, free[0]] = nb + int(rng.integers(0, 3))  # just past the end
+            if free.size > 1 and rng.random() < 0.3:
+                sel[row, h, free[1]] = 1 << 30
+            if free.size > 2 and rng.random() < 0.3:
+                sel[row, h, free[2]] = -7
+    return sel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (32, 2), (8, 8), (16, 4)], ids=["r8", "r16", "r1", "r4"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_sparse_prefill_per_token_lists(rng, hq, hkv, layout):
+    p = make_problem(rng, [300, 1, 70], [1200, 129, 70], hq, hkv, 128, page_size=128, layout=layout)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    out, lse = _run(p, source="table", sel=sel)
+    _check(out, lse, _sparse_ref(p, sel), BF16, f"sparse r{hq // hkv} {layout}")
+
+
+@pytest.mark.gpu
+def test_sparse_same_blocks_per_query_tile(rng):
+    # the benchmark pattern: every query of a 128-query tile lists the same blocks (unsorted here)
+    p = make_problem(rng, [512], [4096], 32, 2, 128, page_size=128)
+    sel = np.full((512, 2, 16), -1, np.int32)
+    for t in range(4):
+        for h in range(2):
+            reach = (4096 - 512 + 128 * t) // 128 + 1
+            blocks = rng.choice(reach, size=16, replace=False).astype(np.int32)
+            sel[128 * t:128 * (t + 1), h] = blocks[::-1]
+    out, lse = _run(p, source="table", sel=sel)
+    _check(out, lse, _sparse_ref(p, sel), BF16, "sparse tile-shared lists")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [-1, 1, 3])
+@pytest.mark.parametrize("source", ["table", "csr"])
+def test_sparse_decode(rng, splits, source):
+    p = make_problem(rng, [1, 4, 1, 2], [5000, 300, 129, 1], 16, 1, 128, page_size=128)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    table = p.page_table.copy()
+    table[0, 3] = 10**6  # a selected block may sit on an invalid page: skipped
+    out, lse = _run(p, source=source, sel=sel, splits=splits, sparse_decode=True, table=table)
+    _check(out, lse, _sparse_ref(p, sel, table=table), BF16, f"sparse decode {source} splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_sparse_fp8(rng, decode):
+    qo = [2, 1, 3] if decode else [200, 40]
+    kv = [900, 300, 129] if decode else [700, 40]
+    p = make_problem(rng, qo, kv, 16, 1, 128, dtype=FP8, page_size=128)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    out, lse = _run(p, source="table", sel=sel, k_scale=0.7, v_scale=1.3, sparse_decode=decode)
+    assert out.dtype == BF16
+    _check(out, lse, _sparse_ref(p, sel, k_scale=0.7, v_scale=1.3), FP8, "sparse fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_dense_and_paged(rng, d):
+    p = make_problem(rng, [1, 100], [300, 100], 16, 2, d, dtype=FP8, page_size=64)
+    out, lse = _run(p, k_scale=0.5, v_scale=2.0)
+    _check(out, lse, _dense_ref(p, k_scale=0.5, v_scale=2.0), FP8, f"fp8 dense d{d}")
+    out, lse = _run(p, source="table", splits=2)
+    _check(out, lse, _paged_ref(p), FP8, f"fp8 paged d{d}")
+
+
+@pytest.mark.gpu
+def test_split_workspace_is_reused(rng):
+    p = make_problem(rng, [1, 1], [3000, 2000], 16, 2, 128)
+    _run(p, splits=4)
+    before = [b.data.ptr for b in ak._WORKSPACES.get(0, [])]
+    out, lse = _run(p, splits=4)
+    assert [b.data.ptr for b in ak._WORKSPACES.get(0, [])] == before
+    _check(out, lse, _dense_ref(p), BF16, "reused workspace")
+
+
+# ============================================================================ GPU: CUDA graph (torch)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_static_paged_plan_captured_in_torch_graph_and_replayed(rng):
+    """A static paged decode plan (split-KV) captured once, replayed with new lengths."""
+    import torch
+
+    import mate_cupy as mc
+
+    hq, hkv, d, ps, B, max_k = 32, 4, 128, 64, 4, 4096
+    info = mc.msa_plan(B, 1, max_k, hq, num_kv_heads=hkv, page_size=ps, total_seqlen_k=B * max_k,
+                       num_kv_splits=-1)
+    n_pages = B * max_k // ps
+    dev = torch.device("cuda")
+    kc = torch.from_numpy(rng.standard_normal((n_pages, ps, hkv, d)).astype(np.float32)).to(dev, torch.bfloat16)
+    vc = torch.from_numpy(rng.standard_normal((n_pages, ps, hkv, d)).astype(np.float32)).to(dev, torch.bfloat16)
+    q = torch.empty((B, hq, d), device=dev, dtype=torch.bfloat16)
+    out = torch.empty((B, hq, d), device=dev, dtype=torch.bfloat16)
+    lse = torch.empty((B, hq), device=dev, dtype=torch.float32)
+    z = lambda n: torch.zeros(n, dtype=torch.int32, device=dev)  # noqa: E731
+    md = mc.MsaRuntimeMetadata(qo_lens=z(B), kv_lens=z(B), qo_offset=z(B), cu_seqlens_q=z(B + 1),
+                               cu_seqlens_k=z(B + 1), seqused_k=z(B))
+    table = torch.zeros((B, max_k // ps), dtype=torch.int32, device=dev)
+
+    def fill(kv):
+        kv = np.asarray(kv, np.int32)
+        perm = rng.permutation(n_pages).astype(np.int32)
+        tbl = perm[: B * (max_k // ps)].reshape(B, max_k // ps)
+        qh = rng.standard_normal((B, hq, d)).astype(np.float32)
+        q.copy_(torch.from_numpy(qh).to(dev, torch.bfloat16))
+        md.qo_lens.copy_(torch.ones(B, dtype=torch.int32))
+        md.kv_lens.copy_(torch.from_numpy(kv))
+        md.seqused_k.copy_(torch.from_numpy(kv))
+        md.qo_offset.copy_(torch.from_numpy(kv - 1))
+        md.cu_seqlens_q.copy_(torch.arange(B + 1, dtype=torch.int32))
+        md.cu_seqlens_k.copy_(torch.from_numpy(np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)))
+        table.copy_(torch.from_numpy(tbl))
+        return kv, tbl
+
+    def reference(kv, tbl):
+        qh = q.float().cpu().numpy()
+        cu_q = np.arange(B + 1, dtype=np.int32)
+        return R.paged_attention(qh, kc.float().cpu().numpy(), vc.float().cpu().numpy(), cu_q, kv, tbl,
+                                 qo_offset=kv - 1, causal=True)
+
+    def call():
+        mc.msa(q, kc, vc, info, page_table=table, runtime_metadata=md, out=out, lse=lse)
+
+    kv, tbl = fill([4096, 1, 2500, 700])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # warm-up: compiles, allocates the split workspace
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for lens in ([4096, 1, 2500, 700], [3, 4000, 128, 129]):
+        kv, tbl = fill(lens)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(kv, tbl)
+        _check(out, lse, ref, BF16, f"graph replay kv={lens}")
