@@ -442,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 }
             }
         } else {
-            u32 pa[kMT][kKW / 32][4];
+            u32 pa[kMT][kKW >= 32 ? kKW / 32 : 1][4];  // (this branch is compiled, not run, for 16-bit types)
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll

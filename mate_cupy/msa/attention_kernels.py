@@ -240,7 +240,7 @@ def launch_geometry(*, batch: int, num_heads_kv: int, group: int, head_dim: int,
             f"reduce the sparse list width ({list_width})")
     ctas = row_tiles * batch * num_heads_kv
     per_sm = max(1, min(cfg.min_blocks, SMEM_PER_SM // (smem + 1024)))
-    if num_kv_splits is not None and num_kv_splits > 0:
+    if num_kv_splits is not None and int(num_kv_splits) > 0:
         splits = min(int(num_kv_splits), MAX_SPLITS)
     else:
         splits = choose_splits(ctas, max_tiles, num_sms, per_sm)
@@ -456,6 +456,8 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
         ws_lse = flat[n_o:need].view(np.float32)
 
     log2e = 1.4426950408889634
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
     scale_log2 = float(sm_scale) * log2e * (float(k_scale) if is_fp8 else 1.0)
     out_scale = float(v_scale) if is_fp8 else 1.0
     spec = attention_spec(d, code, geo.kind, KV_SPARSE if sparse else (KV_DENSE if dense else KV_PAGED))
