@@ -141,6 +141,13 @@ def _request_pages(page_table: np.ndarray, b: int, n_keys: int, page_size: int) 
     return ids
 
 
+def _scores(q, kt, c0, c1, hkv, r):
+    """Logits of query rows ``c0:c1`` as ``[Hkv, n, r, Lk]`` (one batched GEMM per KV head)."""
+    n, d = c1 - c0, q.shape[2]
+    qc = q[c0:c1].reshape(n, hkv, r, d).transpose(1, 0, 2, 3).reshape(hkv, n * r, d)
+    return (qc @ kt).reshape(hkv, n, r, kt.shape[2])
+
+
 def _attend(q, k, v, pos, causal, scale, v_scale, out, lse, weights: Optional[Callable] = None):
     """Softmax attention of one request, written into ``out [Lq, Hq, D]`` / ``lse [Lq, Hq]``.
 
@@ -153,30 +160,35 @@ def _attend(q, k, v, pos, causal, scale, v_scale, out, lse, weights: Optional[Ca
     if lq == 0 or lk == 0:
         return
     r = hq // hkv
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # [Hkv, D, Lk]
+    vt = np.ascontiguousarray(v.transpose(1, 0, 2))  # [Hkv, Lk, D]
     step = max(1, _CHUNK_ELEMS // max(1, hq * lk))
     j = np.arange(lk)
     for c0 in range(0, lq, step):
         c1 = min(lq, c0 + step)
-        qc = q[c0:c1].reshape(c1 - c0, hkv, r, d)
-        s = np.einsum("ngrd,kgd->ngrk", qc, k) * scale
-        w = np.ones((c1 - c0, 1, lk))
+        n = c1 - c0
+        s = _scores(q, kt, c0, c1, hkv, r) * scale  # [Hkv, n, r, Lk]
+        live = np.ones((1, n, 1, lk), dtype=bool)
         if causal:
-            w = w * (j[None, None, :] <= pos[c0:c1, None, None])
+            live = live & (j[None, None, None, :] <= pos[None, c0:c1, None, None])
+        w = None
         if weights is not None:
-            w = w * weights(c0, c1)
-        w = w[:, :, None, :]  # [n, Hkv or 1, 1, Lk]
-        live = w > 0
-        m = np.where(live, s, -np.inf).max(axis=-1, keepdims=True)
-        has = np.isfinite(m)
-        m_safe = np.where(has, m, 0.0)
-        e = np.where(live, w * np.exp(np.where(live, s, 0.0) - m_safe), 0.0)
-        den = e.sum(axis=-1)  # [n, Hkv, r]
-        num = np.einsum("ngrk,kgd->ngrd", e, v)
+            w = np.broadcast_to(weights(c0, c1), (n, hkv, lk)).transpose(1, 0, 2)[:, :, None, :]
+            live = live & (w > 0)
+        s = np.where(live, s, -np.inf)
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m)  # exp(-inf) = 0 for keys that are not admissible
+        if w is not None:
+            e *= w
+        den = e.sum(axis=-1)  # [Hkv, n, r]
+        num = (e.reshape(hkv, n * r, lk) @ vt).reshape(hkv, n, r, d)
         ok = den > 0
-        o = np.where(ok[..., None], num / np.where(ok, den, 1.0)[..., None], 0.0) * v_scale
-        l = np.where(ok, m_safe[..., 0] + np.log(np.where(ok, den, 1.0)), -np.inf)
-        out[c0:c1] = o.reshape(c1 - c0, hq, d)
-        lse[c0:c1] = l.reshape(c1 - c0, hq)
+        safe = np.where(ok, den, 1.0)
+        o = np.where(ok[..., None], num / safe[..., None], 0.0) * v_scale
+        l = np.where(ok, m[..., 0] + np.log(safe), -np.inf)
+        out[c0:c1] = o.transpose(1, 0, 2, 3).reshape(n, hq, d)
+        lse[c0:c1] = l.transpose(1, 0, 2).reshape(n, hq)
 
 
 def _block_max(q, k, pos, causal, key_ok, n_tiles):
@@ -190,21 +202,22 @@ def _block_max(q, k, pos, causal, key_ok, n_tiles):
     nb = _ceil_div(lk, BLOCK)
     if nb > n_tiles:
         raise ValueError(f"max_k_tiles={n_tiles} is smaller than the {nb} blocks of {lk} keys")
+    kt = np.zeros((hkv, d, nb * BLOCK))
+    kt[:, :, :lk] = k.transpose(1, 2, 0)
+    j = np.arange(nb * BLOCK)
     step = max(1, _CHUNK_ELEMS // max(1, hq * nb * BLOCK))
-    j = np.arange(lk)
     for c0 in range(0, lq, step):
         c1 = min(lq, c0 + step)
-        qc = q[c0:c1].reshape(c1 - c0, hkv, r, d)
-        s = np.einsum("ngrd,kgd->ngrk", qc, k)
-        live = np.ones((c1 - c0, lk), dtype=bool)
+        n = c1 - c0
+        s = _scores(q, kt, c0, c1, hkv, r)  # [Hkv, n, r, nb * 128]
+        live = np.broadcast_to(j < lk, (n, nb * BLOCK))
         if causal:
-            live &= j[None, :] <= pos[c0:c1, None]
+            live = live & (j[None, :] <= pos[c0:c1, None])
         if key_ok is not None:
-            live &= key_ok[None, :]
-        s = np.where(live[:, None, None, :], s, -np.inf)
-        pad = np.full(s.shape[:-1] + (nb * BLOCK - lk,), -np.inf)
-        s = np.concatenate([s, pad], axis=-1).reshape(s.shape[:-1] + (nb, BLOCK))
-        res[c0:c1, :, :nb] = s.max(axis=-1).reshape(c1 - c0, hq, nb)
+            live = live & np.pad(key_ok, (0, nb * BLOCK - lk))[None, :]
+        s = np.where(live[None, :, None, :], s, -np.inf)
+        blk = s.reshape(hkv, n, r, nb, BLOCK).max(axis=-1)  # [Hkv, n, r, nb]
+        res[c0:c1, :, :nb] = blk.transpose(1, 0, 2, 3).reshape(n, hq, nb)
     return res
 
 
