@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
     }
     if (tid < kC) {
         float bb = 0.f;
-        if (tid < L) bb = 1.f / (1.f + __expf(-to_float(beta[(row0 + tid) * HV + hv])));
+        if (tid < L) bb = __fdividef(1.f, 1.f + __expf(-to_float(beta[(row0 + tid) * HV + hv])));
         sb[tid] = bb;
     }
     if (tid < 4) sflag[tid] = 0;
@@ -234,7 +234,8 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
 #pragma unroll 8
         for (int i = 0; i < kC; ++i) {
             const float x = to_float(sg[i * kS16 + c]);
-            float gk = has_gate ? lower_bound / (1.f + __expf(-ea * (x + dtb))) : x;
+            // sigmoid via rcp: exp overflow gives 1 / inf = 0, the limit
+            float gk = has_gate ? __fdividef(lower_bound, 1.f + __expf(-ea * (x + dtb))) : x;
             gk = i < L ? gk : 0.f;
             acc += gk;
             sgc[i * kSG + c] = acc * kLog2e;
