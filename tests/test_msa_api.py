@@ -601,3 +601,29 @@ def test_torch_cpu_tensors(rng):
     res2, _ = mc.msa(tq, tk, tv, info)
     assert isinstance(res2, torch.Tensor) and res2.dtype == torch.bfloat16
     assert torch.equal(res2, out_t)
+
+
+@pytest.mark.torch
+def test_torch_cpu_fp8_sparse(rng):
+    import torch
+
+    p = make_problem(rng, [40], [300], 8, 1, 128, dtype=FP8, page_size=128)
+    info = mc.sparse_msa_plan(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+    sel = random_selection(rng, p, 4)
+
+    def t(x):
+        return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
+
+    out, _ = mc.sparse_msa(t(p.q), t(p.k_cache), t(p.v_cache), info, kv_indices=torch.from_numpy(p.kv_indices),
+                           kv_block_indexes=torch.from_numpy(sel), k_scale=0.5, v_scale=2.0)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    assert_rel(out.float().numpy(), sparse_ref(p, sel, k_scale=0.5, v_scale=2.0)[0], 8e-3, "torch fp8")
+
+
+def test_missing_launcher_is_not_implemented():
+    from mate_cupy.msa import kernels
+
+    with pytest.raises(NotImplementedError, match="run_nothing"):
+        kernels._launcher("index_kernels", "run_nothing", "a test op")
+    with pytest.raises(NotImplementedError, match="no_such_module"):
+        kernels._launcher("no_such_module", "run", "a test op")

@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 MsaPlanMode = Literal["dense", "paged", "sparse_prefill", "sparse_decode"]
-MsaPlanInfo = tuple  # (has_mixed_prefill, split, batch_size, MsaPlan, Optional[MsaPlan])
 
 SPARSE_BLOCK_SIZE = 128
 # The seed supports 4, 8 and 16; 32 and 64 are an extension (the output width stays <= 64).
@@ -148,6 +147,10 @@ class MsaPlan:
                 )
             cupy.cuda.get_current_stream().synchronize()
         return self._device_cache[key]
+
+
+# (has_mixed_prefill, split, batch_size, plan or decode part, None or prefill part)
+MsaPlanInfo = tuple[bool, int, int, MsaPlan, Optional[MsaPlan]]
 
 
 @dataclass(eq=False)
