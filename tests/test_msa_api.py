@@ -627,3 +627,32 @@ def test_missing_launcher_is_not_implemented():
         kernels._launcher("index_kernels", "run_nothing", "a test op")
     with pytest.raises(NotImplementedError, match="no_such_module"):
         kernels._launcher("no_such_module", "run", "a test op")
+
+
+def test_page_indirection_conflicts(rng):
+    p = make_problem(rng, [1, 1], [130, 200], 8, 1, 128, page_size=128)
+    static = mc.msa_plan(2, 1, 256, 8, num_kv_heads=1, page_size=128, output_maxscore=True, total_seqlen_k=1024)
+    table = np.where(p.page_table >= 0, p.page_table, 0).astype(np.int32)
+    indptr = np.array([0, 2, 4], np.int32)
+    with pytest.raises(ValueError, match="mutually exclusive"):  # argument and runtime page tables
+        mc.msa(p.q, p.k_cache, p.v_cache, static, page_table=table,
+               runtime_metadata=metadata(p, page_table=table))
+    with pytest.raises(ValueError, match="kv_page_indptr"):  # max score: 2-D table with CSR offsets
+        mc.msa(p.q, p.k_cache, p.v_cache, static, page_table=table, output_o=False,
+               runtime_metadata=metadata(p, kv_page_indptr=indptr))
+    eager = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128)
+    with pytest.raises(ValueError, match="kv_indices"):  # max score without pages
+        mc.msa(p.q, p.k_cache, p.v_cache, eager, output_maxscore=True, output_o=False)
+    sparse = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+    sel = random_selection(rng, p, 4)
+    with pytest.raises(ValueError, match="rank 2"):
+        mc.sparse_decode_atten_func(p.q, p.k_cache, p.v_cache, sparse, page_table=p.kv_indices,
+                                    kv_block_indexes=sel)
+    mixed = mc.msa_plan_from_lengths([1, 40], [130, 200], 8, 1, page_size=128, kv_block_num=4)
+    with pytest.raises(ValueError, match="pure sparse-decode"):
+        mc.sparse_decode_atten_func(p.q, p.k_cache, p.v_cache, mixed, kv_indices=p.kv_indices,
+                                    kv_block_indexes=sel)
+    # the static plan with both forms resolved runs, and matches the dense reference
+    out, ms = mc.msa(p.q, p.k_cache, p.v_cache, static, runtime_metadata=metadata(p, page_table=table))
+    check(out, None, dense_ref(p), BF16, "static paged table")
+    assert_rel(ms, R.block_max_score(p.q, p.k, p.cu_q, p.cu_k), 1e-6)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mate_cupy as mc
 from mate_cupy import msa_interface
@@ -278,3 +280,37 @@ def test_plan_info_must_be_a_plan():
         mc.msa(q, q, q, (1, 2, 3))
     with pytest.raises(TypeError):
         mc.msa(q, q, q, "plan")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    qo=st.lists(st.integers(0, 300), min_size=0, max_size=8),
+    extra=st.lists(st.integers(0, 500), min_size=8, max_size=8),
+    sparse=st.booleans(),
+    split=st.booleans(),
+)
+def test_eager_plan_properties(qo, extra, sparse, split):
+    kv = [q + e for q, e in zip(qo, extra)]
+    kw = dict(SPARSE) if sparse else {"page_size": 16}
+    mixed, cut, batch, first, second = mc.msa_plan_from_lengths(qo, kv, 8, 2, split_prefill_decode=split, **kw)
+    threshold = 32 if sparse else 128
+    big = [i for i, q in enumerate(qo) if q > threshold]
+    expect = big[0] if (split and big) else 0
+    assert batch == len(qo) and cut == expect and mixed == (expect > 0)
+    parts = [(first, 0, expect), (second, expect, len(qo))] if mixed else [(first, 0, len(qo))]
+    for plan, lo, hi in parts:
+        np.testing.assert_array_equal(plan.qo_lens, qo[lo:hi])
+        np.testing.assert_array_equal(plan.qo_offset, np.subtract(kv[lo:hi], qo[lo:hi]))
+        pf = plan.prefill_plan
+        np.testing.assert_array_equal(pf.cu_seqlens_q, np.cumsum([0] + qo[lo:hi]))
+        np.testing.assert_array_equal(pf.cu_seqlens_k, np.cumsum([0] + kv[lo:hi]))
+        assert pf.max_seqlen_q == max(qo[lo:hi], default=0) and pf.total_seqlen_k == sum(kv[lo:hi])
+        ps = plan.page_size
+        np.testing.assert_array_equal(plan.kv_page_indptr, np.cumsum([0] + [-(-x // ps) for x in kv[lo:hi]]))
+        if sparse:
+            want = "sparse_prefill" if pf.max_seqlen_q > 32 else "sparse_decode"
+        else:
+            want = "paged"
+        assert plan.mode == want
+        if mixed and plan is first:
+            assert pf.max_seqlen_q <= threshold
