@@ -656,3 +656,14 @@ def test_page_indirection_conflicts(rng):
     out, ms = mc.msa(p.q, p.k_cache, p.v_cache, static, runtime_metadata=metadata(p, page_table=table))
     check(out, None, dense_ref(p), BF16, "static paged table")
     assert_rel(ms, R.block_max_score(p.q, p.k, p.cu_q, p.cu_k), 1e-6)
+
+
+def test_no_output_requested_is_value_and_not_implemented_error(sparse_setup):
+    p, info, sel = sparse_setup
+    for call in (lambda: mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
+                                       kv_block_indexes=sel, output_o=False),
+                 lambda: mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices, output_o=False)):
+        with pytest.raises(ValueError):
+            call()
+        with pytest.raises(NotImplementedError):
+            call()

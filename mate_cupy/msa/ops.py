@@ -11,7 +11,20 @@ from .._logging import mate_api
 from .execute import run_plan
 from .plan import msa_plan_from_lengths, unpack_plan_info
 
-__all__ = ["msa", "sparse_decode_atten_func", "sparse_msa", "sparse_msa_plan"]
+__all__ = ["NoOutputRequestedError", "msa", "sparse_decode_atten_func", "sparse_msa", "sparse_msa_plan"]
+
+
+class NoOutputRequestedError(ValueError, NotImplementedError):
+    """``output_o=False`` without a max-score request: nothing to compute.
+
+    A ``ValueError`` (what ``msa`` raises for it in the seed API) that is also a
+    ``NotImplementedError`` (what the seed's ``sparse_msa``/``sparse_decode_atten_func``
+    raise for any ``output_o=False``), so callers written against either keep working.
+    """
+
+
+def _nothing_requested(fn: str):
+    return NoOutputRequestedError(f"{fn} requires output_o=True or output_maxscore=True")
 
 
 def _unexpected(fn: str, kwargs: dict) -> None:
@@ -57,7 +70,7 @@ def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_ove
     check = bool(kwargs.pop("check_input_valid", False))
     _unexpected("msa", kwargs)
     if not output_o and not output_maxscore:
-        raise ValueError("msa requires output_o=True or output_maxscore=True")
+        raise _nothing_requested("msa")
     if mixed and runtime_metadata is not None:
         raise NotImplementedError("runtime_metadata is not supported with mixed prefill/decode plans")
     out, _, ms = run_plan(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
@@ -114,7 +127,7 @@ def sparse_msa(*args, **kwargs):
     check = bool(kwargs.pop("check_input_valid", False))
     _unexpected("sparse_msa", kwargs)
     if not output_o and not output_maxscore:
-        raise ValueError("sparse_msa requires output_o=True or output_maxscore=True")
+        raise _nothing_requested("sparse_msa")
     if output_o and kv_block_indexes is None:
         raise ValueError("sparse_msa requires kv_block_indexes")
     info = unpack_plan_info(plan_info)
@@ -158,7 +171,7 @@ def sparse_decode_atten_func(*args, **kwargs):
     check = bool(kwargs.pop("check_input_valid", False))
     _unexpected("sparse_decode_atten_func", kwargs)
     if not output_o and not output_maxscore:
-        raise ValueError("sparse_decode_atten_func requires output_o=True or output_maxscore=True")
+        raise _nothing_requested("sparse_decode_atten_func")
     info = unpack_plan_info(plan_info)
     mixed, _, _, plan, extra = info
     if mixed or extra is not None:
