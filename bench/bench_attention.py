@@ -332,7 +332,7 @@ def cases(cfg) -> list:
     out.append(dense_case(cfg, b, s, hq, hkv, target=flash))
     b, L, page, hq, hkv = sized(cfg, (64, 8192, 64, 64, 8), (16, 2048, 64, 64, 8), (2, 256, 64, 8, 2))
     out.append(decode_case(cfg, b, L, page, hq, hkv, target=Target("tbps", 3.0)))
-    s, hq, hkv, topk = sized(cfg, (32768, 64, 4, 16), (8192, 64, 4, 16), (2048, 16, 1, 4))
+    s, hq, hkv, topk = sized(cfg, (32768, 64, 4, 16), (8192, 64, 4, 16), (1024, 16, 1, 4))
     out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=False, target=flex))
     out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=True, target=None,
                            flex_note_ms=219.0 if cfg.size == "full" else None))

@@ -66,6 +66,9 @@ def sdpa_build(backend: str, batch: int, sq: int, sk: int, hq: int, hkv: int, d:
                 sets = [first] + [make(s) for s in inputs[1:]]
                 break
         if sets is None:
+            reasons = {r.split(": ", 1)[1] for r in refusals}
+            if len(reasons) == 1:
+                raise RuntimeError(f"SDPA {backend} refused every layout: {reasons.pop()}")
             raise RuntimeError(f"SDPA {backend} refused every layout: " + " | ".join(refusals))
         note = None
         if refusals:
