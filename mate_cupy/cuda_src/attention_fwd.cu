@@ -163,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     // A row attends keys j < row_limit(ql).
     const int lim_base = (int)max(-(1LL << 30), min(1LL << 30, qoff + qi_first + 1));
     auto row_limit = [&](int ql) -> int { return causal ? min(Lk, max(0, lim_base + ql)) : Lk; };
-    u32 row_qls = 0;
+    u32 row_qls0 = 0;
     int lim_lo = 0x7fffffff, lim_hi = 0;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -177,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 lim_lo = min(lim_lo, lim);
                 lim_hi = max(lim_hi, lim);
             }
-            row_qls |= (u32)ql << (8 * (2 * mt + h));
+            row_qls0 |= (u32)ql << (8 * (2 * mt + h));
         }
     }
     const int warp_lim_lo = __reduce_min_sync(0xffffffffu, lim_lo);
@@ -238,27 +238,52 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     // Issue the cp.async loads of K/V tile t into `stage` (one commit group,
     // empty past t_end). Keys past Lk or on invalid pages are zero-filled and
     // never read; returns 1 when a key < Lk sits on an invalid page.
+    const u32 sQ_addr = smem_u32(sQ), sR_addr = smem_u32(sR);
     const int ld_c = tid % kChunks, ld_r0 = tid / kChunks;
     const Elem* kbase = k + (long long)kvh * k_head_stride + ld_c * kElemsPerChunk;
     const Elem* vbase = v + (long long)kvh * v_head_stride + ld_c * kElemsPerChunk;
+    constexpr int kLdIters = kBN * kChunks / kThreads;
+    constexpr int kLdStep = kThreads / kChunks;  // rows between a thread's chunks
     auto issue_tile = [&](int t, int stage) -> int {
         int bad = 0;
         if (t < t_end) {
-            unsigned char* dK = sR + stage * kStageBytes;
-            unsigned char* dV = dK + kBN * kRowBytes;
+            const u32 dK = sR_addr + stage * kStageBytes + Tile::offset(ld_r0, ld_c);
+            const u32 dV = dK + kBN * kRowBytes;
             int spage;
             const int kstart = tile_start(t, spage);
-            int last_pi = -1, pg = -1;
-#pragma unroll
-            for (int i = 0; i < kBN * kChunks / kThreads; ++i) {
-                const int r = ld_r0 + i * (kThreads / kChunks);
-                const int j = kstart + r;
-                bool ok = j < Lk;
-                long long page, slot;
+            if constexpr (!kPaged || kSparse) {
+                // Rows of the tile are equally spaced in memory: walk one pointer per operand
+                // (a closed form per row would be hoisted out of the key loop and spilled).
+                long long first;
                 if constexpr (kSparse) {
-                    page = spage;
-                    slot = j & (kSparseBlock - 1);
-                } else if constexpr (kPaged) {
+                    first = (long long)spage * k_page_stride + ((kstart & (kSparseBlock - 1)) + ld_r0) * k_slot_stride;
+                } else {
+                    first = (k_row0 + kstart + ld_r0) * k_slot_stride;
+                }
+                const long long vfirst = kSparse ? (long long)spage * v_page_stride +
+                                                       ((kstart & (kSparseBlock - 1)) + ld_r0) * v_slot_stride
+                                                 : (k_row0 + kstart + ld_r0) * v_slot_stride;
+                const Elem* kp = kbase + first;
+                const Elem* vp = vbase + vfirst;
+                const long long kstep = kLdStep * k_slot_stride, vstep = kLdStep * v_slot_stride;
+#pragma unroll
+                for (int i = 0; i < kLdIters; ++i) {
+                    const int r = ld_r0 + i * kLdStep;
+                    const bool ok = kstart + r < Lk;
+                    const u32 so = (kLdStep % 8 == 0) ? i * kLdStep * kRowBytes
+                                                      : Tile::offset(r, ld_c) - Tile::offset(ld_r0, ld_c);
+                    cp_async_16_u32(dK + so, ok ? kp : kbase, ok);
+                    cp_async_16_u32(dV + so, ok ? vp : vbase, ok);
+                    kp += kstep;
+                    vp += vstep;
+                }
+            } else {
+                int last_pi = -1, pg = -1;
+#pragma unroll
+                for (int i = 0; i < kLdIters; ++i) {
+                    const int r = ld_r0 + i * kLdStep;
+                    const int j = kstart + r;
+                    bool ok = j < Lk;
                     const int pi = j >> page_size_log2;
                     if (pi != last_pi) {
                         last_pi = pi;
@@ -269,20 +294,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                         bad = 1;
                         ok = false;
                     }
-                    page = pg;
-                    slot = j & ((1 << page_size_log2) - 1);
-                } else {
-                    page = 0;
-                    slot = k_row0 + j;
+                    const long long slot = j & ((1 << page_size_log2) - 1);
+                    const Elem* ks = kbase;
+                    const Elem* vs = vbase;
+                    if (ok) {
+                        ks += pg * k_page_stride + slot * k_slot_stride;
+                        vs += pg * v_page_stride + slot * v_slot_stride;
+                    }
+                    const u32 so = Tile::offset(r, ld_c) - Tile::offset(ld_r0, ld_c);
+                    cp_async_16_u32(dK + so, ks, ok);
+                    cp_async_16_u32(dV + so, vs, ok);
                 }
-                const Elem* ks = kbase;
-                const Elem* vs = vbase;
-                if (ok) {
-                    ks += page * k_page_stride + slot * k_slot_stride;
-                    vs += page * v_page_stride + slot * v_slot_stride;
-                }
-                cp_async_16(dK + Tile::offset(r, ld_c), ks, ok);
-                cp_async_16(dV + Tile::offset(r, ld_c), vs, ok);
             }
         }
         cp_async_commit();
@@ -311,10 +333,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         }
     }
 
-    const u32 sQ_addr = smem_u32(sQ), sR_addr = smem_u32(sR);
-    const u32 off_a = lane_offset_a<kRowBytes>(m_base, lane);
-    const u32 off_b = lane_offset_b<kRowBytes>(wn * kKW, lane);
-    const u32 off_v = kFp8 ? lane_offset_vt8<kRowBytes>(wn * kKW, lane) : lane_offset_vt<kRowBytes>(wn * kKW, lane);
+    const u32 off_a0 = lane_offset_a<kRowBytes>(m_base, lane);
+    const u32 off_b0 = lane_offset_b<kRowBytes>(wn * kKW, lane);
+    const u32 off_v0 = kFp8 ? lane_offset_vt8<kRowBytes>(wn * kKW, lane) : lane_offset_vt<kRowBytes>(wn * kKW, lane);
 
     for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
         const int stage = n % kStages;
@@ -329,6 +350,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 
         const u32 k_addr = sR_addr + stage * kStageBytes;
         const u32 v_addr = k_addr + kBN * kRowBytes;
+        // Per-lane offsets and row data, re-materialised each tile (cheaper than spilling
+        // their derived addresses and limits).
+        const u32 off_a = opaque(off_a0), off_b = opaque(off_b0), off_v = opaque(off_v0);
+        const u32 row_qls = opaque(row_qls0);
         int spage;
         const int kstart = tile_start(t, spage);
         const int kw0 = kstart + wn * kKW;  // first key of this warp's slice

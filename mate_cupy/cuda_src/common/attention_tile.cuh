@@ -70,6 +70,22 @@ __device__ __forceinline__ u32 lane_offset_vt8(int k0, int lane) {
     return row * ROW_BYTES + swizzle_bytes<ROW_BYTES>(row);
 }
 
+// Hide a loop-invariant value from the optimiser: expressions of it are then
+// recomputed in the loop (a few integer ops) instead of hoisted and spilled.
+__device__ __forceinline__ u32 opaque(u32 x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+// 16-byte global -> shared copy to a shared-space address; `pred == false` zero-fills.
+__device__ __forceinline__ void cp_async_16_u32(u32 saddr, const void* gmem, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0));
+}
+
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
