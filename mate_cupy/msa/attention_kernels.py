@@ -447,9 +447,9 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
         need = split_workspace_bytes(total_q, hq, d, geo.splits)
         if workspace is None:
             workspace = _cached_workspace(need)
-        elif workspace.nbytes < need or not workspace.flags.c_contiguous:
-            raise ValueError(f"workspace must be a contiguous array of at least {need} bytes, "
-                             f"got {workspace.nbytes}")
+        elif workspace.nbytes < need or not workspace.flags.c_contiguous or workspace.data.ptr % 16:
+            raise ValueError(f"workspace must be a contiguous 16-byte aligned array of at least {need} bytes, "
+                             f"got {workspace.nbytes} bytes")
         flat = workspace.view(np.uint8).reshape(-1)
         n_o = geo.splits * total_q * hq * d * 4
         ws_o = flat[:n_o].view(np.float32)
