@@ -29,7 +29,6 @@ def sdpa_build(backend: str, batch: int, sq: int, sk: int, hq: int, hkv: int, d:
     """
 
     def build(inputs):
-        import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -61,7 +60,6 @@ def sdpa_build(backend: str, batch: int, sq: int, sk: int, hq: int, hkv: int, d:
                     F.scaled_dot_product_attention(*first, is_causal=causal, enable_gqa=gqa)
                 except RuntimeError as e:
                     refusals.append(f"{what}: {' '.join(str(e).split())[:160]}")
-                    del first
                     continue
                 sets = [first] + [make(s) for s in inputs[1:]]
                 break

@@ -174,26 +174,35 @@ def make_timer(device: str, cfg: TimingConfig):
 
 # --------------------------------------------------------------------------- ceilings
 
+def _copy_ms(timer, nbytes: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    return timer.time(lambda i: dst.copy_(src), 1, samples=10, warmup=2)["ms"]
+
+
+def _gemm_ms(timer, n: int) -> float:
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    return timer.time(lambda i: torch.matmul(a, b, out=c), 1, samples=10, warmup=3)["ms"]
+
+
 def measure_ceilings(timer, *, copy_bytes: int = 1 << 31, gemm_n: int = 8192) -> list[dict]:
     """The machine's measured ceilings: a device-to-device copy (TB/s counting bytes
     read + written) and an ``n^3`` bf16 GEMM (TFLOP/s). Returns ``[{"case", "ms",
-    "bytes" | "flops"}]``; the caller turns them into records."""
+    "bytes" | "flops", "metric"}]``; the caller turns them into records."""
     import torch
 
-    out = []
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
-    src.fill_(1)
-    dst = torch.empty_like(src)
-    res = timer.time(lambda i: dst.copy_(src), 1, samples=10, warmup=2)
-    out.append({"case": f"d2d copy {copy_bytes / 2**30:g} GiB", "ms": res["ms"], "bytes": 2.0 * copy_bytes,
-                "metric": "tbps"})
-    del src, dst
-    a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty_like(a)
-    res = timer.time(lambda i: torch.matmul(a, b, out=c), 1, samples=10, warmup=3)
-    out.append({"case": f"bf16 GEMM {gemm_n}^3", "ms": res["ms"], "flops": 2.0 * gemm_n**3, "metric": "tflops"})
-    del a, b, c
+    out = [{"case": f"d2d copy {copy_bytes / 2**30:g} GiB", "ms": _copy_ms(timer, copy_bytes),
+            "bytes": 2.0 * copy_bytes, "metric": "tbps"}]
+    torch.cuda.empty_cache()
+    out.append({"case": f"bf16 GEMM {gemm_n}^3", "ms": _gemm_ms(timer, gemm_n), "flops": 2.0 * gemm_n**3,
+                "metric": "tflops"})
     torch.cuda.empty_cache()
     return out
 

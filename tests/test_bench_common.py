@@ -437,3 +437,71 @@ def test_compare_runs():
     assert [(r["case"], r["impl"], r["speedup"]) for r in rows] == [
         ("c", "mate_cupy", 2.0), ("c", "flash", None), ("d", "mate_cupy", None)]
     assert [r["impl"] for r in compare(old, new, impl="flash")] == ["flash"]
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_gpu_timer_graph_and_ceilings():
+    import torch
+
+    from bench.timing import Timer, measure_ceilings
+
+    timer = Timer(TimingConfig(warmup=2, samples=5))
+    xs = [torch.randn(4096, 4096, device="cuda") for _ in range(2)]
+    ys = [torch.empty_like(x) for x in xs]
+    calls = []
+
+    def run(i):
+        calls.append(i)
+        return torch.mul(xs[i], 2.0, out=ys[i])
+
+    res = timer.time(run, 2)
+    assert 0 < res["ms_min"] <= res["ms"] <= res["ms_max"] and res["samples"] >= 3
+    assert calls[:4] == [0, 1, 0, 1]
+    g = timer.time_graph(run, 2, samples=3)
+    assert g["ms_graph"] > 0 and g["graph_calls"] % 2 == 0
+    torch.testing.assert_close(ys[1], xs[1] * 2.0)
+    ceil = {c["metric"]: c for c in measure_ceilings(timer, copy_bytes=1 << 28, gemm_n=4096)}
+    assert 0.5e12 < ceil["tbps"]["bytes"] / (ceil["tbps"]["ms"] * 1e-3) < 20e12
+    assert 50e12 < ceil["tflops"]["flops"] / (ceil["tflops"]["ms"] * 1e-3) < 5000e12
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_gpu_sdpa_peer_matches_the_reference(backend):
+    import torch
+
+    from bench.checks import attention_rows, rel_err, sample_rows
+    from bench.peers import sdpa_build
+
+    b, s, hq, hkv, d = 2, 512, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [{n: torch.randn(b * s, h, d, generator=g, device="cuda").to(torch.bfloat16)
+               for n, h in (("q", hq), ("k", hkv), ("v", hkv))}]
+    bound = sdpa_build(backend, b, s, s, hq, hkv, d, causal=True)(inputs)
+    with bound.context():
+        out = bound.result(bound.run(0))
+    rows = sample_rows(b * s, 16, "cuda")
+    bi, pos = rows // s, rows % s
+    k = inputs[0]["k"].view(b, s, hkv, d)[bi]
+    v = inputs[0]["v"].view(b, s, hkv, d)[bi]
+    ref = attention_rows(inputs[0]["q"][rows], k, v, pos, torch.full_like(pos, s), True, d ** -0.5)
+    assert rel_err(out[rows], ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_gpu_quick_run_times_torch_topk(tmp_path):
+    from bench import run
+
+    rc = run.main([str(tmp_path / "o"), "--quick", "--only", "index", "--case", "topk", "--peers", "torch_topk",
+                   "--no-ceilings", "--samples", "3", "--commit", "gputest"])
+    assert rc == 0
+    recs = [r for r in report.load_results(tmp_path / "o" / "results.json") if r["impl"] == "torch.topk"]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["error"] is None and r["ms"] > 0 and r["tbps"] > 0 and r["err"] == 0.0
+        assert r["ms_graph"] is not None and r["ms_graph"] > 0, r["graph_error"]
