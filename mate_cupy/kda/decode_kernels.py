@@ -49,6 +49,7 @@ _NO_POOL = np.iinfo(np.int64).max
 _INT32_MAX = np.iinfo(np.int32).max
 
 _sm_counts: dict = {}
+_smem_opt_in: dict = {}  # id(kernel) -> dynamic shared memory already allowed
 
 
 def _sm_count() -> int:
@@ -59,6 +60,17 @@ def _sm_count() -> int:
     if n is None:
         n = _sm_counts[dev] = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
     return n
+
+
+def _launch(kernel, grid: int, threads: int, args: tuple, smem: int, stream) -> None:
+    """Launch; dynamic shared memory above 48 KiB is opted into once per kernel here."""
+    if smem <= 48 * 1024:
+        launch(kernel, (grid,), (threads,), args, shared_mem=smem, stream=stream)
+        return
+    if _smem_opt_in.get(id(kernel), 0) < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+        _smem_opt_in[id(kernel)] = smem
+    kernel((grid,), (threads,), args, shared_mem=smem, stream=stream)
 
 
 def _smem_bytes(stage_bytes: int, tc: int, vs: int, red_floats: int) -> int:
@@ -260,4 +272,4 @@ def run_decode(*, q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accep
         np.int32(n_splits), np.int32(tc),
     )
     kernel = get_kernel(SPECS[(np.dtype(state_dtype), bool(state_v_first))])
-    launch(kernel, (grid,), (threads,), args, shared_mem=smem, stream=stream)
+    _launch(kernel, grid, threads, args, smem, stream)
