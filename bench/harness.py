@@ -38,6 +38,7 @@ class BenchConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     ceilings: dict = field(default_factory=dict)  # {"tflops": .., "tbps": ..} measured this run
     outdir: Optional[str] = None
+    context_lost: Optional[str] = None  # set when a sticky CUDA error killed the context
 
     def wants(self, peer_family: Optional[str]) -> bool:
         return peer_family is None or peer_family in self.peers
@@ -128,14 +129,29 @@ def free_device_memory() -> None:
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         try:
             cupy.get_default_memory_pool().free_all_blocks()
         except Exception:
             pass
+
+
+def cuda_alive() -> bool:
+    """False once a sticky CUDA error (e.g. an illegal address) has killed the context."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        return float(torch.ones(1, device="cuda").add_(1).item()) == 2.0
+    except Exception:
+        return False
 
 
 def _sync_quietly(timer) -> Optional[str]:
@@ -203,6 +219,10 @@ def run_case(case: Case, cfg: BenchConfig, timer, log=print) -> list[dict]:
                     rec["error"] += f" | then: {late}"
                 log(f"    {im.name}: {rec['error']}")
                 bound = None
+                if timer.kind == "cuda" and not cuda_alive():
+                    cfg.context_lost = f"{case.op} / {case.name} / {im.name}: {rec['error']}"
+                    log("    CUDA context lost: the remaining impls and cases are skipped")
+                    break
                 continue
             if im.capture_safe and cfg.graphs and timer.kind == "cuda":
                 try:
@@ -214,6 +234,11 @@ def run_case(case: Case, cfg: BenchConfig, timer, log=print) -> list[dict]:
                     _sync_quietly(timer)
             log(f"    {im.name}: {rec['ms']:.4f} ms" + (f" (graph {rec['ms_graph']:.4f} ms)" if rec["ms_graph"] else ""))
             del bound
+        if cfg.context_lost:
+            for r in recs.values():
+                if r["ms"] is None and r["error"] is None:
+                    r["error"] = f"skipped: CUDA context lost after {cfg.context_lost}"
+            results = {}
         if cfg.check and case.check is not None and results:
             try:
                 errs = case.check(results, inputs[0])
@@ -227,7 +252,8 @@ def run_case(case: Case, cfg: BenchConfig, timer, log=print) -> list[dict]:
                     recs[name]["note"] = (recs[name]["note"] + "; " if recs[name]["note"] else "") + msg
                 log(f"    {msg}")
     del inputs, results
-    free_device_memory()
+    if not cfg.context_lost:
+        free_device_memory()
     records = list(recs.values())
     finalize_case(records, baseline=case.baseline, target=case.target, ceilings=cfg.ceilings, tol=case.tol)
     return records
@@ -242,15 +268,27 @@ def select_cases(cases: list, cfg: BenchConfig) -> list:
     return [c for c in cases if pat.search(f"{c.op} {c.name}")]
 
 
-def run_cases(cases: list, cfg: BenchConfig, timer, log=print) -> list[dict]:
-    """Run each case in turn (a failure inside one never stops the others)."""
+def skipped_records(case: Case, cfg: BenchConfig, why: str) -> list[dict]:
+    return [new_record(case.op, case.name, im.name, im.kind, metric=case.metric, params=dict(case.params),
+                       error=why) for im in case.impls if cfg.wants(im.family)]
+
+
+def run_cases(cases: list, cfg: BenchConfig, timer, log=print, progress=None) -> list[dict]:
+    """Run each case in turn (a failure inside one never stops the others; after a
+    lost CUDA context the rest are recorded as skipped). ``progress(records)`` is
+    called after every case (partial results survive a crash)."""
     out = []
     for case in select_cases(cases, cfg):
+        if cfg.context_lost:
+            out += skipped_records(case, cfg, f"skipped: CUDA context lost after {cfg.context_lost}")
+            continue
         try:
             out += run_case(case, cfg, timer, log=log)
         except Exception as e:  # defensive: run_case records its own errors
             log(f"[{case.op}] {case.name}: harness error {_err_text(e)}")
             out.append(new_record(case.op, case.name, "harness", "ours", error=_err_text(e)))
+        if progress is not None:
+            progress(out)
     return out
 
 
@@ -259,5 +297,5 @@ def sized(cfg: BenchConfig, full, quick, tiny):
     return {"full": full, "quick": quick, "tiny": tiny}[cfg.size]
 
 
-__all__ = ["BenchConfig", "Bound", "Case", "Impl", "PEER_FAMILIES", "free_device_memory", "run_case",
-           "run_cases", "select_cases", "sized", "time_box"]
+__all__ = ["BenchConfig", "Bound", "Case", "Impl", "PEER_FAMILIES", "cuda_alive", "free_device_memory", "run_case",
+           "run_cases", "select_cases", "skipped_records", "sized", "time_box"]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -53,6 +55,11 @@ def parse_args(argv=None):
                     help="commit id to record (default: git rev-parse HEAD, or $MATE_CUPY_COMMIT)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: smoke-test the harness with tiny shapes and wall-clock timing (no GPU)")
+    ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
+                    help="one child process per family, so a CUDA fault in one family cannot take the others "
+                         "down (auto: yes on a GPU with several families)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)       # run by the parent
+    ap.add_argument("--ceilings-json", default=None, help=argparse.SUPPRESS)   # the parent's measurements
     args = ap.parse_args(argv)
     fams = [f.strip() for f in args.only.split(",") if f.strip()]
     bad = [f for f in fams if f not in FAMILIES]
@@ -117,7 +124,7 @@ def main(argv=None) -> int:
     from bench import bench_attention, bench_index, bench_kda
     from bench.harness import BenchConfig, run_cases
     from bench.report import format_table, new_record, status, write_results
-    from bench.timing import TimingConfig, make_timer, measure_ceilings
+    from bench.timing import TimingConfig, make_timer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/run.py: no CUDA device visible to torch (use --device cpu for a harness smoke run)",
@@ -129,7 +136,8 @@ def main(argv=None) -> int:
     if args.samples:
         timing.samples = args.samples
     meta = environment(args.device)
-    meta.update(commit=git_commit(args.commit), mode=size,
+    args._commit = git_commit(args.commit)
+    meta.update(commit=args._commit, mode=size,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command="python bench/run.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                    else sys.argv[1:])))
@@ -143,44 +151,49 @@ def main(argv=None) -> int:
                       fla_budget_s=args.fla_budget_s, fla_configs=fla_configs, l2_bytes=meta["l2_bytes"],
                       timing=timing, outdir=args.outdir)
     timer = make_timer(args.device, timing)
+    if args.child:
+        meta["command"] = None
     print(f"mate_cupy bench: {meta['gpu']}, commit {meta['commit']}, {size} shapes, families {args.only}, "
           f"peers {list(cfg.peers) or 'none'}" + (f", fla configs {fla_configs}" if fla_configs else ""))
     t_start = time.perf_counter()
     records = []
     torch.set_grad_enabled(False)
-    if args.device == "cuda" and not args.no_ceilings:
-        try:
-            for c in measure_ceilings(timer, copy_bytes=(1 << 31) if size == "full" else (1 << 29)):
-                rec = new_record("ceiling", c["case"], "torch", "ceiling", ms=c["ms"], metric=c["metric"],
-                                 flops=c.get("flops"), bytes=c.get("bytes"))
-                if c["metric"] == "tflops":
-                    rec["tflops"] = c["flops"] / (c["ms"] * 1e-3) / 1e12
-                    cfg.ceilings["tflops"] = rec["tflops"]
-                else:
-                    rec["tbps"] = c["bytes"] / (c["ms"] * 1e-3) / 1e12
-                    cfg.ceilings["tbps"] = rec["tbps"]
-                rec["ceiling_frac"] = 1.0
-                records.append(rec)
-            print(f"ceilings: copy {cfg.ceilings.get('tbps', 0):.2f} TB/s, GEMM {cfg.ceilings.get('tflops', 0):.0f} "
-                  "TFLOP/s")
-        except Exception as e:
-            print(f"ceilings failed: {type(e).__name__}: {e}")
-    modules = {"attention": bench_attention, "index": bench_index, "kda": bench_kda}
-    for fam in args.only:
-        mod = modules[fam]
-        try:
-            records += run_cases(mod.cases(cfg), cfg, timer)
-            if hasattr(mod, "after"):
-                records += mod.after(cfg, timer)
-        except Exception as e:
-            print(f"[{fam}] family failed: {type(e).__name__}: {e}")
-            records.append(new_record(fam, "(all cases)", "harness", "ours", error=f"{type(e).__name__}: {e}"))
-    fla = bench_kda.SESSION
-    if fla is not None and fla.version:
-        meta["fla"] = fla.version + (f" (autotune configs from {fla.configs_dir}: {fla.preloaded} entries preloaded)"
-                                     if fla.configs_dir else " (autotuned in this run)")
+    if args.ceilings_json:
+        cfg.ceilings.update(json.loads(args.ceilings_json))
+    elif args.device == "cuda" and not args.no_ceilings:
+        records += ceiling_records(cfg, timer, size)
+    isolate = not args.child and (args.isolate == "yes" or (
+        args.isolate == "auto" and args.device == "cuda" and len(args.only) > 1))
+    if isolate:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        for fam in args.only:
+            records += run_family_in_child(fam, args, cfg, meta)
+        shutil.rmtree(Path(args.outdir) / ".parts", ignore_errors=True)
+    else:
+        modules = {"attention": bench_attention, "index": bench_index, "kda": bench_kda}
+
+        def save_partial(recs):
+            write_results(args.outdir, records + recs, dict(meta, partial=True))
+
+        for fam in args.only:
+            mod = modules[fam]
+            try:
+                records += run_cases(mod.cases(cfg), cfg, timer, progress=save_partial)
+                if hasattr(mod, "after"):
+                    records += mod.after(cfg, timer)
+            except Exception as e:
+                print(f"[{fam}] family failed: {type(e).__name__}: {e}")
+                records.append(new_record(fam, "(all cases)", "harness", "ours", error=f"{type(e).__name__}: {e}"))
+        fla = bench_kda.SESSION
+        if fla is not None and fla.version:
+            meta["fla"] = fla.version + (f" (autotune configs from {fla.configs_dir}: {fla.preloaded} entries "
+                                         "preloaded)" if fla.configs_dir else " (autotuned in this run)")
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     jpath, mpath = write_results(args.outdir, records, meta)
+    if args.child:
+        (Path(args.outdir) / "meta.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        return 0
     body = [r for r in records if r["kind"] != "ceiling"]
     counts = {}
     for r in body:
@@ -190,6 +203,79 @@ def main(argv=None) -> int:
     print(format_table(records))
     print("\n" + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + f"  [{meta['gpu']}, {meta['commit']}]")
     return 0
+
+
+def ceiling_records(cfg, timer, size: str) -> list[dict]:
+    from bench.report import new_record
+    from bench.timing import measure_ceilings
+
+    records = []
+    try:
+        for c in measure_ceilings(timer, copy_bytes=(1 << 31) if size == "full" else (1 << 29)):
+            rec = new_record("ceiling", c["case"], "torch", "ceiling", ms=c["ms"], metric=c["metric"],
+                             flops=c.get("flops"), bytes=c.get("bytes"), ceiling_frac=1.0)
+            if c["metric"] == "tflops":
+                rec["tflops"] = cfg.ceilings["tflops"] = c["flops"] / (c["ms"] * 1e-3) / 1e12
+            else:
+                rec["tbps"] = cfg.ceilings["tbps"] = c["bytes"] / (c["ms"] * 1e-3) / 1e12
+            records.append(rec)
+        print(f"ceilings: copy {cfg.ceilings.get('tbps', 0):.2f} TB/s, GEMM {cfg.ceilings.get('tflops', 0):.0f} TFLOP/s")
+    except Exception as e:
+        print(f"ceilings failed: {type(e).__name__}: {e}")
+    return records
+
+
+def child_argv(fam: str, args, cfg, part: Path) -> list[str]:
+    """The command line of the child process that runs one family."""
+    argv = [str(Path(__file__).resolve()), str(part), "--only", fam, "--child", "--no-ceilings", "--device", cfg.device,
+            "--ceilings-json", json.dumps(cfg.ceilings), "--peers", ",".join(cfg.peers) or "none",
+            "--fla-budget-s", str(args.fla_budget_s), "--commit", cfg_commit(args)]
+    flags = {"--quick": args.quick, "--no-graphs": args.no_graphs, "--no-check": args.no_check,
+             "--flex-per-token": args.flex_per_token}
+    argv += [f for f, on in flags.items() if on]
+    if args.case:
+        argv += ["--case", args.case]
+    if args.samples:
+        argv += ["--samples", str(args.samples)]
+    if cfg.fla_configs:
+        argv += ["--fla-configs", cfg.fla_configs]
+    else:
+        argv += ["--fla-configs", "none"]
+    return argv
+
+
+def cfg_commit(args) -> str:
+    return args._commit
+
+
+def run_family_in_child(fam: str, args, cfg, meta: dict) -> list[dict]:
+    """Run one family in a child process; merge its records (a crash becomes an error record)."""
+    from bench.report import load_results, new_record
+
+    part = Path(args.outdir) / ".parts" / fam
+    if part.exists():
+        shutil.rmtree(part)
+    print(f"--- {fam} (child process)", flush=True)
+    proc = subprocess.run([sys.executable] + child_argv(fam, args, cfg, part), cwd=ROOT)
+    records = []
+    if (part / "results.json").is_file():
+        records = [r for r in load_results(part / "results.json") if r.get("kind") != "ceiling"]
+    if (part / "meta.json").is_file():
+        child = json.loads((part / "meta.json").read_text())
+        if child.get("fla"):
+            meta["fla"] = child["fla"]
+    if proc.returncode != 0:
+        what = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+        done = {(r["op"], r["case"]) for r in records}
+        records.append(new_record(fam, "(family process)", "harness", "ours",
+                                  error=f"the {fam} process died ({what}) after {len(done)} cases; "
+                                        "its completed cases are kept (see the log above)"))
+    configs = part / "fla_configs"
+    if configs.is_dir():
+        dest = Path(args.outdir) / "fla_configs"
+        shutil.copytree(configs, dest, dirs_exist_ok=True)
+    shutil.rmtree(part, ignore_errors=True)
+    return records
 
 
 if __name__ == "__main__":

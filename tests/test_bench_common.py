@@ -505,3 +505,59 @@ def test_gpu_quick_run_times_torch_topk(tmp_path):
     for r in recs:
         assert r["error"] is None and r["ms"] > 0 and r["tbps"] > 0 and r["err"] == 0.0
         assert r["ms_graph"] is not None and r["ms_graph"] > 0, r["graph_error"]
+
+
+def test_lost_cuda_context_skips_the_rest(monkeypatch):
+    import bench.harness as harness
+
+    monkeypatch.setattr(harness, "cuda_alive", lambda: False)
+
+    class FakeCudaTimer(CpuTimer):
+        kind = "cuda"
+
+    def faulting(inputs):
+        def run(i):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return Bound(run)
+
+    ok = lambda inputs: Bound(lambda i: None)  # noqa: E731
+    first = _case([Impl("mine", "ours", faulting), Impl("peer", "peer", ok)])
+    second = Case(op="op2", name="next", make_inputs=lambda n: [{}], set_bytes=1,
+                  impls=[Impl("mine", "ours", ok)])
+    cfg = _cfg()
+    seen = []
+    recs = run_cases([first, second], cfg, FakeCudaTimer(TimingConfig()), log=lambda *a: None,
+                     progress=lambda r: seen.append(len(r)))
+    by = {(r["op"], r["impl"]): r for r in recs}
+    assert by[("op", "mine")]["error"].startswith("RuntimeError: CUDA error: an illegal memory access")
+    assert by[("op", "peer")]["error"].startswith("skipped: CUDA context lost after op / case / mine")
+    assert by[("op2", "mine")]["error"].startswith("skipped: CUDA context lost")
+    assert cfg.context_lost and seen == [2]
+
+
+def test_family_child_crash_keeps_partial_records(tmp_path, monkeypatch):
+    import subprocess
+    import types
+
+    from bench import run
+
+    args = run.parse_args([str(tmp_path / "out"), "--only", "index,kda", "--device", "cpu", "--case", "topk"])
+    args._commit = "c0ffee"
+    cfg = BenchConfig(device="cpu", peers=("torch_topk",), outdir=args.outdir)
+    part = tmp_path / "out" / ".parts" / "index"
+
+    def fake_run(argv, cwd=None):
+        assert argv[2] == str(part) and argv[argv.index("--only") + 1] == "index" and "--child" in argv
+        assert argv[argv.index("--peers") + 1] == "torch_topk" and argv[argv.index("--commit") + 1] == "c0ffee"
+        report.write_results(part, [new_record("msa topk select", "[8, 4, 1024]", "mate_cupy", "ours", ms=1.0)],
+                             {"commit": "c0ffee"})
+        (part / "fla_configs" / "GPU").mkdir(parents=True)
+        (part / "fla_configs" / "GPU" / "k.json").write_text("{}")
+        return types.SimpleNamespace(returncode=-11)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    meta = {}
+    recs = run.run_family_in_child("index", args, cfg, meta)
+    assert recs[0]["impl"] == "mate_cupy" and recs[0]["ms"] == 1.0
+    assert recs[-1]["impl"] == "harness" and "died (signal 11) after 1 cases" in recs[-1]["error"]
+    assert (tmp_path / "out" / "fla_configs" / "GPU" / "k.json").is_file() and not part.exists()
