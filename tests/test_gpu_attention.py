@@ -109,6 +109,77 @@ def test_sparse_context_limit_is_refused():
         _geo(sparse=True, list_width=16, max_seqlen_k=lay["union_blocks"] * 128 + 1)
 
 
+def _byte_perm(x: int, y: int, sel: int) -> int:
+    pool = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * i)) & 0xF] << (8 * i) for i in range(4))
+
+
+def test_e4m3_pv_fragment_model():
+    """A model of the e4m3 O += P V step, built from the PTX fragment layouts.
+
+    ldmatrix.x4.trans over 4 groups of 8 keys x 16 bytes, the byte permutes of
+    ldsm_vt_e4m3, pack4_e4m3 of the S accumulators and mma.m16n8k32 must give
+    P @ V, with the even/odd output dims that the epilogue stores.
+    """
+    rng = np.random.default_rng(0)
+    P = rng.integers(0, 7, size=(16, 32))  # rows x keys (small ints: exact)
+    V = rng.integers(0, 7, size=(32, 16))  # keys x dims of one 16-byte chunk
+    reg = lambda b: sum(int(v) << (8 * i) for i, v in enumerate(b))  # noqa: E731
+    byte = lambda r, j: (r >> (8 * j)) & 0xFF  # noqa: E731
+    A = np.zeros((16, 32), np.int64)
+    Be = np.zeros((32, 8), np.int64)
+    Bo = np.zeros((32, 8), np.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        # S accumulators of n-tiles 0..3 (keys 8j..8j+7): c0,c1 row g, c2,c3 row g+8
+        s = [[P[g, 8 * j + 2 * t], P[g, 8 * j + 2 * t + 1], P[g + 8, 8 * j + 2 * t], P[g + 8, 8 * j + 2 * t + 1]]
+             for j in range(4)]
+        pa = [reg([s[0][0], s[0][1], s[1][0], s[1][1]]), reg([s[0][2], s[0][3], s[1][2], s[1][3]]),
+              reg([s[2][0], s[2][1], s[3][0], s[3][1]]), reg([s[2][2], s[2][3], s[3][2], s[3][3]])]
+        # ldmatrix .trans, matrix m = keys 8m..8m+7: low half row 2t, high half row 2t+1, column pair g
+        r = [reg([V[8 * m + 2 * t, 2 * g], V[8 * m + 2 * t, 2 * g + 1],
+                  V[8 * m + 2 * t + 1, 2 * g], V[8 * m + 2 * t + 1, 2 * g + 1]]) for m in range(4)]
+        even = [_byte_perm(r[0], r[1], 0x6420), _byte_perm(r[2], r[3], 0x6420)]
+        odd = [_byte_perm(r[0], r[1], 0x7531), _byte_perm(r[2], r[3], 0x7531)]
+        for i in range(4):  # A (m16n8k32, 8-bit): a_i byte j -> row g + 8(i%2), k 4t + j + 16(i//2)
+            for j in range(4):
+                A[g + 8 * (i % 2), 4 * t + j + 16 * (i // 2)] = byte(pa[i], j)
+        for i in range(2):  # B: b_i byte j -> k 4t + j + 16 i, n g
+            for j in range(4):
+                Be[4 * t + j + 16 * i, g] = byte(even[i], j)
+                Bo[4 * t + j + 16 * i, g] = byte(odd[i], j)
+    De, Do = A @ Be, A @ Bo
+    want = P @ V
+    # epilogue: lane (g, t) stores {even c0, odd c0, even c1, odd c1} at dims 4t..4t+3 of row g
+    got = np.zeros((16, 16), np.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for h in range(2):
+            row = g + 8 * h
+            got[row, 4 * t:4 * t + 4] = [De[row, 2 * t], Do[row, 2 * t], De[row, 2 * t + 1], Do[row, 2 * t + 1]]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("row_bytes", [64, 128, 256, 512])
+def test_swizzled_lane_offsets_xor_identity(row_bytes):
+    """lane offset ^ (32 * step) == swizzled offset of chunk 2*step + x (SwizzledTile, attention_tile.cuh)."""
+    chunks = row_bytes // 16
+
+    def chunk(row, c):
+        return c ^ (row & 7) if chunks >= 8 else c ^ ((row >> 1) & 3)
+
+    def offset(row, c):
+        return row * row_bytes + chunk(row, c) * 16
+
+    for row in range(64):
+        for x in (0, 1):
+            lane_off = row * row_bytes + ((16 * x) ^ (chunk(row, 0) * 16))
+            for step in range(chunks // 2):
+                assert lane_off ^ (32 * step) == offset(row, 2 * step + x)
+        for c in range(chunks):  # e4m3 V: lane offset ^ (16 * c)
+            assert (row * row_bytes + chunk(row, 0) * 16) ^ (16 * c) == offset(row, c)
+
+
 # ============================================================================ GPU helpers
 
 
