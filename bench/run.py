@@ -146,6 +146,8 @@ def main(argv=None) -> int:
         fla_configs = bench_kda.default_fla_configs(meta["gpu"])
     elif fla_configs == "none":
         fla_configs = None
+    if fla_configs:
+        fla_configs = str(Path(fla_configs).resolve())
     cfg = BenchConfig(device=args.device, size=size, peers=tuple(args.peers), graphs=not args.no_graphs,
                       check=not args.no_check, case_filter=args.case, flex_per_token=args.flex_per_token,
                       fla_budget_s=args.fla_budget_s, fla_configs=fla_configs, l2_bytes=meta["l2_bytes"],
@@ -252,11 +254,11 @@ def run_family_in_child(fam: str, args, cfg, meta: dict) -> list[dict]:
     """Run one family in a child process; merge its records (a crash becomes an error record)."""
     from bench.report import load_results, new_record
 
-    part = Path(args.outdir) / ".parts" / fam
+    part = (Path(args.outdir) / ".parts" / fam).resolve()
     if part.exists():
         shutil.rmtree(part)
     print(f"--- {fam} (child process)", flush=True)
-    proc = subprocess.run([sys.executable] + child_argv(fam, args, cfg, part), cwd=ROOT)
+    proc = subprocess.run([sys.executable] + child_argv(fam, args, cfg, part))
     records = []
     if (part / "results.json").is_file():
         records = [r for r in load_results(part / "results.json") if r.get("kind") != "ceiling"]

@@ -546,8 +546,8 @@ def test_family_child_crash_keeps_partial_records(tmp_path, monkeypatch):
     cfg = BenchConfig(device="cpu", peers=("torch_topk",), outdir=args.outdir)
     part = tmp_path / "out" / ".parts" / "index"
 
-    def fake_run(argv, cwd=None):
-        assert argv[2] == str(part) and argv[argv.index("--only") + 1] == "index" and "--child" in argv
+    def fake_run(argv):
+        assert argv[2] == str(part.resolve()) and argv[argv.index("--only") + 1] == "index" and "--child" in argv
         assert argv[argv.index("--peers") + 1] == "torch_topk" and argv[argv.index("--commit") + 1] == "c0ffee"
         report.write_results(part, [new_record("msa topk select", "[8, 4, 1024]", "mate_cupy", "ours", ms=1.0)],
                              {"commit": "c0ffee"})
