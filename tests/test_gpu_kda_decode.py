@@ -389,7 +389,8 @@ def test_decode_twice_equals_two_tokens(rng):
     kw = dict(prep.kwargs, state_indices=None)
     outs = []
     for t in range(2):
-        step = {n: (x[:, t:t + 1].copy() if n in ("q", "k", "v", "a", "b") else x) for n, x in a.items()}
+        step = {n: (_to_device(np.ascontiguousarray(prep.args[n][:, t:t + 1])) if n in ("q", "k", "v", "a", "b")
+                    else x) for n, x in a.items()}
         o = _poisoned((c.B, 1, c.HV, c.V), np.float32)
         m.gated_delta_rule_decode(**step, **kw, output=o)
         outs.append(cp.asnumpy(o))
