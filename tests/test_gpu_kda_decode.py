@@ -337,7 +337,6 @@ def _poisoned(shape, dtype):
 def _run_case(c: Case, prep: Prepared, preallocate: bool):
     import mate_cupy as m
 
-    cp = _cupy()
     args = {name: _to_device(x) for name, x in prep.args.items()}
     kwargs = dict(prep.kwargs)
     kwargs["state_indices"] = _to_device(kwargs["state_indices"])
