@@ -221,11 +221,12 @@ msa_topk_select_kernel(const float* __restrict__ scores, int* __restrict__ out, 
         m1 = max(m1, key[i]);
     }
     u32 t0;
-    if constexpr (NW == 1) {
+    if constexpr (NW == 1 && !TOP2) {  // k <= 16: sort the 32 maxima, take the k-th largest
+        const u32 kth = __shfl_sync(kFullMask, warp_sort_ascending(m1, lane), (32 - k) & 31);
+        t0 = k <= 32 ? kth : 0u;  // (the launcher picks TOP2 for k > 16; 0 = no bound)
+    } else if constexpr (NW == 1) {
         t0 = kth_largest_key(k, [&](u32 c) {
-            int n = __popc(__ballot_sync(kFullMask, m1 >= c));
-            if constexpr (TOP2) n += __popc(__ballot_sync(kFullMask, m2 >= c));
-            return n;
+            return __popc(__ballot_sync(kFullMask, m1 >= c)) + __popc(__ballot_sync(kFullMask, m2 >= c));
         });
     } else {
         constexpr int PER_LANE = Smem::kMaxima / 32;

@@ -63,6 +63,21 @@ __device__ __forceinline__ void write_ids_ascending(const int* ids, int n, int r
     }
 }
 
+// Bitonic sort of one value per lane: lane i ends with the i-th smallest (15 steps).
+__device__ __forceinline__ u32 warp_sort_ascending(u32 v, int lane) {
+#pragma unroll
+    for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            const u32 other = __shfl_xor_sync(kFullMask, v, stride);
+            const bool ascending = (lane & size) == 0;
+            const bool lower = (lane & stride) == 0;
+            v = lower == ascending ? min(v, other) : max(v, other);
+        }
+    }
+    return v;
+}
+
 // Inclusive prefix sum over the 32 lanes of a warp.
 __device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
 #pragma unroll
