@@ -176,11 +176,14 @@ def get_kernel(spec: KernelSpec, kernel: str | None = None, device_id=None):
     return k
 
 
+_smem_optin: dict = {}
+
+
 def launch(kernel, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
-    """Launch with dynamic shared memory above 48 KiB allowed when asked for."""
-    if shared_mem > 48 * 1024 and getattr(kernel, "_mate_smem", 0) < shared_mem:
+    """Launch ``kernel``; dynamic shared memory above 48 KiB is opted into once per kernel."""
+    if shared_mem > 48 * 1024 and _smem_optin.get(id(kernel), 0) < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
-        kernel._mate_smem = shared_mem
+        _smem_optin[id(kernel)] = shared_mem
     kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
 
 
