@@ -109,6 +109,18 @@ def test_sparse_context_limit_is_refused():
         _geo(sparse=True, list_width=16, max_seqlen_k=lay["union_blocks"] * 128 + 1)
 
 
+def test_non_positive_scale_is_refused_before_launch():
+    q = np.zeros((2, 4, 128), np.float16)
+    kv = np.zeros((2, 4, 128), np.float16)
+    ints = dict(cu_seqlens_q=np.array([0, 2], np.int32), qo_lens=np.array([2], np.int32),
+                kv_lens=np.array([2], np.int32), qo_offset=np.array([0], np.int32),
+                cu_seqlens_k=np.array([0, 2], np.int32))
+    for scale in (0.0, -1.0, float("nan")):
+        with pytest.raises(NotImplementedError, match="softmax scale"):
+            ak.run_attention(q, kv, kv, np.zeros_like(q), None, **ints, max_seqlen_q=2, max_seqlen_k=2,
+                             causal=True, sm_scale=scale)
+
+
 def _byte_perm(x: int, y: int, sel: int) -> int:
     pool = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
     return sum(pool[(sel >> (4 * i)) & 0xF] << (8 * i) for i in range(4))

@@ -385,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         }
         if (!active) continue;
 
-        // ---- S = Q K^T, scaled to the log2 domain ----
+        // ---- S = Q K^T (raw scores) ----
         float S[kMT][kNT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
@@ -407,12 +407,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 }
             }
         }
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int n8 = 0; n8 < kNT; ++n8)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) S[mt][n8][e] *= scale_log2;
 
         if (need_mask) {
 #pragma unroll
@@ -438,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 
         // ---- online softmax ----
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt]);
+        for (int mt = 0; mt < kMT; ++mt) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt], scale_log2);
 
         // ---- O += P V (P converted to the MMA operand type first, so S dies early) ----
         if constexpr (!kFp8) {
@@ -512,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
             const int r = m_base + mt * 16 + h * 8 + g;
             const float l = quad_sum(l_run[mt][h]);
             if (t4 == 0) {
-                eM[wn * kM + r] = m_run[mt][h];
+                eM[wn * kM + r] = m_run[mt][h] * scale_log2;  // log2 domain (-inf stays -inf)
                 eL[wn * kM + r] = l;
             }
             float* dst = eO + (wn * kM + r) * kEpiStride;

@@ -357,6 +357,15 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
         raise ValueError(f"lse must be a contiguous float32 array of shape {(total_q, hq)}, "
                          f"got {lse.dtype} {lse.shape}")
 
+    log2e = 1.4426950408889634
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    scale_log2 = float(sm_scale) * log2e * (float(k_scale) if is_fp8 else 1.0)
+    if not (scale_log2 > 0.0 and math.isfinite(scale_log2)):
+        raise NotImplementedError(
+            f"the attention kernels need a positive finite softmax scale, got sm_scale={sm_scale}"
+            + (f", k_scale={k_scale}" if is_fp8 else ""))
+
     # ---- KV geometry ----
     if dense:
         if sparse:
@@ -455,10 +464,6 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
         ws_o = flat[:n_o].view(np.float32)
         ws_lse = flat[n_o:need].view(np.float32)
 
-    log2e = 1.4426950408889634
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
-    scale_log2 = float(sm_scale) * log2e * (float(k_scale) if is_fp8 else 1.0)
     out_scale = float(v_scale) if is_fp8 else 1.0
     spec = attention_spec(d, code, geo.kind, KV_SPARSE if sparse else (KV_DENSE if dense else KV_PAGED))
     values = dict(

@@ -1,7 +1,7 @@
 // Online softmax in registers for the flash-attention kernels.
 //
-// Scores arrive in the log2 domain (s * sm_scale * log2(e)), masked entries
-// are -inf. Each thread owns two rows of a 16-row m-tile (g and g+8 of the
+// Scores arrive raw (q.k, masked entries -inf) and are scaled into the log2
+// domain (s * sm_scale * log2(e)) inside the exponent, one FFMA per element. Each thread owns two rows of a 16-row m-tile (g and g+8 of the
 // mma accumulator layout); the four lanes of a quad share those rows, so row
 // reductions are two xor-shuffles. The running row sum `l` stays a per-thread
 // partial until the epilogue (quad_sum), as in FlashAttention-2.
@@ -33,28 +33,30 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// One online-softmax step for a 16-row slab.
-//   S [NT][4]: this tile's scores (log2 domain); replaced by p = 2^(s - m_new).
-//   O [DT][4]: output accumulator, rescaled by 2^(m_old - m_new).
-//   m[2], l[2]: running max and partial sum of rows g (index 0) and g+8 (1).
+// One online-softmax step for a 16-row slab (FlashAttention-2 form).
+//   S [NT][4]: this tile's raw scores q.k (masked = -inf); replaced by
+//              p = 2^(S * scale - m_new * scale).
+//   O [DT][4]: output accumulator, rescaled by 2^((m_old - m_new) * scale).
+//   m[2], l[2]: running raw max and partial sum of rows g (index 0) and g+8 (1).
+//   scale: softmax scale in the log2 domain, > 0 (sm_scale * log2(e)).
 template <int NT, int DT>
 __device__ __forceinline__ void online_softmax_update(float (&S)[NT][4], float (&O)[DT][4], float (&m)[2],
-                                                      float (&l)[2]) {
+                                                      float (&l)[2], float scale) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = m[h];
 #pragma unroll
         for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
         mx = quad_max(mx);
-        const float m_use = (mx == kNegInf) ? 0.f : mx;
-        const float alpha = fast_exp2(m[h] - m_use);
+        const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
+        const float alpha = fast_exp2(m[h] * scale - m_scaled);
         m[h] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float p = fast_exp2(S[n][2 * h + e] - m_use);
+                const float p = fast_exp2(fmaf(S[n][2 * h + e], scale, -m_scaled));
                 S[n][2 * h + e] = p;
                 sum += p;
             }
