@@ -205,6 +205,20 @@ def test_topk_variant_choice():
                 assert (nw, npt, vec, top2) in ik.TOPK_SPECS
 
 
+def test_max_score_launch_geometry():
+    """Key splits cover every output block once; shared memory fits an H200 SM."""
+    for ctas in (0, 1, 7, 64, 256, 527, 528, 4096):
+        for nt in (1, 2, 5, 64, 1000, 1024, 12287):
+            splits, per = ik.max_score_splits(ctas, nt, 132)
+            assert splits >= 1 and per >= 1 and splits * per >= nt > (splits - 1) * per
+            assert splits == 1 or ctas * splits <= 2 * 4 * 132 or per <= 4 * 2
+    assert ik.max_score_splits(4096, 64, 132) == (1, 64)      # S8192 Hq64 Hkv8: one CTA per tile
+    assert ik.max_score_splits(8, 8192, 132)[0] > 32           # decode: the key range is spread
+    for d in ik.MAX_SCORE_HEAD_DIMS:
+        for nw in ik._MS_WARPS:
+            assert ik.max_score_smem_bytes(d, nw) <= 227 * 1024
+
+
 def test_index_variants_compile():
     """Every registered variant builds with NVRTC for sm_90a (no GPU needed)."""
     from mate_cupy.jit import compile_all

@@ -371,7 +371,9 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
 //   kv_page_indptr [batch + 1]. Paged element offset of (page, slot, head):
 //   page * k_stride_outer + slot * k_stride_slot + head * k_stride_head (NHD or HND).
 //   k_extent: rows (dense) or pages (paged) of k; out-of-range ids are inadmissible keys.
-// max_score [total_q, Hq, nt] f32. Grid: (num_m_tiles * batch, Hkv).
+// max_score [total_q, Hq, nt] f32. Grid: (num_m_tiles * batch, Hkv, splits): split s owns
+// the output blocks [s * tiles_per_split, (s + 1) * tiles_per_split) (block maxima need
+// no merge, so short-query batches spread the key range over more CTAs).
 template <typename T, int D, int NWARPS>
 __global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
 msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
@@ -382,7 +384,8 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
                            int kv_mode, long long q_stride_tok, long long q_stride_head, long long k_stride_outer,
                            long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
-                           int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal) {
+                           int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
+                           int tiles_per_split) {
     using Cfg = MaxScoreTile<T, D, NWARPS>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -395,6 +398,9 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
     const int b = blockIdx.x % batch;
     const int m_tile = num_m_tiles - 1 - (int)(blockIdx.x / batch);  // longest causal tiles first
     const int g = blockIdx.y;
+    const int t_begin = blockIdx.z * tiles_per_split;  // this CTA's output blocks [t_begin, t_stop)
+    if (t_begin >= nt) return;
+    const int t_stop = min(t_begin + tiles_per_split, nt);
     const int r = num_heads_q / num_heads_kv;
     const int qlen = max(qo_lens[b], 0);
     const int p0 = m_tile * BM;
@@ -417,7 +423,8 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
     };
     const int q_last = (int)min((long long)qlen - 1, ((long long)p0 + BM - 1) / r);
     const long long lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
-    const int t_end = (int)min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)nt);
+    // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
+    const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
 
     // Lanes 0..15: output offset of the warp's row warp * 16 + lane (-1: not stored).
     long long out_off = -1;
@@ -430,11 +437,11 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         for (int rr = 0; rr < 16; ++rr) {
             const long long o = __shfl_sync(kFullMask, out_off, rr);
             if (o >= 0)
-                for (int c = t_from + lane; c < nt; c += 32) max_score[o + c] = neg_inf();
+                for (int c = t_from + lane; c < t_stop; c += 32) max_score[o + c] = neg_inf();
         }
     };
-    if (t_end <= 0) {
-        fill_neg_inf_from(0);
+    if (t_end <= t_begin) {
+        fill_neg_inf_from(t_begin);
         return;
     }
 
@@ -487,7 +494,7 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * 8 : q;
         cp_async_16(qs + swizzled<D>(p, ch * 8), src, ok);
     }
-    load_k_tile(0, 0);
+    load_k_tile(t_begin, 0);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -510,8 +517,8 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
 #pragma unroll
     for (int m = 0; m < 4; ++m) k_chunk_off[m] = (u32)((((2 * m) ^ ((mi & 1) ^ (lane & 7)))) * 16);
 
-    for (int t = 0; t < t_end; ++t) {
-        const int buf = t & 1;
+    for (int t = t_begin; t < t_end; ++t) {
+        const int buf = (t - t_begin) & 1;
         if (t + 1 < t_end) load_k_tile(t + 1, buf ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
@@ -561,7 +568,7 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
         mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
 
-        const int slot = t % kMsStash;
+        const int slot = (t - t_begin) % kMsStash;
         if ((lane & 3) == 0) {
             stash[row_a * (kMsStash + 1) + slot] = mx_a;
             stash[row_b * (kMsStash + 1) + slot] = mx_b;

@@ -93,6 +93,31 @@ def topk_variant(nt: int, slots: int, vec_ok: bool) -> tuple:
     return nw, npt, 4 if vec_ok else 1, top2
 
 
+def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> tuple:
+    """``(splits, tiles_per_split)``: spread the ``nt`` output blocks of each (rows, head)
+    tile over several CTAs when ``ctas`` alone cannot fill the GPU (decode-like batches).
+    Block maxima need no merge, so a split only narrows a CTA's block range."""
+    target = 4 * sm_count
+    splits = 1
+    if 0 < ctas < target:
+        splits = max(1, min(-(-target // ctas), nt // min_tiles, 65535))
+    per = -(-nt // splits)
+    return -(-nt // per), per
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count() -> int:
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    n = _SM_COUNT.get(dev)
+    if n is None:
+        n = _SM_COUNT[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+    return n
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -223,6 +248,7 @@ def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
     m_tiles = -(-rows // bm)
     if m_tiles * batch >= 2**31:
         raise ValueError("too many query tiles for one launch")
+    splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, _sm_count())
     kernel = get_kernel(MAX_SCORE_SPECS[(qdt, d, nwarps)])
     args = (
         q, k, max_score, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
@@ -231,9 +257,9 @@ def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
         np.int32(kv_mode), np.int64(qs[0]), np.int64(qs[1]), np.int64(k_outer), np.int64(k_slot),
         np.int64(k_head), np.int64(total_q), np.int64(k_extent), np.int32(page_shift), np.int32(pt_cols),
         np.int64(n_idx), np.int32(batch), np.int32(m_tiles), np.int32(hq), np.int32(hkv), np.int32(nt),
-        np.int32(1 if causal else 0),
+        np.int32(1 if causal else 0), np.int32(tiles_per_split),
     )
-    launch(kernel, (m_tiles * batch, hkv), (32 * nwarps,), args,
+    launch(kernel, (m_tiles * batch, hkv, splits), (32 * nwarps,), args,
            shared_mem=max_score_smem_bytes(d, nwarps, q.itemsize), stream=stream)
 
 
