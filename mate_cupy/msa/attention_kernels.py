@@ -110,7 +110,7 @@ def _register_all() -> None:
                 lay = smem_layout(cfg, d, code)
                 for kv in (0, 1, 2):
                     _SPECS[(d, code, kind, kv)] = register(
-                        SOURCE, KERNELS, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=cfg.warps_m,
+                        SOURCE, KERNELS, min_sm=89 if code == 2 else 80, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=cfg.warps_m,
                         ATT_MTILES=cfg.mtiles, ATT_WARPS_N=cfg.warps_n, ATT_BLOCK_N=cfg.block_n,
                         ATT_STAGES=cfg.stages, ATT_KV=kv, ATT_MIN_BLOCKS=cfg.min_blocks,
                         ATT_SMEM_FIXED=lay["fixed"])
