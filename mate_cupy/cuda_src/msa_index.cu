@@ -34,7 +34,7 @@ constexpr int kTopkRowsPerWarpCta = 8;    // NW == 1: rows (warps) per CTA
 constexpr int kTopkWarpCandidates = 256;  // NW == 1: candidate capacity per row
 constexpr int kTopkCtaCandidates = 2048;  // NW > 1: candidate capacity per row
 constexpr int kTopkMaxSelect = 64;        // W <= 64
-constexpr int kTopkIndexBits = 14;        // NT < 12288 < 2^14
+enum { kTopkIndexBits = 14 };             // NT < 12288 < 2^14
 
 template <int NW, bool TOP2>
 struct TopkSmem {
