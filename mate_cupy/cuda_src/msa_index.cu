@@ -528,16 +528,21 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         float acc[16][4];
 #pragma unroll
         for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+        // Steps s = (kk, np): B fragments of step s + 1 are loaded before the MMAs of step s
+        // (ldmatrix and mma are volatile asm: issue order is source order).
+        constexpr int STEPS = (D / 16) * 8;
+        auto b_addr = [&](int step) {
+            const int kk = step / 8, np = step % 8;
+            return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
+        };
+        u32 bf[2][4];
+        ldmatrix_x4_at(bf[0], b_addr(0));
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 kk_addr = kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128);
-#pragma unroll
-            for (int np = 0; np < 8; ++np) {
-                u32 bf[4];
-                ldmatrix_x4_at(bf, kk_addr + (u32)(np * 16 * D * (int)sizeof(T)));
-                mma_16x8x16<T>(acc[2 * np], qf[kk], bf);
-                mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf + 2);
-            }
+        for (int step = 0; step < STEPS; ++step) {
+            if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
+            const int kk = step / 8, np = step % 8;
+            mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
+            mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
         }
 
         const int kbase = t * kMsBlock;
