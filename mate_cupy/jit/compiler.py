@@ -198,6 +198,12 @@ def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bo
     """
     from cupy.cuda import nvrtc
 
+    if cubin_dir is not None and not ptxas_verbose:
+        key = cubin_key(spec, arch)
+        cached = Path(cubin_dir) / f"{key}.cubin"
+        if cached.is_file() and (Path(cubin_dir) / f"{key}.json").is_file():
+            return {"name": spec.name, "kernels": spec.kernels, "seconds": 0.0,
+                    "cubin_bytes": cached.stat().st_size, "log": "", "cached": True}
     src = full_source(spec)
     opts = list(compile_options(arch)) + ["--device-as-default-execution-space", "-ftz=true"]
     if ptxas_verbose:
