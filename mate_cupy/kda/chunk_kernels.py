@@ -49,13 +49,11 @@ def _recurrence_name(ct: str, nw: int) -> str:
     return f"kda_chunk_recurrence_kernel<{ct}, {nw}>"
 
 
-# One NVRTC module per input dtype holding every kernel a call may launch.
-CHUNK_SPECS = {
-    dt: register(
-        "kda_chunk.cu",
-        (OFFSETS_KERNEL, _prepare_name(ct)) + tuple(_recurrence_name(ct, nw) for nw in RECURRENCE_WARPS),
-    )
-    for dt, ct in _CTYPE.items()
+# NVRTC modules: per input dtype one with the offsets and prepare kernels, and one per
+# recurrence width, so a first call compiles only the two it launches (~1.5 s each).
+PREPARE_SPECS = {dt: register("kda_chunk.cu", (OFFSETS_KERNEL, _prepare_name(ct))) for dt, ct in _CTYPE.items()}
+RECURRENCE_SPECS = {
+    (dt, nw): register("kda_chunk.cu", (_recurrence_name(ct, nw),)) for dt, ct in _CTYPE.items() for nw in RECURRENCE_WARPS
 }
 
 
@@ -190,7 +188,7 @@ def launch_prepare(*, q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
     if num_slots == 0 or HV == 0:
         return
     varlen = cu_seqlens is not None
-    kern = get_kernel(CHUNK_SPECS[q.dtype], _prepare_name(_CTYPE[q.dtype]))
+    kern = get_kernel(PREPARE_SPECS[q.dtype], _prepare_name(_CTYPE[q.dtype]))
     args = (
         q, k, g, beta, _ptr(A_log), _ptr(dt_bias), _ptr(cu_seqlens),
         np.int32(varlen and cu_seqlens.dtype == INT64), _ptr(chunk_offsets), workspace,
@@ -210,7 +208,7 @@ def launch_recurrence(*, v, workspace, out, initial_state, final_state, cu_seqle
         return
     varlen = cu_seqlens is not None
     nw = warps or recurrence_warps(num_seqs * HV, _sm_count())
-    kern = get_kernel(CHUNK_SPECS[v.dtype], _recurrence_name(_CTYPE[v.dtype], nw))
+    kern = get_kernel(RECURRENCE_SPECS[(v.dtype, nw)], _recurrence_name(_CTYPE[v.dtype], nw))
     args = (
         v, workspace, out,
         _ptr(initial_state), np.int32(_state_kind(initial_state, "initial_state")),
@@ -222,12 +220,12 @@ def launch_recurrence(*, v, workspace, out, initial_state, final_state, cu_seqle
     launch(kern, grid, (32 * nw,), args, shared_mem=recurrence_smem(nw), stream=stream)
 
 
-def launch_offsets(cu_seqlens, num_seqs: int, total_rows: int, stream=None):
+def launch_offsets(cu_seqlens, num_seqs: int, total_rows: int, dtype, stream=None):
     """Device int32 [N + 1]: the first chunk slot of every sequence (varlen)."""
     import cupy
 
     offsets = cupy.empty(num_seqs + 1, dtype=np.int32)
-    kern = get_kernel(CHUNK_SPECS[FLOAT16], OFFSETS_KERNEL)
+    kern = get_kernel(PREPARE_SPECS[dtype], OFFSETS_KERNEL)
     launch(kern, (1,), (1024,),
            (cu_seqlens, np.int32(cu_seqlens.dtype == INT64), np.int32(num_seqs), np.int64(total_rows), offsets),
            stream=stream)
@@ -264,7 +262,7 @@ def run_chunk(*, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, c
     varlen = cu_seqlens is not None
     num_slots = num_chunk_slots(B, T, N, varlen)
     workspace = cupy.empty(max(1, num_slots * HV * SLOT_BYTES), dtype=np.uint8)
-    offsets = launch_offsets(cu_seqlens, N, B * T, stream) if varlen and N > 0 else None
+    offsets = launch_offsets(cu_seqlens, N, B * T, q.dtype, stream) if varlen and N > 0 else None
     launch_prepare(q=q, k=k, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                    chunk_offsets=offsets, workspace=workspace, num_slots=num_slots, num_seqs=N, scale=scale,
                    lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, stream=stream)
