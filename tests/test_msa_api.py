@@ -536,6 +536,7 @@ MSA_ERRORS = [
     ("k-scale-dense", lambda p: dict(k_scale=2.0), ValueError),
     ("v-scale-dense", lambda p: dict(v_scale=0.5), ValueError),
     ("q-rows", lambda p: dict(q=p.q[:-1]), ValueError),
+    ("k-rows", lambda p: dict(k=p.k[:-1], v=p.v[:-1]), ValueError),
     ("q-rank", lambda p: dict(q=p.q[None]), ValueError),
     ("k-heads", lambda p: dict(k=np.repeat(p.k, 2, 1), v=np.repeat(p.v, 2, 1)), ValueError),
     ("kv-shape", lambda p: dict(v=p.v[:-1]), ValueError),
@@ -667,3 +668,11 @@ def test_no_output_requested_is_value_and_not_implemented_error(sparse_setup):
             call()
         with pytest.raises(NotImplementedError):
             call()
+
+
+def test_empty_page_pool(rng):
+    p = make_problem(rng, [2, 1], [0, 0], 4, 4, 32, page_size=16)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 4, 4, page_size=16)
+    empty = p.k_cache[:0]
+    out, _ = mc.msa(p.q, empty, empty, info, kv_indices=np.zeros(0, np.int32))
+    assert np.all(np.asarray(out, dtype=np.float64) == 0)

@@ -556,6 +556,10 @@ def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_
         expected_q = sum(int(np.asarray(p.qo_lens, dtype=np.int64).sum()) for p in plans)
         if total_q != expected_q:
             raise ValueError(f"q has {total_q} rows but the plan's qo lengths sum to {expected_q}")
+        if first.mode == "dense":
+            expected_k = sum(p.prefill_plan.total_seqlen_k for p in plans)
+            if call["k"].shape[0] < expected_k:
+                raise ValueError(f"k has {call['k'].shape[0]} rows but the plan's kv lengths sum to {expected_k}")
 
     # Outputs (validated, or allocated on q's device).
     out_data = lse_data = ms_data = None

@@ -126,8 +126,10 @@ def _gather_pages(cache: np.ndarray, page_ids: np.ndarray, n_keys: int):
     """Keys ``[n_keys, Hkv, D]`` of one request and their admissibility ``[n_keys]``."""
     num_pages, page_size = cache.shape[0], cache.shape[1]
     valid = (page_ids >= 0) & (page_ids < num_pages)
-    safe = np.where(valid, page_ids, 0)
-    keys = cache[safe].reshape((-1,) + cache.shape[2:])[:n_keys]
+    if num_pages == 0:
+        keys = np.zeros((page_ids.shape[0] * page_size,) + cache.shape[2:])[:n_keys]
+    else:
+        keys = cache[np.where(valid, page_ids, 0)].reshape((-1,) + cache.shape[2:])[:n_keys]
     key_ok = np.repeat(valid, page_size)[:n_keys]
     return keys, key_ok
 
