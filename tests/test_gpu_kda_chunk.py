@@ -407,11 +407,10 @@ def test_chunk_workspace_matches_model(rng, dtype):
     x = make_inputs(rng, 0, 0, 1, 2, dtype=dtype, gate_params=True, lens=lens, state=F32)
     d = _dev(x)
     out = _nan(x["v"].shape, dtype)
-    ws, slots = ck.run_chunk(
+    ws, slots = ck.run_chunk_workspace(
         q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
         dt_bias=d["dt_bias"].reshape(-1), initial_state=d["initial_state"], final_state=None,
-        cu_seqlens=d["cu_seqlens"], out=out, scale=K ** -0.5, lower_bound=-5.0, use_qk_l2norm=True,
-        _return_workspace=True)
+        cu_seqlens=d["cu_seqlens"], out=out, scale=K ** -0.5, lower_bound=-5.0, use_qk_l2norm=True)
     cupy.cuda.Device().synchronize()
     parts = ck.workspace_views(ws, slots, 2, dtype)
     rec: dict = {}

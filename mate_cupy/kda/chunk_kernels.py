@@ -244,7 +244,7 @@ def workspace_views(workspace, num_slots: int, num_heads: int, dtype) -> dict:
 
 
 def run_chunk(*, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, cu_seqlens, out, scale,
-              lower_bound, use_qk_l2norm, stream=None, _return_workspace=False):
+              lower_bound, use_qk_l2norm, stream=None) -> None:
     """KDA chunked forward on CUDA arrays (CuPy), launched on ``stream``.
 
     q, k [B, T, H, 128]; v, g [B, T, HV, 128]; beta [B, T, HV] (logits); all f16 or
@@ -255,6 +255,14 @@ def run_chunk(*, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, c
     q's dtype. Allocates the per-call workspace (and for varlen an int32 [N + 1]
     offset table) on the current stream; no host synchronisation.
     """
+    run_chunk_workspace(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                        final_state=final_state, cu_seqlens=cu_seqlens, out=out, scale=scale,
+                        lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, stream=stream)
+
+
+def run_chunk_workspace(*, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, cu_seqlens, out, scale,
+                        lower_bound, use_qk_l2norm, stream=None):
+    """``run_chunk`` that also returns ``(workspace, num_slots)`` (see ``workspace_views``)."""
     B, T, H, HV, N = _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, cu_seqlens, out)
     import cupy
 
@@ -269,6 +277,4 @@ def run_chunk(*, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, c
     launch_recurrence(v=v, workspace=workspace, out=out, initial_state=initial_state, final_state=final_state,
                       cu_seqlens=cu_seqlens, chunk_offsets=offsets, num_slots=num_slots, num_seqs=N,
                       stream=stream)
-    if _return_workspace:
-        return workspace, num_slots
-    return None
+    return workspace, num_slots
