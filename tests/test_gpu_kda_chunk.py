@@ -467,3 +467,18 @@ def test_chunk_malformed_cu_seqlens_stays_in_bounds(rng):
         g_host = to_f64(guard)
         assert np.isnan(g_host[:, :128]).all() and np.isnan(g_host[:, 128 + S:]).all()
         assert np.isfinite(to_f64(fs)).all()
+
+
+@pytest.mark.gpu
+def test_chunk_varlen_no_sequences_writes_nothing(rng):
+    """cu_seqlens = [0] with rows present: nothing to compute, nothing written."""
+    import cupy
+
+    x = make_inputs(rng, 1, 100, 1, 1, gate_params=False)
+    d = _dev(x)
+    out = _nan(x["v"].shape, BF16)
+    ck.run_chunk(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=None, dt_bias=None,
+                 initial_state=None, final_state=None, cu_seqlens=cupy.zeros(1, np.int32), out=out,
+                 scale=K ** -0.5, lower_bound=-5.0, use_qk_l2norm=True)
+    cupy.cuda.Device().synchronize()
+    assert np.isnan(to_f64(out)).all()

@@ -268,7 +268,7 @@ def run_chunk_workspace(*, q, k, v, g, beta, A_log, dt_bias, initial_state, fina
 
     q, k, v, g = (_input16(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g")))
     varlen = cu_seqlens is not None
-    num_slots = num_chunk_slots(B, T, N, varlen)
+    num_slots = num_chunk_slots(B, T, N, varlen) if N > 0 else 0
     workspace = cupy.empty(max(1, num_slots * HV * SLOT_BYTES), dtype=np.uint8)
     offsets = launch_offsets(cu_seqlens, N, B * T, q.dtype, stream) if varlen and N > 0 else None
     launch_prepare(q=q, k=k, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
