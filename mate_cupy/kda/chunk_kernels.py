@@ -189,6 +189,9 @@ def launch_prepare(*, q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
         return
     varlen = cu_seqlens is not None
     kern = get_kernel(PREPARE_SPECS[q.dtype], _prepare_name(_CTYPE[q.dtype]))
+    if not getattr(kern, "_kda_carveout", False):  # two 86.8 KB CTAs per SM need the full carveout
+        kern.preferred_shared_memory_carveout = 100
+        kern._kda_carveout = True
     args = (
         q, k, g, beta, _ptr(A_log), _ptr(dt_bias), _ptr(cu_seqlens),
         np.int32(varlen and cu_seqlens.dtype == INT64), _ptr(chunk_offsets), workspace,
