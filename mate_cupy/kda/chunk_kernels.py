@@ -75,6 +75,7 @@ def num_chunk_slots(batch: int, seqlen: int, num_seqs: int, varlen: bool) -> int
 # stage buffers take ~150-180 KB). Used to trade V slices (more CTAs) against waves.
 _WARP_COST = {1: 0.85, 2: 0.9, 4: 1.0, 8: 1.5}
 _sm_counts: dict = {}
+_carveout_set: set = set()  # ids of prepare kernels whose carveout preference is set (RawKernel takes no attributes)
 
 
 def _sm_count() -> int:
@@ -189,9 +190,9 @@ def launch_prepare(*, q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
         return
     varlen = cu_seqlens is not None
     kern = get_kernel(PREPARE_SPECS[q.dtype], _prepare_name(_CTYPE[q.dtype]))
-    if not getattr(kern, "_kda_carveout", False):  # two 86.8 KB CTAs per SM need the full carveout
+    if id(kern) not in _carveout_set:  # two 86.8 KB CTAs per SM need the full carveout
         kern.preferred_shared_memory_carveout = 100
-        kern._kda_carveout = True
+        _carveout_set.add(id(kern))
     args = (
         q, k, g, beta, _ptr(A_log), _ptr(dt_bias), _ptr(cu_seqlens),
         np.int32(varlen and cu_seqlens.dtype == INT64), _ptr(chunk_offsets), workspace,
