@@ -482,3 +482,93 @@ def test_chunk_varlen_no_sequences_writes_nothing(rng):
                  scale=K ** -0.5, lower_bound=-5.0, use_qk_l2norm=True)
     cupy.cuda.Device().synchronize()
     assert np.isnan(to_f64(out)).all()
+
+
+# ----------------------------------------------------------------------------- CPU: launcher dry run
+
+
+def _kernel_params(name: str) -> list:
+    """Parameter kinds of ``__global__`` kernel ``name`` in kda_chunk.cu: ptr, i32, i64, f32."""
+    import re
+    from pathlib import Path
+
+    src = (Path(ck.__file__).resolve().parent.parent / "cuda_src" / "kda_chunk.cu").read_text()
+    m = re.search(r"__global__ void (?:__launch_bounds__\([^)]*\) )?" + name + r"\(", src)
+    assert m, name
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    kinds = []
+    for p in src[m.end():i - 1].split(","):
+        p = " ".join(p.split())
+        kinds.append("ptr" if "*" in p else "i64" if "long long" in p else "i32" if p.startswith("int ") else
+                     "f32" if p.startswith("float ") else p)
+    return kinds
+
+
+class _FakeDev:
+    """Stands in for a CuPy array in the launcher (no GPU here)."""
+
+    def __init__(self, shape, dtype, ptr=4096):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim, self.size = len(self.shape), int(np.prod(self.shape))
+        self.flags = type("F", (), {"c_contiguous": True})()
+        self.data = type("D", (), {"ptr": ptr})()
+
+    def reshape(self, *shape):
+        return _FakeDev(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape, self.dtype)
+
+    def copy(self):
+        return _FakeDev(self.shape, self.dtype)
+
+
+class _FakeKernel:
+    __slots__ = ("name", "preferred_shared_memory_carveout")
+
+    def __init__(self, name):
+        self.name = name
+
+
+def _arg_kind(a):
+    if isinstance(a, (_FakeDev, np.uintp)):
+        return "ptr"
+    return {np.int32: "i32", np.int64: "i64", np.float32: "f32"}.get(type(a), repr(type(a)))
+
+
+@pytest.mark.parametrize("varlen, gate, s_in, s_out", [
+    (False, True, F32, F32), (True, False, None, BF16), (True, True, BF16, None), (False, False, None, None)])
+def test_launcher_dry_run(monkeypatch, varlen, gate, s_in, s_out):
+    import cupy
+
+    launches = []
+    monkeypatch.setattr(ck, "get_kernel", lambda spec, name: _FakeKernel(name))
+    monkeypatch.setattr(ck, "launch", lambda k, grid, block, args, shared_mem=0, stream=None:
+                        launches.append((k.name, tuple(grid), tuple(block), args, shared_mem)))
+    monkeypatch.setattr(ck, "_sm_count", lambda: 132)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _FakeDev(np.atleast_1d(shape), dtype))
+    monkeypatch.delenv("MATE_CUPY_KDA_CHUNK_WARPS", raising=False)
+    B, T, H, HV = (1, 1000, 2, 64) if varlen else (2, 130, 2, 4)
+    N = 3 if varlen else B
+    a = dict(q=_FakeDev((B, T, H, K), BF16), k=_FakeDev((B, T, H, K), BF16), v=_FakeDev((B, T, HV, K), BF16),
+             g=_FakeDev((B, T, HV, K), BF16), beta=_FakeDev((B, T, HV), BF16),
+             A_log=_FakeDev((HV,), F32) if gate else None, dt_bias=_FakeDev((HV * K,), F32) if gate else None,
+             initial_state=None if s_in is None else _FakeDev((N, HV, K, K), s_in),
+             final_state=None if s_out is None else _FakeDev((N, HV, K, K), s_out),
+             cu_seqlens=_FakeDev((N + 1,), np.int64) if varlen else None, out=_FakeDev((B, T, HV, K), BF16))
+    ck.run_chunk(**a, scale=0.1, lower_bound=-5.0, use_qk_l2norm=True)
+    names = [n.split("<")[0] for n, *_ in launches]
+    assert names == (["kda_chunk_offsets_kernel"] if varlen else []) + ["kda_chunk_prepare_kernel",
+                                                                       "kda_chunk_recurrence_kernel"]
+    for name, grid, block, args, smem in launches:
+        base = name.split("<")[0]
+        assert [_arg_kind(x) for x in args] == _kernel_params(base), name
+        if base == "kda_chunk_prepare_kernel":
+            assert grid == (ck.num_chunk_slots(B, T, N, varlen), HV) and block == (128,)
+            assert smem == ck.PREPARE_SMEM
+        if base == "kda_chunk_recurrence_kernel":
+            nw = int(name.split(",")[1].strip(" >"))
+            assert nw == ck.recurrence_warps(N * HV, 132)
+            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,) and smem == ck.recurrence_smem(nw)
+            kinds = (args[4], args[6])
+            assert kinds == (np.int32({None: 0, F32: 1, BF16: 2}[s_in]), np.int32({None: 0, F32: 1, BF16: 2}[s_out]))
