@@ -572,3 +572,98 @@ def test_launcher_dry_run(monkeypatch, varlen, gate, s_in, s_out):
             assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,) and smem == ck.recurrence_smem(nw)
             kinds = (args[4], args[6])
             assert kinds == (np.int32({None: 0, F32: 1, BF16: 2}[s_in]), np.int32({None: 0, F32: 1, BF16: 2}[s_out]))
+
+
+# ----------------------------------------------------------------------------- CPU: the kernel source, emulated
+
+EMU_CASES = [
+    pytest.param(dict(B=2, T=65, H=1, HV=2, gate_params=True, state=F32), dict(nw=4, s_out=F32), id="dense-gate"),
+    pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=False, extreme=True, lens=[70, 0, 1, 129], state=BF16),
+                 dict(nw=2, s_out=BF16, lazy=1, cu64=True), id="varlen-extreme-lazy"),
+    pytest.param(dict(B=1, T=64, H=1, HV=4, dtype=F16, gate_params=True), dict(nw=8, s_out=None, l2=False),
+                 id="fp16-gva4-nol2"),
+]
+
+
+@pytest.fixture(scope="module")
+def kda_emulator(tmp_path_factory):
+    """The CPU SIMT emulator (tests/kda_chunk_emu) built around cuda_src/kda_chunk.cu."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from mate_cupy.jit.compiler import cuda_include_dirs
+
+    if shutil.which("g++") is None or not cuda_include_dirs():
+        pytest.skip("needs g++ and the CUDA fp16/bf16 headers")
+    emu = Path(__file__).resolve().parent / "kda_chunk_emu"
+    src = (Path(ck.__file__).resolve().parent.parent / "cuda_src" / "kda_chunk.cu").read_text()
+    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"'):
+        assert inc in src
+        src = src.replace(inc, "")
+    decl = "extern __shared__ __align__(16) unsigned char smem[];"
+    assert src.count(decl) == 2
+    d = tmp_path_factory.mktemp("kda_emu")
+    (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem = emu::dyn_smem();"))
+    flags = ["-O1", "-g", "-fsanitize=address,undefined"] if os.environ.get("MATE_CUPY_EMU_SANITIZE") else ["-O2"]
+    exe = d / "driver"
+    cmd = ["g++", "-std=c++20", *flags, f"-I{emu}", f"-I{d}", *(f"-I{i}" for i in cuda_include_dirs()),
+           str(emu / "driver.cpp"), "-o", str(exe), "-lpthread"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw, run", EMU_CASES)
+def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, run):
+    """cuda_src/kda_chunk.cu itself, run on the CPU emulator: outputs, final states and
+    every workspace part agree with the float32 model (indexing, fragments, masks, bounds)."""
+    import subprocess
+
+    dtype = kw.get("dtype", BF16)
+    x = make_inputs(rng, **kw)
+    l2 = run.get("l2", True)
+    if not l2:
+        for n in ("q", "k"):
+            x[n] = (x[n].astype(np.float32) / 11.3).astype(dtype)
+    varlen = "cu_seqlens" in x
+    B, T, H, _ = x["q"].shape
+    HV = x["v"].shape[2]
+    N = len(x["cu_seqlens"]) - 1 if varlen else B
+    if varlen and run.get("cu64"):
+        x["cu_seqlens"] = x["cu_seqlens"].astype(np.int64)
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state"):
+        if x.get(name) is not None:
+            np.ascontiguousarray(x[name]).tofile(tmp_path / f"{name.replace('cu_seqlens', 'cu').replace('initial_state', 'h0')}.bin")
+    kind = {None: 0, F32: 1, BF16: 2}
+    s_in = None if x.get("initial_state") is None else x["initial_state"].dtype
+    s_out = run.get("s_out")
+    scale = K ** -0.5
+    (tmp_path / "params.txt").write_text(
+        f"{B} {T} {H} {HV} {N} {int(varlen)} {int(dtype == BF16)} {int('A_log' in x)} {int(l2)} {scale} -5.0 "
+        f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} {run.get('lazy', 0)}\n")
+    r = subprocess.run([str(kda_emulator), str(tmp_path)], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rec: dict = {}
+    o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec)
+    out = np.fromfile(tmp_path / "out.bin", dtype=dtype).reshape(x["v"].shape)
+    assert rel(out, _round(o_model, dtype)) < 2e-3
+    if s_out is not None:
+        fs = np.fromfile(tmp_path / "ht.bin", dtype=s_out).reshape(N, HV, K, K)
+        assert rel(fs, _round(s_model, s_out)) < 2e-3
+    ws = np.fromfile(tmp_path / "ws.bin", dtype=np.uint8)
+    lens = np.diff(x["cu_seqlens"]) if varlen else [T] * B
+    parts = {"Qs": (0, (C, K), dtype), "Kt": (16384, (C, K), dtype), "Kb": (32768, (C, K), dtype),
+             "T": (49152, (C, C), dtype), "Aqk": (57344, (C, C), dtype), "egl": (65536, (K,), F32)}
+    slot = 0
+    for n, ln in enumerate(lens):
+        nch = (int(ln) + C - 1) // C
+        for hv in range(HV):
+            for c in range(nch):
+                blob = ws[((slot + c) * HV + hv) * ck.SLOT_BYTES:][:ck.SLOT_BYTES]
+                for name, (off, shape, dt) in parts.items():
+                    got = blob[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+                    assert rel(got, rec[(n, hv)][c][name]) < 5e-3, (n, hv, c, name)
+        slot += nch
