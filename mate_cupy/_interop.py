@@ -136,8 +136,11 @@ def wrap(name: str, obj) -> Arg:
     if fw == "cupy":
         dt = obj.dtype
         return Arg(name, obj, obj, FP8_E4M3 if dt == FP8_E4M3 else dt, fw, int(obj.device.id))
-    if fw == "torch" and getattr(obj, "requires_grad", False):
-        obj = obj.detach()  # DLPack refuses tensors that require grad; the memory is the same
+    if fw == "torch":
+        if obj.requires_grad:
+            obj = obj.detach()  # DLPack refuses tensors that require grad; the memory is the same
+        if obj.is_cuda:
+            return _wrap_torch_cuda(name, obj)
     dev_type, dev_id = _dlpack.device_of(obj)
     if dev_type in _dlpack._HOST_DEVICE_TYPES:
         desc = _dlpack.describe(obj, stream=None)
@@ -155,6 +158,35 @@ def wrap(name: str, obj) -> Arg:
             stream = _cupy_stream_ptr()
     desc = _dlpack.describe(obj, stream=stream)
     return Arg(name, obj, _dlpack.cupy_view(desc, obj), desc.dtype, fw, desc.device_id)
+
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtype_map() -> dict:
+    if not _TORCH_DTYPES:
+        import torch
+
+        _TORCH_DTYPES.update({
+            torch.float16: FLOAT16, torch.bfloat16: BFLOAT16, torch.float8_e4m3fn: FP8_E4M3,
+            torch.float32: FLOAT32, torch.float64: FLOAT64, torch.int32: INT32, torch.int64: INT64,
+            torch.uint8: np.dtype(np.uint8), torch.int8: np.dtype(np.int8), torch.bool: np.dtype(np.bool_),
+            torch.int16: np.dtype(np.int16),
+        })
+    return _TORCH_DTYPES
+
+
+def _wrap_torch_cuda(name: str, t) -> Arg:
+    """Fast path for torch CUDA tensors: the same zero-copy view as the DLPack capsule
+    gives, read from the tensor's attributes (a few microseconds instead of tens)."""
+    dtype = _torch_dtype_map().get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"{name}: unsupported torch dtype {t.dtype}")
+    desc = _dlpack.DLDescription(
+        ptr=t.data_ptr(), device_type=_dlpack.KDL_CUDA, device_id=t.device.index,
+        shape=tuple(t.shape), strides=tuple(t.stride()), dtype=dtype,
+    )
+    return Arg(name, t, _dlpack.cupy_view(desc, t), dtype, "torch", desc.device_id)
 
 
 class _StreamHandle:

@@ -333,9 +333,9 @@ def test_sparse_topk_select_public_api(rng, framework):
 
     if framework == "torch":
         torch = pytest.importorskip("torch")
-    for nt, topk, begin, end, count_in, qp_on in ((64, 16, 1, 1, True), (1024, 16, 0, 2, False),
-                                                  (8192, 8, 1, 0, True), (300, 4, 0, 0, True),
-                                                  (12287, 32, 2, 2, False)):
+    for nt, topk, begin, end, count_in, qp_on in ((64, 16, 1, 1, True, True), (1024, 16, 0, 2, False, False),
+                                                  (8192, 8, 1, 0, True, True), (300, 4, 0, 0, True, False),
+                                                  (12287, 32, 2, 2, False, True)):
         ms = _scores(rng, (9, 4, nt), "special")
         qp = _positions(rng, 9, nt) if qp_on else None
         want = ref.topk_select(ms, topk, None, begin, end, count_in, qp)

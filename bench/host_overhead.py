@@ -1,0 +1,152 @@
+"""Host-side cost of one public call (Python validation, interop, launch), with a profile.
+
+Usage: ``python bench/host_overhead.py OUTDIR [--calls N]``. For small ops whose kernels
+take tens of microseconds, the Python layer decides the plain-call time. For each op
+this prints the wall time per call with the GPU kept busy (so host time is measured, not
+GPU time), the GPU time per call from a CUDA graph replay, and writes a cProfile of the
+host path (top functions by own time) to ``OUTDIR/host_profile.txt``.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cases(torch, mc):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rn(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=g, device=dev).to(dtype)
+
+    cases = {}
+    # KDA decode, B32 HV32 H16, fp32 pool in place.
+    b, hv, h, k = 32, 32, 16, 128
+    pool = torch.randn((b, hv, k, k), generator=g, device=dev) * 0.05
+    idx = torch.arange(b, dtype=torch.int32, device=dev)
+    dq = dict(q=rn(b, 1, h, k), k=rn(b, 1, h, k), v=rn(b, 1, hv, k), a=rn(b, 1, hv, k), b=rn(b, 1, hv),
+              A_log=torch.rand(hv, device=dev, generator=g).float(), dt_bias=torch.zeros(hv, k, device=dev),
+              out=torch.empty(b, 1, hv, k, device=dev, dtype=torch.bfloat16))
+
+    def kda_decode():
+        return mc.gated_delta_rule_decode(dq["q"], dq["k"], dq["v"], pool, dq["A_log"], dq["a"], dq["dt_bias"], None,
+                                          None, dq["b"], state_indices=idx, output=dq["out"], use_lower_bound=True,
+                                          apply_beta_sigmoid=True, inplace_final_state=True)
+
+    cases["kda decode B32"] = kda_decode
+
+    # MSA paged decode B64 L8192 page 64, static plan + runtime metadata.
+    bs, L, page, hq, hkv, d = 64, 8192, 64, 64, 8, 128
+    n_pages = bs * L // page
+    kc, vc = rn(n_pages, page, hkv, d), rn(n_pages, page, hkv, d)
+    qd = rn(bs, hq, d)
+    outd = torch.empty_like(qd)
+    kv_indices = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)
+    qo = torch.ones(bs, dtype=torch.int32, device=dev)
+    kv = torch.full((bs,), L, dtype=torch.int32, device=dev)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    meta = mc.MsaRuntimeMetadata(
+        qo_lens=qo, kv_lens=kv, qo_offset=kv - qo, cu_seqlens_q=torch.cat([zero, torch.cumsum(qo, 0, dtype=torch.int32)]),
+        cu_seqlens_k=torch.cat([zero, torch.cumsum(kv, 0, dtype=torch.int32)]), seqused_k=kv.clone(),
+        kv_page_indptr=torch.cat([zero, torch.cumsum(kv // page, 0, dtype=torch.int32)]))
+    plan = mc.msa_plan(bs, 1, L, hq, total_seqlen_k=n_pages * page, num_kv_heads=hkv, page_size=page)
+
+    def paged_static():
+        return mc.msa(qd, kc, vc, plan, kv_indices=kv_indices, out=outd, runtime_metadata=meta)
+
+    cases["msa paged decode static B64"] = paged_static
+    eplan = mc.msa_plan_from_lengths(qo.cpu(), kv.cpu(), hq, hkv, page_size=page)
+
+    def paged_eager():
+        return mc.msa(qd, kc, vc, eplan, kv_indices=kv_indices, out=outd)
+
+    cases["msa paged decode eager B64"] = paged_eager
+
+    scores = torch.randn((64, 64, 8192), generator=g, device=dev)
+    sel = torch.empty((64, 64, 16), dtype=torch.int32, device=dev)
+
+    def topk():
+        return mc.sparse_topk_select(scores, 16, output=sel)
+
+    cases["topk [64,64,8192]"] = topk
+    return cases
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("outdir")
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args()
+    os.makedirs(args.outdir, exist_ok=True)
+    import torch
+
+    import mate_cupy as mc
+
+    cases = _cases(torch, mc)
+    rows, prof_text = [], io.StringIO()
+    for name, fn in cases.items():
+        try:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            # Host time: keep the GPU busy so launches never wait for it.
+            torch.cuda._sleep(int(2e9))
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            host_us = (time.perf_counter() - t0) / args.calls * 1e6
+            torch.cuda.synchronize()
+            # GPU time per call: CUDA graph replay.
+            graph_us = None
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fn()
+                torch.cuda.current_stream().wait_stream(s)
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gr):
+                    fn()
+                gr.replay()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(50):
+                    gr.replay()
+                e1.record()
+                torch.cuda.synchronize()
+                graph_us = e0.elapsed_time(e1) / 50 * 1e3
+            except Exception as e:  # not capture-safe
+                graph_us = f"capture failed: {type(e).__name__}: {e}"[:160]
+            pr = cProfile.Profile()
+            torch.cuda._sleep(int(2e9))
+            pr.enable()
+            for _ in range(100):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            st = pstats.Stats(pr, stream=prof_text)
+            prof_text.write(f"\n===== {name}: {host_us:.1f} us/call host\n")
+            st.sort_stats("tottime").print_stats(25)
+            rows.append({"op": name, "host_us_per_call": host_us, "graph_gpu_us": graph_us})
+        except Exception as e:
+            rows.append({"op": name, "error": f"{type(e).__name__}: {e}"[:300]})
+    with open(os.path.join(args.outdir, "host_profile.txt"), "w") as f:
+        f.write(prof_text.getvalue())
+    with open(os.path.join(args.outdir, "host_overhead.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
