@@ -564,7 +564,7 @@ def test_launcher_dry_run(monkeypatch, varlen, gate, s_in, s_out):
         base = name.split("<")[0]
         assert [_arg_kind(x) for x in args] == _kernel_params(base), name
         if base == "kda_chunk_prepare_kernel":
-            assert grid == (ck.num_chunk_slots(B, T, N, varlen), HV) and block == (128,)
+            assert grid == (ck.num_chunk_slots(B, T, N, varlen), HV) and block == (ck.PREPARE_THREADS,)
             assert smem == ck.PREPARE_SMEM
         if base == "kda_chunk_recurrence_kernel":
             nw = int(name.split(",")[1].strip(" >"))

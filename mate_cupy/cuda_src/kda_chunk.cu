@@ -35,6 +35,7 @@ constexpr int kSG = 132;   // smem row stride of the f32 cumulative gates (= 4 m
 constexpr int kSA = 68;    // smem row stride of f32 [64][64] tiles
 constexpr int kS64 = 72;   // smem row stride of 16-bit [64][64] tiles
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kPrepThreads = 256;  // prepare kernel: 8 warps
 // Diagonal 16x16 blocks of Aqk/Akk use a mid-point reference, i.e. factors up to
 // exp(max |gc_i - gc_mid|). Beyond this span (natural-log units) the block is
 // computed element by element instead (exact for any gate values).
@@ -127,12 +128,13 @@ __global__ void __launch_bounds__(1024) kda_chunk_offsets_kernel(const void* __r
     if (tid == 0) offsets[num_seqs] = (int)min(carry_s, kMax);
 }
 
-// Phase 1: one CTA (4 warps) per (chunk slot, value head). Writes the workspace slot
-// (slot * HV + hv). Warp w owns rows [16w, 16w + 16) of Aqk/Akk in the tensor-core pass.
+// Phase 1: one CTA (8 warps) per (chunk slot, value head). Writes the workspace slot
+// (slot * HV + hv). In the tensor-core pass warp w owns rows [16 (w / 2), +16) and the
+// 8-column half w % 2 of every 16-column block of Aqk/Akk.
 //   dense (cu_seqlens == null): slot = n * ceil(T / 64) + chunk, rows n * T + ...
 //   varlen: slot in [offsets[n], offsets[n + 1]) for sequence n.
 template <typename T>
-__global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
+__global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prepare_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ g, const T* __restrict__ beta,
     const float* __restrict__ A_log, const float* __restrict__ dt_bias, const void* __restrict__ cu_seqlens,
     int cu_is_64, const int* __restrict__ chunk_offsets, unsigned char* __restrict__ ws, int num_seqs,
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
     // ---- load q, k (head h), g (head hv), beta; rows past the chunk end are zero
     {
         const long long qk_stride = (long long)H * kD, vg_stride = (long long)HV * kD;
-        for (int e = tid; e < kC * 16; e += 128) {
+        for (int e = tid; e < kC * 16; e += kPrepThreads) {
             const int r = e >> 4, c = (e & 15) * 8;
             const bool ok = r < L;
             const long long row = row0 + (ok ? r : 0);
@@ -198,16 +200,16 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
     }
     if (tid < 4) sflag[tid] = 0;
     float dtb = 0.f, ea = 0.f;
-    if (has_gate) {
+    if (has_gate && tid < kD) {
         dtb = dt_bias[(long long)hv * kD + tid];
         ea = __expf(A_log[hv]);
     }
     cp_async_wait<0>();
     __syncthreads();
 
-    // ---- q/k row scales: 1 / sqrt(sum x^2 + 1e-6) (two threads per row)
-    {
-        const int r = tid >> 1, c0 = (tid & 1) * 64;
+    if (tid >= kD) {
+        // ---- warps 4-7: q/k row scales 1 / sqrt(sum x^2 + 1e-6) (two threads per row)
+        const int r = (tid - kD) >> 1, c0 = (tid & 1) * 64;
         float ssq = 0.f, ssk = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -225,10 +227,8 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
             sqn[r] = use_l2norm ? rsqrtf(ssq + 1e-6f) : 1.f;
             skn[r] = use_l2norm ? rsqrtf(ssk + 1e-6f) : 1.f;
         }
-    }
-
-    // ---- gate activation and inclusive cumsum over the chunk (thread = channel), log2 units
-    {
+    } else {
+        // ---- warps 0-3: gate activation and inclusive cumsum (thread = channel), log2 units
         const int c = tid;
         float acc = 0.f;
 #pragma unroll 8
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
         T* wQs = reinterpret_cast<T*>(wslot + kWsQs);
         T* wKt = reinterpret_cast<T*>(wslot + kWsKt);
         T* wKb = reinterpret_cast<T*>(wslot + kWsKb);
-        for (int e = tid; e < kC * 16; e += 128) {
+        for (int e = tid; e < kC * 16; e += kPrepThreads) {
             const int r = e >> 4, c = (e & 15) * 8;
             float gcv[8], glv[8], qf[8], kf[8];
             *reinterpret_cast<float4*>(gcv) = *reinterpret_cast<const float4*>(sgc + r * kSG + c);
@@ -281,27 +281,26 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
             *reinterpret_cast<vec16*>(wKt + r * kD + c) = pack8<T>(ok);
             *reinterpret_cast<vec16*>(wKb + r * kD + c) = pack8<T>(ob);
         }
-        reinterpret_cast<float*>(wslot + kWsEgl)[tid] = fast_exp2(sgc[(kC - 1) * kSG + tid]);
+        if (tid < kD) reinterpret_cast<float*>(wslot + kWsEgl)[tid] = fast_exp2(sgc[(kC - 1) * kSG + tid]);
     }
 
-    // ---- Aqk, Akk with tf32 mma.sync: warp I computes row blocks I, column blocks J <= I.
+    // ---- Aqk, Akk with tf32 mma.sync: warp w computes row block I = w / 2, the n-tile
+    // nj = w % 2 (8 columns) of every column block J <= I.
     // J < I: reference r = gc[16 I - 1]; rows exp(gc_i - r) <= 1, cols exp(r - gc_j) <= 1.
     // J = I: reference m = gc[16 I + 7] (bounded factors; see kDiagSpanLimit2).
     {
-        const int I = warp;
+        const int I = warp >> 1, nj = warp & 1;
         const int gq = lane >> 2, tq = lane & 3;
         const bool diag_fast = sflag[I] == 0;
         const int i0 = 16 * I + gq, i1 = i0 + 8;
         const float qn0 = sqn[i0], qn1 = sqn[i1], kn0 = skn[i0], kn1 = skn[i1];
         const float* gref = sgc + max(16 * I - 1, 0) * kSG;  // read only when I > 0
         const float* gmid = sgc + (16 * I + 7) * kSG;
-        float accq[4][2][4], acck[4][2][4];
+        float accq[4][4], acck[4][4];
 #pragma unroll
         for (int J = 0; J < 4; ++J)
 #pragma unroll
-            for (int nj = 0; nj < 2; ++nj)
-#pragma unroll
-                for (int x = 0; x < 4; ++x) accq[J][nj][x] = acck[J][nj][x] = 0.f;
+            for (int x = 0; x < 4; ++x) accq[J][x] = acck[J][x] = 0.f;
 
 #pragma unroll 2
         for (int ks = 0; ks < kD / 8; ++ks) {
@@ -338,20 +337,17 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
             for (int J = 0; J < 4; ++J) {
                 if (J > I || (J == I && !diag_fast)) continue;
                 const float ref0 = J < I ? r0 : m0, ref1 = J < I ? r1 : m1;
-#pragma unroll
-                for (int nj = 0; nj < 2; ++nj) {
-                    const int j = 16 * J + 8 * nj + gq;
-                    const float knj = skn[j];
-                    u32 b[2];
-                    b[0] = to_tf32(to_float(sk[j * kS16 + c0]) * knj * fast_exp2(ref0 - sgc[j * kSG + c0]));
-                    b[1] = to_tf32(to_float(sk[j * kS16 + c1]) * knj * fast_exp2(ref1 - sgc[j * kSG + c1]));
-                    if (J < I) {
-                        mma_tf32_16x8x8(accq[J][nj], aq_off, b);
-                        mma_tf32_16x8x8(acck[J][nj], ak_off, b);
-                    } else {
-                        mma_tf32_16x8x8(accq[J][nj], aq_dg, b);
-                        mma_tf32_16x8x8(acck[J][nj], ak_dg, b);
-                    }
+                const int j = 16 * J + 8 * nj + gq;
+                const float knj = skn[j];
+                u32 b[2];
+                b[0] = to_tf32(to_float(sk[j * kS16 + c0]) * knj * fast_exp2(ref0 - sgc[j * kSG + c0]));
+                b[1] = to_tf32(to_float(sk[j * kS16 + c1]) * knj * fast_exp2(ref1 - sgc[j * kSG + c1]));
+                if (J < I) {
+                    mma_tf32_16x8x8(accq[J], aq_off, b);
+                    mma_tf32_16x8x8(acck[J], ak_off, b);
+                } else {
+                    mma_tf32_16x8x8(accq[J], aq_dg, b);
+                    mma_tf32_16x8x8(acck[J], ak_dg, b);
                 }
             }
         }
@@ -362,23 +358,20 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
 #pragma unroll
         for (int J = 0; J < 4; ++J) {
             if (J == I && !diag_fast) continue;  // written by the element-wise fallback
+            const int j = 16 * J + 8 * nj + 2 * tq;
 #pragma unroll
-            for (int nj = 0; nj < 2; ++nj) {
-                const int j = 16 * J + 8 * nj + 2 * tq;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int i = hh ? i1 : i0;
-                    float vq0 = 0.f, vq1 = 0.f, vk0 = 0.f, vk1 = 0.f;
-                    if (J <= I) {
-                        const float bi = sb[i];
-                        vq0 = j <= i ? accq[J][nj][2 * hh] * scale : 0.f;
-                        vq1 = j + 1 <= i ? accq[J][nj][2 * hh + 1] * scale : 0.f;
-                        vk0 = j < i ? acck[J][nj][2 * hh] * bi : 0.f;
-                        vk1 = j + 1 < i ? acck[J][nj][2 * hh + 1] * bi : 0.f;
-                    }
-                    *reinterpret_cast<float2*>(sakk + i * kSA + j) = make_float2(vk0, vk1);
-                    *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(vq0, vq1);
+            for (int hh = 0; hh < 2; ++hh) {
+                const int i = hh ? i1 : i0;
+                float vq0 = 0.f, vq1 = 0.f, vk0 = 0.f, vk1 = 0.f;
+                if (J <= I) {
+                    const float bi = sb[i];
+                    vq0 = j <= i ? accq[J][2 * hh] * scale : 0.f;
+                    vq1 = j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
+                    vk0 = j < i ? acck[J][2 * hh] * bi : 0.f;
+                    vk1 = j + 1 < i ? acck[J][2 * hh + 1] * bi : 0.f;
                 }
+                *reinterpret_cast<float2*>(sakk + i * kSA + j) = make_float2(vk0, vk1);
+                *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(vq0, vq1);
             }
         }
     }
@@ -388,7 +381,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
     if (sflag[0] | sflag[1] | sflag[2] | sflag[3]) {
         for (int I = 0; I < 4; ++I) {
             if (!sflag[I]) continue;
-            for (int e = tid; e < 256; e += 128) {
+            for (int e = tid; e < 256; e += kPrepThreads) {
                 const int ii = e >> 4, jj = e & 15;
                 const int i = 16 * I + ii, j = 16 * I + jj;
                 float aq = 0.f, ak = 0.f;
@@ -431,7 +424,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
 #pragma unroll 1
     for (int d = 1; d < 4; ++d) {
         const int nb = 4 - d;
-        for (int e = tid; e < nb * 256; e += 128) {
+        for (int e = tid; e < nb * 256; e += kPrepThreads) {
             const int J = e >> 8, r = (e >> 4) & 15, c = e & 15, I = J + d;
             float s = 0.f;
             for (int K = J; K < I; ++K) {
@@ -443,7 +436,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
             sY[e] = s;
         }
         __syncthreads();
-        for (int e = tid; e < nb * 256; e += 128) {
+        for (int e = tid; e < nb * 256; e += kPrepThreads) {
             const int J = e >> 8, r = (e >> 4) & 15, c = e & 15, I = J + d;
             const float* l = sL + (16 * I + r) * kSA + 16 * I;
             const float* y = sY + (J << 8) + c;
@@ -458,7 +451,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prepare_kernel(
     // ---- T = Lm diag(b) (zero above the diagonal blocks)
     {
         T* wT = reinterpret_cast<T*>(wslot + kWsT);
-        for (int e = tid; e < kC * 8; e += 128) {
+        for (int e = tid; e < kC * 8; e += kPrepThreads) {
             const int r = e >> 3, c = (e & 7) * 8;
             float f[8];
 #pragma unroll

@@ -33,7 +33,7 @@ _SLOT_PARTS = {  # name: (byte offset, shape, dtype or None for the input dtype)
     "Aqk": (57344, (CHUNK, CHUNK), None),
     "egl": (65536, (HEAD_DIM,), FLOAT32),
 }
-PREPARE_THREADS = 128
+PREPARE_THREADS = 256
 PREPARE_SMEM = 2 * 64 * 136 * 2 + 64 * 132 * 4 + 64 * 136 * 2 + 3 * 64 * 4 + 16  # 86,800 bytes
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
 

@@ -52,7 +52,7 @@ int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, f
         save("offsets.bin", offs, (N + 1) * sizeof(int));
     }
     if (num_slots > 0 && HV > 0)
-        emu::launch(EmuDim{(unsigned)num_slots, (unsigned)HV, 1}, 128, 86800, [&] {
+        emu::launch(EmuDim{(unsigned)num_slots, (unsigned)HV, 1}, 256, 86800, [&] {
             kda_chunk_prepare_kernel<T>(q, k, g, beta, A_log, dt_bias, cu, is64, offs, ws, N, varlen ? 0 : Tn, rows, H,
                                         HV, scale, lb, l2, has_gate);
         });
