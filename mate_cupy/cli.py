@@ -75,13 +75,18 @@ def cmd_check(args) -> int:
     from .jit import compile_all, get_kernel, registered
 
     specs = registered()
+    if args.only:
+        import re
+
+        pat = re.compile(args.only)
+        specs = [s for s in specs if pat.search(f"{s.name} {' '.join(s.kernels)}")]
     compile_only = args.compile_only or gpu is None
     arch = args.arch or (gpu[1] if gpu else "sm_90a")
     how = f"NVRTC for {arch}" if compile_only else f"CuPy RawModule on the device ({arch})"
     print(f"compiling {len(specs)} kernel variants with {how}")
     t0 = time.perf_counter()
     if compile_only:
-        results = compile_all(arch, jobs=args.jobs, cubin_dir=args.cubin_dir,
+        results = compile_all(arch, jobs=args.jobs, cubin_dir=args.cubin_dir, specs=specs,
                               progress=lambda d, n, r: _progress(d, n, r, t0))
     else:
         results = []
@@ -116,6 +121,7 @@ def main(argv=None) -> int:
     c.add_argument("--arch", default=None, help="target arch, e.g. sm_90a or sm_80 (default: the GPU's)")
     c.add_argument("--compile-only", action="store_true", help="compile with NVRTC alone (no GPU needed)")
     c.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
+    c.add_argument("--only", default=None, help="regex: compile only the variants whose name or kernels match")
     c.add_argument("--cubin-dir", default=None,
                    help="with --compile-only: save the cubins there, for MATE_CUPY_CUBIN_DIR on a GPU machine")
     c.set_defaults(fn=cmd_check)

@@ -56,10 +56,12 @@ def test_env_variable_controls_public_functions():
 
 
 def test_cli_check_compile_only():
-    r = _run(["-m", "mate_cupy", "check", "--arch", "sm_90a", "--compile-only", "--jobs", "2"], timeout=1800)
+    # Every variant is compiled by tests/test_jit.py; here the command itself, on one family.
+    r = _run(["-m", "mate_cupy", "check", "--arch", "sm_90a", "--compile-only", "--jobs", "2", "--only", "^util"],
+             timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "Python" in r.stdout and "NVRTC" in r.stdout
-    assert " 0 failed" in r.stdout
+    assert "Python" in r.stdout and "NVRTC" in r.stdout and "no GPU" in r.stdout
+    assert "13 compiled, 0 skipped, 0 failed" in r.stdout
 
 
 def test_cli_demo_runs():
