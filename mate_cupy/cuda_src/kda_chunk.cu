@@ -73,6 +73,11 @@ constexpr int kRecAqk = kRecT + kC * kS64 * 2;
 constexpr int kRecEgl = kRecAqk + kC * kS64 * 2;
 constexpr int kRecV = kRecEgl + kD * 4;
 __host__ __device__ constexpr int rec_stage_bytes(int bv) { return kRecV + kC * (bv + 8) * 2; }
+// The recurrence copies Qs|Kt|Kb and T|Aqk as runs of consecutive rows (workspace and stage).
+static_assert(kWsKt == kWsQs + kC * kD * 2 && kWsKb == kWsKt + kC * kD * 2, "Qs, Kt, Kb rows are consecutive");
+static_assert(kWsAqk == kWsT + kC * kC * 2, "T, Aqk rows are consecutive");
+static_assert(kRecKt == kRecQs + kC * kS16 * 2 && kRecKb == kRecKt + kC * kS16 * 2 && kRecAqk == kRecT + kC * kS64 * 2,
+              "stage tiles are consecutive rows");
 
 __device__ __forceinline__ long long load_cu(const void* cu, int is64, long long i) {
     return is64 ? reinterpret_cast<const long long*>(cu)[i] : (long long)reinterpret_cast<const int*>(cu)[i];
@@ -518,24 +523,39 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
         }
     }
 
+    // Per-thread copy pattern (fixed strides, fully unrolled: one cp.async instruction per
+    // 16 bytes). Qs, Kt, Kb are 192 consecutive 256-byte rows in the slot and 192 rows of
+    // stride kS16 in the stage; T, Aqk 128 rows of 128 bytes (stride kS64); the V slice 64
+    // rows of 2 * BV bytes, NT / (BV / 8) = 16 rows per pass.
+    constexpr int kRowsA = NT / 16, kRowsB = NT / 8, kVPR = BV / 8;
+    const int offA_ws = (tid >> 4) * 256 + (tid & 15) * 16, offA_sm = (tid >> 4) * (kS16 * 2) + (tid & 15) * 16;
+    const int offB_ws = (tid >> 3) * 128 + (tid & 7) * 16, offB_sm = (tid >> 3) * (kS64 * 2) + (tid & 7) * 16;
+    const int vr0 = tid / kVPR, vc = (tid % kVPR) * 8;
+    const long long v_row_stride = (long long)HV * kD;
+    const T* v_head = v + (long long)hv * kD + vb * BV + vc;
     auto issue_loads = [&](int tc, int stage) {
         unsigned char* st = smem + stage * kStage;
         const unsigned char* wslot = ws + ((long long)(base_slot + tc) * HV + hv) * kWsSlotBytes;
-        for (int e = tid; e < 3 * 1024; e += NT) {  // Qs, Kt, Kb
-            const int tile = e >> 10, r = (e >> 4) & 63, c = (e & 15) * 8;
-            cp_async_16(st + kRecQs + tile * (kC * kS16 * 2) + (r * kS16 + c) * 2, wslot + tile * 16384 + (r * kD + c) * 2);
+        {
+            const unsigned char* src = wslot + kWsQs + offA_ws;
+            unsigned char* dst = st + kRecQs + offA_sm;
+#pragma unroll
+            for (int i = 0; i < 192 / kRowsA; ++i) cp_async_16(dst + i * kRowsA * (kS16 * 2), src + i * kRowsA * 256);
         }
-        for (int e = tid; e < 2 * 512; e += NT) {  // T, Aqk
-            const int tile = e >> 9, r = (e >> 3) & 63, c = (e & 7) * 8;
-            cp_async_16(st + kRecT + tile * (kC * kS64 * 2) + (r * kS64 + c) * 2, wslot + kWsT + tile * 8192 + (r * kC + c) * 2);
+        {
+            const unsigned char* src = wslot + kWsT + offB_ws;
+            unsigned char* dst = st + kRecT + offB_sm;
+#pragma unroll
+            for (int i = 0; i < 128 / kRowsB; ++i) cp_async_16(dst + i * kRowsB * (kS64 * 2), src + i * kRowsB * 128);
         }
         if (tid < 32) cp_async_16(st + kRecEgl + tid * 16, wslot + kWsEgl + tid * 16);
         const long long row0 = bos + (long long)tc * kC;
         const int L = (int)min((long long)kC, len - (long long)tc * kC);
-        for (int e = tid; e < kC * (BV / 8); e += NT) {  // V slice, zero past the sequence end
-            const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
+#pragma unroll
+        for (int i = 0; i < kC / 16; ++i) {  // V slice, zero past the sequence end
+            const int r = vr0 + 16 * i;
             const bool ok = r < L;
-            cp_async_16(st + kRecV + (r * SV + c) * 2, v + ((row0 + (ok ? r : 0)) * HV + hv) * kD + vb * BV + c, ok);
+            cp_async_16(st + kRecV + (r * SV + vc) * 2, v_head + (row0 + (ok ? r : 0)) * v_row_stride, ok);
         }
     };
 
