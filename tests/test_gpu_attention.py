@@ -63,7 +63,14 @@ def test_every_variant_fits_shared_memory_and_occupancy():
         cfg = ak.tile_config(kind, d, code)
         lay = ak.smem_layout(cfg, d, code)
         assert dict(spec.defines)["ATT_SMEM_FIXED"] == str(lay["fixed"])
-        assert lay["fixed"] <= ak.SMEM_LIMIT, spec.name
+        assert dict(spec.defines)["ATT_WGMMA"] == str(int(cfg.wgmma))
+        pad = ak.WG_PAD if cfg.wgmma else 0
+        extra = ak.sparse_smem_bytes(cfg.rows // 8 + 2, 16)[0] if kv == 2 else 0  # group >= 8, 16 blocks
+        assert lay["fixed"] + pad + extra <= ak.SMEM_LIMIT, spec.name
+        if cfg.wgmma:
+            assert spec.min_sm == 90 and code in (0, 1) and d in (64, 128)
+            # tiles on 1024-byte boundaries (the hardware swizzle keys on address bits 7-9)
+            assert lay["q"] % 1024 == 0 and (2 * cfg.block_n * d * 2) % 1024 == 0
         if kind == "prefill" and d <= 128:
             assert 2 * (lay["fixed"] + 1024) <= ak.SMEM_PER_SM, spec.name  # two CTAs per SM
         # the e4m3 PV product needs 32 keys per warp, the 16-bit one 16
@@ -94,6 +101,123 @@ def test_launch_geometry_choices():
     assert g.kind == "prefill" and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
     assert _geo(sparse=True, list_width=16, group=4).kind == "decode"
     assert _geo(sparse=True, list_width=16, sparse_decode=True, max_seqlen_q=4).kind == "decode"
+
+
+def test_prefill_tile_choice():
+    # named tiles apply only where they exist; unknown names are refused
+    assert ak.choose_prefill_tile(None, head_dim=128, dtype_code=1, sparse=False, cc=90) == ak.DEFAULT_PREFILL_TILE
+    assert ak.choose_prefill_tile("wg2n128s2", head_dim=128, dtype_code=1, sparse=False, cc=90) == "wg2n128s2"
+    assert ak.choose_prefill_tile("wg2n128s2", head_dim=256, dtype_code=1, sparse=False, cc=90) != "wg2n128s2"
+    assert ak.choose_prefill_tile("wg2n128s2", head_dim=128, dtype_code=2, sparse=False, cc=90) != "wg2n128s2"
+    assert ak.choose_prefill_tile("wg2n128s2", head_dim=128, dtype_code=0, sparse=True, cc=80) != "wg2n128s2"
+    assert ak.choose_prefill_tile("mma256", head_dim=128, dtype_code=1, sparse=False, cc=90) != "mma256"
+    assert ak.choose_prefill_tile("mma256", head_dim=128, dtype_code=2, sparse=True, cc=90) == "mma256"
+    with pytest.raises(ValueError, match="unknown attention prefill tile"):
+        ak.choose_prefill_tile("wg9", head_dim=128, dtype_code=1, sparse=False, cc=90)
+    for name in [n for n in ak.PREFILL_TILES if ak.tile_applies(n, 128, 1, False, 90)]:
+        g = _geo(prefill_tile=name)
+        cfg = ak.tile_config(name, 128, 1)
+        assert g.cfg == cfg and g.grid == (-(-8192 * 8 // cfg.rows), 1, 8)
+        assert g.smem == ak.smem_layout(cfg, 128, 1)["fixed"] + (ak.WG_PAD if cfg.wgmma else 0)
+    # decode-sized calls never take a prefill tile
+    assert _geo(batch=64, max_seqlen_q=1, prefill_tile="wg2n128s2").kind == "decode"
+    g = _geo(sparse=True, list_width=16, max_seqlen_q=32768, max_seqlen_k=32768, num_heads_kv=4, group=16,
+             prefill_tile="mma256")
+    assert g.cfg.rows == 256 and g.nq_cap == 17
+
+
+def _cute_tv(shape, stride, t, v):
+    """Offset of (thread t, value v) in a CuTe TV layout ((4,8,4),(vshape)):((ts),(vs))."""
+    (ts_shape, vs_shape), (ts_stride, vs_stride) = shape, stride
+    off = 0
+    for x, sh, st in ((t, ts_shape, ts_stride), (v, vs_shape, vs_stride)):
+        for n, d in zip(sh, st):
+            off += (x % n) * d
+            x //= n
+    return off
+
+
+def test_wgmma_fragment_model():
+    """The wgmma register layouts (CUTLASS CLayout_64xN / ALayout_64x16, column-major
+    M x N offsets) give the per-warp mma.m16n8k16 layouts the kernel assumes: d[4i + j]
+    is row 16w + g + 8(j//2), column 8i + 2t + j%2; the P packing of S (pa[kk][r] =
+    pack(S[2kk + r//2][2(r%2)], S[2kk + r//2][2(r%2) + 1])) is the register A operand of
+    key step kk; the epilogue reads O[d][j] at the same positions."""
+    n = 128
+    c_shape, c_stride = ((4, 8, 4), (2, 2, n // 8)), ((128, 1, 16), (64, 8, 512))
+    a_shape, a_stride = ((4, 8, 4), (2, 2, 2)), ((128, 1, 16), (64, 8, 512))
+    for tid in range(128):
+        w, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        for i in range(n // 8):
+            for j in range(4):
+                off = _cute_tv(c_shape, c_stride, tid, 4 * i + j)
+                assert (off % 64, off // 64) == (16 * w + g + 8 * (j // 2), 8 * i + 2 * t + j % 2)
+        for kk in range(n // 16):
+            for r in range(4):
+                for h in range(2):
+                    # A element of register r, half h (value 2r + h), as a (row, k) pair
+                    off = _cute_tv(a_shape, a_stride, tid, 2 * r + h)
+                    want = (off % 64, 16 * kk + off // 64)
+                    # what the kernel packs there: S accumulator (n8 tile, index)
+                    i, j = 2 * kk + r // 2, 2 * (r % 2) + h
+                    got = (16 * w + g + 8 * (j // 2), 8 * i + 2 * t + j % 2)
+                    assert got == want
+
+
+def _sw128(addr):
+    """The 128-byte swizzle the hardware applies to a shared address: bits [4,7) ^= bits [7,10)."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _column_block_offset(rows, row, col):
+    """Byte offset of 16-bit element (row, col) in a ColumnBlockTile<rows> (attention_wgmma.cuh)."""
+    c = col // 8
+    return (c >> 3) * rows * 128 + row * 128 + (((c & 7) ^ (row & 7)) << 4) + (col % 8) * 2
+
+
+@pytest.mark.parametrize("rows_q,bn,d", [(128, 128, 128), (128, 64, 128), (192, 64, 128), (128, 128, 64)])
+def test_wgmma_shared_layout_model(rows_q, bn, d):
+    """The bytes each wgmma reads (canonical SW128 layouts from the descriptors the kernel
+    builds: K-major ((8,m),(8 chunks)) : ((128 B, SBO), (16 B)); MN-major ((8 chunks, n),
+    (8, k)) : ((16 B, LBO), (128 B, SBO)), swizzled on absolute address bits) hold the
+    elements the loaders wrote there (ColumnBlockTile offsets), for every k-step."""
+    base = 3 * 1024 * 64  # any 1024-byte aligned shared address
+    sbo = 1024
+    # S = Q K^T: warpgroup wg reads Q rows 64wg.. (A) and all bn keys (B), 16 dims per k-step
+    for ks in range(d // 16):
+        for wg in range(rows_q // 64):
+            start = base + wg * 64 * 128 + (ks >> 2) * rows_q * 128 + (ks & 3) * 32
+            for m in range(64):
+                for k in range(16):
+                    hw = _sw128(start + (m // 8) * sbo + (m % 8) * 128 + 2 * k)
+                    assert hw == base + _column_block_offset(rows_q, 64 * wg + m, 16 * ks + k)
+        start = base + (ks >> 2) * bn * 128 + (ks & 3) * 32
+        for nn in range(bn):
+            for k in range(16):
+                hw = _sw128(start + (nn // 8) * sbo + (nn % 8) * 128 + 2 * k)
+                assert hw == base + _column_block_offset(bn, nn, 16 * ks + k)
+    # O += P V: key step kk, 64-dim column block cb (N = 64, MN-major, transposed B)
+    for kk in range(bn // 16):
+        for cb in range(d // 64):
+            start = base + cb * bn * 128 + kk * 2048
+            for k in range(16):
+                for nn in range(64):
+                    hw = _sw128(start + (k // 8) * sbo + (k % 8) * 128 + 2 * nn)
+                    assert hw == base + _column_block_offset(bn, 16 * kk + k, 64 * cb + nn)
+
+
+def test_wgmma_descriptor_bits():
+    """wg_desc field positions (CUTLASS GmmaDescriptor): start >> 4 at [0,14), LBO >> 4 at
+    [16,30), SBO >> 4 at [32,46), base offset 0, layout type 1 (128-byte swizzle) at [62,64)."""
+    text = (SRC.parent / "common" / "attention_wgmma.cuh").read_text()
+    body = text[text.index("u64 wg_desc("):text.index("wg_desc_add")]
+    assert "(saddr >> 4) & 0x3FFFu" in body and "(lbo >> 4) & 0x3FFFu) << 16" in body
+    assert "(sbo >> 4) & 0x3FFFu) << 32" in body and "1ull << 62" in body
+    kernel = SRC.read_text()
+    # Q/K descriptors: SBO 1024 (8-row groups); V: the same, transposed (imm-trans-b = 1)
+    assert kernel.count("wg_desc(") == 3 and kernel.count(", 16, 1024)") == 3
+    assert "p, 1, 1, 1;" in text and "p, 1, 1, 0, 0;" in text
 
 
 def test_split_choice_is_monotone_in_occupancy():

@@ -21,18 +21,25 @@
 // tile (decode shapes split the keys across warps and merge at the end).
 // K/V tiles stream through an ATT_STAGES-deep cp.async ring with one barrier
 // per tile. S = Q K^T and O += P V run on mma.sync (m16n8k16 fp16/bf16,
-// m16n8k32 e4m3 with P quantised to e4m3 after scaling by 256).
+// m16n8k32 e4m3 with P quantised to e4m3 after scaling by 256), or, with
+// ATT_WGMMA (sm_90a, fp16/bf16, D 64/128), on warpgroup MMAs: each warpgroup
+// of four warps owns 64 rows, S = Q K^T reads Q and K straight from shared
+// memory (column-block tiles, attention_wgmma.cuh), O += P V takes P from
+// registers; masking, softmax and the epilogue are the same code.
 //
 // Compile-time specialisation (macros): ATT_HEAD_DIM, ATT_DTYPE (0 fp16,
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
 // ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
-// ATT_SMEM_FIXED (host's view of the fixed shared-memory bytes, checked below).
+// ATT_WGMMA (0 mma.sync, 1 warpgroup MMA), ATT_SMEM_FIXED (host's view of the
+// fixed shared-memory bytes, checked below; wgmma variants get 1024 more bytes
+// from the host to align the tiles).
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/attention_tile.cuh"
 #include "common/softmax.cuh"
 #include "common/kv_pages.cuh"
 #include "common/block_union.cuh"
+#include "common/attention_wgmma.cuh"
 
 using namespace mate;
 using namespace mate::attn;
@@ -77,14 +84,23 @@ constexpr int kDT = kD / 8;                  // O n-tiles
 constexpr float kPScale = kFp8 ? 256.f : 1.f;
 constexpr int kSparseBlock = 128;
 constexpr int kTilesPerBlock = kSparseBlock / kBN;
-typedef SwizzledTile<kRowBytes> Tile;
+constexpr bool kWG = ATT_WGMMA != 0;  // warpgroup MMAs (sm_90a)
+
+// Q and K/V tile layouts: row-swizzled for ldmatrix, column blocks for wgmma.
+template <bool WG, int ROWS> struct TileOf { typedef SwizzledTile<kRowBytes> type; };
+template <int ROWS> struct TileOf<true, ROWS> { typedef ColumnBlockTile<ROWS> type; };
+typedef typename TileOf<kWG, kM>::type QTile;
+typedef typename TileOf<kWG, kBN>::type KvTile;
+constexpr int kKvRowStride = kWG ? 128 : kRowBytes;  // bytes between rows r and r + 8k (same swizzle)
 
 static_assert(kD == 64 || kD == 128 || kD == 256, "head dim");
 static_assert(kKW % (kFp8 ? 32 : 16) == 0, "a warp's key slice must fill whole PV k-steps");
-static_assert(kThreads % kChunks == 0 && (kBN * kChunks) % kThreads == 0,
-              "K/V tile loads must divide evenly among the threads");
+static_assert(kThreads % kChunks == 0, "K/V tile loads cover whole rows per pass");
 static_assert(kBN <= kSparseBlock && kSparseBlock % kBN == 0, "key tiles must tile a 128-key block");
 static_assert(kStages >= 2 && kStages <= 4, "pipeline depth");
+static_assert(!kWG || (!kFp8 && (kD == 64 || kD == 128) && kWN == 1 && kMT == 1 && kWM % 4 == 0 &&
+                       (kBN == 64 || kBN == 128)),
+              "wgmma tiles: fp16/bf16, D 64/128, one 16-row m-tile per warp, warpgroups of 4 warps, 64/128 keys");
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -114,7 +130,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
     int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int num_splits,
     float scale_log2, float out_scale) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(kWG ? 1024 : 128) unsigned char smem_raw[];
+    // wgmma tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this).
+    unsigned char* smem = smem_raw + (kWG ? ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : 0u);
     unsigned char* sQ = smem;
     unsigned char* sR = smem + kQBytes;
     unsigned char* sFlags = sR + kRegionBytes;
@@ -199,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 src = q + (long long)(q_start + qi) * q_tok_stride + (long long)(kvh * group + h) * q_head_stride +
                       c * kElemsPerChunk;
             }
-            cp_async_16(sQ + Tile::offset(r, c), src, ok);
+            cp_async_16(sQ + QTile::offset(r, c), src, ok);
         }
         cp_async_commit();
     }
@@ -242,12 +260,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     const int ld_c = tid % kChunks, ld_r0 = tid / kChunks;
     const Elem* kbase = k + (long long)kvh * k_head_stride + ld_c * kElemsPerChunk;
     const Elem* vbase = v + (long long)kvh * v_head_stride + ld_c * kElemsPerChunk;
-    constexpr int kLdIters = kBN * kChunks / kThreads;
     constexpr int kLdStep = kThreads / kChunks;  // rows between a thread's chunks
+    constexpr int kLdIters = (kBN + kLdStep - 1) / kLdStep;
+    constexpr bool kLdExact = kBN % kLdStep == 0;  // else the last pass covers part of the rows
     auto issue_tile = [&](int t, int stage) -> int {
         int bad = 0;
         if (t < t_end) {
-            const u32 dK = sR_addr + stage * kStageBytes + Tile::offset(ld_r0, ld_c);
+            const u32 dK = sR_addr + stage * kStageBytes + KvTile::offset(ld_r0, ld_c);
             const u32 dV = dK + kBN * kRowBytes;
             int spage;
             const int kstart = tile_start(t, spage);
@@ -269,9 +288,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
                 for (int i = 0; i < kLdIters; ++i) {
                     const int r = ld_r0 + i * kLdStep;
+                    if (!kLdExact && r >= kBN) break;
                     const bool ok = kstart + r < Lk;
-                    const u32 so = (kLdStep % 8 == 0) ? i * kLdStep * kRowBytes
-                                                      : Tile::offset(r, ld_c) - Tile::offset(ld_r0, ld_c);
+                    const u32 so = (kLdStep % 8 == 0) ? i * kLdStep * kKvRowStride
+                                                      : KvTile::offset(r, ld_c) - KvTile::offset(ld_r0, ld_c);
                     cp_async_16_u32(dK + so, ok ? kp : kbase, ok);
                     cp_async_16_u32(dV + so, ok ? vp : vbase, ok);
                     kp += kstep;
@@ -282,6 +302,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
                 for (int i = 0; i < kLdIters; ++i) {
                     const int r = ld_r0 + i * kLdStep;
+                    if (!kLdExact && r >= kBN) break;
                     const int j = kstart + r;
                     bool ok = j < Lk;
                     const int pi = j >> page_size_log2;
@@ -301,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                         ks += pg * k_page_stride + slot * k_slot_stride;
                         vs += pg * v_page_stride + slot * v_slot_stride;
                     }
-                    const u32 so = Tile::offset(r, ld_c) - Tile::offset(ld_r0, ld_c);
+                    const u32 so = KvTile::offset(r, ld_c) - KvTile::offset(ld_r0, ld_c);
                     cp_async_16_u32(dK + so, ks, ok);
                     cp_async_16_u32(dV + so, vs, ok);
                 }
@@ -337,9 +358,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     const u32 off_b0 = lane_offset_b<kRowBytes>(wn * kKW, lane);
     const u32 off_v0 = kFp8 ? lane_offset_vt8<kRowBytes>(wn * kKW, lane) : lane_offset_vt<kRowBytes>(wn * kKW, lane);
 
+    // wgmma: this warp's warpgroup, its named barrier, and its 64 rows of the Q tile.
+    const int wgrp = warp >> 2;
+    const u64 q_desc = wg_desc(smem_u32(sQ) + wgrp * 64 * 128, 16, 1024);
+
     for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
         const int stage = n % kStages;
         cp_async_wait<kStages - 2>();
+        // wgmma reads shared memory through the async proxy: publish this thread's landed
+        // cp.async bytes to it before the barrier. (Every MMA of the previous tile has
+        // completed, so the stage refilled below is free.)
+        if constexpr (kWG) fence_proxy_async_smem();
         if constexpr (kPaged && !kSparse) {
             if (__syncthreads_or(pending_bad)) flags |= 1u << (kStages - 2);
         } else {
@@ -352,7 +381,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         const u32 v_addr = k_addr + kBN * kRowBytes;
         // Per-lane offsets and row data, re-materialised each tile (cheaper than spilling
         // their derived addresses and limits).
-        const u32 off_a = opaque(off_a0), off_b = opaque(off_b0), off_v = opaque(off_v0);
+        const u32 off_a = kWG ? 0u : opaque(off_a0), off_b = kWG ? 0u : opaque(off_b0),
+                  off_v = kWG ? 0u : opaque(off_v0);
         const u32 row_qls = opaque(row_qls0);
         int spage;
         const int kstart = tile_start(t, spage);
@@ -363,9 +393,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         // Is any row of this warp attending a key of the slice; does any need masking?
         u32 member = 0xffffffffu;  // bit 2*mt+h: the row's query listed this block (sparse)
         bool active, need_mask;
+        u32 mt_on = (1u << kMT) - 1;  // bit mt: m-tile mt has a row attending this slice
         if constexpr (kSparse) {
             const int u = t / kTilesPerBlock;
             bool any = false, full = true;
+            u32 live = 0;
             member = 0;
 #pragma unroll
             for (int i = 0; i < 2 * kMT; ++i) {
@@ -374,19 +406,44 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 const bool mem = ql < nq && ((sQmask[ql * qmask_words + (u >> 5)] >> (u & 31)) & 1u);
                 const int lim = row_limit(ql);
                 member |= (mem ? 1u : 0u) << i;
-                any |= mem && kw0 < lim;
+                live |= (mem && kw0 < lim ? 1u : 0u) << i;
                 full &= mem && kw0 + kKW <= lim;
             }
+            any = live != 0;
             active = __any_sync(0xffffffffu, any);
             need_mask = tile_bad || !__all_sync(0xffffffffu, full);
+            if constexpr (!kWG && kMT > 1) {
+                // Per-token lists: an m-tile (one query of a 16-head group) often did not pick
+                // the block its warp-mate did; skip its MMAs and softmax step.
+                u32 mine = 0;
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) mine |= ((live >> (2 * mt)) & 3u) ? (1u << mt) : 0u;
+                mt_on = __reduce_or_sync(0xffffffffu, mine);
+            }
         } else {
             active = kw0 < warp_lim_hi;
             need_mask = tile_bad || kw0 + kKW > warp_lim_lo;
         }
+        // A warpgroup issues its MMAs together: it skips a tile only when none of its warps needs it.
+        if constexpr (kWG) active = warpgroup_any(active, 1 + wgrp);
         if (!active) continue;
 
         // ---- S = Q K^T (raw scores) ----
         float S[kMT][kNT][4];
+        if constexpr (kWG) {
+            // 64 x kBN per warpgroup; k-step ks reads 32 bytes of column block ks / 4 of Q and K.
+            const u64 k_desc = wg_desc(k_addr, 16, 1024);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < kD / 16; ++ks) {
+                const u32 qo = (ks >> 2) * (kM * 128) + (ks & 3) * 32;
+                const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
+                WgmmaSS<kBN, Elem>::run(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), ks > 0);
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs<kNT * 4>(&S[0][0][0]);
+        } else {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -395,17 +452,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         for (int ks = 0; ks < kKSteps; ++ks) {
             u32 a[kMT][4];
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) ldsm_x4(a[mt], sQ_addr + ((off_a + mt * 16 * kRowBytes) ^ (ks * 32)));
+            for (int mt = 0; mt < kMT; ++mt)
+                if ((mt_on >> mt) & 1u) ldsm_x4(a[mt], sQ_addr + ((off_a + mt * 16 * kRowBytes) ^ (ks * 32)));
 #pragma unroll
             for (int np = 0; np < kNT / 2; ++np) {
                 u32 bf[4];
                 ldsm_x4(bf, k_addr + ((off_b + np * 16 * kRowBytes) ^ (ks * 32)));
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
+                    if (!((mt_on >> mt) & 1u)) continue;
                     QkMma<Elem>::run(S[mt][2 * np], a[mt], bf);
                     QkMma<Elem>::run(S[mt][2 * np + 1], a[mt], bf + 2);
                 }
             }
+        }
         }
 
         if (need_mask) {
@@ -432,7 +492,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 
         // ---- online softmax ----
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt], scale_log2);
+        for (int mt = 0; mt < kMT; ++mt)
+            if ((mt_on >> mt) & 1u) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt], scale_log2);
 
         // ---- O += P V (P converted to the MMA operand type first, so S dies early) ----
         if constexpr (!kFp8) {
@@ -447,6 +508,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     pa[mt][kk][3] = pack2<Mma16>(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3]);
                 }
             }
+            if constexpr (kWG) {
+                // O[64 x D] += P[64 x kBN] V[kBN x D]: per 16-key step one n64 MMA per 64-dim
+                // column block of V (MN-major); waited for at the top of the next tile.
+                const u64 v_desc = wg_desc(v_addr, 16, 1024);
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < kBN / 16; ++kk) {
+#pragma unroll
+                    for (int cb = 0; cb < kD / 64; ++cb)
+                        WgmmaRS<64, Mma16>::run(&O[0][8 * cb][0], pa[0][kk],
+                                                wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048), 1);
+                }
+                wg_commit();
+                // Waited for here: deferring it across the loop back-edge makes ptxas serialize the MMAs.
+                wg_wait<0>();
+                wg_fence_regs<kDT * 4>(&O[0][0][0]);
+            } else {
 #pragma unroll
             for (int kk = 0; kk < kKW / 16; ++kk) {
 #pragma unroll
@@ -455,10 +533,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     ldsm_x4_t(bf, v_addr + ((off_v + kk * 16 * kRowBytes) ^ (dp * 32)));
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
+                        if (!((mt_on >> mt) & 1u)) continue;
                         mma_16x8x16<Mma16>(O[mt][2 * dp], pa[mt][kk], bf);
                         mma_16x8x16<Mma16>(O[mt][2 * dp + 1], pa[mt][kk], bf + 2);
                     }
                 }
+            }
             }
         } else {
             u32 pa[kMT][kKW >= 32 ? kKW / 32 : 1][4];  // (this branch is compiled, not run, for 16-bit types)
@@ -484,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     ldsm_vt_e4m3(be, bo, v_addr + ((off_v + kk * 32 * kRowBytes) ^ (c * 16)));
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
+                        if (!((mt_on >> mt) & 1u)) continue;
                         mma_16x8x32_e4m3(O[mt][2 * c], pa[mt][kk], be);
                         mma_16x8x32_e4m3(O[mt][2 * c + 1], pa[mt][kk], bo);
                     }

@@ -10,21 +10,30 @@ passes none, then reused; see :func:`split_workspace_bytes`).
 
 Variants (all registered at import, so ``compile_all`` builds them):
 ``ATT_HEAD_DIM`` in {64, 128, 256} x ``ATT_DTYPE`` (fp16, bf16, e4m3) x tile
-shape ("prefill": 64/128-row tiles; "decode": 16-row tiles with the keys of a
-tile split over 4 warps) x ``ATT_KV`` (dense key range, paged key range, or the
-union of the selected 128-key blocks). Causality, paging, page size, KV layout and strides are
-runtime arguments. Design notes: ``docs/attention.md``.
+shape ("prefill": 64/128-row mma.sync tiles; "decode": 16-row tiles with the keys of a
+tile split over 4 warps; "mma256": 256-row mma.sync tiles for block-sparse prefill;
+"wg*": warpgroup-MMA tiles, sm_90a, fp16/bf16, D 64/128) x ``ATT_KV`` (dense key
+range, paged key range, or the union of the selected 128-key blocks). Causality,
+paging, page size, KV layout and strides are runtime arguments. Design notes:
+``docs/attention.md``.
+
+The prefill tile can be chosen per call (``run_attention(prefill_tile=...)``) or per
+process through ``MATE_CUPY_ATTN_PREFILL_TILE`` (dense/paged) and
+``MATE_CUPY_ATTN_SPARSE_TILE`` (block-sparse prefill), read at every call; a tile
+that does not apply to the call (head dim, dtype, GPU) falls back to the default.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32
-from ..jit import get_kernel, launch, register
+from .._launch_cache import launch, note_const
+from ..jit import get_kernel, register
 
 SOURCE = "attention_fwd.cu"
 KERNELS = ("msa_attention_fwd_kernel", "msa_attention_merge_kernel")
@@ -48,6 +57,8 @@ class TileConfig:
     block_n: int
     stages: int
     min_blocks: int
+    wgmma: bool = False
+    name: str = ""
 
     @property
     def rows(self) -> int:
@@ -58,21 +69,44 @@ class TileConfig:
         return 32 * self.warps_m * self.warps_n
 
 
+# Warpgroup-MMA prefill tiles: name -> (warpgroups, keys per tile, stages). Each warpgroup
+# owns 64 rows (one 16-row m-tile per warp); one CTA per SM.
+WG_TILES = {"wg2n128s2": (2, 128, 2), "wg2n64s3": (2, 64, 3), "wg2n64s2": (2, 64, 2), "wg3n64s3": (3, 64, 3)}
+PREFILL_TILES = ("prefill", "mma256") + tuple(WG_TILES)
+WG_PAD = 1024  # extra shared bytes of a wgmma tile: the kernel aligns its tiles to 1024 bytes
+
+
+def tile_applies(name: str, head_dim: int, dtype_code: int, sparse: bool, cc: int = 90) -> bool:
+    """Whether the prefill tile ``name`` exists for this head dim / dtype / KV mode / GPU."""
+    if name == "prefill":
+        return True
+    if name == "mma256":
+        return sparse and head_dim in (64, 128)
+    if name in WG_TILES:
+        return cc == 90 and dtype_code in (0, 1) and head_dim in (64, 128)
+    return False
+
+
 def tile_config(kind: str, head_dim: int, dtype_code: int) -> TileConfig:
     """The tile shape of a variant. e4m3 needs 32 keys per warp (k32 PV mma)."""
     fp8 = dtype_code == 2
     if kind == "prefill":
         if head_dim == 64:
-            return TileConfig(kind, 4, 2, 1, 128, 2, 2)
+            return TileConfig(kind, 4, 2, 1, 128, 2, 2, name=kind)
         if head_dim == 128:
-            return TileConfig(kind, 4, 2, 1, 64, 2, 2)
-        return TileConfig(kind, 4, 1, 1, 32, 2, 2)
+            return TileConfig(kind, 4, 2, 1, 64, 2, 2, name=kind)
+        return TileConfig(kind, 4, 1, 1, 32, 2, 2, name=kind)
+    if kind == "mma256":  # 8 warps x 2 m-tiles: 16 queries of a 16-head group share each block load
+        return TileConfig("prefill", 8, 2, 1, 128 if head_dim == 64 else 64, 2, 1, name=kind)
+    if kind in WG_TILES:
+        wgs, bn, stages = WG_TILES[kind]
+        return TileConfig("prefill", 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, name=kind)
     if kind == "decode":
         if head_dim == 64:
-            return TileConfig(kind, 1, 1, 4, 128, 3, 2)
+            return TileConfig(kind, 1, 1, 4, 128, 3, 2, name=kind)
         if head_dim == 128:
-            return TileConfig(kind, 1, 1, 4, 128 if fp8 else 64, 3, 2)
-        return TileConfig(kind, 1, 1, 4, 128 if fp8 else 64, 2, 1)
+            return TileConfig(kind, 1, 1, 4, 128 if fp8 else 64, 3, 2, name=kind)
+        return TileConfig(kind, 1, 1, 4, 128 if fp8 else 64, 2, 1, name=kind)
     raise ValueError(f"unknown tile kind {kind!r}")
 
 
@@ -105,15 +139,18 @@ _SPECS: dict = {}
 def _register_all() -> None:
     for d in HEAD_DIMS:
         for code in DTYPE_CODES.values():
-            for kind in ("prefill", "decode"):
+            for kind in ("decode",) + PREFILL_TILES:
                 cfg = tile_config(kind, d, code)
                 lay = smem_layout(cfg, d, code)
                 for kv in (0, 1, 2):
+                    if kind != "decode" and not tile_applies(kind, d, code, kv == 2):
+                        continue
+                    min_sm = 90 if cfg.wgmma else (89 if code == 2 else 80)
                     _SPECS[(d, code, kind, kv)] = register(
-                        SOURCE, KERNELS, min_sm=89 if code == 2 else 80, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=cfg.warps_m,
+                        SOURCE, KERNELS, min_sm=min_sm, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=cfg.warps_m,
                         ATT_MTILES=cfg.mtiles, ATT_WARPS_N=cfg.warps_n, ATT_BLOCK_N=cfg.block_n,
                         ATT_STAGES=cfg.stages, ATT_KV=kv, ATT_MIN_BLOCKS=cfg.min_blocks,
-                        ATT_SMEM_FIXED=lay["fixed"])
+                        ATT_WGMMA=int(cfg.wgmma), ATT_SMEM_FIXED=lay["fixed"])
 
 
 _register_all()
@@ -179,15 +216,21 @@ class LaunchGeometry:
 _SM_COUNT: dict = {}
 
 
-def _sm_count() -> int:
+def _device_info() -> tuple:
+    """(SM count, compute capability as an int, e.g. 90) of the current device, cached."""
     import cupy
 
     dev = cupy.cuda.Device().id
-    n = _SM_COUNT.get(dev)
-    if n is None:
-        n = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
-        _SM_COUNT[dev] = n
-    return n
+    info = _SM_COUNT.get(dev)
+    if info is None:
+        props = cupy.cuda.runtime.getDeviceProperties(dev)
+        info = (int(props["multiProcessorCount"]), int(props["major"]) * 10 + int(props["minor"]))
+        _SM_COUNT[dev] = info
+    return info
+
+
+def _sm_count() -> int:
+    return _device_info()[0]
 
 
 def choose_splits(ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int) -> int:
@@ -208,18 +251,38 @@ def choose_splits(ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int) -> 
     return 1
 
 
+# Prefill tiles used when the caller names none (see the module docstring).
+DEFAULT_PREFILL_TILE = "prefill"
+DEFAULT_SPARSE_TILE = "prefill"
+ENV_PREFILL_TILE = "MATE_CUPY_ATTN_PREFILL_TILE"
+ENV_SPARSE_TILE = "MATE_CUPY_ATTN_SPARSE_TILE"
+
+
+def choose_prefill_tile(requested, *, head_dim: int, dtype_code: int, sparse: bool, cc: int) -> str:
+    """The prefill tile of a call: ``requested`` when it applies, else the default."""
+    if requested is not None and requested not in PREFILL_TILES:
+        raise ValueError(f"unknown attention prefill tile {requested!r} (known: {', '.join(PREFILL_TILES)})")
+    for name in (requested, DEFAULT_SPARSE_TILE if sparse else DEFAULT_PREFILL_TILE):
+        if name is not None and tile_applies(name, head_dim, dtype_code, sparse, cc):
+            return name
+    return "prefill"
+
+
 def launch_geometry(*, batch: int, num_heads_kv: int, group: int, head_dim: int, dtype_code: int,
                     max_seqlen_q: int, max_seqlen_k: int, sparse: bool, sparse_decode: bool,
-                    list_width: int, num_kv_splits: int, num_sms: int) -> LaunchGeometry:
+                    list_width: int, num_kv_splits: int, num_sms: int, prefill_tile=None,
+                    cc: int = 90) -> LaunchGeometry:
     """Tile shape, grid, split factor and shared memory for one call (pure host logic)."""
     packed = max_seqlen_q * group
     if sparse:
         kind = "decode" if (sparse_decode or group < 8) else "prefill"
     else:
         kind = "decode" if packed <= 16 else "prefill"
+    if kind == "prefill":
+        kind = choose_prefill_tile(prefill_tile, head_dim=head_dim, dtype_code=dtype_code, sparse=sparse, cc=cc)
     cfg = tile_config(kind, head_dim, dtype_code)
     lay = smem_layout(cfg, head_dim, dtype_code)
-    smem = lay["fixed"]
+    smem = lay["fixed"] + (WG_PAD if cfg.wgmma else 0)
     nq_cap, qwords = 0, 0
     row_tiles = max(1, -(-packed // cfg.rows))
     if sparse:
@@ -316,7 +379,8 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
                   kv_layout="NHD", page_size=0, kv_block_indexes=None,
                   max_seqlen_q, max_seqlen_k, causal, sm_scale,
                   k_scale=1.0, v_scale=1.0, is_fp8=False,
-                  num_kv_splits=-1, sparse_decode=False, workspace=None, stream=None) -> None:
+                  num_kv_splits=-1, sparse_decode=False, workspace=None, stream=None,
+                  prefill_tile=None) -> None:
     """Attention forward on CuPy arrays (dense, paged or block-sparse KV).
 
     q [total_q, Hq, D]; k, v dense [total_k, Hkv, D] (``page_size=0``) or paged
@@ -325,7 +389,9 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
     dtype (bf16 for e4m3); lse [total_q, Hq] float32 or None. Index arrays int32.
     Sparse: ``kv_block_indexes`` [total_q, Hkv, W] lists 128-key blocks (page size
     128); -1 and out-of-range ids are skipped. Rows of q that belong to no request,
-    or lie past ``max_seqlen_q`` of their request, are not written.
+    or lie past ``max_seqlen_q`` of their request, are not written. ``prefill_tile``
+    names the prefill tile (``PREFILL_TILES``; default from the environment, see the
+    module docstring).
     """
     import cupy
 
@@ -444,10 +510,13 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     if batch == 0 or total_q == 0 or max_seqlen_q <= 0:
         return
+    if prefill_tile is None:
+        prefill_tile = os.environ.get(ENV_SPARSE_TILE if sparse else ENV_PREFILL_TILE) or None
+    num_sms, cc = _device_info()
     geo = launch_geometry(batch=batch, num_heads_kv=hkv, group=group, head_dim=d, dtype_code=code,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max(1, max_seqlen_k), sparse=sparse,
                           sparse_decode=bool(sparse_decode), list_width=width,
-                          num_kv_splits=num_kv_splits, num_sms=_sm_count())
+                          num_kv_splits=num_kv_splits, num_sms=num_sms, prefill_tile=prefill_tile, cc=cc)
     if geo.grid[1] > 65535 or geo.grid[2] > 65535:
         raise NotImplementedError(f"grid {geo.grid} exceeds the CUDA limits (batch and Hkv*splits <= 65535)")
 
@@ -463,9 +532,11 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
         n_o = geo.splits * total_q * hq * d * 4
         ws_o = flat[:n_o].view(np.float32)
         ws_lse = flat[n_o:need].view(np.float32)
+        if any(workspace is b for bufs in _WORKSPACES.values() for b in bufs):
+            note_const(ws_o, ws_lse)  # a cached workspace outlives recorded launches (replay)
 
     out_scale = float(v_scale) if is_fp8 else 1.0
-    spec = attention_spec(d, code, geo.kind, KV_SPARSE if sparse else (KV_DENSE if dense else KV_PAGED))
+    spec = attention_spec(d, code, geo.cfg.name, KV_SPARSE if sparse else (KV_DENSE if dense else KV_PAGED))
     values = dict(
         q=q, k=k, v=v, out=out, lse=lse, ws_o=ws_o, ws_lse=ws_lse, cu_seqlens_q=cu_seqlens_q, qo_lens=qo_lens,
         kv_lens=kv_lens, qo_offset=qo_offset, cu_seqlens_k=cu_seqlens_k if dense else None, page_list=page_list,
