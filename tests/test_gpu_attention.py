@@ -337,7 +337,7 @@ def _poison(shape, dtype):
 
 def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=None, sm_scale=None,
          k_scale=1.0, v_scale=1.0, splits=-1, sparse_decode=False, table=None, with_lse=True, q=None, out=None,
-         max_seqlen_q=None, max_seqlen_k=None):
+         max_seqlen_q=None, max_seqlen_k=None, tile=None):
     """Launch run_attention on the problem's arrays; returns (out, lse) as host arrays."""
     import cupy
 
@@ -353,7 +353,7 @@ def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=No
               max_seqlen_q=int(p.qo.max()) if max_seqlen_q is None else max_seqlen_q,
               max_seqlen_k=int(kvl.max()) if max_seqlen_k is None else max_seqlen_k, causal=causal,
               sm_scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, k_scale=k_scale, v_scale=v_scale,
-              is_fp8=fp8, num_kv_splits=splits, sparse_decode=sparse_decode)
+              is_fp8=fp8, num_kv_splits=splits, sparse_decode=sparse_decode, prefill_tile=tile)
     if source == "dense":
         k, v = _cp(p.k), _cp(p.v)
         kw.update(cu_seqlens_k=_cp(p.cu_k), page_size=0)
@@ -597,6 +597,92 @@ def test_split_workspace_is_reused(rng):
     out, lse = _run(p, splits=4)
     assert [b.data.ptr for b in ak._WORKSPACES.get(0, [])] == before
     _check(out, lse, _dense_ref(p), BF16, "reused workspace")
+
+
+# ============================================================================ GPU: prefill tiles
+
+WG_TILES = list(ak.WG_TILES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WG_TILES)
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (32, 4), (32, 2)], ids=["r1", "r8", "r16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dense_varlen_wgmma_tiles(rng, tile, dtype, hq, hkv, d, causal):
+    p = make_problem(rng, QO, KV, hq, hkv, d, dtype=dtype)
+    out, lse = _run(p, causal=causal, tile=tile)
+    _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{tile} dense d{d} r{hq // hkv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WG_TILES)
+def test_wgmma_tiles_offsets_views_and_splits(rng, tile):
+    p = make_problem(rng, [40, 200, 3], [300, 200, 50], 16, 2, 128)
+    offs = np.array([-10, 0, 700], np.int64)
+    kvl = np.array([250, 199, 50], np.int32)
+    out, lse = _run(p, qo_offset=offs, kv_lens=kvl, tile=tile)
+    _check(out, lse, _dense_ref(p, qo_offset=offs, kv_lens=kvl), BF16, f"{tile} offsets")
+    out, lse = _run(p, splits=3, tile=tile)
+    _check(out, lse, _dense_ref(p), BF16, f"{tile} splits=3")
+    p = make_problem(rng, [70, 129], [70, 300], 8, 1, 128)
+    qh = np.zeros((p.total_q, 8, 256), dtype=BF16)
+    qh[:, :, :128] = p.q
+    obig = _poison((p.total_q, 8, 256), BF16)
+    out, _ = _run(p, q=_cp(qh)[:, :, :128], out=obig[:, :, :128], with_lse=False, tile=tile)
+    assert rel_err(to_f64(out), _dense_ref(p)[0]) <= TOL[BF16]
+    assert np.isnan(to_f64(obig)[:, :, 128:]).all(), "the kernel wrote outside the out view"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WG_TILES)
+@pytest.mark.parametrize("page_size,layout,source", [(16, "NHD", "table"), (64, "HND", "csr"), (128, "NHD", "csr"),
+                                                     (256, "HND", "table")])
+def test_paged_wgmma_tiles(rng, tile, page_size, layout, source):
+    p = make_problem(rng, [1, 90, 0, 200], [700, 90, 33, 450], 16, 2, 128, page_size=page_size, layout=layout)
+    out, lse = _run(p, source=source, tile=tile)
+    _check(out, lse, _paged_ref(p), BF16, f"{tile} paged {page_size} {layout} {source}")
+    if page_size == 64:
+        table = p.page_table.copy()
+        table[3, 1] = p.k_cache.shape[0] + 5  # invalid ids: masked
+        table[1, 0] = -3
+        out, lse = _run(p, source="table", table=table, tile=tile)
+        _check(out, lse, _paged_ref(p, table=table), BF16, f"{tile} paged invalid ids")
+
+
+SPARSE_TILES = ["mma256"] + WG_TILES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", SPARSE_TILES)
+@pytest.mark.parametrize("hq,hkv,dtype", [(32, 4, BF16), (32, 2, BF16), (64, 4, F16)], ids=["r8", "r16", "r16h"])
+def test_sparse_prefill_tiles_per_token_lists(rng, tile, hq, hkv, dtype):
+    p = make_problem(rng, [300, 1, 70], [1200, 129, 70], hq, hkv, 128, dtype=dtype, page_size=128)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    out, lse = _run(p, source="table", sel=sel, tile=tile)
+    _check(out, lse, _sparse_ref(p, sel), dtype, f"{tile} sparse r{hq // hkv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", SPARSE_TILES)
+def test_sparse_prefill_tiles_shared_blocks(rng, tile):
+    p = make_problem(rng, [512], [4096], 32, 2, 128, page_size=128, layout="HND")
+    sel = np.full((512, 2, 16), -1, np.int32)
+    for t in range(4):
+        for h in range(2):
+            reach = (4096 - 512 + 128 * t) // 128 + 1
+            sel[128 * t:128 * (t + 1), h] = rng.choice(reach, size=16, replace=False).astype(np.int32)
+    out, lse = _run(p, source="table", sel=sel, tile=tile)
+    _check(out, lse, _sparse_ref(p, sel), BF16, f"{tile} sparse tile-shared lists")
+
+
+@pytest.mark.gpu
+def test_sparse_fp8_256_row_tile(rng):
+    p = make_problem(rng, [200, 40], [700, 40], 16, 1, 128, dtype=FP8, page_size=128)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    out, lse = _run(p, source="table", sel=sel, k_scale=0.7, v_scale=1.3, tile="mma256")
+    _check(out, lse, _sparse_ref(p, sel, k_scale=0.7, v_scale=1.3), FP8, "sparse fp8 mma256")
 
 
 # ============================================================================ GPU: CUDA graph (torch)
