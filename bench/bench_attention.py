@@ -1,8 +1,9 @@
-"""MSA attention cases (issue 8): dense causal prefill, paged decode, block-sparse prefill.
+"""MSA attention cases (issue 8): dense causal prefill, paged decode, block-sparse prefill and decode.
 
 Peers: torch SDPA (flash and cuDNN backends) for dense and decode (decode on a
-contiguous copy of the paged KV), FlexAttention with a block mask for sparse.
-All bf16, D = 128.
+contiguous copy of the paged KV), FlexAttention with a block mask for sparse prefill;
+block-sparse decode is compared with our own dense paged decode over the same lengths.
+All bf16, D = 128; sparse rows at MiniMax-M3's shapes (Hq 64, Hkv 4, 16 blocks of 128).
 """
 from __future__ import annotations
 
@@ -305,6 +306,110 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
     return case
 
 
+# --------------------------------------------------------------------------- block-sparse decode
+
+def sparse_decode_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, topk: int, *,
+                       target: Target | None) -> Case:
+    """One new token per request over ``seqlen`` cached keys; each (request, KV head) lists
+    ``topk`` blocks of 128: block 0, the last block and random ones between. Ours (sparse,
+    ``sparse_decode_atten_func``) against our dense paged decode (``msa``) over the full
+    lengths, both on the same page-128 cache."""
+    dev = cfg.device
+    scale = D ** -0.5
+    pages_per_req = math.ceil(seqlen / BLOCK)
+    n_pages = batch * pages_per_req
+    last = (seqlen - 1) // BLOCK
+
+    def make_inputs(n):
+        import torch
+
+        g = _gen(dev, 4)
+        sets = []
+        for _ in range(n):
+            perm = torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)
+            keys = torch.rand(batch, hkv, pages_per_req, generator=g, device=dev)
+            keys[:, :, last + 1:] = 3.0  # never past the request
+            keys[:, :, 0] = -1.0         # forced: the first block and the query's own block
+            keys[:, :, last] = -1.0
+            ids = keys.topk(min(topk, last + 1), dim=-1, largest=False).indices.sort(-1).values.to(torch.int32)
+            sets.append({"q": _randn((batch, hq, D), g, dev),
+                         "k_cache": _randn((n_pages, BLOCK, hkv, D), g, dev),
+                         "v_cache": _randn((n_pages, BLOCK, hkv, D), g, dev),
+                         "kv_indices": perm, "kv_block_indexes": ids.contiguous()})
+        return sets
+
+    def ours_sparse(inputs):
+        import torch
+
+        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=BLOCK, kv_block_num=topk,
+                               causal=True)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.api().sparse_decode_atten_func(
+                x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
+                kv_block_indexes=x["kv_block_indexes"], out=outs[i]))
+
+        return Bound(run)
+
+    def ours_dense(inputs):
+        import torch
+
+        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=BLOCK, causal=True)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
+                                       out=outs[i]))
+
+        return Bound(run)
+
+    def check(results, inp):
+        import torch
+
+        rows = sample_rows(batch, 4, dev)
+        table = inp["kv_indices"].view(batch, pages_per_req)[rows].long()   # [R, pages]
+        pos = torch.full_like(rows, seqlen - 1)
+        r = hq // hkv
+        off = torch.arange(BLOCK, device=dev)
+        out = {}
+        for name, o in results.items():
+            parts = []
+            for gi in range(hkv):
+                if name == "mate_cupy":  # the listed blocks only
+                    bl = inp["kv_block_indexes"][rows, gi].long()           # [R, W]
+                    pages = torch.gather(table, 1, bl)
+                    kp = (bl[:, :, None] * BLOCK + off).reshape(len(rows), -1)
+                else:                    # every key
+                    pages = table
+                    kp = torch.arange(pages_per_req * BLOCK, device=dev)[None].expand(len(rows), -1)
+                kk = inp["k_cache"][pages][:, :, :, gi].reshape(len(rows), -1, 1, D)
+                vv = inp["v_cache"][pages][:, :, :, gi].reshape(len(rows), -1, 1, D)
+                parts.append(attention_rows(inp["q"][rows, gi * r:(gi + 1) * r], kk, vv, pos,
+                                            torch.full_like(rows, seqlen), True, scale, key_pos=kp))
+            what = "listed blocks" if name == "mate_cupy" else "all keys"
+            out[name] = {"err": rel_err(o[rows], torch.cat(parts, dim=1)),
+                         "err_vs": f"fp32 reference on sampled requests ({what})"}
+        return out
+
+    sparse_bytes = 2.0 * batch * hkv * min(topk, last + 1) * BLOCK * D * 2
+    return Case(
+        op="msa sparse decode", name=f"B{batch} L{seqlen} Hq{hq} Hkv{hkv} top{topk}",
+        make_inputs=make_inputs, set_bytes=kv_bytes(batch, seqlen, hkv, D),
+        impls=[
+            Impl("mate_cupy", "ours", ours_sparse, capture_safe=False, bytes=sparse_bytes),
+            # our own dense decode is the yardstick here, so it is filed as the case's peer
+            Impl("mate_cupy.dense", "peer", ours_dense, bytes=kv_bytes(batch, seqlen, hkv, D)),
+        ],
+        metric="tbps", bytes=sparse_bytes, baseline="mate_cupy.dense", target=target,
+        check=check, tol=2e-2, max_sets=1,
+        params=dict(B=batch, L=seqlen, Hq=hq, Hkv=hkv, D=D, topk=topk, block=BLOCK, dtype="bfloat16",
+                    baseline_note="our dense paged decode over the same lengths"),
+    )
+
+
 def _attach_flops(case: Case, flops_of):
     """Sparse FLOPs depend on the drawn selection: count them on the first input set."""
     make = case.make_inputs
@@ -334,6 +439,9 @@ def cases(cfg) -> list:
     out.append(decode_case(cfg, b, L, page, hq, hkv, target=Target("tbps", 3.0)))
     s, hq, hkv, topk = sized(cfg, (32768, 64, 4, 16), (8192, 64, 4, 16), (1024, 16, 1, 4))
     out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=False, target=flex))
-    out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=True, target=None,
+    out.append(sparse_case(cfg, s, hq, hkv, topk, per_token=True,
+                           target=Target("ms", 8.0) if cfg.size == "full" else None,
                            flex_note_ms=219.0 if cfg.size == "full" else None))
+    b, L, hq, hkv, topk = sized(cfg, (64, 131072, 64, 4, 16), (16, 32768, 64, 4, 16), (2, 2048, 16, 1, 4))
+    out.append(sparse_decode_case(cfg, b, L, hq, hkv, topk, target=Target("speedup", 10.0, "mate_cupy.dense")))
     return out
