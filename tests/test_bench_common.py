@@ -99,6 +99,8 @@ def test_targets():
     assert Target("time_ratio", 0.6, "flash").evaluate(ours, recs) is False   # 2/3 > 0.6
     assert Target("time_ratio", 0.7, "flash").evaluate(ours, recs) is True
     assert Target("tbps", 3.0).evaluate(ours, recs) is True
+    assert Target("ms", 2.5).evaluate(ours, recs) is True and Target("ms", 1.5).evaluate(ours, recs) is False
+    assert Target("ms", 8.0).text == "<=8 ms"
     assert Target("speedup", 1.0, "missing").evaluate(ours, recs) is None
     failed = new_record("op", "c", "mate_cupy", "ours", error="boom")
     assert Target("speedup", 1.0, "flash").evaluate(failed, [failed, peer]) is None
