@@ -651,7 +651,7 @@ def test_paged_wgmma_tiles(rng, tile, page_size, layout, source):
         _check(out, lse, _paged_ref(p, table=table), BF16, f"{tile} paged invalid ids")
 
 
-SPARSE_TILES = ["mma256"] + WG_TILES
+SPARSE_TILES = list(ak.MMA256_TILES) + WG_TILES
 
 
 @pytest.mark.gpu

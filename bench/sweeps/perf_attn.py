@@ -6,7 +6,7 @@ Candidates (``mate_cupy.msa.attention_kernels.PREFILL_TILES``), chosen per call 
 ``run_attention(prefill_tile=...)``:
 
 * ``prefill``   current default: mma.sync, 128 rows (4 warps x 2 m-tiles), 64 keys/tile, 2 stages
-* ``mma256``    mma.sync, 256 rows (8 warps x 2 m-tiles), block-sparse only
+* ``mma256`` / ``mma256s4``: mma.sync, 256 rows (8 warps x 2 m-tiles), 3 / 4 stages, block-sparse only
 * ``wg2n128s2`` warpgroup MMA (sm_90a), 2 warpgroups = 128 rows, 128 keys/tile, 2 stages
 * ``wg2n64s3`` / ``wg2n64s2`` / ``wg3n64s3``: 128 or 192 rows, 64 keys/tile, 3 or 2 stages
 
@@ -45,7 +45,8 @@ NAME = "perf_attn"
 ROOT = Path(__file__).resolve().parents[2]
 WG = ["wg2n128s2", "wg2n64s3", "wg2n64s2", "wg3n64s3"]
 DENSE_TILES = ["prefill"] + WG
-SPARSE_TILES = ["prefill", "mma256"] + WG
+MMA256 = ["mma256", "mma256s4"]
+SPARSE_TILES = ["prefill"] + MMA256 + WG
 SMOKE_TIMEOUT_S = 30
 D = 128
 
@@ -56,7 +57,7 @@ def _specs():
     from mate_cupy.msa import attention_kernels as ak
 
     keys = [(128, 1, "prefill", 0), (128, 1, "prefill", 2), (128, 1, "decode", 1), (128, 1, "decode", 2),
-            (128, 1, "mma256", 2), (128, 0, "mma256", 2)]
+            (128, 1, "mma256", 2), (128, 0, "mma256", 2), (128, 1, "mma256s4", 2), (128, 0, "mma256s4", 2)]
     for t in WG:
         keys += [(128, 1, t, 0), (128, 1, t, 1), (128, 1, t, 2), (64, 0, t, 0), (128, 0, t, 2), (64, 1, t, 0)]
     return [ak.attention_spec(*k) for k in keys]
@@ -126,52 +127,72 @@ def smoke(status_path: str) -> None:
             return f"{what}: lse"
         return None
 
+    # Problems and their float64 references, built once and shared by every tile:
+    # (name, problem, launch keywords, reference, dtype, sparse?)
     QO, KV = [1, 0, 77, 300, 5, 130], [1, 9, 77, 420, 0, 100]
-
-    def dense_cases(tile):
-        for hq, hkv, d, dt, causal in [(32, 4, 128, BF16, True), (4, 4, 64, F16, False), (32, 2, 128, BF16, True),
-                                       (32, 4, 64, BF16, True), (32, 4, 128, F16, False)]:
-            p = make_problem(rng, QO, KV, hq, hkv, d, dtype=dt)
-            ref = R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=p.kv - p.qo, causal=causal)
-            yield check(launch(p, tile, causal=causal), ref, dt, f"dense r{hq // hkv} d{d} {dt} causal={causal}")
-        p = make_problem(rng, [40, 200, 3], [300, 200, 50], 16, 2, 128)
-        offs, kvl = np.array([-10, 0, 700]), np.array([250, 199, 50], np.int32)
-        ref = R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=offs, causal=True, kv_lens=kvl)
-        yield check(launch(p, tile, offs=offs, kvl=kvl), ref, BF16, "dense offsets")
-        p = make_problem(rng, [1, 90, 0, 200], [700, 90, 33, 450], 16, 2, 128, page_size=64, layout="HND")
-        table = p.page_table.copy()
-        table[3, 1] = p.k_cache.shape[0] + 5
-        ref = R.paged_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, table, qo_offset=p.kv - p.qo,
-                                causal=True, kv_layout=p.layout)
-        yield check(launch(p, tile, source="table", table=table), ref, BF16, "paged invalid page")
-
-    def sparse_cases(tile):
-        for hq, hkv, dt in [(32, 2, BF16), (32, 4, BF16), (64, 4, F16)]:
-            p = make_problem(rng, [300, 1, 70], [1200, 129, 70], hq, hkv, 128, dtype=dt, page_size=128)
-            sel = random_selection(rng, p, 16)
-            ref = R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel,
-                                     qo_offset=p.kv - p.qo, kv_layout=p.layout)
-            yield check(launch(p, tile, source="table", sel=sel), ref, dt, f"sparse per-token r{hq // hkv} {dt}")
-        p = make_problem(rng, [512], [4096], 32, 2, 128, page_size=128)
-        sel = np.full((512, 2, 16), -1, np.int32)
-        for t in range(4):
-            for h in range(2):
-                reach = (4096 - 512 + 128 * t) // 128 + 1
-                sel[128 * t:128 * (t + 1), h] = rng.choice(reach, size=16, replace=False)
+    probs = []
+    for hq, hkv, d, dt, causal in [(32, 4, 128, BF16, True), (4, 4, 64, F16, False), (32, 2, 128, BF16, True),
+                                   (32, 4, 64, BF16, True), (32, 4, 128, F16, False)]:
+        p = make_problem(rng, QO, KV, hq, hkv, d, dtype=dt)
+        ref = R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=p.kv - p.qo, causal=causal)
+        probs.append((f"dense r{hq // hkv} d{d} {dt} causal={causal}", p, dict(causal=causal), ref, dt, False))
+    p = make_problem(rng, [40, 200, 3], [300, 200, 50], 16, 2, 128)
+    offs, kvl = np.array([-10, 0, 700]), np.array([250, 199, 50], np.int32)
+    ref = R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=offs, causal=True, kv_lens=kvl)
+    probs.append(("dense offsets", p, dict(offs=offs, kvl=kvl), ref, BF16, False))
+    p = make_problem(rng, [1, 90, 0, 200], [700, 90, 33, 450], 16, 2, 128, page_size=64, layout="HND")
+    table = p.page_table.copy()
+    table[3, 1] = p.k_cache.shape[0] + 5
+    ref = R.paged_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, table, qo_offset=p.kv - p.qo,
+                            causal=True, kv_layout=p.layout)
+    probs.append(("paged invalid page", p, dict(source="table", table=table), ref, BF16, False))
+    for hq, hkv, dt in [(32, 2, BF16), (32, 4, F16)]:
+        p = make_problem(rng, [200, 1, 40], [800, 129, 40], hq, hkv, 128, dtype=dt, page_size=128)
+        sel = random_selection(rng, p, 16)
         ref = R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel,
                                  qo_offset=p.kv - p.qo, kv_layout=p.layout)
-        yield check(launch(p, tile, source="table", sel=sel), ref, BF16, "sparse tile-shared")
+        probs.append((f"sparse per-token r{hq // hkv} {dt}", p, dict(source="table", sel=sel), ref, dt, True))
+    p = make_problem(rng, [256], [1536], 32, 2, 128, page_size=128)
+    sel = np.full((256, 2, 16), -1, np.int32)
+    for t in range(2):
+        for h in range(2):
+            reach = (1536 - 256 + 128 * t) // 128 + 1
+            n = min(16, reach)
+            sel[128 * t:128 * (t + 1), h, :n] = rng.choice(reach, size=n, replace=False)
+    ref = R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel,
+                             qo_offset=p.kv - p.qo, kv_layout=p.layout)
+    probs.append(("sparse tile-shared", p, dict(source="table", sel=sel), ref, BF16, True))
+
+    def diagnose(tile):
+        """Where a failing tile goes wrong: error per 8-dim output chunk and per 8-row group
+        of one request (group 1, 128 queries x 128 keys, full attention, D 128), and whether
+        a single 16-key tile already fails."""
+        diag = {}
+        for name, lq, lk in (("q128k128", 128, 128), ("q64k16", 64, 16)):
+            p = make_problem(rng, [lq], [lk], 1, 1, 128)
+            o, _ = launch(p, tile, causal=False)
+            ro, _ = R.dense_attention(p.q, p.k, p.v, p.cu_q, p.cu_k, qo_offset=p.kv - p.qo, causal=False)
+            e = np.abs(np.nan_to_num(o[:, 0], nan=1e9) - ro[:, 0])
+            nrm = np.abs(ro[:, 0]).mean() + 1e-30
+            diag[name] = {"dim_chunks": [round(float(e[:, 8 * c:8 * c + 8].mean() / nrm), 3) for c in range(16)],
+                          "row_groups": [round(float(e[8 * r:8 * r + 8].mean() / nrm), 3) for r in range(lq // 8)],
+                          "nan": int(np.isnan(o).sum())}
+        return diag
 
     status = {}
-    for tile in WG + ["mma256"]:
+    for tile in WG + MMA256:
         status[tile] = "running"
         Path(status_path).write_text(json.dumps(status))
         fails = []
         try:
-            gens = [sparse_cases(tile)] if tile == "mma256" else [dense_cases(tile), sparse_cases(tile)]
-            for gen in gens:
-                fails += [f for f in gen if f]
+            for name, p, kw, ref, dt, sparse in probs:
+                if sparse or tile not in MMA256:
+                    f = check(launch(p, tile, **kw), ref, dt, name)
+                    if f:
+                        fails.append(f)
             status[tile] = "ok" if not fails else "wrong: " + "; ".join(fails)
+            if fails and tile not in MMA256:
+                status[tile + ".diagnosis"] = json.dumps(diagnose(tile))
         except Exception as e:  # a launch error poisons the context: stop here
             status[tile] = f"error: {type(e).__name__}: {str(e)[:300]}"
             Path(status_path).write_text(json.dumps(status))
@@ -191,7 +212,7 @@ def run_smoke(env) -> dict:
         except subprocess.TimeoutExpired:
             tail, rc = "timed out", "timeout"
         status = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
-        for t in WG + ["mma256"]:
+        for t in WG + MMA256:
             if status.get(t) in (None, "running"):
                 status[t] = f"untested/hung (child rc={rc})" if status.get(t) == "running" else "untested"
         return {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
@@ -459,7 +480,7 @@ def main(argv) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     report["smoke"] = run_smoke(env)
-    ok = {t for t, st in report["smoke"]["status"].items() if st == "ok"}
+    ok = {t for t, st in report["smoke"]["status"].items() if st == "ok" and not t.endswith(".diagnosis")}
 
     import torch
 
@@ -492,7 +513,7 @@ def _print(report) -> None:
     print(f"[{NAME}] build {report['build']['modules']} modules in {report['build']['seconds']} s, "
           f"errors {len(report['build']['errors'])}; smoke {report['smoke']['seconds']} s rc={report['smoke']['rc']}")
     for t, st in report["smoke"]["status"].items():
-        print(f"  smoke {t:10s} {st[:150]}")
+        print(f"  smoke {t:10s} {st[:150] if not t.endswith('.diagnosis') else st[:600]}")
     if report["smoke"].get("tail"):
         print("  smoke tail: " + report["smoke"]["tail"][-600:].replace("\n", " | "))
     print(f"{'case':44s} {'impl':18s} {'ms':>9s} {'TF/s|TB/s':>9s} {'x base':>7s} {'err_vs_base':>11s} {'err_ref':>8s}")

@@ -512,6 +512,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 // O[64 x D] += P[64 x kBN] V[kBN x D]: per 16-key step one n64 MMA per 64-dim
                 // column block of V (MN-major); waited for at the top of the next tile.
                 const u64 v_desc = wg_desc(v_addr, 16, 1024);
+                // The rescaled O and the packed P are written before the fence (pinned here).
+                wg_fence_regs<kDT * 4>(&O[0][0][0]);
+                wg_fence_regs<kBN / 4>(&pa[0][0][0]);
                 wg_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk) {

@@ -11,7 +11,7 @@ passes none, then reused; see :func:`split_workspace_bytes`).
 Variants (all registered at import, so ``compile_all`` builds them):
 ``ATT_HEAD_DIM`` in {64, 128, 256} x ``ATT_DTYPE`` (fp16, bf16, e4m3) x tile
 shape ("prefill": 64/128-row mma.sync tiles; "decode": 16-row tiles with the keys of a
-tile split over 4 warps; "mma256": 256-row mma.sync tiles for block-sparse prefill;
+tile split over 4 warps; "mma256*": 256-row mma.sync tiles for block-sparse prefill;
 "wg*": warpgroup-MMA tiles, sm_90a, fp16/bf16, D 64/128) x ``ATT_KV`` (dense key
 range, paged key range, or the union of the selected 128-key blocks). Causality,
 paging, page size, KV layout and strides are runtime arguments. Design notes:
@@ -72,7 +72,10 @@ class TileConfig:
 # Warpgroup-MMA prefill tiles: name -> (warpgroups, keys per tile, stages). Each warpgroup
 # owns 64 rows (one 16-row m-tile per warp); one CTA per SM.
 WG_TILES = {"wg2n128s2": (2, 128, 2), "wg2n64s3": (2, 64, 3), "wg2n64s2": (2, 64, 2), "wg3n64s3": (3, 64, 3)}
-PREFILL_TILES = ("prefill", "mma256") + tuple(WG_TILES)
+# mma.sync 256-row tiles for block-sparse prefill: name -> stages (deeper rings keep more
+# K/V bytes in flight: one CTA per SM).
+MMA256_TILES = {"mma256": 3, "mma256s4": 4}
+PREFILL_TILES = ("prefill",) + tuple(MMA256_TILES) + tuple(WG_TILES)
 WG_PAD = 1024  # extra shared bytes of a wgmma tile: the kernel aligns its tiles to 1024 bytes
 
 
@@ -80,7 +83,7 @@ def tile_applies(name: str, head_dim: int, dtype_code: int, sparse: bool, cc: in
     """Whether the prefill tile ``name`` exists for this head dim / dtype / KV mode / GPU."""
     if name == "prefill":
         return True
-    if name == "mma256":
+    if name in MMA256_TILES:
         return sparse and head_dim in (64, 128)
     if name in WG_TILES:
         return cc == 90 and dtype_code in (0, 1) and head_dim in (64, 128)
@@ -96,8 +99,8 @@ def tile_config(kind: str, head_dim: int, dtype_code: int) -> TileConfig:
         if head_dim == 128:
             return TileConfig(kind, 4, 2, 1, 64, 2, 2, name=kind)
         return TileConfig(kind, 4, 1, 1, 32, 2, 2, name=kind)
-    if kind == "mma256":  # 8 warps x 2 m-tiles: 16 queries of a 16-head group share each block load
-        return TileConfig("prefill", 8, 2, 1, 128 if head_dim == 64 else 64, 2, 1, name=kind)
+    if kind in MMA256_TILES:  # 8 warps x 2 m-tiles: 16 queries of a 16-head group share each block load
+        return TileConfig("prefill", 8, 2, 1, 128 if head_dim == 64 else 64, MMA256_TILES[kind], 1, name=kind)
     if kind in WG_TILES:
         wgs, bn, stages = WG_TILES[kind]
         return TileConfig("prefill", 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, name=kind)

@@ -56,6 +56,12 @@ __device__ __forceinline__ void wg_fence_regs(float* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(u32* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
 // OR of `x` over the 128 threads of warpgroup barrier `bar_id` (1..15; 0 is __syncthreads).
 // Every thread of the warpgroup must call it (warp-uniform control flow).
 __device__ __forceinline__ bool warpgroup_any(bool x, int bar_id) {
