@@ -126,8 +126,7 @@ def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_toke
         NotImplementedError: q not fp16/bf16, unsupported output dtype, CUDA inputs while
             the decode kernel is not available.
     """
-    call, args = _decode.validate(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,
-                                  state_indices, scale, output, use_qk_l2norm, lower_bound, use_gate_in_kernel,
-                                  use_lower_bound, apply_beta_sigmoid, allow_neg_eigval, use_initial_state,
-                                  state_v_first, is_varlen, store_final_state, inplace_final_state, state_dtype)
-    return _decode.run(call, args, output, state)
+    return _decode.decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices,
+                          scale, output, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound,
+                          apply_beta_sigmoid, allow_neg_eigval, use_initial_state, state_v_first, is_varlen,
+                          store_final_state, inplace_final_state, state_dtype)

@@ -10,14 +10,16 @@ kernel treats an out-of-range slot as padding.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from .. import _launch_cache as lc
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, dtype_name
 from ..reference.kda import kda_decode
-from .common import HALF_DTYPES, INDEX_DTYPES, CudaOut, cuda_contiguous, cuda_float32, load_launcher, names
+from .common import HALF_DTYPES, INDEX_DTYPES, CudaOut, cuda_contiguous, load_launcher, names
 
 STATE_DTYPES = (FLOAT32, BFLOAT16)
 GATE_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
@@ -215,6 +217,53 @@ def validate(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens,
     return call, r
 
 
+# Array arguments in signature order (replayed launches, see ``mate_cupy._launch_cache``).
+_ARRAYS = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "num_accepted_tokens", "cu_seqlens", "b",
+           "state_indices", "output")
+_RECIPES = lc.new_cache()
+_launcher = None  # decode_kernels, once loaded (its VFIRST_WARPS knob is part of the key)
+
+
+def decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices, scale, output,
+           use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid, allow_neg_eigval,
+           use_initial_state, state_v_first, is_varlen, store_final_state, inplace_final_state, state_dtype):
+    """``gated_delta_rule_decode``: a recorded launch when this signature ran before, else
+    :func:`validate` + :func:`run` (recorded for the next call)."""
+    key = None
+    if lc.ENABLED:
+        opts = (scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid,
+                allow_neg_eigval, use_initial_state, state_v_first, is_varlen, store_final_state,
+                inplace_final_state, state_dtype, None if _launcher is None else _launcher.VFIRST_WARPS)
+        if lc.plain(opts):
+            sig, ptrs = lc.signature((q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,
+                                      state_indices, output))
+            if sig is not None:
+                key = (opts, sig)
+                recipe = _RECIPES.get(key)
+                if recipe is not None:
+                    allocs = lc.replay(recipe, ptrs, q)
+                    out = output if output is not None else allocs["out"]
+                    if inplace_final_state:
+                        return out, state
+                    if store_final_state:
+                        return out, allocs["final"]
+                    return out, None
+    rec = lc.Recorder(_ARRAYS) if key is not None else None
+    with lc.recording(rec):
+        call, r = validate(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices,
+                           scale, output, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound,
+                           apply_beta_sigmoid, allow_neg_eigval, use_initial_state, state_v_first, is_varlen,
+                           store_final_state, inplace_final_state, state_dtype)
+        if rec is not None:
+            for name in _ARRAYS:
+                rec.arg(name, call.data(name))
+        result = run(call, r, output, state)
+    if rec is not None:
+        lc.store(_RECIPES, (key[0][:-1] + (None if _launcher is None else _launcher.VFIRST_WARPS,), key[1]),
+                 rec, call)
+    return result
+
+
 def run(call: Call, r: DecodeArgs, output, state):
     """Compute; return ``(output, final_state or None)`` in the caller's framework.
 
@@ -263,23 +312,32 @@ def _run_host(call: Call, r: DecodeArgs):
 
 
 def _run_cuda(call: Call, r: DecodeArgs):
+    global _launcher
     run_decode = load_launcher("decode_kernels", "run_decode", "gated_delta_rule_decode")
+    if _launcher is None:
+        _launcher = sys.modules.get(run_decode.__module__)
     d = call.data
     with call.launch_scope():
         q, k, v, a, b = (cuda_contiguous(d(n)) for n in ("q", "k", "v", "a", "b"))
         out = CudaOut(call, d("output"), (r.B, r.T, r.HV, r.V), r.out_dtype)
+        if d("output") is None:
+            lc.note_alloc("out", out.buf)
         state = None
         if r.use_initial_state or r.inplace:
             st = d("state")
             state = CudaOut(call, st, st.shape, r.state_dtype, initial=True)
         fs = CudaOut(call, None, r.final_shape, r.state_dtype) if (r.store_final_state and not r.inplace) else None
         final_buf = None if fs is None else fs.buf
+        if fs is not None:
+            lc.note_alloc("final", final_buf)
         if state is None and final_buf is None and r.state_dtype != FLOAT32:
             # The launcher takes the state dtype from its state buffers; with none, hand it a
             # scratch final state so a bf16 state is still rounded after every token.
             final_buf = call.empty(r.final_shape, r.state_dtype)
+            lc.note_alloc("scratch", final_buf)
+        # dt_bias is float32 or bfloat16 (validated): the kernel reads either as it is.
         run_decode(
-            q=q, k=k, v=v, a=a, b=b, A_log=cuda_contiguous(d("A_log")), dt_bias=cuda_float32(call["dt_bias"]),
+            q=q, k=k, v=v, a=a, b=b, A_log=cuda_contiguous(d("A_log")), dt_bias=cuda_contiguous(d("dt_bias")),
             state=None if state is None else state.buf,
             state_indices=cuda_contiguous(d("state_indices")),
             num_accepted_tokens=cuda_contiguous(d("num_accepted_tokens")),

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32, INT64, dtype_name
-from ..jit import get_kernel, launch, register
+from .._launch_cache import launch as record_launch
+from ..jit import get_kernel, register
 
 _SOURCE = "kda_decode.cu"
 _STATE_CTYPE = {FLOAT32: "float", BFLOAT16: "__nv_bfloat16"}
@@ -49,7 +50,6 @@ _NO_POOL = np.iinfo(np.int64).max
 _INT32_MAX = np.iinfo(np.int32).max
 
 _sm_counts: dict = {}
-_smem_opt_in: dict = {}  # id(kernel) -> dynamic shared memory already allowed
 
 
 def _sm_count() -> int:
@@ -63,14 +63,9 @@ def _sm_count() -> int:
 
 
 def _launch(kernel, grid: int, threads: int, args: tuple, smem: int, stream) -> None:
-    """Launch; dynamic shared memory above 48 KiB is opted into once per kernel here."""
-    if smem <= 48 * 1024:
-        launch(kernel, (grid,), (threads,), args, shared_mem=smem, stream=stream)
-        return
-    if _smem_opt_in.get(id(kernel), 0) < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-        _smem_opt_in[id(kernel)] = smem
-    kernel((grid,), (threads,), args, shared_mem=smem, stream=stream)
+    """Launch (noted for replay, see ``mate_cupy._launch_cache``); ``jit.launch`` opts into
+    dynamic shared memory above 48 KiB once per kernel."""
+    record_launch(kernel, (grid,), (threads,), args, shared_mem=smem, stream=stream)
 
 
 def _smem_bytes(stage_bytes: int, tc: int, vs: int, red_floats: int) -> int:

@@ -19,10 +19,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .. import _launch_cache as lc
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, INT32, Call, dtype_name
 from ..reference import msa as ref
 from . import kernels
-from .plan import SPARSE_BLOCK_SIZE, MsaPlan, max_k_tiles, plan_page_width
+from .plan import SPARSE_BLOCK_SIZE, MsaPlan, MsaRuntimeMetadata, max_k_tiles, plan_page_width
 from .runtime import Lengths, resolve_lengths
 
 __all__ = ["run_plan"]
@@ -516,6 +517,16 @@ def _split_rows(a, n: int):
     return (None, None) if a is None else (a[:n], a[n:])
 
 
+# Array arguments in signature order (replayed launches, see ``mate_cupy._launch_cache``).
+_ARRAYS = ("q", "k", "v", "out", "lse", "max_score", "kv_indices", "page_table", "kv_block_indexes",
+           "q_offset_override", "md.qo_lens", "md.kv_lens", "md.qo_offset", "md.cu_seqlens_q", "md.cu_seqlens_k",
+           "md.seqused_k", "md.page_table", "md.kv_page_indptr")
+_NO_METADATA = (None,) * 8
+# Launcher knobs read from the environment at every launch: part of the signature.
+_ENV_KNOBS = lc.env_keys("MATE_CUPY_ATTN_PREFILL_TILE", "MATE_CUPY_ATTN_SPARSE_TILE")
+_RECIPES = lc.new_cache()
+
+
 def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_offset_override=None, out=None,
              lse=None, max_score=None, page_table=None, sm_scale=None, k_scale=1.0, v_scale=1.0,
              runtime_metadata=None, output_o=True, output_maxscore=False, want_lse=False,
@@ -525,8 +536,56 @@ def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_
     ``info`` is an unpacked plan info ``(mixed, split, batch, plan, prefill_plan)``.
     ``out``/``lse`` are produced when ``output_o`` (``lse`` when given or ``want_lse``),
     ``max_score`` when ``output_maxscore``. Preallocated arrays are written in place and
-    returned as the same objects.
+    returned as the same objects. A call whose signature ran before replays its recorded
+    launches (plans are keyed by identity: a plan is not changed after it is built).
     """
+    key = None
+    md = runtime_metadata
+    if lc.ENABLED and not check_input_valid and (md is None or type(md) is MsaRuntimeMetadata):
+        mixed, split, _, first, second = info
+        ov, ov_array = q_offset_override, None
+        if ov is not None and not isinstance(ov, (int, np.integer)):
+            ov, ov_array = "array", ov
+        opts = (id(first), id(second), mixed, split, sm_scale, k_scale, v_scale, output_o, output_maxscore,
+                want_lse, ov, md is None) + lc.env_state(_ENV_KNOBS)
+        if lc.plain(opts):
+            arrays = (q, k, v, out, lse, max_score, kv_indices, page_table, kv_block_indexes, ov_array) + (
+                _NO_METADATA if md is None else
+                (md.qo_lens, md.kv_lens, md.qo_offset, md.cu_seqlens_q, md.cu_seqlens_k, md.seqused_k,
+                 md.page_table, md.kv_page_indptr))
+            sig, ptrs = lc.signature(arrays)
+            if sig is not None:
+                key = (opts, sig)
+                recipe = _RECIPES.get(key)
+                if recipe is not None:
+                    allocs = lc.replay(recipe, ptrs, q)
+                    res_o = res_lse = res_ms = None
+                    if output_o:
+                        res_o = out if out is not None else allocs["out"]
+                        if lse is not None:
+                            res_lse = lse
+                        elif want_lse:
+                            res_lse = allocs["lse"]
+                    if output_maxscore:
+                        res_ms = max_score if max_score is not None else allocs["max_score"]
+                    return res_o, res_lse, res_ms
+    rec = lc.Recorder(_ARRAYS) if key is not None else None
+    with lc.recording(rec):
+        call, result = _run_plan_full(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
+                                      q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
+                                      page_table=page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                                      runtime_metadata=runtime_metadata, output_o=output_o,
+                                      output_maxscore=output_maxscore, want_lse=want_lse,
+                                      check_input_valid=check_input_valid)
+    if rec is not None:
+        lc.store(_RECIPES, key, rec, call, keep=(info[3], info[4]))
+    return result
+
+
+def _run_plan_full(info: tuple, q, k, v, *, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
+                   page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
+                   check_input_valid):
+    """:func:`run_plan` without replay: returns ``(call, (out, lse, max_score))``."""
     mixed, split, _, first, second = info
     plans = [first, second] if mixed else [first]
     call = Call(q=q, k=k, v=v)
@@ -538,6 +597,8 @@ def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_
     override = q_offset_override
     if override is not None and not isinstance(override, (int, np.integer)):
         override = call.add("q_offset_override", _as_array(override)).data
+    for name, arg in call.args.items():
+        lc.note_arg(name, arg.data)
 
     any_sparse = any(p.is_sparse for p in plans)
     if kv_block_indexes is not None and not any_sparse and output_o:
@@ -568,16 +629,19 @@ def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_
             out_data = _check_output(call, "out", qa.shape, ctx.out_dtype, "[total_q, Hq, D]")
         else:
             out_data = call.empty(qa.shape, ctx.out_dtype)
+            lc.note_alloc("out", out_data)
         if lse is not None:
             lse_data = _check_output(call, "lse", (total_q, hq), FLOAT32, "[total_q, Hq]")
         elif want_lse:
             lse_data = call.empty((total_q, hq), FLOAT32)
+            lc.note_alloc("lse", lse_data)
     if output_maxscore:
         nt = max(max_k_tiles(p) for p in plans)
         if max_score is not None:
             ms_data = _check_max_score_buffer(call, total_q, hq, nt)
         else:
             ms_data = call.empty((total_q, hq, nt), FLOAT32)
+            lc.note_alloc("max_score", ms_data)
     kbi = None
     if any_sparse and output_o and kv_block_indexes is not None:
         kbi = _check_block_indexes(call, first, total_q)
@@ -605,7 +669,7 @@ def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_
             return None
         return obj if obj is not None else call.export(data, dtype=dt)
 
-    return (give(out, out_data, ctx.out_dtype), give(lse, lse_data, FLOAT32), give(max_score, ms_data, FLOAT32))
+    return call, (give(out, out_data, ctx.out_dtype), give(lse, lse_data, FLOAT32), give(max_score, ms_data, FLOAT32))
 
 
 def _split_mixed(whole: _Part, first: MsaPlan, second: MsaPlan, split: int) -> list:

@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32, INT64, dtype_name
-from ..jit import get_kernel, launch, register
+from .._launch_cache import launch
+from ..jit import get_kernel, register
 
 SOURCE = "msa_index.cu"
 BLOCK = 128            # keys per max-score block

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import _launch_cache as lc
 from .._interop import INT32, Call, dtype_name, is_array, wrap
 from .._validate import where
 from .plan import MsaPlan, MsaRuntimeMetadata, plan_page_width
@@ -75,6 +76,7 @@ def _runtime_vector(name: str, obj, *, length: int, device: int):
     if arg.shape[0] != length:
         raise ValueError(f"runtime {name} must have length {length}, got {arg.shape[0]}")
     _check_placement(name, arg, device)
+    lc.note_arg("md." + name, arg.data)
     return arg.data
 
 
@@ -85,6 +87,7 @@ def runtime_page_table(name: str, obj, *, batch_size: int, max_pages: int, devic
     if arg.shape != expected:
         raise ValueError(f"runtime {name} must have shape {expected}, got {arg.shape}")
     _check_placement(name, arg, device)
+    lc.note_arg("md." + name, arg.data)
     return arg.data
 
 
@@ -106,7 +109,9 @@ def _cu(lengths, is_cuda: bool):
 def _plan_vector(plan: MsaPlan, name: str, call: Call):
     if call.is_cuda:
         with call.launch_scope():
-            return plan.device_vector(name, call.device)
+            vec = plan.device_vector(name, call.device)
+        lc.note_const(vec)  # cached on the plan, which a recorded launch keeps alive
+        return vec
     return plan.host_vector(name)
 
 
