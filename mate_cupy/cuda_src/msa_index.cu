@@ -312,6 +312,402 @@ msa_topk_select_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 }
 
 // ============================================================================
+// Top-k block selection, streaming: one warp per row (k <= 32; used for k <= 16)
+// ============================================================================
+//
+// The warp reads its row once, in chunks of CH = 32 NPT scores (VEC = 4: 16-byte
+// streaming loads), only up to the end of the competing range, and keeps a
+// candidate buffer in shared memory. Per chunk c:
+//
+//   * each lane keeps the running max of its keys; t_c, the k-th largest of the
+//     32 running maxima, is a lower bound of the row's k-th largest key T (k
+//     distinct scores reach it);
+//   * tp is a bound backed by k scores of *earlier* chunks: a score of chunk c
+//     whose key equals tp loses the tie to each of those k (ties go to the lower
+//     index), so it is never chosen and the filter may be strict;
+//   * the chunk's keys >= f = max(t_c, tp + 1) are appended to the buffer.
+//
+// Invariant: the buffer holds the row's best k (by key, then lower index). When a
+// chunk's candidates do not fit (heavy ties), the buffer is first cut to its own
+// best k (their k-th key raises tp), and if that is not enough the chunk's own
+// best k, found in registers by the bitwise search, are appended instead. At the
+// end the entries >= tp (about 20 on random rows) are selected: at most 32 by two
+// bitonic sorts, one entry per lane; more by bitwise searches over shared memory.
+//
+// Keys: the first pass uses fast_order_key (two instructions). It orders every
+// non-NaN score exactly except -0 < +0, and puts positive NaNs above +inf and
+// negative NaNs below -inf (all-ones bits even at 0, "not competing"). Its result
+// is exact unless a competing score is a positive NaN or the k-th largest key T is
+// -0/+0 or below -inf; such rows are selected again with score_order_key.
+
+constexpr int kStreamCap = 256;  // candidate buffer entries per row
+
+// Rows (warps) per CTA: each row also stages its chunk's keys in shared memory.
+template <int NPT>
+struct StreamRows {
+    static constexpr int kPerCta = NPT > 16 ? 4 : 8;
+};
+
+struct StreamSmem {
+    u32 key[kStreamCap];
+    int idx[kStreamCap];
+    int sel[kTopkMaxSelect];
+};
+
+// Order key of x up to -0/+0 and NaN placement (see above).
+__device__ __forceinline__ u32 fast_order_key(float x) {
+    const u32 b = __float_as_uint(x);
+    return b ^ ((u32)((int)b >> 31) | 0x80000000u);
+}
+
+template <bool EXACT>
+__device__ __forceinline__ u32 stream_key(float x) {
+    if constexpr (EXACT) return score_order_key(x); else return fast_order_key(x);
+}
+
+// Fast keys chose exactly what score_order_key would: T at or above -inf's key
+// (0x007fffff), not -0 (0x7fffffff) or +0 (0x80000000), no positive NaN competing.
+__device__ __forceinline__ bool fast_keys_exact(u32 T, bool pos_nan) {
+    return !pos_nan && T >= 0x007fffffu && T != 0x7fffffffu && T != 0x80000000u;
+}
+
+__device__ __forceinline__ u32 strictly_above(u32 t) { return t == 0xffffffffu ? t : t + 1u; }
+
+__device__ __forceinline__ u32 lanemask_lt(int lane) { return (1u << lane) - 1u; }
+
+// Offset in its chunk of the i-th key of a lane.
+template <int VEC>
+__device__ __forceinline__ int stream_offset(int i, int lane) {
+    return VEC == 4 ? 128 * (i / 4) + 4 * lane + (i % 4) : 32 * i + lane;
+}
+
+// Keys of chunk [c0, c0 + CH); MASK: some scores lie outside the competing range [lo, hi)
+// (their key is 0, nothing at or past hi is read).
+template <bool EXACT, bool MASK, int NPT, int VEC>
+__device__ __forceinline__ void stream_load(const float* __restrict__ srow, int c0, int lo, int hi, int lane,
+                                            u32 (&key)[NPT]) {
+    const int first = c0 + VEC * lane;        // index of this lane's first score in the chunk
+    const float* p = srow + first;            // the rest are at constant offsets: one address register
+#pragma unroll
+    for (int v = 0; v < NPT / VEC; ++v) {
+        const int base = first + 32 * VEC * v;
+        if constexpr (VEC == 4) {
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (!MASK || base < hi) x = __ldcs(reinterpret_cast<const float4*>(p + 32 * VEC * v));
+            const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 kx = stream_key<EXACT>(xs[j]);
+                key[4 * v + j] = !MASK || (unsigned)(base + j - lo) < (unsigned)(hi - lo) ? kx : 0u;
+            }
+        } else {
+            float x = 0.f;
+            if (!MASK || base < hi) x = __ldcs(p + 32 * v);
+            const u32 kx = stream_key<EXACT>(x);
+            key[v] = !MASK || (unsigned)(base - lo) < (unsigned)(hi - lo) ? kx : 0u;
+        }
+    }
+}
+
+// Stage this lane's chunk keys in shared memory, [NPT / VEC][32 lanes][VEC] (16-byte
+// stores), so the few candidates can be picked by a variable index.
+template <int NPT, int VEC>
+__device__ __forceinline__ void stream_stage(const u32 (&key)[NPT], int lane, u32* __restrict__ stage) {
+#pragma unroll
+    for (int v = 0; v < NPT / VEC; ++v) {
+        if constexpr (VEC == 4)
+            *reinterpret_cast<uint4*>(stage + 4 * (32 * v + lane)) =
+                make_uint4(key[4 * v], key[4 * v + 1], key[4 * v + 2], key[4 * v + 3]);
+        else
+            stage[32 * v + lane] = key[v];
+    }
+}
+
+// Append the chunk's keys >= f (and their indices) to buffer entries [count, ...);
+// false, writing nothing, when they do not fit. Keys are read back from this lane's
+// staged copy (no other lane's), one iteration per candidate.
+template <int NPT, int VEC>
+__device__ __forceinline__ bool stream_append(const u32 (&key)[NPT], u32 f, int c0, int lane,
+                                              const u32* __restrict__ stage, StreamSmem& s, int& count) {
+    static_assert(NPT <= 32, "one mask bit per key");
+    u32 mask = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) mask |= (key[i] >= f ? 1u : 0u) << i;
+    const int mine = __popc(mask);
+    const int incl = warp_inclusive_scan(mine, lane);
+    const int total = __shfl_sync(kFullMask, incl, 31);
+    if (count + total > kStreamCap) return false;
+    int pos = count + incl - mine;
+    while (mask != 0u) {
+        const int i = __ffs(mask) - 1;
+        mask &= mask - 1u;
+        s.key[pos] = stage[VEC == 4 ? 4 * (32 * (i >> 2) + lane) + (i & 3) : 32 * i + lane];
+        s.idx[pos] = c0 + (VEC == 4 ? 128 * (i >> 2) + 4 * lane + (i & 3) : 32 * i + lane);
+        ++pos;
+    }
+    count += total;
+    return true;
+}
+
+// The best k of buffer entries [0, n) (keys >= 1): chosen <=> key > T, or key == T and
+// idx <= cut. With fewer than k entries T is 0 (callers check).
+struct StreamPick {
+    u32 T;
+    int cut;
+};
+
+__device__ __forceinline__ StreamPick buffer_pick(const StreamSmem& s, int n, int k, int lane) {
+    const u32 T = kth_largest_key(k, [&](u32 c) {
+        int m = 0;
+        for (int i = lane; i < n; i += 32) m += s.key[i] >= c;
+        return __reduce_add_sync(kFullMask, m);
+    });
+    int g = 0, e = 0;
+    for (int i = lane; i < n; i += 32) {
+        g += s.key[i] > T;
+        e += s.key[i] == T;
+    }
+    const int need = k - __reduce_add_sync(kFullMask, g);  // >= 1: fewer than k keys exceed T
+    int cut = 0x7fffffff;
+    if (__reduce_add_sync(kFullMask, e) > need) {
+        cut = nth_smallest_index(need, kTopkIndexBits, [&](int c) {
+            int m = 0;
+            for (int i = lane; i < n; i += 32) m += (s.key[i] == T) & (s.idx[i] < c);
+            return __reduce_add_sync(kFullMask, m);
+        });
+    }
+    return {T, cut};
+}
+
+// Keep the buffer entries that `keep` accepts, in order, at the front; returns how many.
+template <class Keep>
+__device__ __forceinline__ int buffer_compact(StreamSmem& s, int n, int lane, Keep keep) {
+    int base = 0;
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        u32 x = 0;
+        int id = 0;
+        bool k = false;
+        if (i < n) {
+            x = s.key[i];
+            id = s.idx[i];
+            k = keep(x, id);
+        }
+        const u32 m = __ballot_sync(kFullMask, k);
+        __syncwarp();  // this round is read before anything is moved (targets are <= sources)
+        if (k) {
+            const int at = base + __popc(m & lanemask_lt(lane));
+            s.key[at] = x;
+            s.idx[at] = id;
+        }
+        base += __popc(m);
+        __syncwarp();
+    }
+    return base;
+}
+
+// The chunk's best k among its keys >= f (more than k of them), appended to buffer
+// entries [count, count + k) (count + k <= kStreamCap); returns their k-th largest key.
+// Rare (heavy ties): re-reads the chunk, out of line so the hot loop keeps its registers.
+template <bool EXACT, int NPT, int VEC>
+__device__ __noinline__ u32 stream_append_chunk_best(const float* __restrict__ srow, int c0, int lo, int hi, u32 f,
+                                                     int lane, int k, StreamSmem* sp, int count) {
+    constexpr int OFFSET_BITS = NPT == 32 ? 10 : (NPT == 8 ? 8 : 14);  // offsets < 32 NPT
+    static_assert(32 * NPT <= (1 << OFFSET_BITS), "offset bits");
+    StreamSmem& s = *sp;
+    u32 key[NPT];
+    stream_load<EXACT, true, NPT, VEC>(srow, c0, lo, hi, lane, key);
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) key[i] = key[i] >= f ? key[i] : 0u;
+    const u32 T = kth_largest_key(k, [&](u32 c) {
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) n += key[i] >= c;
+        return __reduce_add_sync(kFullMask, n);
+    });
+    int g = 0, e = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        g += key[i] > T;
+        e += key[i] == T;
+    }
+    const int need = k - __reduce_add_sync(kFullMask, g);
+    int cut = 0x7fffffff;  // tied offsets <= cut are taken
+    if (__reduce_add_sync(kFullMask, e) > need) {
+        cut = nth_smallest_index(need, OFFSET_BITS, [&](int c) {
+            int n = 0;
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) n += (key[i] == T) & (stream_offset<VEC>(i, lane) < c);
+            return __reduce_add_sync(kFullMask, n);
+        });
+    }
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) mine += key[i] > T || (key[i] == T && stream_offset<VEC>(i, lane) <= cut);
+    int pos = count + warp_inclusive_scan(mine, lane) - mine;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        if (key[i] > T || (key[i] == T && stream_offset<VEC>(i, lane) <= cut)) {
+            s.key[pos] = key[i];
+            s.idx[pos] = c0 + stream_offset<VEC>(i, lane);
+            ++pos;
+        }
+    }
+    __syncwarp();
+    return T;
+}
+
+// Cut buffer entries [0, count) (more than k, keys >= 1) to their best k, in order;
+// returns their k-th largest key (0, nothing cut, if fewer than k keys are >= 1).
+struct StreamCut {
+    u32 T;
+    int count;
+};
+
+__device__ __noinline__ StreamCut stream_buffer_cut(StreamSmem* sp, int count, int k, int lane) {
+    StreamSmem& s = *sp;
+    const StreamPick p = buffer_pick(s, count, k, lane);
+    const int n = buffer_compact(s, count, lane, [&](u32 x, int id) { return x > p.T || (x == p.T && id <= p.cut); });
+    return {p.T, n};
+}
+
+// One chunk of stream_select_row: read it, update the lane's running max and the bounds,
+// append its candidates; false when they do not fit (EXACT == false: the row is then
+// redone by the exact pass, which handles heavy ties). The masked and unmasked chunks
+// run separate copies, so the key registers never merge across a branch.
+template <bool EXACT, bool MASK, int NPT, int VEC>
+__device__ __forceinline__ bool stream_chunk(const float* __restrict__ srow, int c0, int lo, int hi, int k, int lane,
+                                             u32* __restrict__ stage, StreamSmem& s, u32& run_max, u32& tp,
+                                             int& count) {
+    u32 key[NPT];
+    stream_load<EXACT, MASK, NPT, VEC>(srow, c0, lo, hi, lane, key);
+    stream_stage<NPT, VEC>(key, lane, stage);
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) run_max = max(run_max, key[i]);
+    const u32 tc = __shfl_sync(kFullMask, warp_sort_ascending(run_max, lane), 32 - k);
+    u32 f = max(max(tc, strictly_above(tp)), 1u);
+    if (!stream_append<NPT, VEC>(key, f, c0, lane, stage, s, count)) {  // heavy ties: rare
+        if constexpr (!EXACT) return false;
+        if (count > k) {
+            __syncwarp();
+            const StreamCut cut = stream_buffer_cut(&s, count, k, lane);
+            count = cut.count;
+            tp = max(tp, cut.T);
+            f = max(f, strictly_above(tp));
+        }
+        if (!stream_append<NPT, VEC>(key, f, c0, lane, stage, s, count)) {
+            tp = max(tp, stream_append_chunk_best<EXACT, NPT, VEC>(srow, c0, lo, hi, f, lane, k, &s, count));
+            count += k;
+        }
+    }
+    tp = max(tp, tc);
+    return true;
+}
+
+// Select the row's best k of the competing blocks [lo, hi) (hi - lo > k) into
+// out[0..k), ascending. Returns false (nothing written) when the fast keys cannot
+// decide the row exactly or its candidates overflow the buffer (EXACT == false only).
+template <bool EXACT, int NPT, int VEC>
+__device__ __forceinline__ bool stream_select_row(const float* __restrict__ srow, int lo, int hi, int k, int lane,
+                                                  u32* __restrict__ stage, StreamSmem& s, int* __restrict__ out) {
+    constexpr int CH = 32 * NPT;
+    const int nchunks = (hi + CH - 1) / CH;
+    u32 run_max = 0;  // this lane's largest key so far
+    u32 tp = 0;       // k competing scores of earlier chunks have keys >= tp
+    int count = 0;    // buffer entries
+#pragma unroll 1
+    for (int c = 0; c < nchunks; ++c) {
+        const int c0 = c * CH;
+        bool ok;
+        if (c0 >= lo && c0 + CH <= hi) ok = stream_chunk<EXACT, false, NPT, VEC>(srow, c0, lo, hi, k, lane, stage, s, run_max, tp, count);
+        else ok = stream_chunk<EXACT, true, NPT, VEC>(srow, c0, lo, hi, k, lane, stage, s, run_max, tp, count);
+        if (!EXACT && !ok) return false;
+    }
+    if (!EXACT && __any_sync(kFullMask, run_max > 0xff800000u)) return false;  // a positive NaN competes
+    __syncwarp();
+    int n = count;
+    if (nchunks > 1) n = buffer_compact(s, count, lane, [&](u32 x, int) { return x >= tp; });
+
+    if (n <= 32) {  // one entry per lane
+        const u32 ck = lane < n ? s.key[lane] : 0u;
+        const u32 ci = lane < n ? (u32)s.idx[lane] : 0xffffffffu;
+        const u32 T = __shfl_sync(kFullMask, warp_sort_ascending(ck, lane), 32 - k);
+        if (!EXACT && !fast_keys_exact(T, false)) return false;
+        const int need = k - __popc(__ballot_sync(kFullMask, ck > T));
+        u32 cut = 0xffffffffu;
+        if (__popc(__ballot_sync(kFullMask, ck == T)) > need)
+            cut = __shfl_sync(kFullMask, warp_sort_ascending(ck == T ? ci : 0xffffffffu, lane), need - 1);
+        const bool take = ck > T || (ck == T && ci <= cut);
+        const u32 ids = warp_sort_ascending(take ? ci : 0xffffffffu, lane);
+        if (lane < k) out[lane] = (int)ids;
+        return true;
+    }
+    const StreamPick p = buffer_pick(s, n, k, lane);
+    if (!EXACT && !fast_keys_exact(p.T, false)) return false;
+    int base = 0;
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        bool take = false;
+        int id = 0;
+        if (i < n) {
+            const u32 x = s.key[i];
+            id = s.idx[i];
+            take = x > p.T || (x == p.T && id <= p.cut);
+        }
+        const u32 m = __ballot_sync(kFullMask, take);
+        if (take) s.sel[base + __popc(m & lanemask_lt(lane))] = id;
+        base += __popc(m);
+    }
+    __syncwarp();
+    write_ids_ascending(s.sel, k, lane, 32, out);
+    return true;
+}
+
+// The exact pass, out of line: the fast pass keeps its registers.
+template <int NPT, int VEC>
+__device__ __noinline__ void stream_select_row_exact(const float* __restrict__ srow, int lo, int hi, int k, int lane,
+                                                     u32* stage, StreamSmem* s, int* __restrict__ out) {
+    stream_select_row<true, NPT, VEC>(srow, lo, hi, k, lane, stage, *s, out);
+}
+
+// Same contract as msa_topk_select_kernel (k = width - begin - end <= 32), one warp per row,
+// StreamRows<NPT>::kPerCta rows per CTA.
+template <int NPT, int VEC>
+__global__ void __launch_bounds__(32 * StreamRows<NPT>::kPerCta, NPT > 16 ? 6 : 4)
+msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, long long num_rows, int num_heads,
+                       int nt, int width, int num_valid_pages, int force_begin, int force_end,
+                       const long long* __restrict__ query_positions) {
+    static_assert(NPT % VEC == 0, "NPT must be a multiple of VEC");
+    constexpr int RPC = StreamRows<NPT>::kPerCta;
+    __shared__ StreamSmem smem_rows[RPC];
+    __shared__ __align__(16) u32 stage_rows[RPC][32 * NPT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    StreamSmem& s = smem_rows[warp];
+    u32* stage = stage_rows[warp];
+    const long long row = (long long)blockIdx.x * RPC + warp;
+    if (row >= num_rows) return;  // uniform over the warp
+
+    int valid = num_valid_pages;
+    if (query_positions != nullptr) {
+        const long long pos = query_positions[row / num_heads];
+        valid = pos < 0 ? 0 : (int)min((long long)valid, pos / 128 + 1);
+    }
+    int* orow = out + row * width;
+    if (valid <= width) {  // every valid block is chosen
+        for (int t = lane; t < width; t += 32) orow[t] = t < valid ? t : -1;
+        return;
+    }
+    for (int t = lane; t < force_begin; t += 32) orow[t] = t;
+    for (int t = lane; t < force_end; t += 32) orow[width - force_end + t] = valid - force_end + t;
+    const int k = width - force_begin - force_end;
+    if (k <= 0) return;
+    const int lo = force_begin, hi = valid - force_end;  // more than k competing blocks
+    const float* srow = scores + row * (long long)nt;
+    if (!stream_select_row<false, NPT, VEC>(srow, lo, hi, k, lane, stage, s, orow + lo))
+        stream_select_row_exact<NPT, VEC>(srow, lo, hi, k, lane, stage, &s, orow + lo);
+}
+
+// ============================================================================
 // Per-128-key-block max score
 // ============================================================================
 //
@@ -353,6 +749,7 @@ __device__ __forceinline__ int swizzled(int row, int col) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+#ifndef MATE_CUPY_EMU  // (the CPU emulator in tests/index_emu supplies these two)
 // 16-byte cp.async to a shared-space byte address; pred == false zero-fills.
 __device__ __forceinline__ void cp_async_16_at(u32 saddr, const void* gmem, bool pred) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0));
@@ -364,6 +761,7 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
 }
+#endif
 
 // q [total_q, Hq, D] (row strides q_stride_tok / q_stride_head, D contiguous).
 // K (kv_mode): 0 dense [total_k, Hkv, D], key j of request b at row cu_seqlens_k[b] + j;

@@ -40,6 +40,12 @@ _TOPK_WARP_CANDIDATES = 256   # kTopkWarpCandidates
 _TOPK_CTA_CANDIDATES = 2048   # kTopkCtaCandidates
 _TOPK_ROWS_PER_WARP_CTA = 8   # kTopkRowsPerWarpCta
 
+# Streaming top-k (one warp per row, chunks of 32 * NPT scores), k <= STREAM_MAX_SLOTS.
+STREAM_NPT = (8, 16, 32)
+STREAM_MAX_SLOTS = 16          # auto choice; the kernel itself is exact for k <= 32
+STREAM_KERNEL_MAX_SLOTS = 32
+STREAM_MIN_ROWS = 1024         # rows of more than 1024 scores: below this many rows a CTA per row wins
+
 
 def _b(x: bool) -> str:
     return "true" if x else "false"
@@ -47,6 +53,15 @@ def _b(x: bool) -> str:
 
 def _topk_name(nw: int, npt: int, vec: int, top2: bool) -> str:
     return f"msa_topk_select_kernel<{nw}, {npt}, {vec}, {_b(top2)}>"
+
+
+def _stream_name(npt: int, vec: int) -> str:
+    return f"msa_topk_stream_kernel<{npt}, {vec}>"
+
+
+def stream_rows_per_cta(npt: int) -> int:
+    """Rows (warps) per CTA of ``msa_topk_stream_kernel`` (mirrors ``StreamRows``)."""
+    return 4 if npt > 16 else 8
 
 
 def _max_score_name(dtype, d: int, nwarps: int) -> str:
@@ -58,6 +73,8 @@ for _nw, _npt in _TOPK_WARP_SHAPES + tuple((w, _TOPK_NPT) for w in _TOPK_CTA_WAR
     for _vec in (1, 4):
         for _top2 in ((False, True) if 2 * MAX_WIDTH > 32 * _nw else (False,)):
             TOPK_SPECS[(_nw, _npt, _vec, _top2)] = register(SOURCE, _topk_name(_nw, _npt, _vec, _top2))
+
+STREAM_SPECS = {(npt, vec): register(SOURCE, _stream_name(npt, vec)) for npt in STREAM_NPT for vec in (1, 4)}
 
 MAX_SCORE_SPECS = {
     (dt, d, nw): register(SOURCE, _max_score_name(dt, d, nw))
@@ -92,6 +109,27 @@ def topk_variant(nt: int, slots: int, vec_ok: bool) -> tuple:
         npt = _TOPK_NPT
     top2 = 2 * slots > 32 * nw
     return nw, npt, 4 if vec_ok else 1, top2
+
+
+def stream_npt(nt: int) -> int:
+    """Scores per lane per chunk of the streaming kernel for rows of ``nt`` scores: one
+    chunk when ``nt <= 1024`` (NPT 32 runs 24 warps per SM), else chunks of 512 (NPT 16:
+    64 registers, 32 warps per SM, so 4224 rows run in one wave on 132 SMs)."""
+    if nt <= 256:
+        return 8
+    if nt <= 512 or nt > 1024:
+        return 16
+    return 32
+
+
+def topk_algorithm(rows: int, nt: int, slots: int) -> str:
+    """``"stream"`` (one warp per row, streaming) or ``"block"`` (``msa_topk_select_kernel``:
+    a warp per row up to 1024 scores, else a CTA per row)."""
+    if slots > STREAM_MAX_SLOTS:
+        return "block"
+    if nt <= 1024 or rows >= STREAM_MIN_ROWS:
+        return "stream"
+    return "block"
 
 
 def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> tuple:
@@ -291,9 +329,14 @@ def run_topk_select(max_score, out, *, topk, num_valid_pages, force_begin_blocks
 
 
 def _launch_topk(max_score, out, *, topk, num_valid_pages, force_begin_blocks, force_end_blocks,
-                 force_blocks_count_in_topk, query_positions, stream, candidate_capacity):
-    """:func:`run_topk_select` with the candidate capacity exposed (0 forces the
-    register path that handles heavy ties; tests cover both paths)."""
+                 force_blocks_count_in_topk, query_positions, stream, candidate_capacity=None,
+                 algo=None, npt=None):
+    """:func:`run_topk_select` with the kernel choice exposed (tests and tuning sweeps).
+
+    ``algo``: ``None`` (:func:`topk_algorithm`), ``"stream"`` (``k <= 32``) or ``"block"``.
+    ``candidate_capacity`` (block kernels): 0 forces the register path that handles heavy
+    ties. ``npt`` (stream kernel): scores per lane per chunk, one of ``STREAM_NPT``.
+    """
     if np.dtype(max_score.dtype) != FLOAT32 or max_score.ndim != 3:
         raise ValueError(f"max_score must be float32 [total_q, Hq, NT], got "
                          f"{dtype_name(max_score.dtype)} {tuple(max_score.shape)}")
@@ -327,6 +370,24 @@ def _launch_topk(max_score, out, *, topk, num_valid_pages, force_begin_blocks, f
         return
     slots = width - begin - end
     vec_ok = nt % 4 == 0 and max_score.data.ptr % 16 == 0
+    if algo is None:
+        algo = "block" if candidate_capacity is not None else topk_algorithm(rows, nt, slots)
+    if algo == "stream":
+        if slots > STREAM_KERNEL_MAX_SLOTS:
+            raise ValueError(f"the streaming top-k kernel takes at most {STREAM_KERNEL_MAX_SLOTS} free slots, "
+                             f"got {slots}")
+        snpt = stream_npt(nt) if npt is None else int(npt)
+        if snpt not in STREAM_NPT:
+            raise ValueError(f"npt must be one of {STREAM_NPT}, got {npt}")
+        rpc = stream_rows_per_cta(snpt)
+        kernel = get_kernel(STREAM_SPECS[(snpt, 4 if vec_ok else 1)])
+        launch(kernel, (-(-rows // rpc),), (32 * rpc,),
+               (max_score, out, np.int64(rows), np.int32(hq), np.int32(nt), np.int32(width), np.int32(valid),
+                np.int32(begin), np.int32(end), _ptr(query_positions)),
+               stream=stream)
+        return
+    if algo != "block":
+        raise ValueError(f"algo must be None, 'stream' or 'block', got {algo!r}")
     nw, npt, vec, top2 = topk_variant(nt, slots, vec_ok)
     cap = (_TOPK_WARP_CANDIDATES if nw == 1 else _TOPK_CTA_CANDIDATES) if candidate_capacity is None \
         else int(candidate_capacity)

@@ -1,0 +1,237 @@
+// CPU SIMT emulation of the CUDA features used by cuda_src/msa_index.cu, so the kernel
+// source itself runs under g++ (optionally with AddressSanitizer) without a GPU.
+// One host thread per CUDA thread; std::barrier for __syncthreads and for every warp
+// collective (shuffles, votes, reductions, ldmatrix, mma.sync). cp.async copies either
+// when issued (exposes buffers refilled while still being read) or at the wait that
+// retires their group (exposes missing waits). Fragment layouts follow the PTX ISA.
+// Dynamic shared memory is a fresh allocation per block filled with 0xFF (NaN).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <vector_types.h>
+#include <vector_functions.h>
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#undef __global__
+#define __global__
+#undef __device__
+#define __device__
+#undef __forceinline__
+#define __forceinline__ inline
+#undef __noinline__
+#define __noinline__
+#define __launch_bounds__(...)
+#undef __shared__
+#define __shared__ static
+#ifndef __align__
+#define __align__(n) alignas(n)
+#endif
+using std::max;
+using std::min;
+
+struct EmuDim { unsigned x = 0, y = 0, z = 0; };
+inline thread_local EmuDim threadIdx, blockIdx;
+inline EmuDim blockDim, gridDim;
+
+namespace emu {
+struct Warp {
+    std::barrier<> bar{32};
+    unsigned char slot[32][64];
+};
+struct Block {
+    std::unique_ptr<std::barrier<>> bar;
+    std::vector<std::unique_ptr<Warp>> warps;
+    unsigned char* smem = nullptr;
+    size_t smem_bytes = 0;
+};
+inline Block* g_block = nullptr;
+inline bool g_lazy_cp_async = false;
+struct PendingCopy { void* dst; const void* src; bool pred; };
+inline thread_local std::vector<PendingCopy> t_open;              // issued, not committed
+inline thread_local std::deque<std::vector<PendingCopy>> t_groups;  // committed, not retired
+inline unsigned char* dyn_smem() { return g_block->smem; }
+inline Warp& my_warp() { return *g_block->warps[threadIdx.x / 32]; }
+inline int my_lane() { return threadIdx.x % 32; }
+template <typename V>
+inline void put(const V& v) { static_assert(sizeof(V) <= 64); std::memcpy(my_warp().slot[my_lane()], &v, sizeof(V)); }
+template <typename V>
+inline V get(int lane) { V v; std::memcpy(&v, my_warp().slot[lane], sizeof(V)); return v; }
+inline void wsync() { my_warp().bar.arrive_and_wait(); }
+inline void do_copy(const PendingCopy& p) {
+    if (p.pred) std::memcpy(p.dst, p.src, 16); else std::memset(p.dst, 0, 16);
+}
+
+// Blocks run one after another (x fastest, then y, then z).
+template <typename F>
+inline void launch(EmuDim grid, int threads, size_t smem_bytes, F&& body) {
+    gridDim = grid;
+    blockDim = EmuDim{(unsigned)threads, 1, 1};
+    for (unsigned bz = 0; bz < std::max(grid.z, 1u); ++bz)
+        for (unsigned by = 0; by < std::max(grid.y, 1u); ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                Block b;
+                b.bar = std::make_unique<std::barrier<>>(threads);
+                for (int w = 0; w < threads / 32; ++w) b.warps.emplace_back(std::make_unique<Warp>());
+                b.smem_bytes = smem_bytes;
+                b.smem = smem_bytes ? (unsigned char*)std::aligned_alloc(128, (smem_bytes + 127) / 128 * 128) : nullptr;
+                if (b.smem) std::memset(b.smem, 0xFF, smem_bytes);
+                g_block = &b;
+                std::vector<std::thread> ts;
+                for (int t = 0; t < threads; ++t)
+                    ts.emplace_back([&, t, bx, by, bz] {
+                        threadIdx = EmuDim{(unsigned)t, 0, 0};
+                        blockIdx = EmuDim{bx, by, bz};
+                        t_open.clear();
+                        t_groups.clear();
+                        body();
+                        for (auto& p : t_open) do_copy(p);  // (a kernel should not exit with copies in flight)
+                        for (auto& g : t_groups) for (auto& p : g) do_copy(p);
+                    });
+                for (auto& t : ts) t.join();
+                std::free(b.smem);
+                g_block = nullptr;
+            }
+}
+}  // namespace emu
+
+inline void __syncthreads() { emu::g_block->bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::wsync(); }
+template <typename V>
+inline V __shfl_sync(unsigned, V v, int src) {
+    emu::put(v); emu::wsync(); V r = emu::get<V>(src & 31); emu::wsync(); return r;
+}
+template <typename V>
+inline V __shfl_xor_sync(unsigned, V v, int o) {
+    emu::put(v); emu::wsync(); V r = emu::get<V>(emu::my_lane() ^ o); emu::wsync(); return r;
+}
+template <typename V>
+inline V __shfl_up_sync(unsigned, V v, int o) {
+    emu::put(v); emu::wsync(); int l = emu::my_lane(); V r = l >= o ? emu::get<V>(l - o) : v; emu::wsync(); return r;
+}
+inline unsigned __ballot_sync(unsigned, bool p) {
+    emu::put(int(p)); emu::wsync();
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l) r |= (emu::get<int>(l) != 0 ? 1u : 0u) << l;
+    emu::wsync();
+    return r;
+}
+inline bool __any_sync(unsigned m, bool p) { return __ballot_sync(m, p) != 0u; }
+inline bool __all_sync(unsigned m, bool p) { return __ballot_sync(m, p) == 0xffffffffu; }
+inline int __reduce_add_sync(unsigned, int x) {
+    emu::put(x); emu::wsync();
+    long long s = 0;
+    for (int l = 0; l < 32; ++l) s += emu::get<int>(l);
+    emu::wsync();
+    return (int)s;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __ldcs(const float* p) { return *p; }
+inline float4 __ldcs(const float4* p) {
+    if (reinterpret_cast<uintptr_t>(p) % 16) { std::fprintf(stderr, "misaligned float4 load\n"); std::abort(); }
+    return *p;
+}
+
+namespace mate {
+typedef __half half_t;
+typedef __nv_bfloat16 bf16_t;
+typedef unsigned char fp8_t;
+typedef unsigned int u32;
+typedef long long i64;
+template <typename T> inline float to_float(T x);
+template <> inline float to_float<float>(float x) { return x; }
+template <> inline float to_float<half_t>(half_t x) { return __half2float(x); }
+template <> inline float to_float<bf16_t>(bf16_t x) { return __bfloat162float(x); }
+
+// Shared-space byte addresses are offsets into the block's dynamic shared memory.
+inline u32 smem_u32(const void* p) {
+    return (u32)(reinterpret_cast<const unsigned char*>(p) - emu::dyn_smem());
+}
+inline void cp_async_16(void* smem, const void* gmem, bool pred = true) {
+    if (reinterpret_cast<uintptr_t>(smem) % 16 || (pred && reinterpret_cast<uintptr_t>(gmem) % 16)) {
+        std::fprintf(stderr, "misaligned cp.async\n");
+        std::abort();
+    }
+    emu::PendingCopy p{smem, gmem, pred};
+    if (emu::g_lazy_cp_async) emu::t_open.push_back(p); else emu::do_copy(p);
+}
+inline void cp_async_16_at(u32 saddr, const void* gmem, bool pred) {
+    if (saddr + 16 > emu::g_block->smem_bytes) { std::fprintf(stderr, "cp.async past shared memory\n"); std::abort(); }
+    cp_async_16(emu::dyn_smem() + saddr, gmem, pred);
+}
+inline void cp_async_commit() {
+    emu::t_groups.push_back(std::move(emu::t_open));
+    emu::t_open.clear();
+}
+template <int N> inline void cp_async_wait() {
+    while ((int)emu::t_groups.size() > N) {
+        for (auto& p : emu::t_groups.front()) emu::do_copy(p);
+        emu::t_groups.pop_front();
+    }
+}
+
+// ldmatrix x4: lane l gives the address of row l%8 of matrix l/8; register m of lane l
+// holds elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of matrix m.
+inline void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    emu::put(p); emu::wsync();
+    int l = emu::my_lane(), g = l / 4, t = l % 4;
+    u32 r[4];
+    for (int m = 0; m < 4; ++m) {
+        const unsigned char* row = emu::get<const unsigned char*>(8 * m + g);
+        std::memcpy(&r[m], row + 4 * t, 4);
+    }
+    emu::wsync();
+    r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
+}
+inline void ldmatrix_x4_at(u32* r, u32 saddr) {
+    if (saddr + 16 > emu::g_block->smem_bytes) { std::fprintf(stderr, "ldmatrix past shared memory\n"); std::abort(); }
+    ldmatrix_x4(r[0], r[1], r[2], r[3], emu::dyn_smem() + saddr);
+}
+
+template <typename T> inline float h2f(uint16_t b) { T x; std::memcpy(&x, &b, 2); return to_float<T>(x); }
+inline uint16_t half_of(u32 w, int i) { return i ? (uint16_t)(w >> 16) : (uint16_t)(w & 0xFFFF); }
+
+// mma.sync m16n8k16, f32 accumulate (exact products, float sums in k order).
+template <typename T>
+inline void mma_16x8x16(float* d, const u32* a, const u32* b) {
+    struct In { u32 a[4]; u32 b[2]; float c[4]; } in;
+    for (int i = 0; i < 4; ++i) { in.a[i] = a[i]; in.c[i] = d[i]; }
+    in.b[0] = b[0]; in.b[1] = b[1];
+    emu::put(in); emu::wsync();
+    float A[16][16], B[16][8], C[16][8];
+    for (int L = 0; L < 32; ++L) {
+        In x = emu::get<In>(L);
+        int g = L / 4, t = L % 4;
+        for (int e = 0; e < 2; ++e) {
+            A[g][2 * t + e] = h2f<T>(half_of(x.a[0], e));
+            A[g + 8][2 * t + e] = h2f<T>(half_of(x.a[1], e));
+            A[g][2 * t + 8 + e] = h2f<T>(half_of(x.a[2], e));
+            A[g + 8][2 * t + 8 + e] = h2f<T>(half_of(x.a[3], e));
+            B[2 * t + e][g] = h2f<T>(half_of(x.b[0], e));
+            B[2 * t + 8 + e][g] = h2f<T>(half_of(x.b[1], e));
+            C[g][2 * t + e] = x.c[e];
+            C[g + 8][2 * t + e] = x.c[2 + e];
+        }
+    }
+    emu::wsync();
+    int l = emu::my_lane(), g = l / 4, t = l % 4;
+    int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+    for (int i = 0; i < 4; ++i) {
+        float s = C[rows[i]][cols[i]];
+        for (int kk = 0; kk < 16; ++kk) s += A[rows[i]][kk] * B[kk][cols[i]];
+        d[i] = s;
+    }
+}
+}  // namespace mate

@@ -1,0 +1,235 @@
+"""The MSA index kernels' own source (cuda_src/msa_index.cu), run on the CPU SIMT
+emulator in tests/index_emu through the real launchers, against the float64 references.
+
+Top-k: exact id equality on adversarial rows for every kernel family (streaming warp
+kernel at each chunk size, warp and CTA kernels), including rows built to reach each
+rare path of the streaming kernel (candidate overflow, cutting the buffer, the chunk's
+own best k, the exact-key pass). Max score: dense and paged K, causal and not, GQA,
+offsets, with cp.async copies landing both at issue and at the retiring wait.
+Set MATE_CUPY_EMU_SANITIZE=1 to build the emulator with ASan/UBSan.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mate_cupy.msa import index_kernels as ik
+from mate_cupy.reference import msa as ref
+
+from test_gpu_index import (BF16, F16, SCORE_KINDS, _check_max_score, _lengths, _meta, _positions, _rand,
+                            _scores, _width)
+
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    from index_emu import harness
+
+    d = tmp_path_factory.mktemp("index_emu")
+    try:
+        exe = harness.build(d)
+    except RuntimeError as e:
+        if "needs g++" in str(e):
+            pytest.skip(str(e))
+        raise
+    return harness, harness.Emulated(exe, d / "work")
+
+
+# ============================================================================ score rows
+
+F32_BITS = np.uint32
+
+
+def _bits(u) -> np.float32:
+    return np.array([u], dtype=np.uint32).view(np.float32)[0]
+
+
+def special_rows(rng, rows: int, nt: int, k: int, kind: str) -> np.ndarray:
+    """[rows, nt] float32 rows aimed at the streaming kernel's rare paths."""
+    x = rng.standard_normal((rows, nt)).astype(np.float32)
+    for r in range(rows):
+        if kind == "inf_head":  # first chunks all -inf: overflow with an empty buffer
+            x[r, : min(nt, 1100)] = -np.inf
+        elif kind == "tie_flood":  # fewer than k larger scores, the rest one tied value
+            x[r] = 0.75
+            few = rng.choice(nt, size=min(nt, max(0, k - 3)), replace=False)
+            x[r, few] = 2.0 + rng.random(few.size)
+        elif kind == "late_ties":  # later chunks repeat the k-th best of the first one
+            head = min(nt, 512)
+            kth = np.sort(x[r, :head])[-min(k, head)]
+            tail = np.arange(head, nt)
+            x[r, tail[rng.random(tail.size) < 0.5]] = kth
+        elif kind == "zeros":  # T at zero: +0 and -0 tie (fast keys cannot decide)
+            x[r] = np.where(rng.random(nt) < 0.5, np.float32(0.0), np.float32(-0.0))
+            few = rng.choice(nt, size=min(nt, max(0, k // 2)), replace=False)
+            x[r, few] = 1.0 + rng.random(few.size)
+        elif kind == "pos_nan":  # a positive NaN competes (fast keys put it on top)
+            x[r, rng.choice(nt, size=min(nt, 3), replace=False)] = _bits(0x7FC00001)
+        elif kind == "neg_nan":  # few numbers, many NaN payloads of both signs: T below -inf
+            pay = rng.choice(np.array([0xFFFFFFFF, 0xFF800001, 0xFFC00000, 0x7FC00000, 0x7F800001], dtype=np.uint32),
+                             size=nt)
+            x[r] = pay.view(np.float32)
+            few = rng.choice(nt, size=min(nt, max(0, k // 3)), replace=False)
+            x[r, few] = rng.standard_normal(few.size).astype(np.float32)
+            x[r, rng.choice(nt, size=min(nt, 2), replace=False)] = -np.inf
+        elif kind == "neg_nan_only":  # negative NaNs only (distinct fast keys), few numbers
+            pay = rng.choice(np.array([0xFFFFFFFF, 0xFF800001, 0xFFC00000, 0xFFC12345], dtype=np.uint32), size=nt)
+            x[r] = pay.view(np.float32)
+            few = rng.choice(nt, size=min(nt, max(0, k // 3)), replace=False)
+            x[r, few] = rng.standard_normal(few.size).astype(np.float32)
+        elif kind == "denormal_ties":
+            x[r] = np.float32(1e-42) * rng.integers(-3, 4, size=nt).astype(np.float32)
+        elif kind == "increasing":  # the bound rises every chunk
+            x[r] = np.linspace(-5, 5, nt, dtype=np.float32) + 1e-3 * rng.standard_normal(nt).astype(np.float32)
+        elif kind == "decreasing":
+            x[r] = np.linspace(5, -5, nt, dtype=np.float32) + 1e-3 * rng.standard_normal(nt).astype(np.float32)
+        else:
+            raise ValueError(kind)
+    return x
+
+
+SPECIAL_KINDS = ("inf_head", "tie_flood", "late_ties", "zeros", "pos_nan", "neg_nan", "neg_nan_only",
+                 "denormal_ties", "increasing", "decreasing")
+
+
+def _select(H, emu, ms, topk, nvp, begin, end, count_in, qp, **kw):
+    width = _width(topk, begin, end, count_in)
+    out = np.full(ms.shape[:2] + (width,), -7, dtype=np.int32)
+    emu(ik._launch_topk, H.wrap(ms), H.wrap(out), topk=topk, num_valid_pages=nvp, force_begin_blocks=begin,
+        force_end_blocks=end, force_blocks_count_in_topk=count_in, query_positions=H.wrap(qp), stream=None, **kw)
+    return out
+
+
+# ============================================================================ top-k
+
+STREAM_NTS = [1, 5, 40, 64, 255, 256, 257, 600, 1024, 1025, 2049, 4100, 8192, 12287]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("npt", ik.STREAM_NPT)
+@pytest.mark.parametrize("nt", STREAM_NTS)
+def test_stream_topk_emulated_exact(emu, rng, nt, npt):
+    """Streaming kernel, every chunk size, random flags, every score kind (rows of one
+    launch mix the kinds), plus rows aimed at each rare path."""
+    H, run = emu
+    configs = [(16, 0, 0, True, None, False), (8, 1, 2, False, None, True), (32, 2, 2, True, None, False),
+               (4, 0, 1, True, max(1, nt // 2), True), (16, 1, 0, True, None, True), (20, 0, 0, False, nt, False)]
+    for topk, begin, end, count_in, nvp, use_qp in configs:
+        kinds = list(SCORE_KINDS) + list(SPECIAL_KINDS)
+        hq = 2
+        total_q = len(kinds)
+        ms = np.empty((total_q, hq, nt), dtype=np.float32)
+        k = max(1, _width(topk, begin, end, count_in) - begin - end)
+        for i, kind in enumerate(kinds):
+            ms[i] = _scores(rng, (hq, nt), kind) if kind in SCORE_KINDS else special_rows(rng, hq, nt, k, kind)
+        qp = _positions(rng, total_q, nt) if use_qp else None
+        if use_qp:
+            qp[::3] = nt * BLOCK + 5  # some rows see every block
+        want = ref.topk_select(ms, topk, nvp, begin, end, count_in, qp)
+        got = _select(H, run, ms, topk, nvp, begin, end, count_in, qp, algo="stream", npt=npt)
+        bad = np.argwhere((got != want).any(-1))
+        assert bad.shape[0] == 0, (nt, npt, topk, begin, end, count_in, nvp, use_qp,
+                                   [(kinds[i], h, got[i, h].tolist(), want[i, h].tolist()) for i, h in bad[:3]])
+
+
+@pytest.mark.slow
+def test_stream_topk_many_rows_and_tails(emu, rng):
+    """Several CTAs (partial last one), unaligned rows (scalar loads), causal -inf tails."""
+    H, run = emu
+    for nt in (1000, 3001):  # nt % 4 != 0 for 3001: scalar loads
+        ms = _scores(rng, (37, 3, nt), "causal")
+        for topk, begin, end in ((16, 0, 0), (16, 1, 2)):
+            want = ref.topk_select(ms, topk, None, begin, end, True, None)
+            for npt in ik.STREAM_NPT:
+                got = _select(H, run, ms, topk, None, begin, end, True, None, algo="stream", npt=npt)
+                assert np.array_equal(got, want), (nt, topk, npt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nt", [7, 200, 1024, 1025, 5000, 12287])
+def test_block_topk_emulated_exact(emu, rng, nt):
+    """The warp / CTA kernels (msa_topk_select_kernel), both selection paths."""
+    H, run = emu
+    kinds = list(SCORE_KINDS) + list(SPECIAL_KINDS)
+    for topk, begin, end, count_in, cap in ((16, 0, 0, True, None), (64, 2, 2, True, None), (8, 1, 1, False, 0),
+                                            (40, 0, 2, False, None)):
+        if _width(topk, begin, end, count_in) > 64:
+            continue
+        k = _width(topk, begin, end, count_in) - begin - end
+        ms = np.stack([_scores(rng, (2, nt), kd) if kd in SCORE_KINDS else special_rows(rng, 2, nt, k, kd)
+                       for kd in kinds])
+        qp = _positions(rng, len(kinds), nt)
+        want = ref.topk_select(ms, topk, None, begin, end, count_in, qp)
+        got = _select(H, run, ms, topk, None, begin, end, count_in, qp, algo="block", candidate_capacity=cap)
+        assert np.array_equal(got, want), (nt, topk, begin, end, cap)
+
+
+def test_auto_choice_routes_small_k_to_stream():
+    assert ik.topk_algorithm(524288, 1024, 16) == "stream"
+    assert ik.topk_algorithm(4096, 8192, 16) == "stream"
+    assert ik.topk_algorithm(64, 8192, 16) == "block"
+    assert ik.topk_algorithm(64, 1024, 16) == "stream"
+    assert ik.topk_algorithm(4096, 1024, 17) == "block"
+    assert ik.stream_npt(64) == 8 and ik.stream_npt(1024) == 32 and ik.stream_npt(8192) == 16
+
+
+# ============================================================================ max score
+
+
+def _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
+                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False):
+    ms = np.full((q.shape[0], q.shape[1], nt), np.nan, dtype=np.float32)
+    run(ik.run_max_score, H.wrap(q), H.wrap(k), H.wrap(ms), cu_seqlens_q=H.wrap(cu_q), qo_lens=H.wrap(qo),
+        kv_lens=H.wrap(kv), qo_offset=H.wrap(off), cu_seqlens_k=H.wrap(cu_k), page_table=H.wrap(page_table),
+        kv_indices=H.wrap(kv_indices), kv_page_indptr=H.wrap(indptr), kv_layout=kv_layout, page_size=page_size,
+        max_seqlen_q=int(qo.max(initial=0)), causal=causal, lazy_cp_async=lazy)
+    return ms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lazy", [False, True], ids=["copy-at-issue", "copy-at-wait"])
+@pytest.mark.parametrize("dtype,d,heads,causal", [
+    (BF16, 128, (8, 1), True), (F16, 64, (6, 2), False), (BF16, 256, (4, 4), True), (BF16, 128, (12, 4), True)])
+def test_max_score_dense_emulated(emu, rng, lazy, dtype, d, heads, causal):
+    H, run = emu
+    hq, hkv = heads
+    for case in ("prefill", "decode"):
+        qo, kv = _lengths(rng, case)
+        if case == "decode":
+            qo, kv = qo[:3], kv[:3]
+        offsets = None if case == "decode" else (kv - qo + np.array([0, -40])).astype(np.int32)
+        cu_q, cu_k, off = _meta(qo, kv, offsets)
+        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+        k = _rand(rng, (max(int(cu_k[-1]), 1), hkv, d), dtype)
+        nt = -(-int(kv.max()) // BLOCK) + 1
+        got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy)
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
+                                   qo_lens=qo, kv_lens=kv)
+        _check_max_score(got, want, q, k, f"{case} causal={causal}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_layout,source,page_size", [("NHD", "table", 64), ("HND", "csr", 16), ("NHD", "csr", 256)])
+def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
+    H, run = emu
+    hq, hkv, d, dtype = 8, 2, 128, BF16
+    qo = np.array([1, 37, 130], dtype=np.int32)
+    kv = np.array([50, 300, 129], dtype=np.int32)
+    cu_q, _, off = _meta(qo, kv, None)
+    counts = -(-kv // page_size)
+    num_pages = int(counts.sum()) + 3
+    perm = rng.permutation(num_pages).astype(np.int32)
+    kv_indices = perm[: int(counts.sum())]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
+    shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+    k_cache = _rand(rng, shape, dtype)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    kw = dict(page_table=table) if source == "table" else dict(kv_indices=kv_indices, indptr=indptr)
+    got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size, **kw)
+    want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
+                                     causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
+    k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+    _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size}")
