@@ -30,7 +30,8 @@
 // Compile-time specialisation (macros): ATT_HEAD_DIM, ATT_DTYPE (0 fp16,
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
 // ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
-// ATT_WGMMA (0 mma.sync, 1 warpgroup MMA), ATT_SMEM_FIXED (host's view of the
+// ATT_WGMMA (0 mma.sync, 1 warpgroup MMA), ATT_WG_ROT (1: warpgroup 1 one phase
+// behind warpgroup 0), ATT_SMEM_FIXED (host's view of the
 // fixed shared-memory bytes, checked below; wgmma variants get 1024 more bytes
 // from the host to align the tiles).
 #include "common/dtype.cuh"
@@ -85,6 +86,14 @@ constexpr float kPScale = kFp8 ? 256.f : 1.f;
 constexpr int kSparseBlock = 128;
 constexpr int kTilesPerBlock = kSparseBlock / kBN;
 constexpr bool kWG = ATT_WGMMA != 0;  // warpgroup MMAs (sm_90a)
+#ifndef ATT_WG_ROT
+#define ATT_WG_ROT 0
+#endif
+// Warpgroup 1 runs one phase behind warpgroup 0 (softmax + O += P V of the previous tile,
+// then S = Q K^T of this one), so one warpgroup's softmax overlaps the other's MMAs.
+constexpr bool kRot = kWG && ATT_WG_ROT != 0;
+// Tiles loaded ahead of the one being computed: a rotated tile keeps the previous stage busy.
+constexpr int kPrefetch = kRot ? ATT_STAGES - 2 : ATT_STAGES - 1;
 
 // Q and K/V tile layouts: row-swizzled for ldmatrix, column blocks for wgmma.
 template <bool WG, int ROWS> struct TileOf { typedef SwizzledTile<kRowBytes> type; };
@@ -101,6 +110,7 @@ static_assert(kStages >= 2 && kStages <= 4, "pipeline depth");
 static_assert(!kWG || (!kFp8 && (kD == 64 || kD == 128) && kWN == 1 && kMT == 1 && kWM % 4 == 0 &&
                        (kBN == 64 || kBN == 128)),
               "wgmma tiles: fp16/bf16, D 64/128, one 16-row m-tile per warp, warpgroups of 4 warps, 64/128 keys");
+static_assert(!kRot || (kWM == 8 && kStages >= 3), "rotated wgmma tiles: two warpgroups, three or more stages");
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -347,9 +357,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     u32 flags = 0;
     int pending_bad = 0;
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (int s = 0; s < kPrefetch; ++s) {
         pending_bad = issue_tile(t_begin + s, s);
-        if (kPaged && s < kStages - 2) {
+        if (kPaged && s < kPrefetch - 1) {
             if (__syncthreads_or(pending_bad)) flags |= 1u << s;
         }
     }
@@ -362,32 +372,41 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     const int wgrp = warp >> 2;
     const u64 q_desc = wg_desc(smem_u32(sQ) + wgrp * 64 * 128, 16, 1024);
 
-    for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
-        const int stage = n % kStages;
-        cp_async_wait<kStages - 2>();
+    // Rotated warpgroup: S of the previous tile and that tile's metadata, carried across the barrier.
+    const bool rot = kRot && wgrp == 1;
+    float S[kMT][kNT][4];
+    bool p_active = false, p_need_mask = false, p_tile_bad = false;
+    int p_kstart = 0, p_stage = 0;
+    u32 p_member = 0, p_k_addr = 0, p_v_addr = 0;
+
+    // (A rotated kernel runs one extra iteration: warpgroup 1 finishes the last tile.)
+    for (int t = t_begin, n = 0; t < t_end + (kRot ? 1 : 0); ++t, ++n) {
+        const bool real = !kRot || t < t_end;
+        int stage = n % kStages;
+        cp_async_wait<kPrefetch - 1>();
         // wgmma reads shared memory through the async proxy: publish this thread's landed
-        // cp.async bytes to it before the barrier. (Every MMA of the previous tile has
-        // completed, so the stage refilled below is free.)
+        // cp.async bytes to it before the barrier. (Every MMA of the tiles whose stage is
+        // refilled below has completed.)
         if constexpr (kWG) fence_proxy_async_smem();
         if constexpr (kPaged && !kSparse) {
-            if (__syncthreads_or(pending_bad)) flags |= 1u << (kStages - 2);
+            if (__syncthreads_or(pending_bad)) flags |= 1u << (kPrefetch - 1);
         } else {
             __syncthreads();
         }
-        // Stage (n - 1) % kStages is free: every warp finished tile t - 1.
-        pending_bad = issue_tile(t + kStages - 1, (n + kStages - 1) % kStages);
+        // Stage (n - 1) % kStages (rotated: (n - 2) % kStages) is free: every warp finished it.
+        pending_bad = issue_tile(t + kPrefetch, (n + kPrefetch) % kStages);
 
-        const u32 k_addr = sR_addr + stage * kStageBytes;
-        const u32 v_addr = k_addr + kBN * kRowBytes;
+        u32 k_addr = sR_addr + stage * kStageBytes;
+        u32 v_addr = k_addr + kBN * kRowBytes;
         // Per-lane offsets and row data, re-materialised each tile (cheaper than spilling
         // their derived addresses and limits).
         const u32 off_a = kWG ? 0u : opaque(off_a0), off_b = kWG ? 0u : opaque(off_b0),
                   off_v = kWG ? 0u : opaque(off_v0);
         const u32 row_qls = opaque(row_qls0);
         int spage;
-        const int kstart = tile_start(t, spage);
-        const int kw0 = kstart + wn * kKW;  // first key of this warp's slice
-        const bool tile_bad = flags & 1u;
+        int kstart = real ? tile_start(t, spage) : 0;
+        int kw0 = kstart + wn * kKW;  // first key of this warp's slice
+        bool tile_bad = flags & 1u;
         flags >>= 1;
 
         // Is any row of this warp attending a key of the slice; does any need masking?
@@ -402,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
             for (int i = 0; i < 2 * kMT; ++i) {
                 const int ql = (row_qls >> (8 * i)) & 0xff;
-                if (ql == 0xff) continue;
+                if (ql == 0xff || !real) continue;
                 const bool mem = ql < nq && ((sQmask[ql * qmask_words + (u >> 5)] >> (u & 31)) & 1u);
                 const int lim = row_limit(ql);
                 member |= (mem ? 1u : 0u) << i;
@@ -421,28 +440,55 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 mt_on = __reduce_or_sync(0xffffffffu, mine);
             }
         } else {
-            active = kw0 < warp_lim_hi;
+            active = real && kw0 < warp_lim_hi;
             need_mask = tile_bad || kw0 + kKW > warp_lim_lo;
         }
         // A warpgroup issues its MMAs together: it skips a tile only when none of its warps needs it.
         if constexpr (kWG) active = warpgroup_any(active, 1 + wgrp);
-        if (!active) continue;
 
-        // ---- S = Q K^T (raw scores) ----
-        float S[kMT][kNT][4];
-        if constexpr (kWG) {
-            // 64 x kBN per warpgroup; k-step ks reads 32 bytes of column block ks / 4 of Q and K.
-            const u64 k_desc = wg_desc(k_addr, 16, 1024);
+        // S = Q K^T of the tile at k_addr, 64 x kBN per warpgroup; k-step ks reads 32 bytes of
+        // column block ks / 4 of Q and K.
+        auto wg_qk = [&](u32 kaddr) {
+            const u64 k_desc = wg_desc(kaddr, 16, 1024);
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < kD / 16; ++ks) {
                 const u32 qo = (ks >> 2) * (kM * 128) + (ks & 3) * 32;
                 const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
-                WgmmaSS<kBN, Elem>::run(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), ks > 0);
+                if (ks == 0)
+                    WgmmaSS<kBN, Elem>::first(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
+                else
+                    WgmmaSS<kBN, Elem>::run(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
             }
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<kNT * 4>(&S[0][0][0]);
+        };
+
+        if (rot) {
+            // Softmax and O += P V below run on the previous tile (whose S is in registers);
+            // this tile's metadata waits for the next iteration.
+            bool b;
+            int i;
+            u32 w;
+            b = active, active = p_active, p_active = b;
+            b = need_mask, need_mask = p_need_mask, p_need_mask = b;
+            b = tile_bad, tile_bad = p_tile_bad, p_tile_bad = b;
+            i = kstart, kstart = p_kstart, p_kstart = i;
+            i = stage, stage = p_stage, p_stage = i;
+            w = member, member = p_member, p_member = w;
+            w = k_addr, k_addr = p_k_addr, p_k_addr = w;
+            w = v_addr, v_addr = p_v_addr, p_v_addr = w;
+            kw0 = kstart + wn * kKW;
+        }
+        if (!active) {
+            if (rot && p_active) wg_qk(p_k_addr);
+            continue;
+        }
+
+        // ---- S = Q K^T (raw scores) ----
+        if constexpr (kWG) {
+            if (!rot) wg_qk(k_addr);
         } else {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
@@ -527,6 +573,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 // Waited for here: deferring it across the loop back-edge makes ptxas serialize the MMAs.
                 wg_wait<0>();
                 wg_fence_regs<kDT * 4>(&O[0][0][0]);
+                if (rot && p_active) wg_qk(p_k_addr);  // this iteration's tile, for the next one
             } else {
 #pragma unroll
             for (int kk = 0; kk < kKW / 16; ++kk) {

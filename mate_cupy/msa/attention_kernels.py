@@ -59,6 +59,7 @@ class TileConfig:
     min_blocks: int
     wgmma: bool = False
     name: str = ""
+    rotated: bool = False
 
     @property
     def rows(self) -> int:
@@ -69,9 +70,13 @@ class TileConfig:
         return 32 * self.warps_m * self.warps_n
 
 
-# Warpgroup-MMA prefill tiles: name -> (warpgroups, keys per tile, stages). Each warpgroup
-# owns 64 rows (one 16-row m-tile per warp); one CTA per SM.
-WG_TILES = {"wg2n128s2": (2, 128, 2), "wg2n64s3": (2, 64, 3), "wg2n64s2": (2, 64, 2), "wg3n64s3": (3, 64, 3)}
+# Warpgroup-MMA prefill tiles: name -> (warpgroups, keys per tile, stages, rotated). Each
+# warpgroup owns 64 rows (one 16-row m-tile per warp); one CTA per SM. "Rotated" tiles run
+# warpgroup 1 one phase behind warpgroup 0, so one's softmax overlaps the other's MMAs.
+WG_TILES = {"wg2n128s2": (2, 128, 2, False), "wg2n64s3": (2, 64, 3, False), "wg2n64s2": (2, 64, 2, False),
+            "wg3n64s3": (3, 64, 3, False), "wg2n64s3r": (2, 64, 3, True), "wg2n64s4r": (2, 64, 4, True),
+            "wg2n128s3r": (2, 128, 3, True)}
+WG_DENSE_ONLY = ("wg2n128s3r",)  # its 3 x 64 KB ring leaves no room for the sparse block lists
 # mma.sync 256-row tiles for block-sparse prefill: name -> stages (deeper rings keep more
 # K/V bytes in flight: one CTA per SM).
 MMA256_TILES = {"mma256": 3, "mma256s4": 4}
@@ -86,7 +91,7 @@ def tile_applies(name: str, head_dim: int, dtype_code: int, sparse: bool, cc: in
     if name in MMA256_TILES:
         return sparse and head_dim in (64, 128)
     if name in WG_TILES:
-        return cc == 90 and dtype_code in (0, 1) and head_dim in (64, 128)
+        return cc == 90 and dtype_code in (0, 1) and head_dim in (64, 128) and not (sparse and name in WG_DENSE_ONLY)
     return False
 
 
@@ -102,8 +107,8 @@ def tile_config(kind: str, head_dim: int, dtype_code: int) -> TileConfig:
     if kind in MMA256_TILES:  # 8 warps x 2 m-tiles: 16 queries of a 16-head group share each block load
         return TileConfig("prefill", 8, 2, 1, 128 if head_dim == 64 else 64, MMA256_TILES[kind], 1, name=kind)
     if kind in WG_TILES:
-        wgs, bn, stages = WG_TILES[kind]
-        return TileConfig("prefill", 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, name=kind)
+        wgs, bn, stages, rot = WG_TILES[kind]
+        return TileConfig("prefill", 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, name=kind, rotated=rot)
     if kind == "decode":
         if head_dim == 64:
             return TileConfig(kind, 1, 1, 4, 128, 3, 2, name=kind)
@@ -153,7 +158,7 @@ def _register_all() -> None:
                         SOURCE, KERNELS, min_sm=min_sm, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=cfg.warps_m,
                         ATT_MTILES=cfg.mtiles, ATT_WARPS_N=cfg.warps_n, ATT_BLOCK_N=cfg.block_n,
                         ATT_STAGES=cfg.stages, ATT_KV=kv, ATT_MIN_BLOCKS=cfg.min_blocks,
-                        ATT_WGMMA=int(cfg.wgmma), ATT_SMEM_FIXED=lay["fixed"])
+                        ATT_WGMMA=int(cfg.wgmma), ATT_WG_ROT=int(cfg.rotated), ATT_SMEM_FIXED=lay["fixed"])
 
 
 _register_all()
