@@ -288,14 +288,16 @@ def dense_case(ctx, ok_tiles, b, s, hq, hkv, iters):
     flops = 2.0 * b * hq * s * s * D
     res = {"flops": flops}
     outs = {}
+    cx = [{n: ctx.cp(x[n]) for n in ("q", "k", "v")} for x in sets]
+    ints = dict(cu_seqlens_q=ctx.cp(cu), qo_lens=ctx.cp(lens), kv_lens=ctx.cp(lens), qo_offset=ctx.cp(zero),
+                cu_seqlens_k=ctx.cp(cu))
     for tile in [t for t in DENSE_TILES if t == "prefill" or t in ok_tiles]:
         out = [torch.empty_like(x["q"]) for x in sets]
+        cout = [ctx.cp(o) for o in out]
 
-        def run(i, tile=tile, out=out):
-            x = sets[i]
-            ak.run_attention(ctx.cp(x["q"]), ctx.cp(x["k"]), ctx.cp(x["v"]), ctx.cp(out[i]), None,
-                             cu_seqlens_q=ctx.cp(cu), qo_lens=ctx.cp(lens), kv_lens=ctx.cp(lens),
-                             qo_offset=ctx.cp(zero), cu_seqlens_k=ctx.cp(cu), max_seqlen_q=s, max_seqlen_k=s,
+        def run(i, tile=tile, cout=cout):
+            x = cx[i]
+            ak.run_attention(x["q"], x["k"], x["v"], cout[i], None, **ints, max_seqlen_q=s, max_seqlen_k=s,
                              causal=True, sm_scale=D ** -0.5, stream=ctx.stream, prefill_tile=tile)
         try:
             ms = ctx.time(run, 2, 2, iters)
@@ -363,16 +365,18 @@ def sparse_case(ctx, ok_tiles, s, hq, hkv, topk, per_token, iters):
     indptr = _lens(ctx, [0, nb])
     res = {"flops": flops}
     outs = {}
+    cx = [{n: ctx.cp(x[n]) for n in ("q", "kc", "vc", "perm", "ids")} for x in sets]
+    ints = dict(cu_seqlens_q=ctx.cp(cu), qo_lens=ctx.cp(lens), kv_lens=ctx.cp(lens), qo_offset=ctx.cp(zero),
+                kv_page_indptr=ctx.cp(indptr))
     for tile in [t for t in SPARSE_TILES if t == "prefill" or t in ok_tiles]:
         out = [torch.empty_like(x["q"]) for x in sets]
+        cout = [ctx.cp(o) for o in out]
 
-        def run(i, tile=tile, out=out):
-            x = sets[i]
-            ak.run_attention(ctx.cp(x["q"]), ctx.cp(x["kc"]), ctx.cp(x["vc"]), ctx.cp(out[i]), None,
-                             cu_seqlens_q=ctx.cp(cu), qo_lens=ctx.cp(lens), kv_lens=ctx.cp(lens),
-                             qo_offset=ctx.cp(zero), kv_indices=ctx.cp(x["perm"]), kv_page_indptr=ctx.cp(indptr),
-                             page_size=blk, kv_block_indexes=ctx.cp(x["ids"]), max_seqlen_q=s, max_seqlen_k=s,
-                             causal=True, sm_scale=D ** -0.5, stream=ctx.stream, prefill_tile=tile)
+        def run(i, tile=tile, cout=cout):
+            x = cx[i]
+            ak.run_attention(x["q"], x["kc"], x["vc"], cout[i], None, **ints, kv_indices=x["perm"], page_size=blk,
+                             kv_block_indexes=x["ids"], max_seqlen_q=s, max_seqlen_k=s, causal=True,
+                             sm_scale=D ** -0.5, stream=ctx.stream, prefill_tile=tile)
         try:
             ms = ctx.time(run, 2, 2, iters)
             outs[tile] = out[(iters - 1) % 2]
@@ -430,11 +434,14 @@ def sparse_decode_case(ctx, batch, L, hq, hkv, topk, iters):
     offs = _lens(ctx, [L - 1] * batch)
     res = {}
 
+    cq, cout = [ctx.cp(x) for x in q], [ctx.cp(x) for x in out]
+    ckc, cvc, cids = ctx.cp(kc), ctx.cp(vc), ctx.cp(ids)
+    ints = dict(cu_seqlens_q=ctx.cp(cu), qo_lens=ctx.cp(ones), kv_lens=ctx.cp(lens), qo_offset=ctx.cp(offs),
+                page_table=ctx.cp(table))
+
     def call(i, sparse):
-        ak.run_attention(ctx.cp(q[i]), ctx.cp(kc), ctx.cp(vc), ctx.cp(out[i]), None, cu_seqlens_q=ctx.cp(cu),
-                         qo_lens=ctx.cp(ones), kv_lens=ctx.cp(lens), qo_offset=ctx.cp(offs),
-                         page_table=ctx.cp(table), page_size=blk,
-                         kv_block_indexes=ctx.cp(ids) if sparse else None, sparse_decode=sparse,
+        ak.run_attention(cq[i], ckc, cvc, cout[i], None, **ints, page_size=blk,
+                         kv_block_indexes=cids if sparse else None, sparse_decode=sparse,
                          max_seqlen_q=1, max_seqlen_k=L, causal=True, sm_scale=D ** -0.5, stream=ctx.stream)
     for name, sparse in (("sparse_decode", True), ("dense_paged_decode", False)):
         try:
