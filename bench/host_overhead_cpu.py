@@ -81,6 +81,17 @@ class FakeTensor:
             acc *= n
         return True
 
+    def __getitem__(self, i):
+        """``t[i]`` for an int ``i`` (the only indexing the ops do on results)."""
+        i = int(i)
+        n = self.shape[0]
+        if not -n <= i < n:
+            raise IndexError(i)
+        i %= n
+        item = self.dtype.itemsize
+        return FakeTensor(self.shape[1:], self.dtype, self._ptr + i * self._stride[0] * item, self._stride[1:],
+                          self.device)
+
     def __dlpack__(self, stream=None):  # presence marks an array; never called on this path
         raise RuntimeError("FakeTensor has no memory")
 

@@ -34,6 +34,7 @@ import threading
 
 import numpy as np
 
+from . import _interop
 from .jit import launch as _jit_launch
 
 __all__ = ["ENABLED", "MAX_ENTRIES", "Recipe", "Recorder", "clear", "launch", "note_alloc", "note_arg",
@@ -147,9 +148,10 @@ def signature(arrays: tuple):
                 key.append(None)
                 ptrs.append(0)
                 continue
-            kind = kinds.get(type(x))
+            tp = type(x)
+            kind = kinds.get(tp)
             if kind is None:
-                kind = _classify(type(x))
+                kind = _classify(tp)
             if kind == 1:
                 p = x.data_ptr()
                 key.append((x.dtype, x.shape, x.stride(), x.device, p & 15))
@@ -354,8 +356,6 @@ def _current_device() -> int:
 
 
 def _torch_stream(device: int):
-    from . import _interop
-
     return _interop.external_stream(_interop._torch_stream_ptr(device))
 
 
@@ -366,9 +366,7 @@ def _alloc(first, torch_result: bool, shape: tuple, dtype):
 
         tdt = _TORCH_DTYPES.get(dtype)
         if tdt is None:
-            from ._interop import _torch_dtype_map
-
-            for t, d in _torch_dtype_map().items():
+            for t, d in _interop._torch_dtype_map().items():
                 _TORCH_DTYPES.setdefault(d, t)
             tdt = _TORCH_DTYPES[dtype]
         t = torch.empty(shape, dtype=tdt, device=first.device)

@@ -62,9 +62,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             float32 or q's dtype, mismatched state dtypes, non-integer ``cu_seqlens``).
         NotImplementedError: CUDA inputs while the chunk kernel is not available.
     """
-    call, args = _chunk.validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel, output, final_state)
-    return _chunk.run(call, args, output, final_state if args.output_final_state else None)
+    return _chunk.chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
+                        lower_bound, use_qk_l2norm_in_kernel, output, final_state)
 
 
 @mate_api

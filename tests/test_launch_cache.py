@@ -464,11 +464,14 @@ def test_topk_replay_matches_full_path(fc, prealloc, positions):
 
 
 def test_topk_misaligned_scores_pick_their_own_variant(fc):
+    """The 16-byte alignment of the scores picks the vector width: it is part of the signature."""
     fn = lambda s: mc.sparse_topk_select(s, 8)  # noqa: E731
     fn(fc.tensor((3, 2, 512), F32))
-    fc.log.clear()
+    aligned = fc.log[-1][0]
     fn(fc.tensor((3, 2, 512), F32, misalign=4))
-    assert fc.replays == 0 and fc.log[0][0].endswith("msa_topk_select_kernel<1, 32, 1, false>")
+    assert fc.replays == 0 and fc.log[-1][0] != aligned
+    fn(fc.tensor((3, 2, 512), F32))
+    assert fc.replays == 1 and fc.log[-1][0] == aligned
 
 
 def test_cache_is_bounded_and_clearable(fc, monkeypatch):
@@ -492,3 +495,62 @@ def test_signature_refuses_host_and_unknown_arrays():
     assert lc.signature((np.zeros(3),)) == (None, None)
     key, ptrs = lc.signature((torch.zeros(3), None))
     assert key[1] is None and ptrs[1] == 0 and key[0][3] == torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- chunk_kda
+
+
+def chunk_maker(fc, *, varlen=False, packed3d=False, out=True, final=True, alloc_final=False, dtype=BF16):
+    T, H, HV, K = 200, 2, 4, 128
+    N = 3 if varlen else 1
+
+    def make():
+        lead = () if packed3d else (1,)
+        return dict(q=fc.tensor(lead + (T, H, K), dtype), k=fc.tensor(lead + (T, H, K), dtype),
+                    v=fc.tensor(lead + (T, HV, K), dtype), g=fc.tensor(lead + (T, HV, K), dtype),
+                    beta=fc.tensor(lead + (T, HV), dtype), A_log=fc.tensor((HV,), F32),
+                    dt_bias=fc.tensor((HV, K), F32), cu=fc.tensor((N + 1,), I32) if varlen else None,
+                    init=fc.tensor((N, HV, K, K), F32),
+                    out=fc.tensor(lead + (T, HV, K), dtype) if out else None,
+                    fs=fc.tensor((N, HV, K, K), F32) if final and not alloc_final else None)
+
+    def fn(x):
+        return mc.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["init"],
+                            output_final_state=final, cu_seqlens=x["cu"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                            output=x["out"], final_state=x["fs"])
+
+    return fn, make
+
+
+def test_chunk_is_not_replayed_while_its_launcher_does_not_record(fc):
+    from mate_cupy.kda import chunk_kernels as ck
+
+    if ck.launch is lc.launch:
+        pytest.skip("the chunk launcher records its launches")
+    fn, make = chunk_maker(fc)
+    fn(make())
+    fn(make())
+    assert fc.replays == 0
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(varlen=True), dict(varlen=True, packed3d=True, out=False),
+                                 dict(alloc_final=True), dict(final=False, out=False)])
+def test_chunk_replay_with_a_recording_launcher(fc, monkeypatch, cfg):
+    """The chunk launcher recording its launches and noting its scratch (workspace, offsets):
+    replay equals the full path."""
+    import cupy
+
+    from mate_cupy.kda import chunk_kernels as ck
+
+    monkeypatch.setattr(ck, "launch", lc.launch)
+    fake_empty = cupy.empty
+
+    def empty(shape, dtype=float, order="C"):
+        a = fake_empty(shape, dtype)
+        lc.note_alloc("scratch", a)  # what run_chunk_workspace / launch_offsets would note
+        return a
+
+    monkeypatch.setattr(cupy, "empty", empty)
+    fn, make = chunk_maker(fc, **cfg)
+    log, res = check_replay(fc, fn, make)
+    assert len(log) == (3 if cfg.get("varlen") else 2)

@@ -6,10 +6,12 @@ every shape the kernel relies on is checked (states, gate parameters, ``cu_seqle
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _launch_cache as lc
 from .._interop import FLOAT16, FLOAT32, Call, dtype_name
 from ..reference.kda import kda_recurrent, sequence_bounds
 from ..util_kernels import cast
@@ -164,6 +166,58 @@ def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     )
 
 
+# Array arguments in signature order (replayed launches, see ``mate_cupy._launch_cache``).
+_ARRAYS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias", "output", "final_state")
+# Launcher knobs read from the environment at every launch: part of the signature.
+_ENV_KNOBS = lc.env_keys("MATE_CUPY_KDA_CHUNK_WARPS", "MATE_CUPY_KDA_CHUNK_PREPARE")
+_RECIPES = lc.new_cache()
+
+
+def chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias, lower_bound,
+          use_qk_l2norm_in_kernel, output, final_state):
+    """``chunk_kda``: a recorded launch sequence when this signature ran before, else
+    :func:`validate` + :func:`run` (recorded for the next call when the launcher notes its
+    launches and its per-call scratch, see ``mate_cupy._launch_cache``)."""
+    key = None
+    if lc.ENABLED:
+        opts = (scale, output_final_state, lower_bound, use_qk_l2norm_in_kernel) + lc.env_state(_ENV_KNOBS)
+        if lc.plain(opts):
+            sig, ptrs = lc.signature((q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, output,
+                                      final_state))
+            if sig is not None:
+                key = (opts, sig)
+                recipe = _RECIPES.get(key)
+                if recipe is not None:
+                    allocs = lc.replay(recipe, ptrs, q)
+                    out = output
+                    if out is None:
+                        out = allocs["out"]
+                        if cu_seqlens is not None and q.ndim == 3:
+                            out = out[0]
+                    if not output_final_state:
+                        return out
+                    return out, (final_state if final_state is not None else allocs["final"])
+    rec = lc.Recorder(_ARRAYS) if key is not None else None
+    with lc.recording(rec):
+        call, args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log,
+                              dt_bias, lower_bound, use_qk_l2norm_in_kernel, output, final_state)
+        if rec is not None:
+            for name in _ARRAYS:
+                rec.arg(name, call.data(name))
+        result = run(call, args, output, final_state if args.output_final_state else None)
+    if rec is not None and _launcher_records():
+        if args.N > 0 and args.HV > 0 and args.T > 0 and not rec.launches:
+            rec.ok = False  # work was launched, none of it noted
+        lc.store(_RECIPES, key, rec, call)
+    return result
+
+
+def _launcher_records() -> bool:
+    """Whether the chunk launcher launches through the recording ``_launch_cache.launch``."""
+    mod = sys.modules.get("mate_cupy.kda.chunk_kernels")
+    return mod is not None and getattr(mod, "launch", None) is lc.launch
+
+
 def run(call: Call, a: ChunkArgs, output, final_state):
     """Compute and return ``output`` or ``(output, final_state)`` in the caller's framework."""
     if call.is_cuda:
@@ -180,7 +234,10 @@ def run(call: Call, a: ChunkArgs, output, final_state):
 def _batched(call: Call, a: ChunkArgs, name: str, packed_ndim: int):
     """The data of ``name`` with a batch axis: packed varlen arrays get ``[None]`` (a view)."""
     x = call.data(name)
-    return with_batch(x, a.varlen and x.ndim == packed_ndim)
+    y = with_batch(x, a.varlen and x.ndim == packed_ndim)
+    if y is not x:
+        lc.note_arg(name, y)  # same address as the argument
+    return y
 
 
 def _run_host(call: Call, a: ChunkArgs):
@@ -218,18 +275,27 @@ def _run_cuda(call: Call, a: ChunkArgs):
         A_log = cuda_float32(call["A_log"])
         dt_bias = cuda_float32(call["dt_bias"])
         if dt_bias is not None:
-            dt_bias = dt_bias.reshape(a.HV * HEAD_DIM)
+            flat = dt_bias.reshape(a.HV * HEAD_DIM)
+            if dt_bias is d("dt_bias"):
+                lc.note_arg("dt_bias", flat)  # a view of the argument, not a cast copy
+            dt_bias = flat
         out_view = d("output")
         if out_view is not None and out_view.ndim == 3:
             out_view = out_view[None]
+            lc.note_arg("output", out_view)
         out = CudaOut(call, out_view, a.vshape, a.dtype)
+        if out_view is None:
+            lc.note_alloc("out", out.buf)
         fs = None
         if a.output_final_state:
             fs = CudaOut(call, d("final_state"), a.state_shape, a.state_dtype)
+            if d("final_state") is None:
+                lc.note_alloc("final", fs.buf)
         init = cuda_contiguous(d("initial_state"))
         fs_buf = None if fs is None else fs.buf
         half_state = a.state_dtype == FLOAT16
         if half_state:
+            lc.refuse()  # casts around the launches
             # The kernel keeps float32/bfloat16 states; an fp16 state (fp16 q) is widened to
             # float32 on the way in and rounded once on the way out, as SPEC 7 states.
             init = None if init is None else cast(init, FLOAT32)
