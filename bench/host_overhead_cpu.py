@@ -252,6 +252,7 @@ class FakeCuda:
         self._set(_interop, "_torch_stream_ptr", lambda device: _FakeStream.ptr)
         self._set(_interop, "external_stream", lambda ptr: _FakeStream())
         self._set(lc, "_current_device", lambda: 0)
+        self._set(lc, "_torch_stream", lambda device: _FakeStream())
 
         def alloc(first, torch_result, shape, dtype):
             if torch_result:

@@ -194,6 +194,9 @@ class Recorder:
         """``data`` (the backend view of argument ``name``) is launched as that argument."""
         if data is None:
             return
+        if name not in self.names:
+            self.ok = False  # not an argument of the signature: its address could not be refilled
+            return
         slot = self.names.index(name)
         prev = self.slots.get(id(data))
         if prev is not None and prev != slot:
@@ -347,16 +350,27 @@ class Recipe:
 
 _CIntptr = None
 _TORCH_DTYPES: dict = {}
+_get_device = None
+_raw_stream = None
 
 
 def _current_device() -> int:
-    from cupy.cuda import runtime
+    global _get_device
+    if _get_device is None:
+        from cupy.cuda import runtime
 
-    return runtime.getDevice()
+        _get_device = runtime.getDevice
+    return _get_device()
 
 
 def _torch_stream(device: int):
-    return _interop.external_stream(_interop._torch_stream_ptr(device))
+    """torch's current stream on ``device`` as a CuPy stream (what ``Call.stream`` gives)."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _interop._torch_stream_ptr
+    return _interop.external_stream(int(_raw_stream(device)))
 
 
 def _alloc(first, torch_result: bool, shape: tuple, dtype):
