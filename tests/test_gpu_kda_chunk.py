@@ -79,17 +79,29 @@ def _round(x, dtype):
     return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
 
 
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
+def _ex2(x):
+    """2^x in float32 as the kernels' ``ex2.approx.ftz``: subnormal results flush to zero
+    (e.g. ``egl`` of a chunk whose decays sum below 2^-126 is exactly 0 on the GPU)."""
+    with np.errstate(over="ignore", under="ignore"):
+        y = np.exp2(np.asarray(x, np.float32))
+    return np.where(y < _TINY, np.float32(0), y).astype(np.float32)
+
+
 def _tf32(x):
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
     return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def model_chunk(q, k, v, g, beta, *, scale, S, A_log=None, dt_bias=None, lower_bound=-5.0, l2=True, op=BF16,
-                diag_span_limit=60.0, record=None):
+                diag_span_limit=60.0, offdiag_ref="mid", record=None):
     """The kernels' computation for one value head of one sequence, in float32.
 
     q, k, v, g [T, 128] float32 (values of the input dtype), beta [T] logits, S [V, K]
     float32 (updated in place). ``record`` collects the phase-1 workspace per chunk.
+    ``offdiag_ref``: "mid" (kda_chunk_prepare_kernel) or "above" (the baseline kernel).
     Returns o [T, 128] float32 (before the final rounding to the output dtype).
     """
     T = q.shape[0]
@@ -112,31 +124,37 @@ def model_chunk(q, k, v, g, beta, *, scale, S, A_log=None, dt_bias=None, lower_b
         gk[L:] = 0
         gc = np.cumsum(gk, axis=0, dtype=np.float32) * LOG2E  # log2 units
         qq, kk = qc * qn[:, None].astype(np.float32), kc * kn[:, None].astype(np.float32)
-        Qs = _round(qq * np.exp2(gc) * np.float32(scale), op)
-        Kt = _round(kk * np.exp2(gc), op)
-        Kb = _round(kk * np.exp2(gc[-1][None, :] - gc), op)
-        egl = np.exp2(gc[-1]).astype(np.float32)
+        Qs = _round(qq * _ex2(gc) * np.float32(scale), op)
+        Kt = _round(kk * _ex2(gc), op)
+        Kb = _round(kk * _ex2(gc[-1][None, :] - gc), op)
+        egl = _ex2(gc[-1])
         Aqk = np.zeros((C, C), np.float32)
         Akk = np.zeros((C, C), np.float32)
         for I in range(4):
             rows = slice(16 * I, 16 * I + 16)
-            for J in range(I):
-                cols = slice(16 * J, 16 * J + 16)
-                r = gc[16 * I - 1][None, :]
-                cb = _tf32(kk[cols] * np.exp2(r - gc[cols]))
-                Aqk[rows, cols] = _tf32(qq[rows] * np.exp2(gc[rows] - r)) @ cb.T
-                Akk[rows, cols] = _tf32(kk[rows] * np.exp2(gc[rows] - r)) @ cb.T
             m = gc[16 * I + 7][None, :]
-            if np.abs(gc[rows] - m).max() / LOG2E > diag_span_limit:  # element-wise path
+            fast = np.abs(gc[rows] - m).max() / LOG2E <= diag_span_limit
+            # Reference of the off-diagonal blocks J < I: the kernel's (see kda_chunk.cu P2b)
+            # takes the mid row m when the diagonal block is on the fast path, else the row
+            # above the block; the baseline kernel always the row above.
+            if I > 0:
+                ref = m if (fast and offdiag_ref == "mid") else gc[16 * I - 1][None, :]
+                rq, rk = _tf32(qq[rows] * _ex2(gc[rows] - ref)), _tf32(kk[rows] * _ex2(gc[rows] - ref))
+                for J in range(I):
+                    cols = slice(16 * J, 16 * J + 16)
+                    cb = _tf32(kk[cols] * _ex2(ref - gc[cols]))
+                    Aqk[rows, cols] = rq @ cb.T
+                    Akk[rows, cols] = rk @ cb.T
+            if not fast:  # element-wise path
                 d = gc[rows][:, None, :] - gc[rows][None, :, :]
-                e = np.exp2(np.where(tril[:, :, None], d, -np.inf))
+                e = _ex2(np.where(tril[:, :, None], d, -np.inf))
                 aq = (qq[rows][:, None, :] * kk[rows][None, :, :] * e).sum(-1)
                 ak = (kk[rows][:, None, :] * kk[rows][None, :, :] * e).sum(-1)
             else:
                 with np.errstate(over="ignore", invalid="ignore"):
-                    cb = _tf32(kk[rows] * np.exp2(m - gc[rows]))
-                    aq = _tf32(qq[rows] * np.exp2(gc[rows] - m)) @ cb.T
-                    ak = _tf32(kk[rows] * np.exp2(gc[rows] - m)) @ cb.T
+                    cb = _tf32(kk[rows] * _ex2(m - gc[rows]))
+                    aq = _tf32(qq[rows] * _ex2(gc[rows] - m)) @ cb.T
+                    ak = _tf32(kk[rows] * _ex2(gc[rows] - m)) @ cb.T
             Aqk[rows, rows] = np.where(tril, aq, 0)
             Akk[rows, rows] = np.where(stril, ak, 0)
         Aqk = _round(Aqk * np.float32(scale), op)
@@ -248,8 +266,10 @@ def test_varlen_slot_bound(rng):
     assert ck.num_chunk_slots(3, 65, 3, False) == 6
 
 
-def test_smem_fits_one_cta_per_sm():
-    assert ck.PREPARE_SMEM * 2 <= 227 * 1024  # two prepare CTAs per SM
+def test_smem_fits():
+    per_sm = 228 * 1024  # H100/H200: 228 KB per SM, 1 KB reserved per CTA, 227 KB per CTA at most
+    assert 3 * (ck.PREPARE_SMEM + 1024) <= per_sm  # three prepare CTAs per SM
+    assert 2 * (ck.PREPARE_BASELINE_SMEM + 1024) <= per_sm
     assert all(ck.recurrence_smem(nw) <= 227 * 1024 for nw in ck.RECURRENCE_WARPS)
 
 
@@ -258,7 +278,8 @@ def test_smem_fits_one_cta_per_sm():
 def test_kernels_compile_without_spills(dtype):
     from mate_cupy.jit import compile_variant
 
-    specs = [ck.PREPARE_SPECS[dtype]] + [ck.RECURRENCE_SPECS[(dtype, nw)] for nw in ck.RECURRENCE_WARPS]
+    specs = [ck.PREPARE_SPECS[dtype], ck.PREPARE_BASELINE_SPECS[dtype]]
+    specs += [ck.RECURRENCE_SPECS[(dtype, nw)] for nw in ck.RECURRENCE_WARPS]
     for spec in specs:
         log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
         entries = log.count("Compiling entry function")
@@ -398,33 +419,54 @@ def test_chunk_every_recurrence_width(rng, monkeypatch, nw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ck.PREPARE_VARIANTS)
+@pytest.mark.parametrize("gates", ["gate", "extreme"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_chunk_workspace_matches_model(rng, dtype):
-    """Phase 1 alone: every workspace part of every (chunk, head) against the model."""
+def test_chunk_workspace_matches_model(rng, monkeypatch, dtype, gates, variant):
+    """Phase 1 alone: every workspace part of every (chunk, head) against the model
+    (``extreme``: decays of -30 / -100 put diagonal blocks on the element-wise path)."""
     import cupy
 
+    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_PREPARE", variant)
     lens = [70, 1, 128]
-    x = make_inputs(rng, 0, 0, 1, 2, dtype=dtype, gate_params=True, lens=lens, state=F32)
+    x = make_inputs(rng, 0, 0, 1, 2, dtype=dtype, gate_params=gates == "gate", extreme=gates == "extreme", lens=lens,
+                    state=F32)
     d = _dev(x)
     out = _nan(x["v"].shape, dtype)
     ws, slots = ck.run_chunk_workspace(
-        q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
-        dt_bias=d["dt_bias"].reshape(-1), initial_state=d["initial_state"], final_state=None,
-        cu_seqlens=d["cu_seqlens"], out=out, scale=K ** -0.5, lower_bound=-5.0, use_qk_l2norm=True)
+        q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d.get("A_log"),
+        dt_bias=None if "dt_bias" not in d else d["dt_bias"].reshape(-1), initial_state=d["initial_state"],
+        final_state=None, cu_seqlens=d["cu_seqlens"], out=out, scale=K ** -0.5, lower_bound=-5.0,
+        use_qk_l2norm=True)
     cupy.cuda.Device().synchronize()
     parts = ck.workspace_views(ws, slots, 2, dtype)
     rec: dict = {}
-    model_chunk_kda(x, op=dtype, record=rec)
+    model_chunk_kda(x, op=dtype, record=rec, offdiag_ref="above" if variant == "baseline" else "mid")
     slot = 0
     for n, ln in enumerate(lens):
         nch = (ln + C - 1) // C
         for hv in range(2):
             for c in range(nch):
                 m = rec[(n, hv)][c]
-                for name in ("Qs", "Kt", "Kb", "T", "Aqk", "egl"):
+                for name in ("Qs", "Kt", "Kb", "T", "Aqk"):
                     got = to_f64(parts[name][slot + c, hv])
                     assert rel(got, m[name]) < 5e-3, (n, hv, c, name, rel(got, m[name]))
+                # egl = 2^gl per channel (ex2.approx: ~2^-22 relative; results below 2^-126
+                # flush to zero, so values near that edge may differ by a few 1e-38)
+                np.testing.assert_allclose(to_f64(parts["egl"][slot + c, hv]), to_f64(m["egl"]), rtol=1e-5,
+                                           atol=1e-37, err_msg=str((n, hv, c)))
         slot += nch
+
+
+@pytest.mark.gpu
+def test_chunk_baseline_prepare_matches_recurrence(rng, monkeypatch):
+    """The baseline phase-1 kernel (kept for comparison) still gives correct outputs."""
+    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_PREPARE", "baseline")
+    x = make_inputs(rng, 0, 0, 2, 4, gate_params=True, lens=[1, 200, 64, 0, 333], state=F32)
+    o_ref, s_ref = reference(x)
+    out, fs = _run_public(x, state_out=F32)
+    assert rel(out, o_ref) < TOL[BF16]
+    assert rel(fs, s_ref) < STATE_TOL[BF16]
 
 
 @pytest.mark.gpu
@@ -582,6 +624,10 @@ EMU_CASES = [
                  dict(nw=2, s_out=BF16, lazy=1, cu64=True), id="varlen-extreme-lazy"),
     pytest.param(dict(B=1, T=64, H=1, HV=4, dtype=F16, gate_params=True), dict(nw=8, s_out=None, l2=False),
                  id="fp16-gva4-nol2"),
+    pytest.param(dict(B=1, T=100, H=1, HV=1, gate_params=False, extreme=True, state=F32), dict(nw=1, s_out=F32),
+                 id="extreme-nw1"),
+    pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=True, lens=[30, 64, 97], state=F32),
+                 dict(nw=2, s_out=F32, baseline=1), id="baseline-prepare"),
 ]
 
 
@@ -603,7 +649,7 @@ def kda_emulator(tmp_path_factory):
         assert inc in src
         src = src.replace(inc, "")
     decl = "extern __shared__ __align__(16) unsigned char smem[];"
-    assert src.count(decl) == 2
+    assert src.count(decl) == 3  # prepare, baseline prepare, recurrence
     d = tmp_path_factory.mktemp("kda_emu")
     (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem = emu::dyn_smem();"))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if os.environ.get("MATE_CUPY_EMU_SANITIZE") else ["-O2"]
@@ -620,6 +666,7 @@ def kda_emulator(tmp_path_factory):
 def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, run):
     """cuda_src/kda_chunk.cu itself, run on the CPU emulator: outputs, final states and
     every workspace part agree with the float32 model (indexing, fragments, masks, bounds)."""
+    import os
     import subprocess
 
     dtype = kw.get("dtype", BF16)
@@ -643,11 +690,14 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
     scale = K ** -0.5
     (tmp_path / "params.txt").write_text(
         f"{B} {T} {H} {HV} {N} {int(varlen)} {int(dtype == BF16)} {int('A_log' in x)} {int(l2)} {scale} -5.0 "
-        f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} {run.get('lazy', 0)}\n")
-    r = subprocess.run([str(kda_emulator), str(tmp_path)], capture_output=True, text=True, timeout=1800)
+        f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} {run.get('lazy', 0)} "
+        f"{run.get('baseline', 0)}\n")
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")  # the driver leaves its buffers to process exit
+    r = subprocess.run([str(kda_emulator), str(tmp_path)], capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     rec: dict = {}
-    o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec)
+    o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec,
+                                       offdiag_ref="above" if run.get("baseline") else "mid")
     out = np.fromfile(tmp_path / "out.bin", dtype=dtype).reshape(x["v"].shape)
     assert rel(out, _round(o_model, dtype)) < 2e-3
     if s_out is not None:

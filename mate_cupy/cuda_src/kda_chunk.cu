@@ -36,6 +36,7 @@ constexpr int kSA = 68;    // smem row stride of f32 [64][64] tiles
 constexpr int kS64 = 72;   // smem row stride of 16-bit [64][64] tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kPrepThreads = 256;  // prepare kernel: 8 warps
+constexpr int kPrepCtasPerSm = 3;  // 75 KB of shared memory and <= 80 registers per thread
 // Diagonal 16x16 blocks of Aqk/Akk use a mid-point reference, i.e. factors up to
 // exp(max |gc_i - gc_mid|). Beyond this span (natural-log units) the block is
 // computed element by element instead (exact for any gate values).
@@ -51,17 +52,35 @@ constexpr int kWsAqk = 57344;
 constexpr int kWsEgl = 65536;
 constexpr int kWsSlotBytes = 66048;
 
-// Prepare kernel shared memory (bytes).
-constexpr int kPrepQ = 0;                              // T [64][136]; later f32 L [64][68]
-constexpr int kPrepK = kPrepQ + kC * kS16 * 2;         // T [64][136]; later f32 block temporaries
-constexpr int kPrepGc = kPrepK + kC * kS16 * 2;        // f32 [64][132], log2 units
-constexpr int kPrepG = kPrepGc + kC * kSG * 4;         // T [64][136] gate input; later f32 Akk [64][68]
-constexpr int kPrepQn = kPrepG + kC * kS16 * 2;        // f32 [64] q row scales
-constexpr int kPrepKn = kPrepQn + kC * 4;              // f32 [64] k row scales
-constexpr int kPrepB = kPrepKn + kC * 4;               // f32 [64] sigmoid(beta) (0 past the end)
-constexpr int kPrepFlag = kPrepB + kC * 4;             // int [4] diagonal-block fallback flags
+// Prepare kernel shared memory (bytes). Row strides chosen for conflict-free vector loads:
+// q, k rows are 288 bytes (= 32 mod 128: an 8-byte load by 4 rows x 4 lanes), gc rows 576
+// bytes (= 64 mod 128: a 16-byte load by 2 rows x 4 lanes).
+constexpr int kPQ = 144;                          // row stride (elements) of the q, k tiles
+constexpr int kPG = 144;                          // row stride (floats) of the cumulative gates
+constexpr int kPrepQ = 0;                         // T [64][kPQ]; from P3 f32 Akk [64][kSA]
+constexpr int kPrepK = kPrepQ + kC * kPQ * 2;     // T [64][kPQ]; from P5 f32 [3][16][16]
+constexpr int kPrepGc = kPrepK + kC * kPQ * 2;    // f32 [64][kPG] log2 units; from P4 f32 L [64][kSA]
+constexpr int kPrepQn = kPrepGc + kC * kPG * 4;   // f32 [64] q row scales
+constexpr int kPrepKn = kPrepQn + kC * 4;         // f32 [64] k row scales
+constexpr int kPrepB = kPrepKn + kC * 4;          // f32 [64] sigmoid(beta) (0 past the end)
+constexpr int kPrepTot = kPrepB + kC * 4;         // f32 [128] gate sums over rows 0..31
+constexpr int kPrepFlag = kPrepTot + kD * 4;      // int [4] diagonal-block fallback flags
 constexpr int kPrepSmemBytes = kPrepFlag + 16;
-static_assert(kPrepSmemBytes == 86800, "PREPARE_SMEM in chunk_kernels.py");
+static_assert(kPrepSmemBytes == 75024, "PREPARE_SMEM in chunk_kernels.py");
+static_assert(kC * kSA * 4 <= kC * kPQ * 2 && kC * kSA * 4 <= kC * kPG * 4 && 3 * 256 * 4 <= kC * kPQ * 2,
+              "Akk, L and Y fit the dead tiles");
+
+// Baseline prepare kernel shared memory (bytes).
+constexpr int kBaseQ = 0;                              // T [64][136]; later f32 L [64][68]
+constexpr int kBaseK = kBaseQ + kC * kS16 * 2;         // T [64][136]; later f32 block temporaries
+constexpr int kBaseGc = kBaseK + kC * kS16 * 2;        // f32 [64][132], log2 units
+constexpr int kBaseG = kBaseGc + kC * kSG * 4;         // T [64][136] gate input; later f32 Akk [64][68]
+constexpr int kBaseQn = kBaseG + kC * kS16 * 2;        // f32 [64] q row scales
+constexpr int kBaseKn = kBaseQn + kC * 4;              // f32 [64] k row scales
+constexpr int kBaseB = kBaseKn + kC * 4;               // f32 [64] sigmoid(beta) (0 past the end)
+constexpr int kBaseFlag = kBaseB + kC * 4;             // int [4] diagonal-block fallback flags
+constexpr int kBaseSmemBytes = kBaseFlag + 16;
+static_assert(kBaseSmemBytes == 86800, "PREPARE_BASELINE_SMEM in chunk_kernels.py");
 static_assert(kC * kSA * 4 == kC * kS16 * 2, "f32 [64][68] must alias a 16-bit [64][136] tile");
 
 // Recurrence kernel shared memory, per pipeline stage (bytes).
@@ -92,6 +111,39 @@ __device__ __forceinline__ void seq_bounds(const void* cu, int is64, int n, long
     b = min(max(b, a), total_rows);
     bos = a;
     eos = b;
+}
+
+// Chunk of workspace slot `slot`: first row row0 and valid rows L (1..64); false when the
+// slot holds no chunk (varlen slots past the last sequence's chunks).
+//   dense (cu_seqlens == null): slot = n * ceil(T / 64) + chunk, rows n * T + ...
+//   varlen: slot in [offsets[n], offsets[n + 1]) for sequence n.
+__device__ __forceinline__ bool locate_chunk(int slot, const void* cu_seqlens, int cu_is_64, const int* chunk_offsets,
+                                             int num_seqs, long long seq_len_dense, long long total_rows,
+                                             long long& row0, int& L) {
+    long long bos, len;
+    int chunk;
+    if (cu_seqlens != nullptr) {
+        if (slot >= chunk_offsets[num_seqs]) return false;
+        int lo = 0, hi = num_seqs;  // offsets[lo] <= slot < offsets[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
+        }
+        long long eos;
+        seq_bounds(cu_seqlens, cu_is_64, lo, total_rows, bos, eos);
+        len = eos - bos;
+        chunk = slot - chunk_offsets[lo];
+    } else {
+        const int cps = (int)((seq_len_dense + kC - 1) / kC);
+        const int n = slot / cps;
+        chunk = slot - n * cps;
+        bos = (long long)n * seq_len_dense;
+        len = seq_len_dense;
+    }
+    if ((long long)chunk * kC >= len) return false;
+    row0 = bos + (long long)chunk * kC;
+    L = (int)min((long long)kC, len - (long long)chunk * kC);
+    return true;
 }
 
 }  // namespace
@@ -134,12 +186,22 @@ __global__ void __launch_bounds__(1024) kda_chunk_offsets_kernel(const void* __r
 }
 
 // Phase 1: one CTA (8 warps) per (chunk slot, value head). Writes the workspace slot
-// (slot * HV + hv). In the tensor-core pass warp w owns rows [16 (w / 2), +16) and the
-// 8-column half w % 2 of every 16-column block of Aqk/Akk.
+// (slot * HV + hv).
 //   dense (cu_seqlens == null): slot = n * ceil(T / 64) + chunk, rows n * T + ...
 //   varlen: slot in [offsets[n], offsets[n + 1]) for sequence n.
+// Steps (barriers between them):
+//   P0  cp.async q, k; every thread loads 32 gate inputs (one channel, one row half) into
+//       registers and forms the gate and its cumsum over its 32 rows; beta.
+//   P1  rows 32..63 add the first half's sums; gc (log2 units) -> smem; diagonal-block
+//       spans; q/k row scales (two threads per row).
+//   P2  warps 0-3: Qs, Kt, Kb, egl -> workspace. All warps: Aqk/Akk with tf32 mma.sync,
+//       warp w: row block I = w / 2, 8-column half w % 2 of every block J <= I, operands
+//       built in registers (16 channels per step, vector shared loads); Aqk -> workspace.
+//       Element-wise diagonal blocks where the gate span is too large.
+//   P3  Akk -> smem (over the dead q tile).  P4  diagonal blocks of (I + Akk)^-1.
+//   P5  off-diagonal blocks by block distance.  P6  T = L diag(b) -> workspace.
 template <typename T>
-__global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prepare_kernel(
+__global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepare_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ g, const T* __restrict__ beta,
     const float* __restrict__ A_log, const float* __restrict__ dt_bias, const void* __restrict__ cu_seqlens,
     int cu_is_64, const int* __restrict__ chunk_offsets, unsigned char* __restrict__ ws, int num_seqs,
@@ -149,12 +211,379 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prepare_kernel(
     T* sq = reinterpret_cast<T*>(smem + kPrepQ);
     T* sk = reinterpret_cast<T*>(smem + kPrepK);
     float* sgc = reinterpret_cast<float*>(smem + kPrepGc);
-    T* sg = reinterpret_cast<T*>(smem + kPrepG);
-    float* sakk = reinterpret_cast<float*>(smem + kPrepG);
     float* sqn = reinterpret_cast<float*>(smem + kPrepQn);
     float* skn = reinterpret_cast<float*>(smem + kPrepKn);
     float* sb = reinterpret_cast<float*>(smem + kPrepB);
+    float* stot = reinterpret_cast<float*>(smem + kPrepTot);
     int* sflag = reinterpret_cast<int*>(smem + kPrepFlag);
+    float* sakk = reinterpret_cast<float*>(smem + kPrepQ);  // from P3: f32 [64][kSA]
+    float* sY = reinterpret_cast<float*>(smem + kPrepK);    // from P5: f32 [3][16][16]
+    float* sL = reinterpret_cast<float*>(smem + kPrepGc);   // from P4: f32 [64][kSA]
+
+    const int slot = blockIdx.x, hv = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = hv / (HV / H);
+    long long row0;
+    int L;
+    if (!locate_chunk(slot, cu_seqlens, cu_is_64, chunk_offsets, num_seqs, seq_len_dense, total_rows, row0, L)) return;
+    const long long vg_stride = (long long)HV * kD;
+
+    // ---- P0: q, k copies (rows past the chunk end zero-filled)
+    {
+        const long long qk_stride = (long long)H * kD;
+        const int r0 = tid >> 4, c = (tid & 15) * 8;
+        const T* qh = q + (long long)h * kD + c;
+        const T* kh = k + (long long)h * kD + c;
+#pragma unroll
+        for (int i = 0; i < kC / 16; ++i) {
+            const int r = r0 + 16 * i;
+            const bool ok = r < L;
+            const long long row = row0 + (ok ? r : 0);
+            cp_async_16(sq + r * kPQ + c, qh + row * qk_stride, ok);
+            cp_async_16(sk + r * kPQ + c, kh + row * qk_stride, ok);
+        }
+        cp_async_commit();
+    }
+    // Gate thread: channel gch, rows [32 ghalf, +32). gacc: the gate, then its inclusive
+    // cumsum over these rows (natural log units); rows past the chunk end add 0.
+    const int gch = tid & (kD - 1), ghalf = tid >> 7;
+    float gacc[32];
+    {
+        const int nrow = min(32, L - 32 * ghalf);
+        const T* gp = g + (row0 + 32 * ghalf) * vg_stride + (long long)hv * kD + gch;
+#pragma unroll
+        for (int s = 0; s < 32; ++s) gacc[s] = s < nrow ? to_float(gp[s * vg_stride]) : 0.f;
+        float dtb = 0.f, ea = 0.f;
+        if (has_gate) {
+            dtb = dt_bias[(long long)hv * kD + gch];
+            ea = __expf(A_log[hv]);
+        }
+        float acc = 0.f;
+#pragma unroll
+        for (int s = 0; s < 32; ++s) {
+            // sigmoid via rcp: exp overflow gives 1 / inf = 0, the limit
+            float gk = has_gate ? __fdividef(lower_bound, 1.f + __expf(-ea * (gacc[s] + dtb))) : gacc[s];
+            gk = s < nrow ? gk : 0.f;
+            acc += gk;
+            gacc[s] = acc;
+        }
+        if (ghalf == 0) stot[gch] = acc;
+    }
+    if (tid < kC) {
+        float bb = 0.f;
+        if (tid < L) bb = __fdividef(1.f, 1.f + __expf(-to_float(beta[(row0 + tid) * HV + hv])));
+        sb[tid] = bb;
+    }
+    if (tid < 4) sflag[tid] = 0;
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- P1: finish the cumsum (log2 units), spans of the diagonal blocks; q/k row scales
+    {
+        const float off = ghalf ? stot[gch] : 0.f;
+#pragma unroll
+        for (int s = 0; s < 32; ++s) {
+            gacc[s] = (gacc[s] + off) * kLog2e;
+            sgc[(32 * ghalf + s) * kPG + gch] = gacc[s];
+        }
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {  // block I = 2 ghalf + b, mid-row reference 16 I + 7
+            const float m = gacc[16 * b + 7];
+            float span = 0.f;
+#pragma unroll
+            for (int s = 0; s < 16; ++s) span = fmaxf(span, fabsf(gacc[16 * b + s] - m));
+            if (__any_sync(0xffffffffu, span > kDiagSpanLimit2) && lane == 0) sflag[2 * ghalf + b] = 1;
+        }
+    }
+    {
+        // 1 / sqrt(sum x^2 + 1e-6): two threads per row of q (warps 0-3) or k (warps 4-7), the
+        // row's 16-byte pieces interleaved between them (no bank conflicts)
+        const int r = (tid >> 1) & (kC - 1), part = tid & 1;
+        const T* src = (tid >> 7 ? sk : sq) + r * kPQ + part * 8;
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float f[8];
+            unpack8<T>(*reinterpret_cast<const vec16*>(src + 16 * j), f);
+#pragma unroll
+            for (int x = 0; x < 8; ++x) ss = fmaf(f[x], f[x], ss);
+        }
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        if (part == 0) (tid >> 7 ? skn : sqn)[r] = use_l2norm ? rsqrtf(ss + 1e-6f) : 1.f;
+    }
+    __syncthreads();
+
+    unsigned char* wslot = ws + ((long long)slot * HV + hv) * kWsSlotBytes;
+    T* wAqk = reinterpret_cast<T*>(wslot + kWsAqk);
+
+    // ---- P2a (warps 0-3): Qs, Kt, Kb (8-byte stores, a warp writes one 256-byte row), egl
+    if (tid < 128) {
+        T* wQs = reinterpret_cast<T*>(wslot + kWsQs);
+        T* wKt = reinterpret_cast<T*>(wslot + kWsKt);
+        T* wKb = reinterpret_cast<T*>(wslot + kWsKb);
+        const int c4 = (tid & 31) * 4;
+        const float4 gl4 = *reinterpret_cast<const float4*>(sgc + (kC - 1) * kPG + c4);
+        const float glv[4] = {gl4.x, gl4.y, gl4.z, gl4.w};
+        if (tid < 32)
+            *reinterpret_cast<float4*>(wslot + kWsEgl + c4 * 4) =
+                make_float4(fast_exp2(glv[0]), fast_exp2(glv[1]), fast_exp2(glv[2]), fast_exp2(glv[3]));
+#pragma unroll 4
+        for (int it = 0; it < kC / 4; ++it) {
+            const int r = (tid >> 5) + 4 * it;
+            const float4 gc4 = *reinterpret_cast<const float4*>(sgc + r * kPG + c4);
+            const float gcv[4] = {gc4.x, gc4.y, gc4.z, gc4.w};
+            const uint2 qw = *reinterpret_cast<const uint2*>(sq + r * kPQ + c4);
+            const uint2 kw = *reinterpret_cast<const uint2*>(sk + r * kPQ + c4);
+            const float2 q01 = unpack2<T>(qw.x), q23 = unpack2<T>(qw.y), k01 = unpack2<T>(kw.x), k23 = unpack2<T>(kw.y);
+            const float qf[4] = {q01.x, q01.y, q23.x, q23.y}, kf[4] = {k01.x, k01.y, k23.x, k23.y};
+            const float qs = sqn[r] * scale, ks = skn[r];
+            float oq[4], ok[4], ob[4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const float e1 = fast_exp2(gcv[x]), e2 = fast_exp2(glv[x] - gcv[x]);
+                oq[x] = qf[x] * qs * e1;
+                ok[x] = kf[x] * ks * e1;
+                ob[x] = kf[x] * ks * e2;
+            }
+            *reinterpret_cast<uint2*>(wQs + r * kD + c4) = make_uint2(pack2<T>(oq[0], oq[1]), pack2<T>(oq[2], oq[3]));
+            *reinterpret_cast<uint2*>(wKt + r * kD + c4) = make_uint2(pack2<T>(ok[0], ok[1]), pack2<T>(ok[2], ok[3]));
+            *reinterpret_cast<uint2*>(wKb + r * kD + c4) = make_uint2(pack2<T>(ob[0], ob[1]), pack2<T>(ob[2], ob[3]));
+        }
+    }
+
+    // ---- P2b: Aqk, Akk with tf32 mma.sync m16n8k8. Warp w: row block I = w / 2, the
+    // n-tile nj = w % 2 (8 columns) of every column block J <= I.
+    // One reference per row block: rows get exp(gc_i - ref), columns exp(ref - gc_j).
+    //   ref = gc[16 I + 7] (mid-block) when the block's span is small (every J <= I): row
+    //     factors within exp(+-60), column factors <= 1 for J < I (an underflowed column
+    //     factor means a negligible product), bounded for J = I.
+    //   ref = gc[16 I - 1] (the row above) otherwise (J < I only: both factors <= 1); the
+    //     diagonal block then goes element-wise below.
+    // Channels: lane (g, t) takes channels cb + 4t .. cb + 4t + 3 of each 16-channel step;
+    // k-step s of the step uses cb + 4t + 2s as mma column t and cb + 4t + 2s + 1 as t + 4
+    // (A and B agree, so every channel is summed once).
+    const int I = warp >> 1, nj = warp & 1;
+    const int gq = lane >> 2, tq = lane & 3;
+    const bool diag_fast = sflag[I] == 0;
+    const int i0 = 16 * I + gq, i1 = i0 + 8;
+    float acck[4][4];
+    {
+        float accq[4][4];
+#pragma unroll
+        for (int J = 0; J < 4; ++J)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) accq[J][x] = acck[J][x] = 0.f;
+        if (diag_fast || I > 0) {
+            const float qn0 = sqn[i0], qn1 = sqn[i1], kn0 = skn[i0], kn1 = skn[i1];
+            const float* gref = sgc + (diag_fast ? 16 * I + 7 : 16 * I - 1) * kPG;
+            float knj[4];
+#pragma unroll
+            for (int J = 0; J < 4; ++J) knj[J] = skn[16 * J + 8 * nj + gq];
+#pragma unroll 2
+            for (int cb = 0; cb < kD; cb += 16) {
+                const int ch = cb + 4 * tq;
+                const float4 rf4 = *reinterpret_cast<const float4*>(gref + ch);
+                const float rf[4] = {rf4.x, rf4.y, rf4.z, rf4.w};
+                u32 aq[2][4], ak[2][4];  // [k-step][a0..a3]
+                {
+                    const uint2 q0 = *reinterpret_cast<const uint2*>(sq + i0 * kPQ + ch);
+                    const uint2 q1 = *reinterpret_cast<const uint2*>(sq + i1 * kPQ + ch);
+                    const uint2 k0 = *reinterpret_cast<const uint2*>(sk + i0 * kPQ + ch);
+                    const uint2 k1 = *reinterpret_cast<const uint2*>(sk + i1 * kPQ + ch);
+                    const float4 g0 = *reinterpret_cast<const float4*>(sgc + i0 * kPG + ch);
+                    const float4 g1 = *reinterpret_cast<const float4*>(sgc + i1 * kPG + ch);
+                    float qf0[4], qf1[4], kf0[4], kf1[4];
+                    unpack4<T>(q0, qf0); unpack4<T>(q1, qf1); unpack4<T>(k0, kf0); unpack4<T>(k1, kf1);
+                    const float gv0[4] = {g0.x, g0.y, g0.z, g0.w}, gv1[4] = {g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) {
+                        const int s = x >> 1, a = 2 * (x & 1);  // a0/a2: row g; a1/a3: row g + 8
+                        const float e0 = fast_exp2(gv0[x] - rf[x]), e1 = fast_exp2(gv1[x] - rf[x]);
+                        aq[s][a] = to_tf32(qf0[x] * qn0 * e0);
+                        aq[s][a + 1] = to_tf32(qf1[x] * qn1 * e1);
+                        ak[s][a] = to_tf32(kf0[x] * kn0 * e0);
+                        ak[s][a + 1] = to_tf32(kf1[x] * kn1 * e1);
+                    }
+                }
+#pragma unroll
+                for (int J = 0; J < 4; ++J) {
+                    if (J > I || (J == I && !diag_fast)) continue;
+                    const int j = 16 * J + 8 * nj + gq;
+                    const uint2 kw = *reinterpret_cast<const uint2*>(sk + j * kPQ + ch);
+                    const float4 gj4 = *reinterpret_cast<const float4*>(sgc + j * kPG + ch);
+                    float kj[4];
+                    unpack4<T>(kw, kj);
+                    const float gj[4] = {gj4.x, gj4.y, gj4.z, gj4.w};
+                    u32 b[2][2];  // [k-step][b0, b1]
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) b[x >> 1][x & 1] = to_tf32(kj[x] * knj[J] * fast_exp2(rf[x] - gj[x]));
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        mma_tf32_16x8x8(accq[J], aq[s], b[s]);
+                        mma_tf32_16x8x8(acck[J], ak[s], b[s]);
+                    }
+                }
+            }
+        }
+        // Aqk * scale (j <= i) -> workspace; blocks right of the diagonal are zeros. Masked
+        // entries of the diagonal blocks are selected away (they may hold inf).
+#pragma unroll
+        for (int J = 0; J < 4; ++J) {
+            if (J == I && !diag_fast) continue;  // written by the element-wise pass
+            const int j = 16 * J + 8 * nj + 2 * tq;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int i = hh ? i1 : i0;
+                const float v0 = J <= I && j <= i ? accq[J][2 * hh] * scale : 0.f;
+                const float v1 = J <= I && j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
+                *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(v0, v1);
+            }
+        }
+    }
+    // Element-wise diagonal blocks (gate span too large for the mid-row reference):
+    // sum_c q_i k_j exp(gc_i - gc_j) in f32, exact for any gates. Thread (ii, jj) =
+    // (tid / 16, tid % 16) of each such block; its Akk value waits in fb for P3.
+    float fb[4] = {0.f, 0.f, 0.f, 0.f};
+    const int ii = tid >> 4, jj = tid & 15;
+#pragma unroll
+    for (int B = 0; B < 4; ++B) {
+        if (!sflag[B]) continue;
+        const int i = 16 * B + ii, j = 16 * B + jj;
+        float aq = 0.f, ak = 0.f;
+        if (jj <= ii) {
+#pragma unroll 4
+            for (int c = 0; c < kD; ++c) {
+                const float d = fast_exp2(sgc[i * kPG + c] - sgc[j * kPG + c]);
+                const float kj = to_float(sk[j * kPQ + c]) * d;
+                aq += to_float(sq[i * kPQ + c]) * kj;
+                ak += to_float(sk[i * kPQ + c]) * kj;
+            }
+            aq *= sqn[i] * skn[j] * scale;
+            ak = jj < ii ? ak * skn[i] * skn[j] * sb[i] : 0.f;
+        }
+        fb[B] = ak;
+        wAqk[i * kC + j] = from_float<T>(aq);
+    }
+    __syncthreads();  // q, k, gc are dead from here
+
+    // ---- P3: Akk * b_i (j < i) -> smem f32 [64][kSA], blocks J <= I (only those are read)
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+        if (J > I || (J == I && !diag_fast)) continue;
+        const int j = 16 * J + 8 * nj + 2 * tq;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = hh ? i1 : i0;
+            const float bi = sb[i];
+            *reinterpret_cast<float2*>(sakk + i * kSA + j) =
+                make_float2(j < i ? acck[J][2 * hh] * bi : 0.f, j + 1 < i ? acck[J][2 * hh + 1] * bi : 0.f);
+        }
+    }
+#pragma unroll
+    for (int B = 0; B < 4; ++B)
+        if (sflag[B]) sakk[(16 * B + ii) * kSA + 16 * B + jj] = fb[B];
+    __syncthreads();
+
+    // ---- P4: Lm_II = (I + Akk_II)^-1 (unit lower triangular), one thread per column of
+    // each diagonal block, column-oriented forward substitution.
+    if (tid < kC) {
+        const int B = tid >> 4, j = tid & 15;
+        const float* M = sakk + (16 * B) * kSA + 16 * B;
+        float s[16], x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s[i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 16; ++kk) {
+            const float xk = kk < j ? 0.f : (kk == j ? 1.f : -s[kk]);
+            x[kk] = xk;
+#pragma unroll
+            for (int i = kk + 1; i < 16; ++i) s[i] = fmaf(M[i * kSA + kk], xk, s[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) sL[(16 * B + i) * kSA + 16 * B + j] = x[i];
+    }
+    __syncthreads();
+
+    // ---- P5: Lm_IJ = -Lm_II sum_{K=J}^{I-1} Akk_IK Lm_KJ by block distance d = I - J.
+    // Thread: block J = tid / 64, row r, four columns cq.. (float4 operands).
+#pragma unroll 1
+    for (int d = 1; d < 4; ++d) {
+        const int J = tid >> 6, r = (tid >> 2) & 15, cq = (tid & 3) * 4, Ib = J + d;
+        const bool active = J < 4 - d;
+        if (active) {
+            float y[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int K = J; K < Ib; ++K) {
+                const float* a = sakk + (16 * Ib + r) * kSA + 16 * K;
+                const float* l = sL + (16 * K) * kSA + 16 * J + cq;
+#pragma unroll
+                for (int x = 0; x < 16; ++x) {
+                    const float av = a[x];
+                    const float4 lv = *reinterpret_cast<const float4*>(l + x * kSA);
+                    y[0] = fmaf(av, lv.x, y[0]);
+                    y[1] = fmaf(av, lv.y, y[1]);
+                    y[2] = fmaf(av, lv.z, y[2]);
+                    y[3] = fmaf(av, lv.w, y[3]);
+                }
+            }
+            *reinterpret_cast<float4*>(sY + J * 256 + r * 16 + cq) = make_float4(y[0], y[1], y[2], y[3]);
+        }
+        __syncthreads();
+        if (active) {
+            const float* l = sL + (16 * Ib + r) * kSA + 16 * Ib;
+            const float* yy = sY + J * 256 + cq;
+            float o[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int x = 0; x <= r; ++x) {  // Lm_II is unit lower triangular
+                const float lv = l[x];
+                const float4 yv = *reinterpret_cast<const float4*>(yy + x * 16);
+                o[0] = fmaf(lv, yv.x, o[0]);
+                o[1] = fmaf(lv, yv.y, o[1]);
+                o[2] = fmaf(lv, yv.z, o[2]);
+                o[3] = fmaf(lv, yv.w, o[3]);
+            }
+            *reinterpret_cast<float4*>(sL + (16 * Ib + r) * kSA + 16 * J + cq) = make_float4(-o[0], -o[1], -o[2], -o[3]);
+        }
+        __syncthreads();
+    }
+
+    // ---- P6: T = Lm diag(b) (zero above the diagonal blocks)
+    {
+        T* wT = reinterpret_cast<T*>(wslot + kWsT);
+        for (int e = tid; e < kC * 8; e += kPrepThreads) {
+            const int r = e >> 3, c = (e & 7) * 8;
+            float f[8];
+#pragma unroll
+            for (int x = 0; x < 8; ++x) {
+                const int j = c + x;
+                f[x] = (j >> 4) <= (r >> 4) ? sL[r * kSA + j] * sb[j] : 0.f;
+            }
+            *reinterpret_cast<vec16*>(wT + r * kC + c) = pack8<T>(f);
+        }
+    }
+}
+
+// Phase 1, baseline formulation (kept for comparison with kda_chunk_prepare_kernel): operands
+// built per mma fragment from scalar shared-memory loads. One CTA (8 warps) per (chunk slot, value head). Writes the workspace slot
+// (slot * HV + hv). In the tensor-core pass warp w owns rows [16 (w / 2), +16) and the
+// 8-column half w % 2 of every 16-column block of Aqk/Akk.
+//   dense (cu_seqlens == null): slot = n * ceil(T / 64) + chunk, rows n * T + ...
+//   varlen: slot in [offsets[n], offsets[n + 1]) for sequence n.
+template <typename T>
+__global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prepare_baseline_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ g, const T* __restrict__ beta,
+    const float* __restrict__ A_log, const float* __restrict__ dt_bias, const void* __restrict__ cu_seqlens,
+    int cu_is_64, const int* __restrict__ chunk_offsets, unsigned char* __restrict__ ws, int num_seqs,
+    long long seq_len_dense, long long total_rows, int H, int HV, float scale, float lower_bound, int use_l2norm,
+    int has_gate) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sq = reinterpret_cast<T*>(smem + kBaseQ);
+    T* sk = reinterpret_cast<T*>(smem + kBaseK);
+    float* sgc = reinterpret_cast<float*>(smem + kBaseGc);
+    T* sg = reinterpret_cast<T*>(smem + kBaseG);
+    float* sakk = reinterpret_cast<float*>(smem + kBaseG);
+    float* sqn = reinterpret_cast<float*>(smem + kBaseQn);
+    float* skn = reinterpret_cast<float*>(smem + kBaseKn);
+    float* sb = reinterpret_cast<float*>(smem + kBaseB);
+    int* sflag = reinterpret_cast<int*>(smem + kBaseFlag);
 
     const int slot = blockIdx.x, hv = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -409,8 +838,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prepare_kernel(
 
     // ---- Lm = (I + Akk)^-1 in f32: diagonal 16x16 blocks by forward substitution, then
     // Lm_IJ = -Lm_II sum_{K=J}^{I-1} Akk_IK Lm_KJ by block distance I - J = 1, 2, 3.
-    float* sL = reinterpret_cast<float*>(smem + kPrepQ);  // q no longer needed
-    float* sY = reinterpret_cast<float*>(smem + kPrepK);  // k no longer needed
+    float* sL = reinterpret_cast<float*>(smem + kBaseQ);  // q no longer needed
+    float* sY = reinterpret_cast<float*>(smem + kBaseK);  // k no longer needed
     if (tid < 64) {
         const int I = tid >> 4, j = tid & 15;
         const float* M = sakk + (16 * I) * kSA + 16 * I;

@@ -34,15 +34,18 @@ _SLOT_PARTS = {  # name: (byte offset, shape, dtype or None for the input dtype)
     "egl": (65536, (HEAD_DIM,), FLOAT32),
 }
 PREPARE_THREADS = 256
-PREPARE_SMEM = 2 * 64 * 136 * 2 + 64 * 132 * 4 + 64 * 136 * 2 + 3 * 64 * 4 + 16  # 86,800 bytes
+PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 16  # 75,024 bytes: three CTAs per SM
+PREPARE_BASELINE_SMEM = 2 * 64 * 136 * 2 + 64 * 132 * 4 + 64 * 136 * 2 + 3 * 64 * 4 + 16  # 86,800 bytes
+PREPARE_VARIANTS = ("default", "baseline")  # MATE_CUPY_KDA_CHUNK_PREPARE (tuning / comparison)
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
 
 _CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
 OFFSETS_KERNEL = "kda_chunk_offsets_kernel"
 
 
-def _prepare_name(ct: str) -> str:
-    return f"kda_chunk_prepare_kernel<{ct}>"
+def _prepare_name(ct: str, variant: str = "default") -> str:
+    stem = "kda_chunk_prepare_baseline_kernel" if variant == "baseline" else "kda_chunk_prepare_kernel"
+    return f"{stem}<{ct}>"
 
 
 def _recurrence_name(ct: str, nw: int) -> str:
@@ -52,6 +55,8 @@ def _recurrence_name(ct: str, nw: int) -> str:
 # NVRTC modules: per input dtype one with the offsets and prepare kernels, and one per
 # recurrence width, so a first call compiles only the two it launches (~1.5 s each).
 PREPARE_SPECS = {dt: register("kda_chunk.cu", (OFFSETS_KERNEL, _prepare_name(ct))) for dt, ct in _CTYPE.items()}
+# The previous phase-1 formulation, kept so one build can compare both (MATE_CUPY_KDA_CHUNK_PREPARE=baseline).
+PREPARE_BASELINE_SPECS = {dt: register("kda_chunk.cu", (_prepare_name(ct, "baseline"),)) for dt, ct in _CTYPE.items()}
 RECURRENCE_SPECS = {
     (dt, nw): register("kda_chunk.cu", (_recurrence_name(ct, nw),)) for dt, ct in _CTYPE.items() for nw in RECURRENCE_WARPS
 }
@@ -107,6 +112,14 @@ def recurrence_warps(num_units: int, sm_count: int) -> int:
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = nw, cost
     return best
+
+
+def prepare_variant() -> str:
+    """Phase-1 kernel: ``MATE_CUPY_KDA_CHUNK_PREPARE`` = default | baseline (for tuning)."""
+    env = os.environ.get("MATE_CUPY_KDA_CHUNK_PREPARE") or "default"
+    if env not in PREPARE_VARIANTS:
+        raise ValueError(f"MATE_CUPY_KDA_CHUNK_PREPARE must be one of {PREPARE_VARIANTS}, got {env!r}")
+    return env
 
 
 def _ptr(x):
@@ -182,15 +195,17 @@ def _check_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, 
 
 
 def launch_prepare(*, q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, workspace, num_slots, num_seqs,
-                   scale, lower_bound, use_qk_l2norm, stream=None) -> None:
+                   scale, lower_bound, use_qk_l2norm, variant=None, stream=None) -> None:
     """Phase 1 into ``workspace`` (uint8, ``num_slots * HV * SLOT_BYTES`` bytes)."""
     B, T, H, _ = q.shape
     HV = g.shape[2]
     if num_slots == 0 or HV == 0:
         return
     varlen = cu_seqlens is not None
-    kern = get_kernel(PREPARE_SPECS[q.dtype], _prepare_name(_CTYPE[q.dtype]))
-    if id(kern) not in _carveout_set:  # two 86.8 KB CTAs per SM need the full carveout
+    variant = variant or prepare_variant()
+    specs, smem = (PREPARE_BASELINE_SPECS, PREPARE_BASELINE_SMEM) if variant == "baseline" else (PREPARE_SPECS, PREPARE_SMEM)
+    kern = get_kernel(specs[q.dtype], _prepare_name(_CTYPE[q.dtype], variant))
+    if id(kern) not in _carveout_set:  # several CTAs of 75-87 KB per SM need the full carveout
         kern.preferred_shared_memory_carveout = 100
         _carveout_set.add(id(kern))
     args = (
@@ -199,7 +214,7 @@ def launch_prepare(*, q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
         np.int32(num_seqs), np.int64(0 if varlen else T), np.int64(B * T), np.int32(H), np.int32(HV),
         np.float32(scale), np.float32(lower_bound), np.int32(bool(use_qk_l2norm)), np.int32(A_log is not None),
     )
-    launch(kern, (num_slots, HV), (PREPARE_THREADS,), args, shared_mem=PREPARE_SMEM, stream=stream)
+    launch(kern, (num_slots, HV), (PREPARE_THREADS,), args, shared_mem=smem, stream=stream)
 
 
 def launch_recurrence(*, v, workspace, out, initial_state, final_state, cu_seqlens, chunk_offsets, num_slots,

@@ -197,12 +197,9 @@ template <> inline u32 pack2<half_t>(float lo, float hi) { __half2 h = __floats2
 template <> inline u32 pack2<bf16_t>(float lo, float hi) { __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi); u32 r; std::memcpy(&r, &h, 4); return r; }
 
 namespace kda {
-inline float fast_exp2(float x) { return exp2f(x); }
-inline u32 to_tf32(float x) {
-    u32 u; std::memcpy(&u, &x, 4);
-    if ((u & 0x7F800000u) != 0x7F800000u) u = (u + 0x1000u) & 0xFFFFE000u;
-    return u;
-}
+// ex2.approx.ftz: subnormal results flush to zero.
+inline float fast_exp2(float x) { const float y = exp2f(x); return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y; }
+inline u32 to_tf32(float x) { u32 u; std::memcpy(&u, &x, 4); return (u + 0x1000u) & 0xFFFFE000u; }
 inline float bits_f(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline void mma_tf32_16x8x8(float* d, const u32* a, const u32* b) {
     struct In { u32 a[4]; u32 b[2]; float c[4]; } in;
@@ -236,6 +233,9 @@ inline u32 movmatrix_trans(u32 x) {
     return y;
 }
 template <typename T> inline float2 unpack2(u32 x) { return make_float2(h2f<T>(half_of(x, 0)), h2f<T>(half_of(x, 1))); }
+template <typename T> inline void unpack4(const uint2& v, float* f) {
+    float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y); f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+}
 template <typename T> inline void unpack8(const vec16& v, float* f) {
     for (int i = 0; i < 4; ++i) { float2 p = unpack2<T>(v.w[i]); f[2 * i] = p.x; f[2 * i + 1] = p.y; }
 }

@@ -14,12 +14,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// float -> tf32 (round to nearest, ties away), kept in a 32-bit register.
-__device__ __forceinline__ u32 to_tf32(float x) {
-    u32 y;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(x));
-    return y;
-}
+// float -> tf32 (round to nearest, ties away from zero; the low 13 bits cleared), kept in
+// a 32-bit register. Integer form of cvt.rna.tf32.f32 (which sm_90 emulates with three
+// instructions and an infinity test): a finite value that rounds past the largest tf32
+// becomes inf, inf stays inf.
+__device__ __forceinline__ u32 to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }
 
 // D(16x8 f32) += A(16x8 tf32, row) * B(8x8 tf32, col).
 // a0:(g, t) a1:(g+8, t) a2:(g, t+4) a3:(g+8, t+4); b0:(k=t, n=g) b1:(k=t+4, n=g);
@@ -49,6 +48,13 @@ template <> __device__ __forceinline__ float2 unpack2<half_t>(u32 x) {
 template <> __device__ __forceinline__ float2 unpack2<bf16_t>(u32 x) {
     __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&x);
     return __bfloat1622float2(h);
+}
+
+// Four 16-bit values in an 8-byte vector -> floats.
+template <typename T>
+__device__ __forceinline__ void unpack4(const uint2& v, float* f) {
+    const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
 }
 
 // Eight 16-bit values in a 16-byte vector -> floats.
