@@ -215,8 +215,11 @@ def test_max_score_launch_geometry():
     assert ik.max_score_splits(4096, 64, 132) == (1, 64)      # S8192 Hq64 Hkv8: one CTA per tile
     assert ik.max_score_splits(8, 8192, 132)[0] > 32           # decode: the key range is spread
     for d in ik.MAX_SCORE_HEAD_DIMS:
-        for nw in ik._MS_WARPS:
-            assert ik.max_score_smem_bytes(d, nw) <= 227 * 1024
+        for nw, stages, mma in ik._max_score_configs(d):
+            smem = ik.max_score_smem_bytes(d, nw, stages, mma)
+            assert smem <= 227 * 1024, (d, nw, stages, mma)
+            if d <= 128 and (mma == "mma" or stages == 2):  # launch bounds promise two CTAs per SM
+                assert 2 * (smem + 1024) <= 228 * 1024, (d, nw, stages, mma)
 
 
 def test_index_variants_compile():
@@ -233,7 +236,8 @@ def test_index_variants_compile():
     assert not errors, errors[0]["error"][:4000]
     hot = [ik.TOPK_SPECS[(1, 32, 4, False)], ik.TOPK_SPECS[(8, 32, 4, False)],
            ik.STREAM_SPECS[(32, 4)], ik.STREAM_SPECS[(16, 4)], ik.STREAM_SPECS[(8, 4)],
-           ik.MAX_SCORE_SPECS[(BF16, 128, 8)], ik.MAX_SCORE_SPECS[(F16, 64, 8)]]
+           ik.MAX_SCORE_SPECS[(BF16, 128, 8, 3, "mma")], ik.MAX_SCORE_SPECS[(F16, 64, 8, 3, "mma")],
+           ik.MAX_SCORE_SPECS[(BF16, 128, 8, 2, "wgmma")], ik.MAX_SCORE_SPECS[(BF16, 128, 8, 2, "mma")]]
     for spec in hot:
         log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
         # per function: "Function properties for <mangled>" then "... spill stores, N bytes spill loads"
@@ -452,7 +456,7 @@ def _meta(qo, kv, offsets):
 
 
 def _launch_max_score(q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
-                      indptr=None, kv_layout="NHD", page_size=0, causal=True, extra_rows=0):
+                      indptr=None, kv_layout="NHD", page_size=0, causal=True, extra_rows=0, variant=None):
     cp = _cp()
     total_q = q.shape[0]
     ms = cp.full((total_q, q.shape[1], nt), np.nan, dtype=cp.float32)  # poison
@@ -460,7 +464,7 @@ def _launch_max_score(q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None
     ik.run_max_score(_dev(q), _dev(k), ms, cu_seqlens_q=dv(cu_q), qo_lens=dv(qo), kv_lens=dv(kv),
                      qo_offset=dv(off), cu_seqlens_k=dv(cu_k), page_table=dv(page_table),
                      kv_indices=dv(kv_indices), kv_page_indptr=dv(indptr), kv_layout=kv_layout,
-                     page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal)
+                     page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal, variant=variant)
     return _host(ms)
 
 
@@ -479,10 +483,11 @@ def test_max_score_dense(rng, dtype, d, heads, causal):
         q = _rand(rng, (total_q, hq, d), dtype)
         k = _rand(rng, (max(total_k, 1), hkv, d), dtype)
         nt = -(-int(kv.max()) // BLOCK) + 2  # tiles past every request: -inf
-        got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal)
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
                                    qo_lens=qo, kv_lens=kv)
-        _check_max_score(got, want, q, k, f"{case} causal={causal}")
+        for variant in [None] + ik._max_score_configs(d):  # default choice, then every variant
+            got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, variant=variant)
+            _check_max_score(got, want, q, k, f"{case} causal={causal} variant={variant}")
 
 
 @pytest.mark.gpu
@@ -505,11 +510,13 @@ def test_max_score_paged(rng, page_size, kv_layout, source):
     q = _rand(rng, (total_q, hq, d), dtype)
     nt = -(-int(kv.max()) // BLOCK) + 1
     kw = dict(page_table=table) if source == "table" else dict(kv_indices=kv_indices, indptr=indptr)
-    got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size, **kw)
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
                                      causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
     k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
-    _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size}")
+    for variant in [None] + ik._max_score_configs(d):
+        got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
+                                variant=variant, **kw)
+        _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {variant}")
 
 
 @pytest.mark.gpu
@@ -527,9 +534,11 @@ def test_max_score_invalid_pages_are_not_admissible(rng):
     k_cache = _rand(rng, (num_pages, page_size, hkv, d), dtype)
     q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
     nt = 2
-    got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, page_table=table, page_size=page_size)
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt)
-    _check_max_score(got, want, q, k_cache.reshape(-1, d), "invalid pages")
+    for variant in [None] + ik._max_score_configs(d):
+        got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, page_table=table, page_size=page_size,
+                                variant=variant)
+        _check_max_score(got, want, q, k_cache.reshape(-1, d), f"invalid pages {variant}")
 
 
 @pytest.mark.gpu
@@ -543,11 +552,12 @@ def test_max_score_rows_outside_requests_untouched(rng):
     cu_k = np.concatenate([[0], np.cumsum(kv)]).astype(np.int32)
     q = _rand(rng, (8, hq, d), dtype)  # rows 5..7 belong to no request
     k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
-    got = _launch_max_score(q, k, 3, qo, kv, off, cu_q, cu_k=cu_k)
-    assert np.isnan(got[5:]).all()
     want = ref.block_max_score(q[:5], k, cu_q, cu_k, qo_offset=off, max_k_tiles=3, qo_lens=qo, kv_lens=kv)
-    _check_max_score(got[:5], want, q[:5], k)
-    assert np.isneginf(got[:2]).all()
+    for variant in [None] + ik._max_score_configs(d):
+        got = _launch_max_score(q, k, 3, qo, kv, off, cu_q, cu_k=cu_k, variant=variant)
+        assert np.isnan(got[5:]).all(), variant
+        _check_max_score(got[:5], want, q[:5], k, f"{variant}")
+        assert np.isneginf(got[:2]).all(), variant
 
 
 @pytest.mark.gpu

@@ -178,35 +178,54 @@ def test_auto_choice_routes_small_k_to_stream():
 
 
 def _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
-                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False):
+                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, variant=None):
     ms = np.full((q.shape[0], q.shape[1], nt), np.nan, dtype=np.float32)
     run(ik.run_max_score, H.wrap(q), H.wrap(k), H.wrap(ms), cu_seqlens_q=H.wrap(cu_q), qo_lens=H.wrap(qo),
         kv_lens=H.wrap(kv), qo_offset=H.wrap(off), cu_seqlens_k=H.wrap(cu_k), page_table=H.wrap(page_table),
         kv_indices=H.wrap(kv_indices), kv_page_indptr=H.wrap(indptr), kv_layout=kv_layout, page_size=page_size,
-        max_seqlen_q=int(qo.max(initial=0)), causal=causal, lazy_cp_async=lazy)
+        max_seqlen_q=int(qo.max(initial=0)), causal=causal, lazy_cp_async=lazy, variant=variant)
     return ms
 
 
+def _variants(d):
+    return [(nw, st, mma) for nw, st, mma in ik._max_score_configs(d)]
+
+
+ALL = None  # every registered variant of the head dim
+MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land at the wait, variants
+    pytest.param(BF16, 128, (8, 1), True, False, ALL, id="bf16-d128-r8-causal"),
+    pytest.param(BF16, 128, (8, 1), True, True, ALL, id="bf16-d128-r8-causal-copy-at-wait"),
+    pytest.param(F16, 64, (6, 2), False, False, ALL, id="fp16-d64-r3-full"),
+    pytest.param(BF16, 256, (4, 4), True, False, [(8, 3, "mma"), (4, 2, "mma"), (8, 2, "wgmma")], id="bf16-d256-r1"),
+    pytest.param(F16, 128, (12, 4), True, True, [(8, 3, "mma"), (8, 2, "wgmma"), (4, 2, "wgmma")],
+                 id="fp16-d128-r3-copy-at-wait"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lazy", [False, True], ids=["copy-at-issue", "copy-at-wait"])
-@pytest.mark.parametrize("dtype,d,heads,causal", [
-    (BF16, 128, (8, 1), True), (F16, 64, (6, 2), False), (BF16, 256, (4, 4), True), (BF16, 128, (12, 4), True)])
-def test_max_score_dense_emulated(emu, rng, lazy, dtype, d, heads, causal):
+@pytest.mark.parametrize("dtype,d,heads,causal,lazy,variants", MS_CASES)
+def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy, variants):
+    """(warps, stages, mma.sync / wgmma) variants: decode-like rows (key-range splits), a
+    prefill with offsets, lengths not multiples of 128."""
     H, run = emu
     hq, hkv = heads
     for case in ("prefill", "decode"):
-        qo, kv = _lengths(rng, case)
-        if case == "decode":
-            qo, kv = qo[:3], kv[:3]
-        offsets = None if case == "decode" else (kv - qo + np.array([0, -40])).astype(np.int32)
+        if case == "prefill":  # (small: the emulator runs one host thread per CUDA thread)
+            qo, kv = np.array([37, 20], dtype=np.int32), np.array([300, 129], dtype=np.int32)
+            offsets = (kv - qo + np.array([0, -40])).astype(np.int32)
+        else:
+            qo, kv = np.ones(3, dtype=np.int32), np.array([1, 700, 129], dtype=np.int32)
+            offsets = None
         cu_q, cu_k, off = _meta(qo, kv, offsets)
         q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
         k = _rand(rng, (max(int(cu_k[-1]), 1), hkv, d), dtype)
         nt = -(-int(kv.max()) // BLOCK) + 1
-        got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy)
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
                                    qo_lens=qo, kv_lens=kv)
-        _check_max_score(got, want, q, k, f"{case} causal={causal}")
+        for variant in _variants(d) if variants is ALL else variants:
+            got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy,
+                                 variant=variant)
+            _check_max_score(got, want, q, k, f"{case} causal={causal} {variant}")
 
 
 @pytest.mark.slow
@@ -228,8 +247,10 @@ def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
     q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
     nt = -(-int(kv.max()) // BLOCK) + 1
     kw = dict(page_table=table) if source == "table" else dict(kv_indices=kv_indices, indptr=indptr)
-    got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size, **kw)
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
                                      causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
     k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
-    _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size}")
+    for variant in (None, (8, 3, "mma"), (8, 2, "wgmma"), (4, 2, "wgmma")):
+        got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
+                             variant=variant, **kw)
+        _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {variant}")

@@ -7,6 +7,7 @@
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/topk.cuh"
+#include "common/attention_wgmma.cuh"
 
 using namespace mate;
 
@@ -711,40 +712,63 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 // Per-128-key-block max score
 // ============================================================================
 //
-// The QK^T half of flash attention with a row-max epilogue. A CTA owns BM = 16
-// NWARPS packed rows of one request and one KV head g: packed row p is query
-// (p0 + p) / r, head g r + (p0 + p) % r, so the r query heads that read KV head
-// g share every K tile (GQA packing). Each warp keeps its 16 rows of Q in
-// registers (mma.sync A fragments) and, per 128-key block, computes the 16 x 128
-// scores with m16n8k16 tensor-core MMAs (f32 accumulate), masks inadmissible keys
-// (causal, j >= kv_len, keys of invalid pages) only on blocks that need it, and
-// reduces each row to its max. K tiles are double-buffered with cp.async in a
-// 128-byte XOR-swizzled layout (ldmatrix without bank conflicts). Row maxima are
-// staged in shared memory and stored 32 blocks at a time (128-byte row segments).
-// Blocks past the tile's last admissible key are not computed: they, and tiles
-// up to nt, are stored as -inf.
+// The QK^T half of flash attention with a row-max epilogue. A CTA of NWARPS warps owns
+// BM = 16 NWARPS packed rows of one request and one KV head g: packed row p is query
+// (p0 + p) / r, head g r + (p0 + p) % r, so the r query heads that read KV head g share
+// every K tile (GQA packing). Per 128-key block each warp computes the scores of its 16
+// rows (f32 accumulate), masks inadmissible keys (causal, j >= kv_len, keys of invalid
+// pages) only on blocks where some row of the warp needs it, and reduces each row to
+// its max. K tiles stream through a STAGES-deep cp.async ring with one CTA barrier per
+// block. Two MMA paths:
+//   kMmaSync  each warp holds its 16 rows of Q in registers (mma.sync A fragments) and
+//             runs m16n8k16 MMAs on ldmatrix'd K fragments; tiles are stored [rows][D]
+//             with 16-byte chunks XOR-swizzled by row % 8 (conflict-free ldmatrix).
+//   kWgmma    (sm_90a) each warpgroup (4 warps, 64 rows) runs wgmma m64n128k16 with Q
+//             and K read from shared memory by descriptor; tiles are stored as
+//             128-byte-swizzled column blocks (common/attention_wgmma.cuh).
+// Both leave each warp the same accumulator layout (rows g and g + 8, column
+// 8 i + 2 t + e of n-block i), so masking and the epilogue are shared. Row maxima are
+// staged in shared memory and stored kMsStash blocks at a time. Blocks past the tile's
+// last admissible key are not computed: they, and tiles up to nt, are stored as -inf.
 
 constexpr int kMsBlock = 128;  // keys per block
-constexpr int kMsStash = 32;   // blocks staged per store
+constexpr int kMsStash = 16;   // blocks staged per store (64-byte row segments)
 
-template <typename T, int D, int NWARPS>
+enum MaxScoreMma { kMmaSync = 0, kWgmma = 1 };
+
+template <typename T, int D, int NWARPS, int STAGES, int MMA>
 struct MaxScoreTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
+    static_assert(STAGES == 2 || STAGES == 3, "two or three K stages");
+    static_assert(MMA == kMmaSync || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
+    static_assert(NWARPS <= 8, "the Q tile must fit a K stage");
     static constexpr int BM = 16 * NWARPS;       // packed (query, head) rows per CTA
     static constexpr int THREADS = 32 * NWARPS;
     static constexpr int CPR = D / 8;            // 16-byte chunks per row
-    static constexpr int K_TILE = kMsBlock * D;  // elements per K stage
+    static constexpr int K_TILE_BYTES = kMsBlock * D * (int)sizeof(T);
+    static constexpr int K_BYTES = STAGES * K_TILE_BYTES;
     static constexpr int Q_BYTES = BM * D * (int)sizeof(T);
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
-    static constexpr int AUX_BYTES = Q_BYTES > STASH_BYTES ? Q_BYTES : STASH_BYTES;
-    static constexpr int SMEM_BYTES = 2 * K_TILE * (int)sizeof(T) + AUX_BYTES + 2 * kMsBlock;
+    // Q: wgmma reads it from shared memory for the whole kernel (after the stages).
+    // mma.sync holds it in registers after the prologue: with 3 stages it is staged in the
+    // last stage (first filled by the first loop iteration), with 2 in the stash area.
+    static constexpr int Q_OFFSET = MMA == kWgmma ? K_BYTES : (STAGES == 3 ? 2 * K_TILE_BYTES : K_BYTES);
+    static constexpr int STASH_OFFSET = MMA == kWgmma ? K_BYTES + Q_BYTES : K_BYTES;
+    static constexpr int STASH_END = MMA == kWgmma || STAGES == 3
+                                         ? STASH_OFFSET + STASH_BYTES
+                                         : K_BYTES + (Q_BYTES > STASH_BYTES ? Q_BYTES : STASH_BYTES);
+    static constexpr int KVALID_OFFSET = STASH_END;                       // [STAGES][128] key flags
+    static constexpr int ALIGN_SLACK = MMA == kWgmma ? 1024 : 0;          // wgmma tiles: 1024-byte aligned
+    static constexpr int SMEM_BYTES = KVALID_OFFSET + STAGES * kMsBlock + ALIGN_SLACK;
 };
 
-// Element offset of (row, col) in a [rows][D] 16-bit tile whose 16-byte chunks are
-// XOR-swizzled by row % 8. col is a multiple of 8.
-template <int D>
-__device__ __forceinline__ int swizzled(int row, int col) {
-    return row * D + ((((col >> 3) ^ (row & 7))) << 3);
+// Byte offset of 16-byte chunk ch of row `row` in a tile of ROWS rows x D 16-bit values.
+template <int MMA, int ROWS, int D>
+__device__ __forceinline__ int ms_tile_offset(int row, int ch) {
+    if constexpr (MMA == kWgmma)  // column blocks of ROWS x 128 bytes, chunk c of row r at c ^ (r & 7)
+        return (ch >> 3) * (ROWS * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
+    else  // [ROWS][D], chunks XOR-swizzled by row % 8
+        return row * (2 * D) + ((ch ^ (row & 7)) << 4);
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -772,7 +796,7 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
 // max_score [total_q, Hq, nt] f32. Grid: (num_m_tiles * batch, Hkv, splits): split s owns
 // the output blocks [s * tiles_per_split, (s + 1) * tiles_per_split) (block maxima need
 // no merge, so short-query batches spread the key range over more CTAs).
-template <typename T, int D, int NWARPS>
+template <typename T, int D, int NWARPS, int STAGES, int MMA>
 __global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
 msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
                            const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
@@ -784,13 +808,14 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
                            int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
                            int tiles_per_split) {
-    using Cfg = MaxScoreTile<T, D, NWARPS>;
+    using Cfg = MaxScoreTile<T, D, NWARPS, STAGES, MMA>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* ks = reinterpret_cast<T*>(smem_raw);                                   // [2][128][D] swizzled
-    T* qs = reinterpret_cast<T*>(smem_raw + 2 * Cfg::K_TILE * sizeof(T));     // [BM][D] swizzled
-    float* stash = reinterpret_cast<float*>(qs);                              // [BM][kMsStash + 1] (after Q)
-    unsigned char* kvalid = smem_raw + 2 * Cfg::K_TILE * sizeof(T) + Cfg::AUX_BYTES;  // [2][128]
+    unsigned char* smem = smem_raw;
+    if constexpr (MMA == kWgmma) smem += (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+    const u32 smem_base = smem_u32(smem);
+    float* stash = reinterpret_cast<float*>(smem + Cfg::STASH_OFFSET);  // [BM][kMsStash + 1]
+    unsigned char* kvalid = smem + Cfg::KVALID_OFFSET;                   // [STAGES][128]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.x % batch;
@@ -870,19 +895,20 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
     // Loader geometry: thread tid copies chunk ld_ch of K rows ld_row0 + i * LD_STEP.
     constexpr int LD_STEP = THREADS / CPR;
     const int ld_ch = tid % CPR, ld_row0 = tid / CPR;
-    auto load_k_tile = [&](int t, int buf) {
-        const u32 dst = smem_u32(ks + buf * Cfg::K_TILE);
+    auto load_k_tile = [&](int t, int stage) {
+        const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
 #pragma unroll
         for (int i = 0; i < kMsBlock / LD_STEP; ++i) {
             const int row = ld_row0 + i * LD_STEP;
             const long long o = key_offset(t * kMsBlock + row);
-            cp_async_16_at(dst + (u32)(swizzled<D>(row, ld_ch * 8) * (int)sizeof(T)),
-                           o >= 0 ? kc + o + ld_ch * 8 : kc, o >= 0);
-            if (ld_ch == 0) kvalid[buf * kMsBlock + row] = o >= 0 ? 1 : 0;
+            cp_async_16_at(dst + (u32)ms_tile_offset<MMA, kMsBlock, D>(row, ld_ch), o >= 0 ? kc + o + ld_ch * 8 : kc,
+                           o >= 0);
+            if (ld_ch == 0) kvalid[stage * kMsBlock + row] = o >= 0 ? 1 : 0;
         }
     };
 
-    // ---- prologue: Q tile and K tile 0
+    // ---- prologue: the Q tile (in the first group, with K tile t_begin) and K tiles up to
+    // t_begin + STAGES - 2, one commit group per tile (empty groups past t_end keep the count)
 #pragma unroll
     for (int i = 0; i < BM * CPR / THREADS; ++i) {
         const int cid = tid + THREADS * i;
@@ -890,79 +916,107 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         int qi;
         const bool ok = row_valid(p, qi);
         const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * 8 : q;
-        cp_async_16(qs + swizzled<D>(p, ch * 8), src, ok);
+        cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(p, ch)), src, ok);
     }
-    load_k_tile(t_begin, 0);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (t_begin + s < t_end) load_k_tile(t_begin + s, s);
+        cp_async_commit();
+    }
 
     const int mi = lane >> 3;  // ldmatrix: the 8x8 matrix this lane addresses
-    u32 qf[D / 16][4];
+    u32 qf[MMA == kMmaSync ? D / 16 : 1][4];
+    if constexpr (MMA == kMmaSync) {
+        cp_async_wait<STAGES - 2>();  // the first group: Q and K tile t_begin
+        __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
-        ldmatrix_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], qs + swizzled<D>(row, kk * 16 + (mi >> 1) * 8));
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
+            ldmatrix_x4_at(qf[kk], smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(row, 2 * kk + (mi >> 1))));
+        }
+        // (The loop's first barrier orders these reads before the Q area is reused.)
     }
     const int row_a = warp * 16 + (lane >> 2), row_b = row_a + 8;  // this thread's accumulator rows
     const int lim_a = row_limit(row_a), lim_b = row_limit(row_b);
     const int lim_min = min(lim_a, lim_b);
-    // B fragments: lane addresses K row np * 16 + (mi >> 1) * 8 + lane % 8, chunk 2 kk + (mi & 1).
-    // With z = (mi & 1) ^ (lane % 8) the swizzled chunk is (2 kk) ^ z = 8 (kk / 4) + ((2 (kk % 4)) ^ z):
-    // four per-thread byte offsets, the rest folds into constants.
-    const u32 k_lane_base = smem_u32(ks) + (u32)(((mi >> 1) * 8 + (lane & 7)) * D * (int)sizeof(T));
+    // mma.sync B fragments: lane addresses K row np * 16 + (mi >> 1) * 8 + lane % 8, chunk
+    // 2 kk + (mi & 1). With z = (mi & 1) ^ (lane % 8) the swizzled chunk is (2 kk) ^ z =
+    // 8 (kk / 4) + ((2 (kk % 4)) ^ z): four per-thread byte offsets, the rest folds into constants.
+    const u32 k_lane_base = smem_base + (u32)(((mi >> 1) * 8 + (lane & 7)) * D * (int)sizeof(T));
     u32 k_chunk_off[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) k_chunk_off[m] = (u32)((((2 * m) ^ ((mi & 1) ^ (lane & 7)))) * 16);
 
-    for (int t = t_begin; t < t_end; ++t) {
-        const int buf = (t - t_begin) & 1;
-        if (t + 1 < t_end) load_k_tile(t + 1, buf ^ 1);
+    for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
+        const int stage = n % STAGES;
+        cp_async_wait<STAGES - 2>();  // K tile t landed (this thread's copies)
+        if constexpr (MMA == kWgmma) attn::fence_proxy_async_smem();  // ... and is visible to wgmma
+        __syncthreads();  // every thread's copies of tile t landed; every warp is done with tile t - 1
+        if (t + STAGES - 1 < t_end) load_k_tile(t + STAGES - 1, (n + STAGES - 1) % STAGES);
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();  // K tile t (and its key flags) visible; Q reads done before the stash is used
 
-        const u32 kt = k_lane_base + (u32)(buf * Cfg::K_TILE * (int)sizeof(T));
         float acc[16][4];
+        if constexpr (MMA == kMmaSync) {
 #pragma unroll
-        for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-        // Steps s = (kk, np): B fragments of step s + 1 are loaded before the MMAs of step s
-        // (ldmatrix and mma are volatile asm: issue order is source order).
-        constexpr int STEPS = (D / 16) * 8;
-        auto b_addr = [&](int step) {
-            const int kk = step / 8, np = step % 8;
-            return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
-        };
-        u32 bf[2][4];
-        ldmatrix_x4_at(bf[0], b_addr(0));
+            for (int n8 = 0; n8 < 16; ++n8) acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f;
+            const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES);
+            // Steps s = (kk, np): B fragments of step s + 1 are loaded before the MMAs of step s
+            // (ldmatrix and mma are volatile asm: issue order is source order).
+            constexpr int STEPS = (D / 16) * 8;
+            auto b_addr = [&](int step) {
+                const int kk = step / 8, np = step % 8;
+                return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
+            };
+            u32 bf[2][4];
+            ldmatrix_x4_at(bf[0], b_addr(0));
 #pragma unroll
-        for (int step = 0; step < STEPS; ++step) {
-            if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
-            const int kk = step / 8, np = step % 8;
-            mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
-            mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
+            for (int step = 0; step < STEPS; ++step) {
+                if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
+                const int kk = step / 8, np = step % 8;
+                mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
+                mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
+            }
+        } else {
+            // S = Q K^T for this warpgroup's 64 rows: k-step ks reads 32 bytes of column block
+            // ks / 4 of the Q tile and of the K tile.
+            const int wg = warp >> 2;
+            const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
+            const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
+            attn::wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
+                const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
+                if (ks == 0)
+                    attn::WgmmaSS<128, T>::first(&acc[0][0], attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko));
+                else
+                    attn::WgmmaSS<128, T>::run(&acc[0][0], attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko), 1);
+            }
+            attn::wg_commit();
+            attn::wg_wait<0>();
+            attn::wg_fence_regs<64>(&acc[0][0]);
         }
 
         const int kbase = t * kMsBlock;
-        const unsigned char* kv = kvalid + buf * kMsBlock;
+        const unsigned char* kv = kvalid + stage * kMsBlock;
         const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
         const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min) || holes;
         float mx_a = neg_inf(), mx_b = neg_inf();
         if (!edge) {
 #pragma unroll
-            for (int n = 0; n < 16; ++n) {
-                mx_a = fmaxf(mx_a, fmaxf(acc[n][0], acc[n][1]));
-                mx_b = fmaxf(mx_b, fmaxf(acc[n][2], acc[n][3]));
+            for (int n8 = 0; n8 < 16; ++n8) {
+                mx_a = fmaxf(mx_a, fmaxf(acc[n8][0], acc[n8][1]));
+                mx_b = fmaxf(mx_b, fmaxf(acc[n8][2], acc[n8][3]));
             }
         } else {
 #pragma unroll
-            for (int n = 0; n < 16; ++n) {
+            for (int n8 = 0; n8 < 16; ++n8) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int col = n * 8 + 2 * (lane & 3) + e;
+                    const int col = n8 * 8 + 2 * (lane & 3) + e;
                     const bool ok = kv[col] != 0;
-                    if (ok && kbase + col < lim_a) mx_a = fmaxf(mx_a, acc[n][e]);
-                    if (ok && kbase + col < lim_b) mx_b = fmaxf(mx_b, acc[n][2 + e]);
+                    if (ok && kbase + col < lim_a) mx_a = fmaxf(mx_a, acc[n8][e]);
+                    if (ok && kbase + col < lim_b) mx_b = fmaxf(mx_b, acc[n8][2 + e]);
                 }
             }
         }
@@ -971,7 +1025,7 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
         mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
 
-        const int slot = (t - t_begin) % kMsStash;
+        const int slot = n % kMsStash;
         if ((lane & 3) == 0) {
             stash[row_a * (kMsStash + 1) + slot] = mx_a;
             stash[row_b * (kMsStash + 1) + slot] = mx_b;
@@ -979,14 +1033,14 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's 16 rows
             __syncwarp();
             const int t_first = t - slot;
-            for (int rr = 0; rr < 16; ++rr) {
-                const long long o = __shfl_sync(kFullMask, out_off, rr);
-                if (o >= 0 && lane <= slot)
-                    max_score[o + t_first + lane] = stash[(warp * 16 + rr) * (kMsStash + 1) + lane];
+#pragma unroll 4
+            for (int rr = 0; rr < 16; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
+                const int rw = rr + (lane >> 4), c = lane & 15;
+                const long long o = __shfl_sync(kFullMask, out_off, rw);
+                if (o >= 0 && c <= slot) max_score[o + t_first + c] = stash[(warp * 16 + rw) * (kMsStash + 1) + c];
             }
             __syncwarp();
         }
-        __syncthreads();  // everyone is done with K tile t before it is refilled
     }
     fill_neg_inf_from(t_end);
 }

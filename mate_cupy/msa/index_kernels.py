@@ -31,6 +31,7 @@ MAX_WIDTH = 64         # W <= MAX_WIDTH
 _CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
 MAX_SCORE_HEAD_DIMS = (64, 128, 256)
 _MS_WARPS = (4, 8)
+MMA_KINDS = ("mma", "wgmma")   # kMmaSync, kWgmma
 
 # Top-k: (warps per row, scores per thread). One warp per row up to NT 1024, a CTA beyond.
 _TOPK_WARP_SHAPES = ((1, 8), (1, 32))
@@ -39,6 +40,7 @@ _TOPK_NPT = 32
 _TOPK_WARP_CANDIDATES = 256   # kTopkWarpCandidates
 _TOPK_CTA_CANDIDATES = 2048   # kTopkCtaCandidates
 _TOPK_ROWS_PER_WARP_CTA = 8   # kTopkRowsPerWarpCta
+_MS_STASH = 16                 # kMsStash
 
 # Streaming top-k (one warp per row, chunks of 32 * NPT scores), k <= STREAM_MAX_SLOTS.
 STREAM_NPT = (8, 16, 32)
@@ -64,8 +66,8 @@ def stream_rows_per_cta(npt: int) -> int:
     return 4 if npt > 16 else 8
 
 
-def _max_score_name(dtype, d: int, nwarps: int) -> str:
-    return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {nwarps}>"
+def _max_score_name(dtype, d: int, nwarps: int, stages: int, mma: str) -> str:
+    return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {nwarps}, {stages}, {MMA_KINDS.index(mma)}>"
 
 
 TOPK_SPECS = {}
@@ -76,20 +78,43 @@ for _nw, _npt in _TOPK_WARP_SHAPES + tuple((w, _TOPK_NPT) for w in _TOPK_CTA_WAR
 
 STREAM_SPECS = {(npt, vec): register(SOURCE, _stream_name(npt, vec)) for npt in STREAM_NPT for vec in (1, 4)}
 
+def _max_score_configs(d: int):
+    """``(nwarps, stages, mma)`` variants built for head dim ``d``."""
+    out = [(nw, st, "mma") for nw in _MS_WARPS for st in (2, 3)]
+    out += [(nw, 2, "wgmma") for nw in _MS_WARPS]
+    if d <= 128:
+        out.append((8, 3, "wgmma"))
+    return out
+
+
 MAX_SCORE_SPECS = {
-    (dt, d, nw): register(SOURCE, _max_score_name(dt, d, nw))
+    (dt, d) + cfg: register(SOURCE, _max_score_name(dt, d, *cfg), min_sm=90 if cfg[2] == "wgmma" else 80)
     for dt in (FLOAT16, BFLOAT16)
     for d in MAX_SCORE_HEAD_DIMS
-    for nw in _MS_WARPS
+    for cfg in _max_score_configs(d)
 }
 
 
-def max_score_smem_bytes(d: int, nwarps: int, elem_bytes: int = 2) -> int:
+def max_score_smem_bytes(d: int, nwarps: int, stages: int = 2, mma: str = "mma", elem_bytes: int = 2) -> int:
     """Dynamic shared memory of ``msa_block_max_score_kernel`` (mirrors ``MaxScoreTile``)."""
     bm = 16 * nwarps
-    k_stages = 2 * BLOCK * d * elem_bytes
-    aux = max(bm * d * elem_bytes, bm * (32 + 1) * 4)
-    return k_stages + aux + 2 * BLOCK
+    k_tile = BLOCK * d * elem_bytes
+    k_bytes = stages * k_tile
+    q_bytes = bm * d * elem_bytes
+    stash = bm * (_MS_STASH + 1) * 4
+    if mma == "wgmma":
+        end = k_bytes + q_bytes + stash
+    elif stages == 3:
+        end = k_bytes + stash
+    else:
+        end = k_bytes + max(q_bytes, stash)
+    return end + stages * BLOCK + (1024 if mma == "wgmma" else 0)
+
+
+def max_score_variant(rows: int, d: int) -> tuple:
+    """Default ``(nwarps, stages, mma)``: 8 warps (128 packed rows per CTA), 4 when every
+    request has at most 64 packed rows; a three-stage K ring; mma.sync."""
+    return (8 if rows > 64 else 4), 3, "mma"
 
 
 def topk_variant(nt: int, slots: int, vec_ok: bool) -> tuple:
@@ -184,7 +209,7 @@ def _ptr(a):
 
 def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
                   cu_seqlens_k=None, page_table=None, kv_indices=None, kv_page_indptr=None,
-                  kv_layout="NHD", page_size=0, max_seqlen_q, causal, stream=None) -> None:
+                  kv_layout="NHD", page_size=0, max_seqlen_q, causal, stream=None, variant=None) -> None:
     """``max_score[i, h, t] = max`` of ``q[i, h] . k[j, h // r]`` over admissible keys of block ``t``.
 
     q ``[total_q, Hq, D]`` float16/bfloat16, D in {64, 128, 256}, D contiguous and
@@ -197,6 +222,7 @@ def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
     block has no admissible key, and for ``t >= ceil(kv_len / 128)``). Keys of page
     ids outside ``[0, P)`` or past the table are not admissible. int32 metadata
     vectors ``[B]``: ``qo_lens``, ``kv_lens``, ``qo_offset``; ``cu_seqlens_q [B+1]``.
+    ``variant``: ``(nwarps, stages, mma)`` to override :func:`max_score_variant` (tuning).
     """
     qdt = np.dtype(q.dtype)
     if qdt not in _CTYPE:
@@ -282,13 +308,15 @@ def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
         return
     if rows >= 2**31:
         raise ValueError(f"max_seqlen_q * (Hq / Hkv) must be < 2^31, got {rows}")
-    nwarps = 8 if rows > 64 else 4
+    nwarps, stages, mma = max_score_variant(rows, d) if variant is None else tuple(variant)
+    if (qdt, d, nwarps, stages, mma) not in MAX_SCORE_SPECS:
+        raise ValueError(f"no max score variant (nwarps, stages, mma) = {(nwarps, stages, mma)} for D={d}")
     bm = 16 * nwarps
     m_tiles = -(-rows // bm)
     if m_tiles * batch >= 2**31:
         raise ValueError("too many query tiles for one launch")
     splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, _sm_count())
-    kernel = get_kernel(MAX_SCORE_SPECS[(qdt, d, nwarps)])
+    kernel = get_kernel(MAX_SCORE_SPECS[(qdt, d, nwarps, stages, mma)])
     args = (
         q, k, max_score, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
         _ptr(cu_seqlens_k if kv_mode == 0 else None), _ptr(page_table if kv_mode == 1 else None),
@@ -299,7 +327,7 @@ def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
         np.int32(1 if causal else 0), np.int32(tiles_per_split),
     )
     launch(kernel, (m_tiles * batch, hkv, splits), (32 * nwarps,), args,
-           shared_mem=max_score_smem_bytes(d, nwarps, q.itemsize), stream=stream)
+           shared_mem=max_score_smem_bytes(d, nwarps, stages, mma, q.itemsize), stream=stream)
 
 
 # ----------------------------------------------------------------------------- top-k select

@@ -235,3 +235,53 @@ inline void mma_16x8x16(float* d, const u32* a, const u32* b) {
     }
 }
 }  // namespace mate
+
+// wgmma (sm_90a) with both operands in shared memory, K-major, 128-byte swizzle: every
+// thread computes its own accumulator elements from the descriptors (no exchange needed).
+// Descriptor: start >> 4 in bits [0,14), LBO >> 4 in [16,30), SBO >> 4 in [32,46),
+// layout type in [62,64) (1: 128-byte swizzle). Element (r, k) of a k16 step sits at
+// start + (r / 8) SBO + (r % 8) 128 + 2 k, with address bits [4,7) ^= bits [7,10).
+namespace mate {
+namespace attn {
+typedef unsigned long long u64;
+inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (u64)((saddr >> 4) & 0x3FFFu) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+inline u64 wg_desc_add(u64 desc, u32 bytes) { return desc + (u64)(bytes >> 4); }
+inline void wg_fence() {}
+inline void wg_commit() {}
+template <int N> inline void wg_wait() {}
+inline void fence_proxy_async_smem() {}
+template <int N> inline void wg_fence_regs(float*) {}
+
+template <typename E>
+inline float wg_elem(u64 desc, int r, int k) {
+    if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0) { std::fprintf(stderr, "wgmma: unexpected descriptor mode\n"); std::abort(); }
+    const u32 start = (u32)(desc & 0x3FFFu) << 4, sbo = (u32)((desc >> 32) & 0x3FFFu) << 4;
+    u32 addr = start + (u32)(r / 8) * sbo + (u32)(r % 8) * 128u + 2u * (u32)k;
+    addr ^= ((addr >> 7) & 7u) << 4;
+    if (addr + 2 > emu::g_block->smem_bytes) { std::fprintf(stderr, "wgmma operand past shared memory\n"); std::abort(); }
+    uint16_t bits;
+    std::memcpy(&bits, emu::dyn_smem() + addr, 2);
+    return h2f<E>(bits);
+}
+
+template <int N, typename E>
+struct WgmmaSS {
+    // D[64 x N] (+)= A[64 x 16] B[16 x N]; this thread's d[4 i + j] is row 16 w + g + 8 (j / 2),
+    // column 8 i + 2 t + (j % 2) (w: warp in the warpgroup, g = lane / 4, t = lane % 4).
+    static void run(float* d, u64 da, u64 db, int scale_d) {
+        const int w = (threadIdx.x / 32) % 4, l = emu::my_lane(), g = l / 4, t = l % 4;
+        for (int i = 0; i < N / 8; ++i)
+            for (int j = 0; j < 4; ++j) {
+                const int row = 16 * w + g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
+                float s = scale_d ? d[4 * i + j] : 0.f;
+                for (int k = 0; k < 16; ++k) s += wg_elem<E>(da, row, k) * wg_elem<E>(db, col, k);
+                d[4 * i + j] = s;
+            }
+    }
+    static void first(float* d, u64 da, u64 db) { run(d, da, db, 0); }
+};
+}  // namespace attn
+}  // namespace mate
