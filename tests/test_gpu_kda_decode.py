@@ -366,6 +366,34 @@ def test_decode_matches_reference(name, rng):
     check_results(c, prep, out, pool, final)
 
 
+VFIRST_CASES = [n for n, c in CASES.items() if c.v_first]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("name", VFIRST_CASES)
+def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
+    """V-first CTAs looping over work units with the next state prefetched (few resident
+    CTAs: the launcher is told the GPU has one SM, so every CTA runs many units)."""
+    from mate_cupy.kda import decode_kernels as dk
+
+    monkeypatch.setattr(dk, "VFIRST_PREFETCH", True)
+    monkeypatch.setattr(dk, "VFIRST_WARPS", warps)
+    monkeypatch.setattr(dk, "_sm_count", lambda: 1)
+    c = CASES[name]
+    prep = build_case(c, rng)
+    out, pool, final = _run_case(c, prep, preallocate=True)
+    check_results(c, prep, out, pool, final)
+
+
+def test_vfirst_prefetch_grid():
+    from mate_cupy.kda import decode_kernels as dk
+
+    smem2 = dk._smem_bytes(2 * 64 * 128 * 4, 1, 64, 0)  # 4 warps, fp32 state, two stages
+    assert dk.vfirst_resident_ctas(128, smem2) == 3  # shared memory bound: 3 x 66 KB
+    assert dk.vfirst_resident_ctas(32, dk._smem_bytes(2 * 16 * 128 * 4, 1, 16, 0)) == 12  # 12 x 19 KB (registers: 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["t1_f32_vfirst", "t4_spec", "varlen_2d_kfirst_bf16"])
 def test_decode_allocated_output(name, rng):

@@ -37,6 +37,11 @@ VFIRST_ROWS_PER_WARP = 16
 VFIRST_WARP_CHOICES = (4, 2, 1)
 #: Override of the V-first warps per CTA (1, 2, 4 or 8) for tuning; None = heuristic.
 VFIRST_WARPS = None
+#: V-first CTAs that loop over work units with the next unit's state copied in ahead
+#: (two stage buffers): True / False for tuning; None = heuristic (``vfirst_prefetch``).
+VFIRST_PREFETCH = None
+_REGS_PER_THREAD = 128  # __launch_bounds__(256, 2) of the V-first kernel
+_SMEM_PER_SM = 228 * 1024  # sm_90: per SM, 1 KB of it reserved per CTA
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).
 KFIRST_SHAPE = {FLOAT32: (64, 32), BFLOAT16: (128, 64)}
 
@@ -44,6 +49,7 @@ KFIRST_SHAPE = {FLOAT32: (64, 32), BFLOAT16: (128, 64)}
 F_VARLEN, F_L2NORM, F_GATE_IN_KERNEL, F_LOWER_BOUND = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 F_BETA_SIGMOID, F_NEG_EIGVAL, F_INITIAL_STATE, F_INPLACE = 1 << 4, 1 << 5, 1 << 6, 1 << 7
 F_BETA_PER_CHANNEL, F_IDX64, F_ACCEPTED64, F_CU64, F_HAS_ACCEPTED = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
+F_PREFETCH = 1 << 13
 _DT_CODE = {FLOAT32: 0, FLOAT16: 1, BFLOAT16: 2}
 _DT_SHIFT = {"q": 0, "k": 2, "v": 4, "a": 6, "b": 8, "dt_bias": 10, "out": 12}
 _NO_POOL = np.iinfo(np.int64).max
@@ -82,6 +88,20 @@ def vfirst_warps(n_heads: int, V: int, sm_count: int) -> int:
         if n_heads * -(-V // (VFIRST_ROWS_PER_WARP * w)) >= 4 * sm_count:
             return w
     return VFIRST_WARP_CHOICES[-1]
+
+
+def vfirst_resident_ctas(threads: int, smem: int) -> int:
+    """V-first CTAs one SM holds at once (registers, shared memory, the 32-CTA limit)."""
+    by_regs = 65536 // (_REGS_PER_THREAD * threads)
+    by_smem = _SMEM_PER_SM // (smem + 1024)
+    return max(1, min(32, by_regs, by_smem))
+
+
+def vfirst_prefetch(units: int, resident: int) -> bool:
+    """Loop CTAs over units with a prefetched stage when there are more units than resident CTAs."""
+    if VFIRST_PREFETCH is not None:
+        return bool(VFIRST_PREFETCH)
+    return False
 
 
 def _strides3(x, name: str) -> tuple:
@@ -247,6 +267,12 @@ def run_decode(*, q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accep
         raise ValueError(f"too many CTAs ({grid}) for one launch")
     tc = max(1, min(T, MAX_CHUNK))
     smem = _smem_bytes(vs * K * elem, tc, vs, red)
+    if state_v_first:
+        smem2 = _smem_bytes(2 * vs * K * elem, tc, vs, red)
+        resident = vfirst_resident_ctas(threads, smem2) * _sm_count()
+        if grid > resident and vfirst_prefetch(grid, resident):
+            flags |= F_PREFETCH
+            grid, smem = resident, smem2
 
     null = np.uintp(0)
     qs, ks, vst, ast, bst = (_strides3(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (a, "a"), (b, "b")))
