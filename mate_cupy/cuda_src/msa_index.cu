@@ -616,6 +616,7 @@ __device__ __forceinline__ bool stream_select_row(const float* __restrict__ srow
     u32 run_max = 0;  // this lane's largest key so far
     u32 tp = 0;       // k competing scores of earlier chunks have keys >= tp
     int count = 0;    // buffer entries
+    __syncwarp();     // (the exact pass reuses the buffer: order the fast pass's writes first)
 #pragma unroll 1
     for (int c = 0; c < nchunks; ++c) {
         const int c0 = c * CH;
