@@ -253,16 +253,17 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
         const T* gp = g + (row0 + 32 * ghalf) * vg_stride + (long long)hv * kD + gch;
 #pragma unroll
         for (int s = 0; s < 32; ++s) gacc[s] = s < nrow ? to_float(gp[s * vg_stride]) : 0.f;
-        float dtb = 0.f, ea = 0.f;
+        float dtb = 0.f, nea2 = 0.f;  // -exp(A_log) in log2 units
         if (has_gate) {
             dtb = dt_bias[(long long)hv * kD + gch];
-            ea = __expf(A_log[hv]);
+            nea2 = -__expf(A_log[hv]) * kLog2e;
         }
         float acc = 0.f;
 #pragma unroll
         for (int s = 0; s < 32; ++s) {
-            // sigmoid via rcp: exp overflow gives 1 / inf = 0, the limit
-            float gk = has_gate ? __fdividef(lower_bound, 1.f + __expf(-ea * (gacc[s] + dtb))) : gacc[s];
+            // lower_bound * sigmoid(exp(A_log) (g + dt_bias)) via ex2 and rcp: an overflowing
+            // exponential gives lower_bound / inf = 0, the limit
+            float gk = has_gate ? __fdividef(lower_bound, 1.f + fast_exp2(nea2 * (gacc[s] + dtb))) : gacc[s];
             gk = s < nrow ? gk : 0.f;
             acc += gk;
             gacc[s] = acc;

@@ -78,7 +78,11 @@ def num_chunk_slots(batch: int, seqlen: int, num_seqs: int, varlen: bool) -> int
 
 # Relative per-chunk latency of a recurrence CTA by warp count (one CTA per SM: the
 # stage buffers take ~150-180 KB). Used to trade V slices (more CTAs) against waves.
-_WARP_COST = {1: 0.85, 2: 0.9, 4: 1.0, 8: 1.5}
+# Every warp does the same 232 MMAs per chunk whatever the width, so 1, 2 and 4 warps
+# (one warp per SM sub-partition) take about the same time per chunk; narrower CTAs only
+# add copy instructions per thread and L2 traffic (each CTA reads the whole slot). 8
+# warps put two warps on each sub-partition: tensor-bound, ~1.6x.
+_WARP_COST = {1: 1.1, 2: 1.05, 4: 1.0, 8: 1.6}
 _sm_counts: dict = {}
 _carveout_set: set = set()  # ids of prepare kernels whose carveout preference is set (RawKernel takes no attributes)
 

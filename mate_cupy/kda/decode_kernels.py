@@ -104,6 +104,32 @@ def vfirst_prefetch(units: int, resident: int) -> bool:
     return False
 
 
+def launch_shape(n_heads: int, V: int, T: int, state_dtype, v_first: bool) -> tuple:
+    """``(threads, VS, n_splits, grid, tc, smem bytes, prefetch)`` of one launch over
+    ``n_heads`` = N * HV states of ``T`` tokens (raises if the grid does not fit)."""
+    elem = np.dtype(state_dtype).itemsize
+    if v_first:
+        warps = vfirst_warps(n_heads, V, _sm_count())
+        vs = VFIRST_ROWS_PER_WARP * warps
+        threads, red = 32 * warps, 0
+    else:
+        threads, vs = KFIRST_SHAPE[np.dtype(state_dtype)]
+        red = 2 * (threads // 32) * 2 * vs
+    n_splits = -(-V // vs)
+    grid = n_heads * n_splits
+    if grid > _INT32_MAX:
+        raise ValueError(f"too many CTAs ({grid}) for one launch")
+    tc = max(1, min(T, MAX_CHUNK))
+    smem = _smem_bytes(vs * K_DIM * elem, tc, vs, red)
+    prefetch = False
+    if v_first:
+        smem2 = _smem_bytes(2 * vs * K_DIM * elem, tc, vs, red)
+        resident = vfirst_resident_ctas(threads, smem2) * _sm_count()
+        if grid > resident and vfirst_prefetch(grid, resident):
+            prefetch, grid, smem = True, resident, smem2
+    return threads, vs, n_splits, grid, tc, smem, prefetch
+
+
 def _strides3(x, name: str) -> tuple:
     """Element strides of the first three dims; the fourth (if any) must be contiguous."""
     item = x.dtype.itemsize
@@ -253,26 +279,9 @@ def run_decode(*, q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accep
     if T > _INT32_MAX or V * K * HV > _INT32_MAX:
         raise ValueError(f"too many tokens or state elements per slot: T = {T}, HV*V*K = {HV * V * K}")
 
-    n_heads = N * HV
-    if state_v_first:
-        warps = vfirst_warps(n_heads, V, _sm_count())
-        vs = VFIRST_ROWS_PER_WARP * warps
-        threads, red = 32 * warps, 0
-    else:
-        threads, vs = KFIRST_SHAPE[np.dtype(state_dtype)]
-        red = 2 * (threads // 32) * 2 * vs
-    n_splits = -(-V // vs)
-    grid = n_heads * n_splits
-    if grid > _INT32_MAX:
-        raise ValueError(f"too many CTAs ({grid}) for one launch")
-    tc = max(1, min(T, MAX_CHUNK))
-    smem = _smem_bytes(vs * K * elem, tc, vs, red)
-    if state_v_first:
-        smem2 = _smem_bytes(2 * vs * K * elem, tc, vs, red)
-        resident = vfirst_resident_ctas(threads, smem2) * _sm_count()
-        if grid > resident and vfirst_prefetch(grid, resident):
-            flags |= F_PREFETCH
-            grid, smem = resident, smem2
+    threads, vs, n_splits, grid, tc, smem, prefetch = launch_shape(N * HV, V, T, state_dtype, state_v_first)
+    if prefetch:
+        flags |= F_PREFETCH
 
     null = np.uintp(0)
     qs, ks, vst, ast, bst = (_strides3(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (a, "a"), (b, "b")))
