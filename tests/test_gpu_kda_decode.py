@@ -375,15 +375,25 @@ VFIRST_CASES = [n for n, c in CASES.items() if c.v_first]
 def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
     """V-first CTAs looping over work units with the next state prefetched (few resident
     CTAs: the launcher is told the GPU has one SM, so every CTA runs many units)."""
+    from mate_cupy import _launch_cache
     from mate_cupy.kda import decode_kernels as dk
 
     monkeypatch.setattr(dk, "VFIRST_PREFETCH", True)
     monkeypatch.setattr(dk, "VFIRST_WARPS", warps)
     monkeypatch.setattr(dk, "_sm_count", lambda: 1)
-    c = CASES[name]
-    prep = build_case(c, rng)
-    out, pool, final = _run_case(c, prep, preallocate=True)
+    launches = []
+    real_launch = dk._launch
+    monkeypatch.setattr(dk, "_launch", lambda *a: (launches.append(a), real_launch(*a)))
+    _launch_cache.clear()  # recipes replay the launch they recorded: these knobs are not in their key
+    try:
+        c = CASES[name]
+        prep = build_case(c, rng)
+        out, pool, final = _run_case(c, prep, preallocate=True)
+    finally:
+        _launch_cache.clear()
     check_results(c, prep, out, pool, final)
+    flags = [int(a[3][35]) for a in launches]  # args[35]: the option flags
+    assert flags and all(f & dk.F_PREFETCH for f in flags), "the prefetch loop did not run"
 
 
 def test_vfirst_prefetch_grid():
