@@ -14,6 +14,8 @@
 //   kda_chunk_prepare_kernel<T>    one CTA per (chunk slot, value head), fully parallel:
 //                                  l2norm, gate, cumsum, Qs/Kt/Kb/egl, Aqk, Akk (tf32
 //                                  mma.sync), T (f32 block forward substitution) -> workspace.
+//   kda_chunk_prepare_baseline_kernel<T>  the previous phase-1 formulation (same workspace;
+//                                  kept for comparison, MATE_CUPY_KDA_CHUNK_PREPARE=baseline).
 //   kda_chunk_recurrence_kernel<T, NW>  one CTA per (sequence, value head, V slice of 16*NW
 //                                  rows of S), sequential over the chunks: state in f32
 //                                  registers, bf16/fp16 mma.sync m16n8k16, cp.async double
@@ -185,11 +187,8 @@ __global__ void __launch_bounds__(1024) kda_chunk_offsets_kernel(const void* __r
     if (tid == 0) offsets[num_seqs] = (int)min(carry_s, kMax);
 }
 
-// Phase 1: one CTA (8 warps) per (chunk slot, value head). Writes the workspace slot
-// (slot * HV + hv).
-//   dense (cu_seqlens == null): slot = n * ceil(T / 64) + chunk, rows n * T + ...
-//   varlen: slot in [offsets[n], offsets[n + 1]) for sequence n.
-// Steps (barriers between them):
+// Phase 1: one CTA (8 warps) per (chunk slot, value head; see locate_chunk). Writes the
+// workspace slot (slot * HV + hv). Steps (barriers between them):
 //   P0  cp.async q, k; every thread loads 32 gate inputs (one channel, one row half) into
 //       registers and forms the gate and its cumsum over its 32 rows; beta.
 //   P1  rows 32..63 add the first half's sums; gc (log2 units) -> smem; diagonal-block
