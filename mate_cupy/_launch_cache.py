@@ -80,8 +80,8 @@ def plain(values: tuple) -> bool:
         t = type(v)
         if t in _PLAIN:
             continue
-        if isinstance(v, (np.dtype, np.generic)) or t.__module__ == "torch" and t.__name__ == "dtype":
-            _PLAIN.add(t)  # dtype objects and NumPy scalars are immutable
+        if isinstance(v, (np.dtype, np.generic, type)) or t.__module__ == "torch" and t.__name__ == "dtype":
+            _PLAIN.add(t)  # dtype objects, NumPy scalars and classes (np.float32) are immutable
             continue
         return False
     return True

@@ -213,14 +213,37 @@ def test_decode_replay_returns_the_callers_objects(fc):
     assert fc.replays == 1 and out is x["output"] and final is x["state"]
 
 
+def test_decode_packed_projection_views_replay(fc):
+    """q/k/v as views of one fused projection (strided, last dim contiguous): no copy, replayed."""
+    fn, make = decode_maker(fc, T=2, slots="2d")
+    B, T, H, HV, K = 6, 2, 2, 4, 128
+    row = (2 * H + HV) * K
+
+    def packed():
+        x = make()
+        base = fc.tensor((B, T, row), BF16).data_ptr()
+        st = (T * row, row, K, 1)
+        x["q"] = FakeTensor((B, T, H, K), BF16, base, stride=st)
+        x["k"] = FakeTensor((B, T, H, K), BF16, base + 2 * H * K, stride=st)
+        x["v"] = FakeTensor((B, T, HV, K), BF16, base + 4 * H * K, stride=st)
+        return x
+
+    from bench.host_overhead_cpu import FakeTensor
+
+    log, _ = check_replay(fc, fn, packed)
+    assert len(log) == 1
+    strides = [int.from_bytes(b, "little") for b in log[0][4][14:23]]  # q, k, v (batch, token, head)
+    assert strides == [T * row, row, K] * 3
+
+
 def test_decode_staging_is_not_replayed(fc):
-    """A non-contiguous q is copied first: such calls always take the full path."""
+    """A q whose last dim is not contiguous is copied first: such calls take the full path."""
     fn, make = decode_maker(fc)
     B, T, H, K = 6, 1, 2, 128
 
     def strided():
         x = make()
-        x["q"] = fc.tensor((B, T, H, K), BF16, stride=(T * H * 2 * K, H * 2 * K, 2 * K, 1))
+        x["q"] = fc.tensor((B, T, H, K), BF16, stride=(T * H * 2 * K, H * 2 * K, 2 * K, 2))
         return x
 
     import cupy
@@ -486,7 +509,7 @@ def test_cache_is_bounded_and_clearable(fc, monkeypatch):
 
 
 def test_plain_options():
-    assert lc.plain((None, True, 3, 0.5, "x", np.float32(1), np.dtype(np.int32), torch.float32))
+    assert lc.plain((None, True, 3, 0.5, "x", b"x", np.float32(1), np.dtype(np.int32), np.float32, torch.float32))
     assert not lc.plain((torch.tensor(1.0),))
     assert not lc.plain(([1],))
 

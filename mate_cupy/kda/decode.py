@@ -311,6 +311,23 @@ def _run_host(call: Call, r: DecodeArgs):
     return out, fs
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _token_operand(x):
+    """q/k/v/a/b as the kernel takes them: any non-negative element strides that fit in 32
+    bits with a contiguous last dim (e.g. views of a fused projection) as they are, else a
+    contiguous copy."""
+    if x.flags.c_contiguous:
+        return x
+    item = x.itemsize
+    st = x.strides
+    if (all(0 <= s <= _INT32_MAX * item and s % item == 0 for s in st)
+            and (x.ndim != 4 or x.shape[3] <= 1 or st[3] == item)):
+        return x
+    return cuda_contiguous(x)
+
+
 def _run_cuda(call: Call, r: DecodeArgs):
     global _launcher
     run_decode = load_launcher("decode_kernels", "run_decode", "gated_delta_rule_decode")
@@ -318,7 +335,7 @@ def _run_cuda(call: Call, r: DecodeArgs):
         _launcher = sys.modules.get(run_decode.__module__)
     d = call.data
     with call.launch_scope():
-        q, k, v, a, b = (cuda_contiguous(d(n)) for n in ("q", "k", "v", "a", "b"))
+        q, k, v, a, b = (_token_operand(d(n)) for n in ("q", "k", "v", "a", "b"))
         out = CudaOut(call, d("output"), (r.B, r.T, r.HV, r.V), r.out_dtype)
         if d("output") is None:
             lc.note_alloc("out", out.buf)
