@@ -735,15 +735,19 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 constexpr int kMsBlock = 128;  // keys per block
 constexpr int kMsStash = 16;   // blocks staged per store (64-byte row segments)
 
-enum MaxScoreMma { kMmaSync = 0, kWgmma = 1 };
+enum MaxScoreMma { kMmaSync = 0, kWgmma = 1, kMmaSync32 = 2 };
 
 template <typename T, int D, int NWARPS, int STAGES, int MMA>
 struct MaxScoreTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
     static_assert(STAGES == 2 || STAGES == 3, "two or three K stages");
-    static_assert(MMA == kMmaSync || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
-    static_assert(NWARPS <= 8, "the Q tile must fit a K stage");
-    static constexpr int BM = 16 * NWARPS;       // packed (query, head) rows per CTA
+    static_assert(MMA != kWgmma || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
+    static constexpr int WM = MMA == kMmaSync32 ? 32 : 16;  // rows per warp
+    static constexpr int M_TILES = WM / 16;                  // m16 tiles per warp
+    static constexpr int PASSES = WM / 16;                   // key passes per 128-key block (64 accumulators)
+    static constexpr int N8 = 16 / PASSES;                   // n8 tiles per pass
+    static constexpr int BM = WM * NWARPS;                   // packed (query, head) rows per CTA
+    static_assert(BM <= 128, "the Q tile must fit a K stage");
     static constexpr int THREADS = 32 * NWARPS;
     static constexpr int CPR = D / 8;            // 16-byte chunks per row
     static constexpr int K_TILE_BYTES = kMsBlock * D * (int)sizeof(T);
@@ -751,8 +755,9 @@ struct MaxScoreTile {
     static constexpr int Q_BYTES = BM * D * (int)sizeof(T);
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
     // Q: wgmma reads it from shared memory for the whole kernel (after the stages).
-    // mma.sync holds it in registers after the prologue: with 3 stages it is staged in the
-    // last stage (first filled by the first loop iteration), with 2 in the stash area.
+    // mma.sync (16 or 32 rows per warp) holds it in registers after the prologue: with 3
+    // stages it is staged in the last stage (first filled by the first loop iteration), with
+    // 2 in the stash area.
     static constexpr int Q_OFFSET = MMA == kWgmma ? K_BYTES : (STAGES == 3 ? 2 * K_TILE_BYTES : K_BYTES);
     static constexpr int STASH_OFFSET = MMA == kWgmma ? K_BYTES + Q_BYTES : K_BYTES;
     static constexpr int STASH_END = MMA == kWgmma || STAGES == 3
@@ -811,6 +816,7 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
                            int tiles_per_split) {
     using Cfg = MaxScoreTile<T, D, NWARPS, STAGES, MMA>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR;
+    constexpr int WM = Cfg::WM, MT = Cfg::M_TILES, PASSES = Cfg::PASSES, N8 = Cfg::N8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw;
     if constexpr (MMA == kWgmma) smem += (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -850,15 +856,15 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
     // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
     const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
 
-    // Lanes 0..15: output offset of the warp's row warp * 16 + lane (-1: not stored).
+    // Lanes 0..WM-1: output offset of the warp's row warp * WM + lane (-1: not stored).
     long long out_off = -1;
-    if (lane < 16) {
+    if (lane < WM) {
         int qi;
-        const int p = warp * 16 + lane;
+        const int p = warp * WM + lane;
         if (row_valid(p, qi)) out_off = ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt;
     }
     auto fill_neg_inf_from = [&](int t_from) {
-        for (int rr = 0; rr < 16; ++rr) {
+        for (int rr = 0; rr < WM; ++rr) {
             const long long o = __shfl_sync(kFullMask, out_off, rr);
             if (o >= 0)
                 for (int c = t_from + lane; c < t_stop; c += 32) max_score[o + c] = neg_inf();
@@ -926,20 +932,33 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
     }
 
     const int mi = lane >> 3;  // ldmatrix: the 8x8 matrix this lane addresses
-    u32 qf[MMA == kMmaSync ? D / 16 : 1][4];
-    if constexpr (MMA == kMmaSync) {
+    constexpr bool kSync = MMA != kWgmma;
+    u32 qf[kSync ? MT : 1][kSync ? D / 16 : 1][4];
+    if constexpr (kSync) {
         cp_async_wait<STAGES - 2>();  // the first group: Q and K tile t_begin
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
-            ldmatrix_x4_at(qf[kk], smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(row, 2 * kk + (mi >> 1))));
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int row = warp * WM + m * 16 + (mi & 1) * 8 + (lane & 7);
+                ldmatrix_x4_at(qf[m][kk],
+                               smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(row, 2 * kk + (mi >> 1))));
+            }
         }
         // (The loop's first barrier orders these reads before the Q area is reused.)
     }
-    const int row_a = warp * 16 + (lane >> 2), row_b = row_a + 8;  // this thread's accumulator rows
-    const int lim_a = row_limit(row_a), lim_b = row_limit(row_b);
-    const int lim_min = min(lim_a, lim_b);
+    // This thread's accumulator rows: warp * WM + 16 m + lane / 4 (+ 8), admissible below lim.
+    int lim[MT][2];
+    int lim_min = 0x7fffffff;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            lim[m][h] = row_limit(warp * WM + m * 16 + (lane >> 2) + 8 * h);
+            lim_min = min(lim_min, lim[m][h]);
+        }
+    }
     // mma.sync B fragments: lane addresses K row np * 16 + (mi >> 1) * 8 + lane % 8, chunk
     // 2 kk + (mi & 1). With z = (mi & 1) ^ (lane % 8) the swizzled chunk is (2 kk) ^ z =
     // 8 (kk / 4) + ((2 (kk % 4)) ^ z): four per-thread byte offsets, the rest folds into constants.
@@ -956,89 +975,115 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         if (t + STAGES - 1 < t_end) load_k_tile(t + STAGES - 1, (n + STAGES - 1) % STAGES);
         cp_async_commit();
 
-        float acc[16][4];
-        if constexpr (MMA == kMmaSync) {
-#pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f;
-            const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES);
-            // Steps s = (kk, np): B fragments of step s + 1 are loaded before the MMAs of step s
-            // (ldmatrix and mma are volatile asm: issue order is source order).
-            constexpr int STEPS = (D / 16) * 8;
-            auto b_addr = [&](int step) {
-                const int kk = step / 8, np = step % 8;
-                return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
-            };
-            u32 bf[2][4];
-            ldmatrix_x4_at(bf[0], b_addr(0));
-#pragma unroll
-            for (int step = 0; step < STEPS; ++step) {
-                if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
-                const int kk = step / 8, np = step % 8;
-                mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
-                mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
-            }
-        } else {
-            // S = Q K^T for this warpgroup's 64 rows: k-step ks reads 32 bytes of column block
-            // ks / 4 of the Q tile and of the K tile.
-            const int wg = warp >> 2;
-            const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
-            const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
-            attn::wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
-                const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
-                if (ks == 0)
-                    attn::WgmmaSS<128, T>::first(&acc[0][0], attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko));
-                else
-                    attn::WgmmaSS<128, T>::run(&acc[0][0], attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko), 1);
-            }
-            attn::wg_commit();
-            attn::wg_wait<0>();
-            attn::wg_fence_regs<64>(&acc[0][0]);
-        }
-
         const int kbase = t * kMsBlock;
         const unsigned char* kv = kvalid + stage * kMsBlock;
         const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
         const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min) || holes;
-        float mx_a = neg_inf(), mx_b = neg_inf();
-        if (!edge) {
+        float mx[MT][2];
 #pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) {
-                mx_a = fmaxf(mx_a, fmaxf(acc[n8][0], acc[n8][1]));
-                mx_b = fmaxf(mx_b, fmaxf(acc[n8][2], acc[n8][3]));
+        for (int m = 0; m < MT; ++m) mx[m][0] = mx[m][1] = neg_inf();
+
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {  // keys [pass * 8 N8, (pass + 1) * 8 N8) of the block
+            float acc[MT][N8][4];
+            if constexpr (kSync) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int n8 = 0; n8 < N8; ++n8) acc[m][n8][0] = acc[m][n8][1] = acc[m][n8][2] = acc[m][n8][3] = 0.f;
+                const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES + pass * N8 * 8 * D * (int)sizeof(T));
+                // Steps s = (kk, np): B fragments (16 keys x 16 values) of step s + 1 are loaded
+                // before the MMAs of step s (ldmatrix and mma are volatile asm: issue order is source order).
+                constexpr int NP = N8 / 2;
+                constexpr int STEPS = (D / 16) * NP;
+                auto b_addr = [&](int step) {
+                    const int kk = step / NP, np = step % NP;
+                    return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
+                };
+                u32 bf[2][4];
+                ldmatrix_x4_at(bf[0], b_addr(0));
+#pragma unroll
+                for (int step = 0; step < STEPS; ++step) {
+                    if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
+                    const int kk = step / NP, np = step % NP;
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_16x8x16<T>(acc[m][2 * np], qf[m][kk], bf[step & 1]);
+                        mma_16x8x16<T>(acc[m][2 * np + 1], qf[m][kk], bf[step & 1] + 2);
+                    }
+                }
+            } else {
+                // S = Q K^T for this warpgroup's 64 rows: k-step ks reads 32 bytes of column block
+                // ks / 4 of the Q tile and of the K tile.
+                const int wg = warp >> 2;
+                const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
+                const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
+                attn::wg_fence();
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks) {
+                    const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
+                    const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
+                    if (ks == 0)
+                        attn::WgmmaSS<128, T>::first(&acc[0][0][0], attn::wg_desc_add(q_desc, qo),
+                                                     attn::wg_desc_add(k_desc, ko));
+                    else
+                        attn::WgmmaSS<128, T>::run(&acc[0][0][0], attn::wg_desc_add(q_desc, qo),
+                                                   attn::wg_desc_add(k_desc, ko), 1);
+                }
+                attn::wg_commit();
+                attn::wg_wait<0>();
+                attn::wg_fence_regs<64>(&acc[0][0][0]);
             }
-        } else {
+
+            // Row maxima; masks only on blocks where some row of the warp needs them.
+            if (!edge) {
 #pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) {
+                for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = n8 * 8 + 2 * (lane & 3) + e;
-                    const bool ok = kv[col] != 0;
-                    if (ok && kbase + col < lim_a) mx_a = fmaxf(mx_a, acc[n8][e]);
-                    if (ok && kbase + col < lim_b) mx_b = fmaxf(mx_b, acc[n8][2 + e]);
+                    for (int n8 = 0; n8 < N8; ++n8) {
+                        mx[m][0] = fmaxf(mx[m][0], fmaxf(acc[m][n8][0], acc[m][n8][1]));
+                        mx[m][1] = fmaxf(mx[m][1], fmaxf(acc[m][n8][2], acc[m][n8][3]));
+                    }
+            } else {
+#pragma unroll
+                for (int n8 = 0; n8 < N8; ++n8) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = pass * N8 * 8 + n8 * 8 + 2 * (lane & 3) + e;
+                        const bool ok = kv[col] != 0;
+#pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            if (ok && kbase + col < lim[m][0]) mx[m][0] = fmaxf(mx[m][0], acc[m][n8][e]);
+                            if (ok && kbase + col < lim[m][1]) mx[m][1] = fmaxf(mx[m][1], acc[m][n8][2 + e]);
+                        }
+                    }
                 }
             }
         }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(kFullMask, mx[m][h], 1));
+                mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(kFullMask, mx[m][h], 2));
+            }
 
         const int slot = n % kMsStash;
         if ((lane & 3) == 0) {
-            stash[row_a * (kMsStash + 1) + slot] = mx_a;
-            stash[row_b * (kMsStash + 1) + slot] = mx_b;
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    stash[(warp * WM + m * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[m][h];
         }
-        if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's 16 rows
+        if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's WM rows
             __syncwarp();
             const int t_first = t - slot;
 #pragma unroll 4
-            for (int rr = 0; rr < 16; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
+            for (int rr = 0; rr < WM; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
                 const int rw = rr + (lane >> 4), c = lane & 15;
                 const long long o = __shfl_sync(kFullMask, out_off, rw);
-                if (o >= 0 && c <= slot) max_score[o + t_first + c] = stash[(warp * 16 + rw) * (kMsStash + 1) + c];
+                if (o >= 0 && c <= slot) max_score[o + t_first + c] = stash[(warp * WM + rw) * (kMsStash + 1) + c];
             }
             __syncwarp();
         }

@@ -31,7 +31,7 @@ MAX_WIDTH = 64         # W <= MAX_WIDTH
 _CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
 MAX_SCORE_HEAD_DIMS = (64, 128, 256)
 _MS_WARPS = (4, 8)
-MMA_KINDS = ("mma", "wgmma")   # kMmaSync, kWgmma
+MMA_KINDS = ("mma", "wgmma", "mma32")   # kMmaSync, kWgmma, kMmaSync32 (mma.sync, 32 rows per warp)
 
 # Top-k: (warps per row, scores per thread). One warp per row up to NT 1024, a CTA beyond.
 _TOPK_WARP_SHAPES = ((1, 8), (1, 32))
@@ -84,6 +84,7 @@ def _max_score_configs(d: int):
     out += [(nw, 2, "wgmma") for nw in _MS_WARPS]
     if d <= 128:
         out.append((8, 3, "wgmma"))
+        out += [(4, 2, "mma32"), (4, 3, "mma32")]  # (Q of 32 rows in registers: D <= 128)
     return out
 
 
@@ -97,7 +98,7 @@ MAX_SCORE_SPECS = {
 
 def max_score_smem_bytes(d: int, nwarps: int, stages: int = 2, mma: str = "mma", elem_bytes: int = 2) -> int:
     """Dynamic shared memory of ``msa_block_max_score_kernel`` (mirrors ``MaxScoreTile``)."""
-    bm = 16 * nwarps
+    bm = (32 if mma == "mma32" else 16) * nwarps
     k_tile = BLOCK * d * elem_bytes
     k_bytes = stages * k_tile
     q_bytes = bm * d * elem_bytes
