@@ -121,7 +121,7 @@ def smoke(status_path: str) -> None:
     problems = []
     for hq, hkv, d, dt, causal in [(8, 1, 128, BF16, True), (8, 2, 64, F16, False), (4, 4, 128, BF16, False),
                                    (16, 4, 128, BF16, True)]:
-        for qo, kv, offs in (([200, 37, 1], [300, 700, 129], [100, 600, 128]), ([1, 1, 1], [1, 1500, 257], None)):
+        for qo, kv, offs in (([96, 37, 1], [300, 700, 129], [200, 600, 128]), ([1, 1, 1], [1, 1500, 257], None)):
             qo, kv = np.array(qo, np.int32), np.array(kv, np.int32)
             cu_q, cu_k, off = _meta(qo, kv, None if offs is None else np.array(offs, np.int32))
             q = _rand(rng, (int(cu_q[-1]), hq, d), dt)
