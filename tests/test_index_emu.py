@@ -254,3 +254,18 @@ def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
         got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
                              variant=variant, **kw)
         _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {variant}")
+
+
+def test_max_score_default_variant_rules(monkeypatch):
+    assert ik.max_score_variant(64, 128, 90) == (4, 3, "mma")
+    assert ik.max_score_variant(65, 128, 90) == (8, 3, ik.MAX_SCORE_DEFAULT_MMA) or ik.MAX_SCORE_DEFAULT_MMA != "mma"
+    for kind, want90, want80, want_d256 in (("mma", (8, 3, "mma"), (8, 3, "mma"), (8, 3, "mma")),
+                                            ("mma32", (4, 3, "mma32"), (4, 3, "mma32"), (8, 3, "mma")),
+                                            ("wgmma", (8, 2, "wgmma"), (8, 3, "mma"), (8, 2, "wgmma"))):
+        monkeypatch.setattr(ik, "MAX_SCORE_DEFAULT_MMA", kind)
+        assert ik.max_score_variant(4096, 128, 90) == want90
+        assert ik.max_score_variant(4096, 128, lambda: 80) == want80
+        assert ik.max_score_variant(4096, 256, 90) == want_d256
+        for d in ik.MAX_SCORE_HEAD_DIMS:
+            for cc in (80, 90):
+                assert ik.max_score_variant(4096, d, cc) in ik._max_score_configs(d)

@@ -112,10 +112,27 @@ def max_score_smem_bytes(d: int, nwarps: int, stages: int = 2, mma: str = "mma",
     return end + stages * BLOCK + (1024 if mma == "wgmma" else 0)
 
 
-def max_score_variant(rows: int, d: int) -> tuple:
-    """Default ``(nwarps, stages, mma)``: 8 warps (128 packed rows per CTA), 4 when every
-    request has at most 64 packed rows; a three-stage K ring; mma.sync."""
-    return (8 if rows > 64 else 4), 3, "mma"
+# Default max-score MMA path for requests of more than 64 packed rows: "mma" (mma.sync, 16
+# rows per warp, 8 warps), "mma32" (32 rows per warp, 4 warps; D <= 128) or "wgmma" (sm_90
+# only, 8 warps). The others fall back to "mma" where they do not apply.
+MAX_SCORE_DEFAULT_MMA = "mma"
+
+
+def max_score_variant(rows: int, d: int, cc=None) -> tuple:
+    """Default ``(nwarps, stages, mma)`` for requests of up to ``rows`` packed rows.
+
+    4 warps of mma.sync (64 rows per CTA) when ``rows <= 64`` (decode-like batches), else
+    ``MAX_SCORE_DEFAULT_MMA``; a three-stage K ring for mma.sync, two for wgmma.
+    ``cc``: compute capability as an int (e.g. 90), or a callable giving it (only asked
+    when wgmma is the default)."""
+    if rows <= 64:
+        return 4, 3, "mma"
+    kind = MAX_SCORE_DEFAULT_MMA
+    if kind == "wgmma" and (cc() if callable(cc) else cc) != 90:
+        kind = "mma"
+    if kind == "mma32" and d > 128:
+        kind = "mma"
+    return {"mma": (8, 3, "mma"), "mma32": (4, 3, "mma32"), "wgmma": (8, 2, "wgmma")}[kind]
 
 
 def topk_variant(nt: int, slots: int, vec_ok: bool) -> tuple:
@@ -170,17 +187,27 @@ def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> t
     return -(-nt // per), per
 
 
-_SM_COUNT: dict = {}
+_DEVICE_INFO: dict = {}
 
 
-def _sm_count() -> int:
+def _device_info() -> tuple:
+    """(SM count, compute capability as an int, e.g. 90) of the current device, cached."""
     import cupy
 
     dev = cupy.cuda.Device().id
-    n = _SM_COUNT.get(dev)
-    if n is None:
-        n = _SM_COUNT[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
-    return n
+    info = _DEVICE_INFO.get(dev)
+    if info is None:
+        props = cupy.cuda.runtime.getDeviceProperties(dev)
+        info = _DEVICE_INFO[dev] = (int(props["multiProcessorCount"]), int(props["major"]) * 10 + int(props["minor"]))
+    return info
+
+
+def _sm_count() -> int:
+    return _device_info()[0]
+
+
+def _compute_capability() -> int:
+    return _device_info()[1]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -309,7 +336,7 @@ def run_max_score(q, k, max_score, *, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
         return
     if rows >= 2**31:
         raise ValueError(f"max_seqlen_q * (Hq / Hkv) must be < 2^31, got {rows}")
-    nwarps, stages, mma = max_score_variant(rows, d) if variant is None else tuple(variant)
+    nwarps, stages, mma = max_score_variant(rows, d, _compute_capability) if variant is None else tuple(variant)
     if (qdt, d, nwarps, stages, mma) not in MAX_SCORE_SPECS:
         raise ValueError(f"no max score variant (nwarps, stages, mma) = {(nwarps, stages, mma)} for D={d}")
     bm = 16 * nwarps
