@@ -221,7 +221,14 @@ def validate(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens,
 _ARRAYS = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "num_accepted_tokens", "cu_seqlens", "b",
            "state_indices", "output")
 _RECIPES = lc.new_cache()
-_launcher = None  # decode_kernels, once loaded (its VFIRST_WARPS knob is part of the key)
+_launcher = None  # decode_kernels, once loaded (its tuning knobs are part of the key)
+
+
+def _launcher_knobs() -> tuple:
+    """The decode launcher's module-level tuning knobs (None before it is loaded)."""
+    if _launcher is None:
+        return (None, None)
+    return (_launcher.VFIRST_WARPS, getattr(_launcher, "VFIRST_PREFETCH", None))
 
 
 def decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices, scale, output,
@@ -233,7 +240,7 @@ def decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b
     if lc.ENABLED:
         opts = (scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid,
                 allow_neg_eigval, use_initial_state, state_v_first, is_varlen, store_final_state,
-                inplace_final_state, state_dtype, None if _launcher is None else _launcher.VFIRST_WARPS)
+                inplace_final_state, state_dtype) + _launcher_knobs()
         if lc.plain(opts):
             sig, ptrs = lc.signature((q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,
                                       state_indices, output))
@@ -259,8 +266,7 @@ def decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b
                 rec.arg(name, call.data(name))
         result = run(call, r, output, state)
     if rec is not None:
-        lc.store(_RECIPES, (key[0][:-1] + (None if _launcher is None else _launcher.VFIRST_WARPS,), key[1]),
-                 rec, call)
+        lc.store(_RECIPES, (key[0][:-2] + _launcher_knobs(), key[1]), rec, call)
     return result
 
 
