@@ -9,6 +9,8 @@ replayed call, allocated results, the decode kernels' own reference check after 
 from __future__ import annotations
 
 import ml_dtypes
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -103,7 +105,8 @@ def test_decode_replay_matches_reference(replays, rng, name):
         if prep.pool0 is not None:
             prep.args["state"] = prep.pool0.copy()
         out, pool, final = T._run_case(c, prep, preallocate=preallocate)
-        T.check_results(c, prep, out, pool, final)
+        # Without a preallocated output the op returns q's dtype: judge it by that dtype.
+        T.check_results(c if preallocate else replace(c, out_dtype=None), prep, out, pool, final)
     assert replays[0] >= 2
 
 
