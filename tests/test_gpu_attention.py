@@ -86,7 +86,12 @@ def _geo(**kw):
 
 
 def test_launch_geometry_choices():
+    # the default prefill tile on an H200, and the mma.sync tile everywhere else
     g = _geo()
+    assert g.kind == ak.DEFAULT_PREFILL_TILE and g.splits == 1
+    assert g.grid == (-(-8192 * 8 // g.cfg.rows), 1, 8)
+    assert _geo(cc=80).kind == "prefill" and _geo(head_dim=256).kind == "prefill"
+    g = _geo(prefill_tile="prefill")
     assert g.kind == "prefill" and g.splits == 1 and g.grid == (8192 * 8 // 128, 1, 8)
     # single-token decode packs the 8 heads of a group into one 16-row tile
     g = _geo(batch=64, max_seqlen_q=1)
@@ -97,8 +102,10 @@ def test_launch_geometry_choices():
     assert _geo(batch=8, max_seqlen_q=1, max_seqlen_k=65536, num_kv_splits=5).splits == 5
     assert _geo(batch=8, max_seqlen_q=1, max_seqlen_k=65536, num_kv_splits=1).splits == 1
     # sparse: 128-row tiles for group >= 8, 16-row tiles otherwise or when asked for
-    g = _geo(sparse=True, list_width=16, max_seqlen_q=32768, max_seqlen_k=32768, num_heads_kv=4, group=16)
+    g = _geo(sparse=True, list_width=16, max_seqlen_q=32768, max_seqlen_k=32768, num_heads_kv=4, group=16,
+             prefill_tile="prefill")
     assert g.kind == "prefill" and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
+    assert _geo(sparse=True, list_width=16, max_seqlen_q=32768, num_heads_kv=4, group=16).kind == ak.DEFAULT_SPARSE_TILE
     assert _geo(sparse=True, list_width=16, group=4).kind == "decode"
     assert _geo(sparse=True, list_width=16, sparse_decode=True, max_seqlen_q=4).kind == "decode"
 
@@ -230,7 +237,7 @@ def test_split_choice_is_monotone_in_occupancy():
 def test_sparse_context_limit_is_refused():
     lay = ak.smem_layout(ak.tile_config("prefill", 128, 1), 128, 1)
     with pytest.raises(NotImplementedError, match="max_seqlen_k"):
-        _geo(sparse=True, list_width=16, max_seqlen_k=lay["union_blocks"] * 128 + 1)
+        _geo(sparse=True, list_width=16, max_seqlen_k=lay["union_blocks"] * 128 + 1, prefill_tile="prefill")
 
 
 def test_non_positive_scale_is_refused_before_launch():

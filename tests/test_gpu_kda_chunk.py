@@ -249,7 +249,7 @@ def test_recurrence_warps_heuristic(monkeypatch):
     monkeypatch.delenv("MATE_CUPY_KDA_CHUNK_WARPS", raising=False)
     assert ck.recurrence_warps(64, 132) == 4      # B1 H64: 128 CTAs
     assert ck.recurrence_warps(96, 132) == 8      # B1 H96: one wave of 96 CTAs
-    assert ck.recurrence_warps(32, 132) == 4      # B1 H32: 64 CTAs (narrower: same latency, more L2 reads)
+    assert ck.recurrence_warps(32, 132) == 2      # B1 H32: 128 two-warp CTAs (fastest in the H200 sweep)
     assert ck.recurrence_warps(512, 132) == 8     # varlen 8 x H64
     monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_WARPS", "1")
     assert ck.recurrence_warps(512, 132) == 1

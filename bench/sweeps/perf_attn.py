@@ -46,10 +46,10 @@ from pathlib import Path
 
 NAME = "perf_attn"
 ROOT = Path(__file__).resolve().parents[2]
-WG = ["wg2n128s2", "wg2n64s3", "wg2n64s2", "wg3n64s3", "wg2n64s3r", "wg2n64s4r", "wg2n128s3r"]
+WG = ["wg2n128s2", "wg3n64s3", "wg2n128s3r"]
 WG_DENSE_ONLY = ["wg2n128s3r"]
 DENSE_TILES = ["prefill"] + WG
-MMA256 = ["mma256", "mma256s4"]
+MMA256 = ["mma256"]
 SPARSE_TILES = ["prefill"] + MMA256 + [t for t in WG if t not in WG_DENSE_ONLY]
 SMOKE_TIMEOUT_S = 30
 D = 128
@@ -61,7 +61,7 @@ def _specs():
     from mate_cupy.msa import attention_kernels as ak
 
     keys = [(128, 1, "prefill", 0), (128, 1, "prefill", 2), (128, 1, "decode", 1), (128, 1, "decode", 2),
-            (128, 1, "mma256", 2), (128, 0, "mma256", 2), (128, 1, "mma256s4", 2), (128, 0, "mma256s4", 2)]
+            (128, 1, "mma256", 2), (128, 0, "mma256", 2)]
     for t in WG:
         keys += [(128, 1, t, 0), (128, 1, t, 1), (64, 0, t, 0), (64, 1, t, 0), (128, 0, t, 0)]
         if t not in WG_DENSE_ONLY:

@@ -20,7 +20,8 @@ import os
 import numpy as np
 
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32, INT64, dtype_name
-from ..jit import get_kernel, launch, register
+from .._launch_cache import launch, note_alloc
+from ..jit import get_kernel, register
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -82,7 +83,9 @@ def num_chunk_slots(batch: int, seqlen: int, num_seqs: int, varlen: bool) -> int
 # (one warp per SM sub-partition) take about the same time per chunk; narrower CTAs only
 # add copy instructions per thread and L2 traffic (each CTA reads the whole slot). 8
 # warps put two warps on each sub-partition: tensor-bound, ~1.6x.
-_WARP_COST = {1: 1.1, 2: 1.05, 4: 1.0, 8: 1.6}
+# Fitted to the H200 sweep (bench/sweeps/perf_kda.py, phase-2 time per width at H16/H32/H64/H96
+# and varlen 8x1024): 2-warp CTAs are ~13% faster per wave than 4-warp ones, 8-warp ~1.6x slower.
+_WARP_COST = {1: 1.05, 2: 0.87, 4: 1.0, 8: 1.6}
 _sm_counts: dict = {}
 _carveout_set: set = set()  # ids of prepare kernels whose carveout preference is set (RawKernel takes no attributes)
 
@@ -248,6 +251,7 @@ def launch_offsets(cu_seqlens, num_seqs: int, total_rows: int, dtype, stream=Non
     import cupy
 
     offsets = cupy.empty(num_seqs + 1, dtype=np.int32)
+    note_alloc("chunk_offsets", offsets)
     kern = get_kernel(PREPARE_SPECS[dtype], OFFSETS_KERNEL)
     launch(kern, (1,), (1024,),
            (cu_seqlens, np.int32(cu_seqlens.dtype == INT64), np.int32(num_seqs), np.int64(total_rows), offsets),
@@ -293,6 +297,7 @@ def run_chunk_workspace(*, q, k, v, g, beta, A_log, dt_bias, initial_state, fina
     varlen = cu_seqlens is not None
     num_slots = num_chunk_slots(B, T, N, varlen) if N > 0 else 0
     workspace = cupy.empty(max(1, num_slots * HV * SLOT_BYTES), dtype=np.uint8)
+    note_alloc("workspace", workspace)
     offsets = launch_offsets(cu_seqlens, N, B * T, q.dtype, stream) if varlen and N > 0 else None
     launch_prepare(q=q, k=k, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                    chunk_offsets=offsets, workspace=workspace, num_slots=num_slots, num_seqs=N, scale=scale,

@@ -73,13 +73,14 @@ class TileConfig:
 # Warpgroup-MMA prefill tiles: name -> (warpgroups, keys per tile, stages, rotated). Each
 # warpgroup owns 64 rows (one 16-row m-tile per warp); one CTA per SM. "Rotated" tiles run
 # warpgroup 1 one phase behind warpgroup 0, so one's softmax overlaps the other's MMAs.
-WG_TILES = {"wg2n128s2": (2, 128, 2, False), "wg2n64s3": (2, 64, 3, False), "wg2n64s2": (2, 64, 2, False),
-            "wg3n64s3": (3, 64, 3, False), "wg2n64s3r": (2, 64, 3, True), "wg2n64s4r": (2, 64, 4, True),
-            "wg2n128s3r": (2, 128, 3, True)}
+# The tiles kept after the H200 sweep (bench/sweeps/perf_attn.py; docs/attention.md has the
+# table): wg3n64s3 led dense prefill overall, wg2n128s2 block-sparse prefill, wg2n128s3r the
+# long causal S8192 case. wg2n64s3, wg2n64s2, wg2n64s3r and wg2n64s4r were slower everywhere.
+WG_TILES = {"wg2n128s2": (2, 128, 2, False), "wg3n64s3": (3, 64, 3, False), "wg2n128s3r": (2, 128, 3, True)}
 WG_DENSE_ONLY = ("wg2n128s3r",)  # its 3 x 64 KB ring leaves no room for the sparse block lists
 # mma.sync 256-row tiles for block-sparse prefill: name -> stages (deeper rings keep more
 # K/V bytes in flight: one CTA per SM).
-MMA256_TILES = {"mma256": 3, "mma256s4": 4}
+MMA256_TILES = {"mma256": 3}
 PREFILL_TILES = ("prefill",) + tuple(MMA256_TILES) + tuple(WG_TILES)
 WG_PAD = 1024  # extra shared bytes of a wgmma tile: the kernel aligns its tiles to 1024 bytes
 
@@ -260,8 +261,8 @@ def choose_splits(ctas: int, max_tiles: int, num_sms: int, ctas_per_sm: int) -> 
 
 
 # Prefill tiles used when the caller names none (see the module docstring).
-DEFAULT_PREFILL_TILE = "prefill"
-DEFAULT_SPARSE_TILE = "prefill"
+DEFAULT_PREFILL_TILE = "wg3n64s3"  # falls back to "prefill" (mma.sync) off sm_90 / fp8 / D=256
+DEFAULT_SPARSE_TILE = "wg2n128s2"
 ENV_PREFILL_TILE = "MATE_CUPY_ATTN_PREFILL_TILE"
 ENV_SPARSE_TILE = "MATE_CUPY_ATTN_SPARSE_TILE"
 
