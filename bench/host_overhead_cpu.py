@@ -242,6 +242,8 @@ class FakeCuda:
         for mod in (decode_kernels, index_kernels, chunk_kernels):
             if hasattr(mod, "_sm_count"):
                 self._set(mod, "_sm_count", lambda: 132)
+        if hasattr(decode_kernels, "_cc_major"):
+            self._set(decode_kernels, "_cc_major", lambda: 9)
         if hasattr(attention_kernels, "_device_info"):
             self._set(attention_kernels, "_device_info", lambda: (132, 90))
         if hasattr(attention_kernels, "_sm_count"):

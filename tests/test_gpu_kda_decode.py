@@ -396,6 +396,35 @@ def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
     assert flags and all(f & dk.F_PREFETCH for f in flags), "the prefetch loop did not run"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,bulk", [(2, False), (2, True), (4, False)])
+@pytest.mark.parametrize("name", VFIRST_CASES)
+def test_decode_vfirst_rows_and_bulk_staging_match_reference(name, rows, bulk, rng, monkeypatch):
+    """The 2-rows-per-lane V-first kernel, and per-lane cp.async staging of the slice (the
+    default on sm_90, rows 4 with bulk-copy staging, runs in every other test)."""
+    from mate_cupy import _launch_cache
+    from mate_cupy.kda import decode_kernels as dk
+
+    monkeypatch.setattr(dk, "VFIRST_ROWS", rows)
+    monkeypatch.setattr(dk, "VFIRST_BULK", bulk)
+    launches = []
+    real_launch = dk._launch
+    monkeypatch.setattr(dk, "_launch", lambda *a: (launches.append(a), real_launch(*a)))
+    _launch_cache.clear()
+    try:
+        c = CASES[name]
+        prep = build_case(c, rng)
+        out, pool, final = _run_case(c, prep, preallocate=True)
+    finally:
+        _launch_cache.clear()
+    check_results(c, prep, out, pool, final)
+    assert launches and all(a[2] % 32 == 0 for a in launches)
+    for a in launches:  # args[35]: flags; args[33]: V; block = warps * 32 threads, slice 4 * rows * warps
+        vs = 4 * rows * (a[2] // 32)
+        expect = bulk and int(a[3][33]) % vs == 0
+        assert bool(int(a[3][35]) & dk.F_BULK) == expect
+
+
 def test_vfirst_prefetch_grid():
     from mate_cupy.kda import decode_kernels as dk
 
@@ -579,8 +608,25 @@ def test_vfirst_warps_fill_the_gpu():
     from mate_cupy.kda.decode_kernels import vfirst_warps
 
     assert vfirst_warps(256 * 32, 128, 132) == 4  # large batch: 4-warp CTAs
+    assert vfirst_warps(64 * 32, 128, 132) == 4  # 4096 CTAs >= 16 per SM
+    assert vfirst_warps(32 * 32, 128, 132) == 2  # B32: 2048 four-warp CTAs would be < 16 per SM
     assert vfirst_warps(8 * 32, 128, 132) == 2
     assert vfirst_warps(1 * 32, 128, 132) == 1  # B = 1: 256 one-warp CTAs
+    assert vfirst_warps(32 * 32, 128, 132, rows=2) == 4  # 2 rows per lane: 8-row warps, twice the CTAs
+
+
+def test_vfirst_bulk_only_for_whole_single_unit_slices(monkeypatch):
+    from mate_cupy.kda import decode_kernels as dk
+
+    monkeypatch.setattr(dk, "_cc_major", lambda: 9)
+    assert dk.vfirst_bulk(128, 64, prefetch=False)
+    assert not dk.vfirst_bulk(128, 64, prefetch=True)  # the prefetch loop refills its stages per lane
+    assert not dk.vfirst_bulk(100, 64, prefetch=False)  # a partial last slice
+    monkeypatch.setattr(dk, "VFIRST_BULK", False)
+    assert not dk.vfirst_bulk(128, 64, prefetch=False)
+    monkeypatch.setattr(dk, "VFIRST_BULK", None)
+    monkeypatch.setattr(dk, "_cc_major", lambda: 8)
+    assert not dk.vfirst_bulk(128, 64, prefetch=False)  # no bulk copies before sm_90
 
 
 @pytest.mark.parametrize("name", ["t4_spec_kfirst_pad", "varlen_spec_pad", "t4_2d_pad_tok", "t1_pad_oob"])

@@ -1,6 +1,8 @@
 """KDA tuning sweep on one GPU (H200): chunk_kda phase times and V-split widths, decode CTA shapes.
 
-    PYTHONPATH=. python bench/sweeps/perf_kda.py OUTDIR
+    PYTHONPATH=. python bench/sweeps/perf_kda.py OUTDIR [chunk] [decode]
+
+(timing parts: both by default)
 
 Candidates (all in one build, chosen per call):
 
@@ -8,8 +10,12 @@ Candidates (all in one build, chosen per call):
   rewritten) and ``baseline`` (kda_chunk_prepare_baseline_kernel, the previous one).
 * chunk_kda phase 2 width (``MATE_CUPY_KDA_CHUNK_WARPS`` / ``launch_recurrence(warps=)``):
   1, 2, 4, 8 warps per CTA, V slice of 16 x warps rows of the state.
-* decode, V-first (``decode_kernels.VFIRST_WARPS`` x ``VFIRST_PREFETCH``): 1, 2, 4 warps per
-  CTA x one CTA per work unit / CTAs looping over units with the next state prefetched.
+* decode, V-first (``decode_kernels.VFIRST_WARPS`` x ``VFIRST_ROWS`` x ``VFIRST_BULK`` x
+  ``VFIRST_PREFETCH``): warps per CTA x state rows per lane (4: 128 registers, 2: 96) x the
+  slice staged by per-lane cp.async or one bulk copy x one CTA per work unit / CTAs
+  looping over units with the next state prefetched. Beside them, the bandwidth ceiling of
+  the same bytes: an in-place elementwise update of the same pool rows and a
+  device-to-device copy of the same size.
 
 Phases:
 
@@ -49,8 +55,8 @@ from pathlib import Path
 NAME = "perf_kda"
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda"  # torch device of the inputs
-TIMEOUT_S = {"smoke": 20, "chunk": 35, "decode": 25}
-BUDGET_S = 58.0
+TIMEOUT_S = {"smoke": 25, "chunk": 35, "decode": 40}
+BUDGET_S = 90.0
 K = V = 128
 LOWER_BOUND = -5.0
 NWS = (1, 2, 4, 8)
@@ -64,11 +70,21 @@ CHUNK_SHAPES = [  # (label, sequence lengths, H = HV, varlen)
 ]
 DECODE_BATCHES = (32, 256, 1024)
 DECODE_HV, DECODE_H = 32, 16
-DECODE_VARIANTS = [(w, pf) for w in (1, 2, 4) for pf in (False, True)]
+# (warps, prefetch, rows per lane, bulk)
+DECODE_VARIANTS = ([(w, False, 4, bk) for w in (1, 2, 4) for bk in (False, True)] + [(2, True, 4, False)]
+                   + [(w, False, 2, bk) for w in (2, 4, 8) for bk in (False, True)])
+_BASE_VARIANT = (4, False, 4, False)
 
 
-def _dlabel(w, pf) -> str:
-    return "default" if w is None else f"w{w}{'pf' if pf else ''}"
+def _dlabel(w, pf, rows=4, bulk=False) -> str:
+    if w is None:
+        return "default"
+    return f"w{w}{'r2' if rows == 2 else ''}{'pf' if pf else ''}{'b' if bulk else ''}"
+
+
+def _set_knobs(dk, v) -> None:
+    w, pf, rows, bulk = v if v is not None else (None, None, None, None)
+    dk.VFIRST_WARPS, dk.VFIRST_PREFETCH, dk.VFIRST_ROWS, dk.VFIRST_BULK = w, pf, rows, bulk
 
 
 # --------------------------------------------------------------------------- phase 1: cubins
@@ -81,7 +97,7 @@ def _specs():
 
     specs = [ck.PREPARE_SPECS[BFLOAT16], ck.PREPARE_BASELINE_SPECS[BFLOAT16]]
     specs += [ck.RECURRENCE_SPECS[(BFLOAT16, nw)] for nw in NWS]
-    specs += [dk.SPECS[(np.dtype(np.float32), True)], dk.SPECS[(np.dtype(BFLOAT16), True)]]
+    specs += list(dk.VFIRST_SPECS.values())
     return specs
 
 
@@ -223,11 +239,12 @@ def part_smoke(path: str) -> None:
     _save(path, status)
 
     cases = ["t1_f32_vfirst", "t4_spec", "varlen_2d", "t12_chunked_prologue"]
-    for w, pf in DECODE_VARIANTS:
-        label = f"decode {_dlabel(w, pf)}"
+    for var in DECODE_VARIANTS:
+        w, pf = var[:2]
+        label = f"decode {_dlabel(*var)}"
         status[label] = "running"
         _save(path, status)
-        dk.VFIRST_WARPS, dk.VFIRST_PREFETCH = w, pf
+        _set_knobs(dk, var)
         sm = dk._sm_count
         if pf:
             dk._sm_count = lambda: 1  # few resident CTAs: every CTA loops over many units
@@ -245,7 +262,7 @@ def part_smoke(path: str) -> None:
             status[label] = f"error {type(e).__name__}: {str(e)[:300]}"
         finally:
             dk._sm_count = sm
-            dk.VFIRST_WARPS = dk.VFIRST_PREFETCH = None
+            _set_knobs(dk, None)
             lc.clear()
         _save(path, status)
 
@@ -393,26 +410,40 @@ def decode_batch(batch: int, ok: dict) -> dict:
     threads, _, _, grid, _, _, prefetch = dk.launch_shape(batch * hv, V, 1, np.float32, True)
     res["default_choice"] = {"warps": threads // 32, "prefetch": prefetch, "grid": grid}
     base = None
-    variants = [(w, pf) for w, pf in DECODE_VARIANTS if _usable(ok, f"decode {_dlabel(w, pf)}")]
-    variants.sort(key=lambda x: x != (4, False))  # the bitwise baseline first
+    variants = [v for v in DECODE_VARIANTS if _usable(ok, f"decode {_dlabel(*v)}")]
+    variants.sort(key=lambda x: x != _BASE_VARIANT)  # the bitwise baseline first
+    # Ceiling of the same bytes: in place x = 0.5 x + 1 on the rotated pool rows, and a copy.
+    import cupy as cp
+    rows_of = [C[i]["idx"] for i in range(nsets)]
+    upd = cp.ElementwiseKernel("", "float32 x", "x = 0.5f * x + 1.0f", "sweep_inplace_update")
+    blk = [pool[i * batch:(i + 1) * batch] for i in range(nsets)]
+    dst = cp.empty_like(blk[0])
+    res["ceiling"] = {}
+    for name, fn in (("inplace_update", lambda i: upd(blk[i])),
+                     ("copy", lambda i: dst.__setitem__(Ellipsis, blk[i]))):
+        ms = graph_ms([lambda i=i: fn(i % nsets) for i in range(16)])
+        res["ceiling"][name] = {"us": ms * 1e3, "tbps": res["state_bytes"] / (ms * 1e-3) / 1e12}
+    del dst, rows_of
     try:
-        for w, pf in variants + [(None, None)]:
-            dk.VFIRST_WARPS, dk.VFIRST_PREFETCH = w, pf
+        for var in variants + [None]:
+            _set_knobs(dk, var)
+            w, pf = (var or (None, None))[:2]
             p_t = pool0.clone()
             call(0, cp.from_dlpack(p_t))
             cp.cuda.Device().synchronize()
             o_t = torch.from_dlpack(outs[0])[:, 0].clone()
             st = p_t[idx0]
-            if (w, pf) == (4, False):
+            if var == _BASE_VARIANT:
                 base = (o_t, st)
             ms = graph_ms([lambda i=i: call(i % nsets, pool) for i in range(16)])
-            res["variants"][_dlabel(w, pf)] = {
-                "warps": w, "prefetch": pf, "us": ms * 1e3, "tbps": res["state_bytes"] / (ms * 1e-3) / 1e12,
+            res["variants"][_dlabel(*var) if var else "default"] = {
+                "warps": w, "prefetch": pf, "rows": (var or (0, 0, None))[2], "bulk": (var or (0, 0, 0, None))[3],
+                "us": ms * 1e3, "tbps": res["state_bytes"] / (ms * 1e-3) / 1e12,
                 "err": max(rel_err(o_t, o_ref), rel_err(st, s_ref)),
                 "bitwise_vs_w4": None if base is None else bool(torch.equal(o_t, base[0]) and torch.equal(st, base[1]))}
             del p_t
     finally:
-        dk.VFIRST_WARPS = dk.VFIRST_PREFETCH = None
+        _set_knobs(dk, None)
     return res
 
 
@@ -448,7 +479,7 @@ def _run_part(part: str, outdir: Path, env, t0: float):
     return data, {"rc": rc, "seconds": round(time.perf_counter() - t1, 1), "tail": tail if rc != 0 else ""}
 
 
-def main(outdir: str) -> None:
+def main(outdir: str, parts=("chunk", "decode")) -> None:
     t0 = time.perf_counter()
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -462,13 +493,16 @@ def main(outdir: str) -> None:
         smoke, result["smoke_run"] = _run_part("smoke", out, env, t0)
         smoke = smoke or {}
         for label in [f"chunk prep={p} nw={nw}" for p in PREPS for nw in NWS] + \
-                     [f"decode {_dlabel(w, pf)}" for w, pf in DECODE_VARIANTS]:
+                     [f"decode {_dlabel(*v)}" for v in DECODE_VARIANTS]:
             if smoke.get(label) in (None, "running"):
                 smoke[label] = "untested/crashed" if smoke.get(label) == "running" else "untested"
         result["smoke"] = smoke
         (out / f"{NAME}.smoke.json").write_text(json.dumps(smoke))
-        result["chunk"], result["chunk_run"] = _run_part("chunk", out, env, t0)
-        result["decode"], result["decode_run"] = _run_part("decode", out, env, t0)
+        for part in ("chunk", "decode"):
+            if part in parts:
+                result[part], result[f"{part}_run"] = _run_part(part, out, env, t0)
+            else:
+                result[part], result[f"{part}_run"] = None, {"rc": "not run", "seconds": 0.0, "tail": ""}
     result["seconds"] = round(time.perf_counter() - t0, 1)
     (out / f"{NAME}.json").write_text(json.dumps(result, indent=1, default=str))
     report(result)
@@ -498,7 +532,8 @@ def report(result: dict) -> None:
         print(f"   {r['case']:18s} total {r.get('total_ms', float('nan')):.3f} | prep {pm} | rec {recs} | "
               f"heur {r['heuristic_nw']} best {r.get('best_nw')} | err {r.get('err_prefix', float('nan')):.1e} "
               f"dBase {r.get('rel_default_vs_baseline_out', float('nan')):.1e} bitwise {bw}")
-    print("decode us/call (graph) / TB/s of state: wN = warps per CTA, pf = prefetch loop, ! = not bitwise equal to w4")
+    print("decode us/call (graph) / TB/s of state: wN = warps per CTA, r2 = 2 rows per lane, pf = prefetch loop, "
+          "b = bulk-copy staging, ! = not bitwise equal to w4")
     for d in result["decode"] or []:
         if "error" in d:
             print(f"   B{d['B']}: ERROR {d['error']}")
@@ -506,7 +541,8 @@ def report(result: dict) -> None:
         cells = " ".join(f"{lab}:{v['us']:.1f}/{v['tbps']:.2f}{'' if v['bitwise_vs_w4'] in (True, None) else '!'}"
                          for lab, v in d["variants"].items())
         errs = max((v["err"] for v in d["variants"].values()), default=float("nan"))
-        print(f"   B{d['B']:<5d} {cells} | max err {errs:.1e} | default {d['default_choice']}")
+        ceil = " ".join(f"{n}:{v['us']:.1f}/{v['tbps']:.2f}" for n, v in d.get("ceiling", {}).items())
+        print(f"   B{d['B']:<5d} {cells} | max err {errs:.1e} | default {d['default_choice']} | ceiling {ceil}")
 
 
 if __name__ == "__main__":
@@ -518,8 +554,8 @@ if __name__ == "__main__":
         path = str(outdir / f"{NAME}.{part}.json")
         {"smoke": lambda: part_smoke(path), "chunk": lambda: part_chunk(path, ok),
          "decode": lambda: part_decode(path, ok)}[part]()
-    elif len(sys.argv) == 2:
-        main(sys.argv[1])
+    elif len(sys.argv) >= 2 and set(sys.argv[2:]) <= {"chunk", "decode"}:
+        main(sys.argv[1], tuple(sys.argv[2:]) or ("chunk", "decode"))
     else:
         print(__doc__)
         sys.exit(2)

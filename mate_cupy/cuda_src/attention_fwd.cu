@@ -378,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     bool p_active = false, p_need_mask = false, p_tile_bad = false;
     int p_kstart = 0, p_stage = 0;
     u32 p_member = 0, p_k_addr = 0, p_v_addr = 0;
+    bool p_warp_on = false;
 
     // (A rotated kernel runs one extra iteration: warpgroup 1 finishes the last tile.)
     for (int t = t_begin, n = 0; t < t_end + (kRot ? 1 : 0); ++t, ++n) {
@@ -444,6 +445,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
             need_mask = tile_bad || kw0 + kKW > warp_lim_lo;
         }
         // A warpgroup issues its MMAs together: it skips a tile only when none of its warps needs it.
+        // Block-sparse: a warp of an active warpgroup with no row attending the tile (with
+        // per-token lists, most warps) skips masking and softmax: its P is zero, its running
+        // max, sum and O stay as they are. (Dense kernels keep their registers for the MMAs.)
+        bool warp_on = active;
         if constexpr (kWG) active = warpgroup_any(active, 1 + wgrp);
 
         // S = Q K^T of the tile at k_addr, 64 x kBN per warpgroup; k-step ks reads 32 bytes of
@@ -472,6 +477,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
             int i;
             u32 w;
             b = active, active = p_active, p_active = b;
+            b = warp_on, warp_on = p_warp_on, p_warp_on = b;
             b = need_mask, need_mask = p_need_mask, p_need_mask = b;
             b = tile_bad, tile_bad = p_tile_bad, p_tile_bad = b;
             i = kstart, kstart = p_kstart, p_kstart = i;
@@ -514,6 +520,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         }
         }
 
+        if (kWG && kSparse && !warp_on) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int n8 = 0; n8 < kNT; ++n8) S[mt][n8][0] = S[mt][n8][1] = S[mt][n8][2] = S[mt][n8][3] = 0.f;
+        } else {
         if (need_mask) {
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
@@ -540,6 +552,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
             if ((mt_on >> mt) & 1u) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt], scale_log2);
+        }
 
         // ---- O += P V (P converted to the MMA operand type first, so S dies early) ----
         if constexpr (!kFp8) {

@@ -37,6 +37,7 @@
 // dereferenced.
 #include "common/dtype.cuh"
 #include "common/mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
+#include "common/bulk_copy.cuh"
 
 using namespace mate;
 
@@ -67,6 +68,7 @@ enum : int {
     kCu64 = 1 << 11,
     kHasAccepted = 1 << 12,
     kPrefetch = 1 << 13,  // V-first: CTAs loop over work units, the next unit's state copied in ahead
+    kBulk = 1 << 14,      // V-first, one unit per CTA, V % VS == 0, sm_90: the slice staged by one bulk copy
 };
 // Per-token slot codes held in shared memory (>= 0: store the state there).
 constexpr long long kNoStore = -1;
@@ -384,13 +386,13 @@ __device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int 
 
 // ------------------------------------------------------------------ V-first kernel
 
-template <typename StateT>
+template <typename StateT, int ROWS>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
     static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
     static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
-    static constexpr int kRows = 4;                     // rows per lane (64 state floats)
-    static constexpr int kRowsPerWarp = 4 * kRows;      // 16
+    static constexpr int kRows = ROWS;                  // rows per lane (16 * ROWS state floats)
+    static constexpr int kRowsPerWarp = 4 * kRows;      // 16 / 8
     // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
     // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
     static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
@@ -398,21 +400,27 @@ struct VFirst {
 };
 
 // State [P, HV, V, K] (V-first). Work unit u in [0, N * HV * n_splits): sequence n, head hv,
-// rows [split * VS, +VS), VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r.
+// rows [split * VS, +VS), VS = nwarps * 4 * ROWS. Lane: rows warp*4*ROWS + (lane>>3) + 4r.
 // Grid: one CTA per unit, or (flag kPrefetch) fewer CTAs that loop over units u = blockIdx.x,
 // + gridDim.x, ... with two stage buffers: the next unit's state is copied in while the
 // current one is computed and stored, so every SM keeps reads in flight between its stores.
 // Each lane only ever touches its own 16-byte chunks of a stage, so a stage is refilled
-// without a barrier.
-template <typename StateT>
-__global__ void __launch_bounds__(256, 2) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
-    using C = VFirst<StateT>;
+// without a barrier. Flag kBulk (one unit per CTA, whole slices): thread 0 stages the
+// contiguous slice with one bulk copy completing on an mbarrier instead of per-lane cp.async.
+// Register budget: 128 per thread with 4 rows per lane, 96 with 2 (more CTAs per SM).
+template <typename StateT, int ROWS>
+__global__ void __launch_bounds__(256) __maxnreg__(ROWS == 4 ? 128 : 96)
+    kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = VFirst<StateT, ROWS>;
+    __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
     const int g = lane & 7;
     const int units = p.N * p.HV * p.n_splits;
     const bool prefetch = (p.flags & kPrefetch) != 0;
+    const bool bulk = kBulkCopy && (p.flags & kBulk) != 0 && !prefetch;
+    if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
 
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
@@ -444,6 +452,12 @@ __global__ void __launch_bounds__(256, 2) kda_decode_vfirst_kernel(KDA_DECODE_KE
     };
     auto issue_load = [&](const Unit& x, StateT* stage) {
         if (!x.load) return;
+        if (bulk) {  // stage base = the lane's stage minus its offset; the slice is contiguous
+            if (threadIdx.x == 0)
+                bulk_load(stage - lane_off, static_cast<const StateT*>(p.state) + x.s.slot * slot_elems + x.slice,
+                          static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
+            return;
+        }
         const StateT* src = static_cast<const StateT*>(p.state) + x.s.slot * slot_elems + x.slice + lane_off;
 #pragma unroll
         for (int r = 0; r < C::kRows; ++r) {
@@ -504,6 +518,7 @@ __global__ void __launch_bounds__(256, 2) kda_decode_vfirst_kernel(KDA_DECODE_KE
             prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
             cp_async_wait<1>();
             __syncthreads();
+            if (bulk && c0 == 0 && cur.load) mbarrier_wait(&bulk_bar, 0);
             stage_to_regs(c0 > 0 || cur.load);
             for (int t = 0; t < cn; ++t) {
                 const long long slot = m.slot[t];
@@ -601,6 +616,10 @@ __global__ void __launch_bounds__(256, 2) kda_decode_vfirst_kernel(KDA_DECODE_KE
         }
         if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
             cp_async_wait<1>();
+            if (bulk && cur.load) {
+                __syncthreads();  // thread 0's barrier initialisation is visible
+                mbarrier_wait(&bulk_bar, 0);
+            }
             stage_to_regs(cur.load);
         }
         // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].

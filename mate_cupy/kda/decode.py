@@ -222,13 +222,12 @@ _ARRAYS = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "num_accepted_tokens
            "state_indices", "output")
 _RECIPES = lc.new_cache()
 _launcher = None  # decode_kernels, once loaded (its tuning knobs are part of the key)
+_KNOBS = ("VFIRST_WARPS", "VFIRST_PREFETCH", "VFIRST_ROWS", "VFIRST_BULK")
 
 
 def _launcher_knobs() -> tuple:
     """The decode launcher's module-level tuning knobs (None before it is loaded)."""
-    if _launcher is None:
-        return (None, None)
-    return (_launcher.VFIRST_WARPS, getattr(_launcher, "VFIRST_PREFETCH", None))
+    return tuple(getattr(_launcher, n, None) for n in _KNOBS)
 
 
 def decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices, scale, output,
@@ -266,7 +265,7 @@ def decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b
                 rec.arg(name, call.data(name))
         result = run(call, r, output, state)
     if rec is not None:
-        lc.store(_RECIPES, (key[0][:-2] + _launcher_knobs(), key[1]), rec, call)
+        lc.store(_RECIPES, (key[0][:-len(_KNOBS)] + _launcher_knobs(), key[1]), rec, call)
     return result
 
 
