@@ -52,7 +52,7 @@ def parse_args(argv=None):
                     help="folder of saved fla autotune configs to replay (default: bench/fla_configs/<GPU>/ "
                          "if present; 'none' = autotune)")
     ap.add_argument("--commit", default=None,
-                    help="commit id to record (default: git rev-parse HEAD, or $MATE_CUPY_COMMIT)")
+                    help="commit id to record (default: $MATE_CUPY_COMMIT, else git rev-parse HEAD)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: smoke-test the harness with tiny shapes and wall-clock timing (no GPU)")
     ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
@@ -80,8 +80,12 @@ def parse_args(argv=None):
 
 
 def git_commit(explicit=None) -> str:
+    """The commit to record: ``--commit``, else ``$MATE_CUPY_COMMIT`` (a copy of the tree whose
+    ``.git`` is absent or stale), else ``git rev-parse HEAD`` (+dirty)."""
     if explicit:
         return explicit
+    if os.environ.get("MATE_CUPY_COMMIT"):
+        return os.environ["MATE_CUPY_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10).stdout.strip()
@@ -91,7 +95,7 @@ def git_commit(explicit=None) -> str:
             return sha[:12] + ("+dirty" if dirty else "")
     except Exception:
         pass
-    return os.environ.get("MATE_CUPY_COMMIT", "unknown")
+    return "unknown"
 
 
 def environment(device: str) -> dict:
