@@ -46,7 +46,7 @@ from pathlib import Path
 
 NAME = "perf_attn"
 ROOT = Path(__file__).resolve().parents[2]
-WG = ["wg2n128s2", "wg3n64s3", "wg2n128s3r"]
+WG = ["wg2n128s2", "wg3n64s3", "wg2n128s3r", "wg1n64s2"]
 WG_DENSE_ONLY = ["wg2n128s3r"]
 DENSE_TILES = ["prefill"] + WG
 MMA256 = ["mma256"]

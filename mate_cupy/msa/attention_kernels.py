@@ -71,12 +71,17 @@ class TileConfig:
 
 
 # Warpgroup-MMA prefill tiles: name -> (warpgroups, keys per tile, stages, rotated). Each
-# warpgroup owns 64 rows (one 16-row m-tile per warp); one CTA per SM. "Rotated" tiles run
-# warpgroup 1 one phase behind warpgroup 0, so one's softmax overlaps the other's MMAs.
-# The tiles kept after the H200 sweep (bench/sweeps/perf_attn.py; docs/attention.md has the
-# table): wg3n64s3 led dense prefill overall, wg2n128s2 block-sparse prefill, wg2n128s3r the
-# long causal S8192 case. wg2n64s3, wg2n64s2, wg2n64s3r and wg2n64s4r were slower everywhere.
-WG_TILES = {"wg2n128s2": (2, 128, 2, False), "wg3n64s3": (3, 64, 3, False), "wg2n128s3r": (2, 128, 3, True)}
+# warpgroup owns 64 rows (one 16-row m-tile per warp); one CTA per SM (two for wg1n64s2).
+# "Rotated" tiles run warpgroup 1 one phase behind warpgroup 0, so one's softmax overlaps
+# the other's MMAs. The tiles kept after the H200 sweep (bench/sweeps/perf_attn.py;
+# docs/attention.md has the table): wg3n64s3 led dense prefill overall, wg2n128s2
+# block-sparse prefill, wg2n128s3r the long causal S8192 case. wg1n64s2 (one warpgroup, two
+# CTAs per SM, no barrier shared between warpgroups) is 6% faster than wg2n128s2 on
+# per-token block lists and 11% slower on lists shared by a query tile; the launcher cannot
+# tell the two apart, so it is opt-in (``prefill_tile`` / ``MATE_CUPY_ATTN_SPARSE_TILE``).
+# wg2n64s3, wg2n64s2, wg2n64s3r and wg2n64s4r were slower everywhere.
+WG_TILES = {"wg2n128s2": (2, 128, 2, False), "wg3n64s3": (3, 64, 3, False), "wg2n128s3r": (2, 128, 3, True),
+            "wg1n64s2": (1, 64, 2, False)}
 WG_DENSE_ONLY = ("wg2n128s3r",)  # its 3 x 64 KB ring leaves no room for the sparse block lists
 # mma.sync 256-row tiles for block-sparse prefill: name -> stages (deeper rings keep more
 # K/V bytes in flight: one CTA per SM).
