@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from .._device import device_info
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32, INT64, dtype_name
 from .._launch_cache import launch, note_alloc
 from ..jit import get_kernel, register
@@ -86,19 +87,11 @@ def num_chunk_slots(batch: int, seqlen: int, num_seqs: int, varlen: bool) -> int
 # Fitted to the H200 sweep (bench/sweeps/perf_kda.py, phase-2 time per width at H16/H32/H64/H96
 # and varlen 8x1024): 2-warp CTAs are ~13% faster per wave than 4-warp ones, 8-warp ~1.6x slower.
 _WARP_COST = {1: 1.05, 2: 0.87, 4: 1.0, 8: 1.6}
-_sm_counts: dict = {}
 _carveout_set: set = set()  # ids of prepare kernels whose carveout preference is set (RawKernel takes no attributes)
 
 
 def _sm_count() -> int:
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
-        _sm_counts[dev] = n
-    return n
+    return device_info()[0]
 
 
 def recurrence_warps(num_units: int, sm_count: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._device import device_info
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32, INT64, dtype_name
 from .._launch_cache import launch as record_launch
 from ..jit import get_kernel, register
@@ -63,17 +64,8 @@ _DT_SHIFT = {"q": 0, "k": 2, "v": 4, "a": 6, "b": 8, "dt_bias": 10, "out": 12}
 _NO_POOL = np.iinfo(np.int64).max
 _INT32_MAX = np.iinfo(np.int32).max
 
-_sm_counts: dict = {}
-
-
 def _sm_count() -> int:
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    n = _sm_counts.get(dev)
-    if n is None:
-        n = _sm_counts[dev] = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return n
+    return device_info()[0]
 
 
 def _launch(kernel, grid: int, threads: int, args: tuple, smem: int, stream) -> None:
@@ -118,18 +110,8 @@ def vfirst_bulk(V: int, vs: int, prefetch: bool) -> bool:
     return want and _cc_major() >= 9
 
 
-_cc_majors: dict = {}
-
-
 def _cc_major() -> int:
-    """Compute capability major of the current device (cached)."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    cc = _cc_majors.get(dev)
-    if cc is None:
-        cc = _cc_majors[dev] = int(cupy.cuda.Device(dev).compute_capability) // 10
-    return cc
+    return device_info()[1] // 10
 
 
 def vfirst_resident_ctas(threads: int, smem: int, rows: int = 4) -> int:

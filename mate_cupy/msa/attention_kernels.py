@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from .._device import device_info
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32
 from .._launch_cache import launch, note_const
 from ..jit import get_kernel, register
@@ -227,20 +228,9 @@ class LaunchGeometry:
     qmask_words: int
 
 
-_SM_COUNT: dict = {}
-
-
 def _device_info() -> tuple:
-    """(SM count, compute capability as an int, e.g. 90) of the current device, cached."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    info = _SM_COUNT.get(dev)
-    if info is None:
-        props = cupy.cuda.runtime.getDeviceProperties(dev)
-        info = (int(props["multiProcessorCount"]), int(props["major"]) * 10 + int(props["minor"]))
-        _SM_COUNT[dev] = info
-    return info
+    """(SM count, compute capability as an int, e.g. 90) of the current device."""
+    return device_info()
 
 
 def _sm_count() -> int:

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from .._device import device_info
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32, INT64, dtype_name
 from .._launch_cache import launch
 from ..jit import get_kernel, register
@@ -187,19 +188,9 @@ def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> t
     return -(-nt // per), per
 
 
-_DEVICE_INFO: dict = {}
-
-
 def _device_info() -> tuple:
-    """(SM count, compute capability as an int, e.g. 90) of the current device, cached."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    info = _DEVICE_INFO.get(dev)
-    if info is None:
-        props = cupy.cuda.runtime.getDeviceProperties(dev)
-        info = _DEVICE_INFO[dev] = (int(props["multiProcessorCount"]), int(props["major"]) * 10 + int(props["minor"]))
-    return info
+    """(SM count, compute capability as an int, e.g. 90) of the current device."""
+    return device_info()
 
 
 def _sm_count() -> int:
