@@ -590,29 +590,9 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prepare_baseline_ke
     const int h = hv / (HV / H);
 
     // ---- locate the chunk
-    long long bos, len;
-    int chunk;
-    if (cu_seqlens != nullptr) {
-        if (slot >= chunk_offsets[num_seqs]) return;
-        int lo = 0, hi = num_seqs;  // offsets[lo] <= slot < offsets[hi]
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
-        }
-        long long eos;
-        seq_bounds(cu_seqlens, cu_is_64, lo, total_rows, bos, eos);
-        len = eos - bos;
-        chunk = slot - chunk_offsets[lo];
-    } else {
-        const int cps = (int)((seq_len_dense + kC - 1) / kC);
-        const int n = slot / cps;
-        chunk = slot - n * cps;
-        bos = (long long)n * seq_len_dense;
-        len = seq_len_dense;
-    }
-    if ((long long)chunk * kC >= len) return;
-    const long long row0 = bos + (long long)chunk * kC;
-    const int L = (int)min((long long)kC, len - (long long)chunk * kC);
+    long long row0;
+    int L;
+    if (!locate_chunk(slot, cu_seqlens, cu_is_64, chunk_offsets, num_seqs, seq_len_dense, total_rows, row0, L)) return;
 
     // ---- load q, k (head h), g (head hv), beta; rows past the chunk end are zero
     {
