@@ -150,6 +150,32 @@ __device__ __forceinline__ void select_from_candidates(Smem& s, int n, int k, in
     write_ids_ascending(s.sel, k, lane, 32, out);
 }
 
+// Shared start of the top-k kernels for one output row: the row's valid blocks (capped by
+// its query position). When every valid block is chosen the row is written whole (ascending,
+// -1 padded) and 0 is returned; otherwise the forced first / last blocks are written and the
+// number of blocks still to pick among [lo, hi) is returned. `rank` / `step`: this thread's
+// index and the thread count of the row.
+__device__ __forceinline__ int topk_row_start(int* orow, long long row, int num_heads, int width, int num_valid_pages,
+                                              int force_begin, int force_end,
+                                              const long long* __restrict__ query_positions, int rank, int step,
+                                              int& lo, int& hi) {
+    int valid = num_valid_pages;
+    if (query_positions != nullptr) {
+        const long long pos = query_positions[row / num_heads];
+        valid = pos < 0 ? 0 : (int)min((long long)valid, pos / 128 + 1);
+    }
+    if (valid <= width) {  // every valid block is chosen
+        for (int t = rank; t < width; t += step) orow[t] = t < valid ? t : -1;
+        return 0;
+    }
+    // valid > width >= begin + end: the forced sets are disjoint and complete.
+    for (int t = rank; t < force_begin; t += step) orow[t] = t;
+    for (int t = rank; t < force_end; t += step) orow[width - force_end + t] = valid - force_end + t;
+    lo = force_begin;
+    hi = valid - force_end;  // competing blocks [lo, hi), more than width - begin - end of them
+    return width - force_begin - force_end;
+}
+
 // scores [num_rows, nt] f32 (row = query * num_heads + head), out [num_rows, width] i32.
 // query_positions [num_rows / num_heads] i64 or null. cand_cap <= the smem capacity
 // (0 forces the register path; tests use it).
@@ -170,23 +196,11 @@ msa_topk_select_kernel(const float* __restrict__ scores, int* __restrict__ out, 
     const long long row = NW == 1 ? (long long)blockIdx.x * kTopkRowsPerWarpCta + warp : (long long)blockIdx.x;
     if (row >= num_rows) return;  // uniform over the group
 
-    int valid = num_valid_pages;
-    if (query_positions != nullptr) {
-        const long long pos = query_positions[row / num_heads];
-        valid = pos < 0 ? 0 : (int)min((long long)valid, pos / 128 + 1);
-    }
     int* orow = out + row * width;
-    if (valid <= width) {  // every valid block is chosen
-        for (int t = rank; t < width; t += G) orow[t] = t < valid ? t : -1;
-        return;
-    }
-    // valid > width >= begin + end: the forced sets are disjoint and complete.
-    for (int t = rank; t < force_begin; t += G) orow[t] = t;
-    for (int t = rank; t < force_end; t += G) orow[width - force_end + t] = valid - force_end + t;
-    const int k = width - force_begin - force_end;
+    int lo, hi;  // competing blocks [lo, hi), more than k of them
+    const int k = topk_row_start(orow, row, num_heads, width, num_valid_pages, force_begin, force_end,
+                                 query_positions, rank, G, lo, hi);
     if (k <= 0) return;
-    const int lo = force_begin;
-    const int hi = valid - force_end;  // competing blocks [lo, hi), more than k of them
 
     // ---- load the row once, as order keys (0 = not competing)
     u32 key[NPT];
@@ -689,21 +703,11 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
     const long long row = (long long)blockIdx.x * RPC + warp;
     if (row >= num_rows) return;  // uniform over the warp
 
-    int valid = num_valid_pages;
-    if (query_positions != nullptr) {
-        const long long pos = query_positions[row / num_heads];
-        valid = pos < 0 ? 0 : (int)min((long long)valid, pos / 128 + 1);
-    }
     int* orow = out + row * width;
-    if (valid <= width) {  // every valid block is chosen
-        for (int t = lane; t < width; t += 32) orow[t] = t < valid ? t : -1;
-        return;
-    }
-    for (int t = lane; t < force_begin; t += 32) orow[t] = t;
-    for (int t = lane; t < force_end; t += 32) orow[width - force_end + t] = valid - force_end + t;
-    const int k = width - force_begin - force_end;
+    int lo, hi;  // more than k competing blocks in [lo, hi)
+    const int k = topk_row_start(orow, row, num_heads, width, num_valid_pages, force_begin, force_end,
+                                 query_positions, lane, 32, lo, hi);
     if (k <= 0) return;
-    const int lo = force_begin, hi = valid - force_end;  // more than k competing blocks
     const float* srow = scores + row * (long long)nt;
     if (!stream_select_row<false, NPT, VEC>(srow, lo, hi, k, lane, stage, s, orow + lo))
         stream_select_row_exact<NPT, VEC>(srow, lo, hi, k, lane, stage, &s, orow + lo);
