@@ -27,7 +27,6 @@ from __future__ import annotations
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import sys

@@ -37,8 +37,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,9 @@ from pathlib import Path
 
 NAME = "perf_attn"
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the repository's bench package
+    sys.path.insert(0, str(ROOT))
+from bench.sweeps._shared import build_cubins, run_smoke_child, TorchCtx  # noqa: E402
 WG = ["wg2n128s2", "wg3n64s3", "wg2n128s3r", "wg1n64s2"]
 WG_DENSE_ONLY = ["wg2n128s3r"]
 DENSE_TILES = ["prefill"] + WG
@@ -67,15 +68,6 @@ def _specs():
         if t not in WG_DENSE_ONLY:
             keys += [(128, 1, t, 2), (128, 0, t, 2)]
     return [ak.attention_spec(*k) for k in keys]
-
-
-def build_cubins(cubin_dir: str) -> dict:
-    from mate_cupy.jit import compile_all
-
-    t0 = time.perf_counter()
-    res = compile_all("sm_90a", specs=_specs(), cubin_dir=cubin_dir, jobs=min(16, os.cpu_count() or 1))
-    errors = [r["name"] + ": " + r["error"][-400:] for r in res if "error" in r]
-    return {"seconds": round(time.perf_counter() - t0, 2), "modules": len(res), "errors": errors}
 
 
 # --------------------------------------------------------------------------- phase 2: smoke (child)
@@ -206,57 +198,11 @@ def smoke(status_path: str) -> None:
         Path(status_path).write_text(json.dumps(status))
 
 
-def run_smoke(env) -> dict:
-    with tempfile.TemporaryDirectory() as td:
-        path = os.path.join(td, "smoke.json")
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--smoke", path], env=env, cwd=str(ROOT),
-                                  timeout=SMOKE_TIMEOUT_S, capture_output=True, text=True)
-            tail = (proc.stdout + proc.stderr)[-1500:]
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            tail, rc = "timed out", "timeout"
-        status = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
-        for t in WG + MMA256:
-            if status.get(t) in (None, "running"):
-                status[t] = f"untested/hung (child rc={rc})" if status.get(t) == "running" else "untested"
-        return {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
-                "tail": tail if rc != 0 else ""}
-
-
 # --------------------------------------------------------------------------- phase 3: timing
 
-class Ctx:
-    def __init__(self):
-        import cupy
-        import torch
-
-        self.torch, self.cupy = torch, cupy
-        self.dev = torch.device("cuda")
-        ptr = torch.cuda.current_stream().cuda_stream
-        self.stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr)
-
-    def cp(self, t):
-        return self.cupy.from_dlpack(t) if t is not None else None
-
+class Ctx(TorchCtx):
     def randn(self, shape, gen):
         return self.torch.randn(shape, generator=gen, device=self.dev, dtype=self.torch.bfloat16)
-
-    def time(self, fn, n_sets: int, warmup: int, iters: int) -> float:
-        torch = self.torch
-        for i in range(warmup):
-            fn(i % n_sets)
-        torch.cuda.synchronize()
-        ev = []
-        for i in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(i % n_sets)
-            b.record()
-            ev.append((a, b))
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def _rel(out, ref) -> float:
@@ -488,11 +434,11 @@ def main(argv) -> int:
     t_start = time.perf_counter()
     report = {"name": NAME}
     cubins = tempfile.mkdtemp(prefix="mate_attn_cubins_")
-    report["build"] = build_cubins(cubins)
+    report["build"] = build_cubins(_specs(), cubins)
     os.environ["MATE_CUPY_CUBIN_DIR"] = cubins
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    report["smoke"] = run_smoke(env)
+    report["smoke"] = run_smoke_child(__file__, env, SMOKE_TIMEOUT_S, WG + MMA256)
     ok = {t for t, st in report["smoke"]["status"].items() if st == "ok" and not t.endswith(".diagnosis")}
 
     import torch

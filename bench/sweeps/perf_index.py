@@ -37,8 +37,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,9 @@ from pathlib import Path
 
 NAME = "perf_index"
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the repository's bench package
+    sys.path.insert(0, str(ROOT))
+from bench.sweeps._shared import build_cubins, run_smoke_child, TorchCtx  # noqa: E402
 SMOKE_TIMEOUT_S = 25
 MS_VARIANTS = {  # label -> (nwarps, stages, mma)
     "mma w8 s2": (8, 2, "mma"), "mma w8 s3": (8, 3, "mma"), "mma w4 s3": (4, 3, "mma"),
@@ -77,15 +78,6 @@ def _specs():
     except Exception:  # (their API moved: the baseline compiles on first use instead)
         pass
     return specs
-
-
-def build_cubins(cubin_dir: str) -> dict:
-    from mate_cupy.jit import compile_all
-
-    t0 = time.perf_counter()
-    res = compile_all("sm_90a", specs=_specs(), cubin_dir=cubin_dir, jobs=min(16, os.cpu_count() or 1))
-    errors = [r["name"] + ": " + r["error"][-400:] for r in res if "error" in r]
-    return {"seconds": round(time.perf_counter() - t0, 2), "modules": len(res), "errors": errors}
 
 
 # --------------------------------------------------------------------------- phase 2: smoke (child)
@@ -197,56 +189,7 @@ def smoke(status_path: str) -> None:
         save()
 
 
-def run_smoke(env) -> dict:
-    with tempfile.TemporaryDirectory() as td:
-        path = os.path.join(td, "smoke.json")
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--smoke", path], env=env, cwd=str(ROOT),
-                                  timeout=SMOKE_TIMEOUT_S, capture_output=True, text=True)
-            tail = (proc.stdout + proc.stderr)[-1500:]
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            tail, rc = "timed out", "timeout"
-        status = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
-        names = ["max score " + v for v in MS_VARIANTS] + ["topk " + t for t in TOPK_PATHS]
-        for n in names:
-            if status.get(n) in (None, "running"):
-                status[n] = f"untested/hung (child rc={rc})" if status.get(n) == "running" else "untested"
-        return {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
-                "tail": tail if rc != 0 else ""}
-
-
 # --------------------------------------------------------------------------- phase 3: timing
-
-class Ctx:
-    def __init__(self):
-        import cupy
-        import torch
-
-        self.torch, self.cupy = torch, cupy
-        self.dev = torch.device("cuda")
-        ptr = torch.cuda.current_stream().cuda_stream
-        self.stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr)
-
-    def cp(self, t):
-        return self.cupy.from_dlpack(t) if t is not None else None
-
-    def time(self, fn, n_sets: int, warmup: int = 3, iters: int = 15) -> float:
-        torch = self.torch
-        for i in range(warmup):
-            fn(i % n_sets)
-        torch.cuda.synchronize()
-        ev = []
-        for i in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(i % n_sets)
-            b.record()
-            ev.append((a, b))
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in ev)
-
 
 def time_topk(ctx, ok: dict, records: list) -> None:
     torch = ctx.torch
@@ -368,12 +311,13 @@ def main(outdir: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"name": NAME}
     with tempfile.TemporaryDirectory() as cubins:
-        result["build"] = build_cubins(cubins)
+        result["build"] = build_cubins(_specs(), cubins)
         os.environ["MATE_CUPY_CUBIN_DIR"] = cubins
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        result["smoke"] = run_smoke(env)
+        result["smoke"] = run_smoke_child(
+            __file__, env, SMOKE_TIMEOUT_S, ["max score " + v for v in MS_VARIANTS] + ["topk " + t for t in TOPK_PATHS])
         ok = result["smoke"]["status"]
-        ctx = Ctx()
+        ctx = TorchCtx()
         records: list = []
         try:
             time_topk(ctx, ok, records)

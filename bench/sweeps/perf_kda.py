@@ -54,6 +54,9 @@ from pathlib import Path
 
 NAME = "perf_kda"
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: the repository's bench package
+    sys.path.insert(0, str(ROOT))
+from bench.sweeps._shared import build_cubins  # noqa: E402
 DEVICE = "cuda"  # torch device of the inputs
 TIMEOUT_S = {"smoke": 25, "chunk": 35, "decode": 40}
 BUDGET_S = 90.0
@@ -90,8 +93,6 @@ def _set_knobs(dk, v) -> None:
 # --------------------------------------------------------------------------- phase 1: cubins
 
 def _specs():
-    import numpy as np
-
     from mate_cupy._interop import BFLOAT16
     from mate_cupy.kda import chunk_kernels as ck, decode_kernels as dk
 
@@ -99,15 +100,6 @@ def _specs():
     specs += [ck.RECURRENCE_SPECS[(BFLOAT16, nw)] for nw in NWS]
     specs += list(dk.VFIRST_SPECS.values())
     return specs
-
-
-def build_cubins(cubin_dir: str) -> dict:
-    from mate_cupy.jit import compile_all
-
-    t0 = time.perf_counter()
-    res = compile_all("sm_90a", specs=_specs(), cubin_dir=cubin_dir, jobs=min(16, os.cpu_count() or 1))
-    errors = [r["name"] + ": " + r["error"][-400:] for r in res if "error" in r]
-    return {"seconds": round(time.perf_counter() - t0, 2), "modules": len(res), "errors": errors}
 
 
 # --------------------------------------------------------------------------- timing helpers
@@ -414,7 +406,6 @@ def decode_batch(batch: int, ok: dict) -> dict:
     variants.sort(key=lambda x: x != _BASE_VARIANT)  # the bitwise baseline first
     # Ceiling of the same bytes: in place x = 0.5 x + 1 on the rotated pool rows, and a copy.
     import cupy as cp
-    rows_of = [C[i]["idx"] for i in range(nsets)]
     upd = cp.ElementwiseKernel("", "float32 x", "x = 0.5f * x + 1.0f", "sweep_inplace_update")
     blk = [pool[i * batch:(i + 1) * batch] for i in range(nsets)]
     dst = cp.empty_like(blk[0])
@@ -423,7 +414,7 @@ def decode_batch(batch: int, ok: dict) -> dict:
                      ("copy", lambda i: dst.__setitem__(Ellipsis, blk[i]))):
         ms = graph_ms([lambda i=i: fn(i % nsets) for i in range(16)])
         res["ceiling"][name] = {"us": ms * 1e3, "tbps": res["state_bytes"] / (ms * 1e-3) / 1e12}
-    del dst, rows_of
+    dst = None  # freed before the kernels are timed
     try:
         for var in variants + [None]:
             _set_knobs(dk, var)
@@ -485,7 +476,7 @@ def main(outdir: str, parts=("chunk", "decode")) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"name": NAME}
     with tempfile.TemporaryDirectory() as cubins:
-        result["build"] = build_cubins(cubins)
+        result["build"] = build_cubins(_specs(), cubins)
         env = dict(os.environ, MATE_CUPY_CUBIN_DIR=cubins,
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for var in ("MATE_CUPY_KDA_CHUNK_PREPARE", "MATE_CUPY_KDA_CHUNK_WARPS"):
