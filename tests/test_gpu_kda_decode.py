@@ -369,18 +369,14 @@ def test_decode_matches_reference(name, rng):
 VFIRST_CASES = [n for n, c in CASES.items() if c.v_first]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("warps", [1, 4])
-@pytest.mark.parametrize("name", VFIRST_CASES)
-def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
-    """V-first CTAs looping over work units with the next state prefetched (few resident
-    CTAs: the launcher is told the GPU has one SM, so every CTA runs many units)."""
+def _run_with_launcher_knobs(name, rng, monkeypatch, **knobs):
+    """Run case ``name`` with decode_kernels attributes ``knobs`` set, check it against the
+    reference, and return the launches it made (``_launch`` argument tuples)."""
     from mate_cupy import _launch_cache
     from mate_cupy.kda import decode_kernels as dk
 
-    monkeypatch.setattr(dk, "VFIRST_PREFETCH", True)
-    monkeypatch.setattr(dk, "VFIRST_WARPS", warps)
-    monkeypatch.setattr(dk, "_sm_count", lambda: 1)
+    for attr, value in knobs.items():
+        monkeypatch.setattr(dk, attr, value)
     launches = []
     real_launch = dk._launch
     monkeypatch.setattr(dk, "_launch", lambda *a: (launches.append(a), real_launch(*a)))
@@ -392,6 +388,19 @@ def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
     finally:
         _launch_cache.clear()
     check_results(c, prep, out, pool, final)
+    return launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("name", VFIRST_CASES)
+def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
+    """V-first CTAs looping over work units with the next state prefetched (few resident
+    CTAs: the launcher is told the GPU has one SM, so every CTA runs many units)."""
+    from mate_cupy.kda import decode_kernels as dk
+
+    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_PREFETCH=True, VFIRST_WARPS=warps,
+                                        _sm_count=lambda: 1)
     flags = [int(a[3][35]) for a in launches]  # args[35]: the option flags
     assert flags and all(f & dk.F_PREFETCH for f in flags), "the prefetch loop did not run"
 
@@ -402,22 +411,9 @@ def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
 def test_decode_vfirst_rows_and_bulk_staging_match_reference(name, rows, bulk, rng, monkeypatch):
     """The 2-rows-per-lane V-first kernel, and per-lane cp.async staging of the slice (the
     default on sm_90, rows 4 with bulk-copy staging, runs in every other test)."""
-    from mate_cupy import _launch_cache
     from mate_cupy.kda import decode_kernels as dk
 
-    monkeypatch.setattr(dk, "VFIRST_ROWS", rows)
-    monkeypatch.setattr(dk, "VFIRST_BULK", bulk)
-    launches = []
-    real_launch = dk._launch
-    monkeypatch.setattr(dk, "_launch", lambda *a: (launches.append(a), real_launch(*a)))
-    _launch_cache.clear()
-    try:
-        c = CASES[name]
-        prep = build_case(c, rng)
-        out, pool, final = _run_case(c, prep, preallocate=True)
-    finally:
-        _launch_cache.clear()
-    check_results(c, prep, out, pool, final)
+    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_ROWS=rows, VFIRST_BULK=bulk)
     assert launches and all(a[2] % 32 == 0 for a in launches)
     for a in launches:  # args[35]: flags; args[33]: V; block = warps * 32 threads, slice 4 * rows * warps
         vs = 4 * rows * (a[2] // 32)
