@@ -96,6 +96,21 @@ def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | N
 
 # --------------------------------------------------------------------------- paged decode
 
+def _paged_decode_eager(inputs, batch: int, seqlen: int, hq: int, hkv: int, page: int) -> Bound:
+    """Our dense paged decode through an eager plan (one query per request, CSR kv_indices)."""
+    import torch
+
+    plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=page, causal=True)
+    outs = [torch.empty_like(x["q"]) for x in inputs]
+
+    def run(i):
+        x = inputs[i]
+        return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
+                                   out=outs[i]))
+
+    return Bound(run)
+
+
 def decode_case(cfg, batch: int, seqlen: int, page: int, hq: int, hkv: int, *, target: Target | None) -> Case:
     dev = cfg.device
     scale = D ** -0.5
@@ -124,17 +139,7 @@ def decode_case(cfg, batch: int, seqlen: int, page: int, hq: int, hkv: int, *, t
         return x["k_lin"], x["v_lin"]
 
     def ours_eager(inputs):
-        import torch
-
-        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=page, causal=True)
-        outs = [torch.empty_like(x["q"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
-                                       out=outs[i]))
-
-        return Bound(run)
+        return _paged_decode_eager(inputs, batch, seqlen, hq, hkv, page)
 
     def ours_static(inputs):
         import torch
@@ -354,17 +359,7 @@ def sparse_decode_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, topk: in
         return Bound(run)
 
     def ours_dense(inputs):
-        import torch
-
-        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=BLOCK, causal=True)
-        outs = [torch.empty_like(x["q"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
-                                       out=outs[i]))
-
-        return Bound(run)
+        return _paged_decode_eager(inputs, batch, seqlen, hq, hkv, BLOCK)
 
     def check(results, inp):
         import torch

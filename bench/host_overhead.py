@@ -18,6 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import graph_replay_us  # noqa: E402
 
 
 def _cases(torch, mc):
@@ -105,27 +106,7 @@ def main() -> int:
             host_us = (time.perf_counter() - t0) / args.calls * 1e6
             torch.cuda.synchronize()
             # GPU time per call: CUDA graph replay.
-            graph_us = None
-            try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    fn()
-                gr.replay()
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(50):
-                    gr.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                graph_us = e0.elapsed_time(e1) / 50 * 1e3
-            except Exception as e:  # not capture-safe
-                graph_us = f"capture failed: {type(e).__name__}: {e}"[:160]
+            graph_us = graph_replay_us(torch, fn, replays=50, err_chars=160)
             pr = cProfile.Profile()
             torch.cuda._sleep(int(2e9))
             pr.enable()

@@ -36,6 +36,7 @@ from pathlib import Path
 NAME = "host_path"
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from bench.timing import graph_replay_us  # noqa: E402
 
 CALLS = 64
 SAMPLES = 3
@@ -192,30 +193,6 @@ def _plain_us(torch, fn, x):
     return e0.elapsed_time(e1) / CALLS * 1e3
 
 
-def _graph_us(torch, fn, x):
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn(x)
-        torch.cuda.current_stream().wait_stream(s)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            fn(x)
-        gr.replay()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(20):
-            gr.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / 20 * 1e3
-    except Exception as e:  # not capture-safe
-        torch.cuda.synchronize()
-        return f"capture failed: {type(e).__name__}: {e}"[:120]
-
-
 def main() -> int:
     outdir = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/host_path")
     outdir.mkdir(parents=True, exist_ok=True)
@@ -264,7 +241,7 @@ def main() -> int:
             row["host_us_replay"], ok_rep = _host_us(torch, fn, x)
             row["busy_ok"] = ok_full and ok_rep
             row["plain_us"] = _plain_us(torch, fn, x)
-            row["graph_us"] = _graph_us(torch, fn, x)
+            row["graph_us"] = graph_replay_us(torch, lambda: fn(x))
             pr = cProfile.Profile()
             torch.cuda.synchronize()
             torch.cuda._sleep(SLEEP_CYCLES)
