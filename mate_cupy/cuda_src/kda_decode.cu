@@ -145,6 +145,56 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// ------------------------------------------------------------------ per-token math
+
+// q, k (4 channels per lane, the warp covers 128): L2-normalised in place when kL2Norm
+// (x / sqrt(sum x^2 + 1e-6)); returns k.q summed over the warp.
+__device__ __forceinline__ float normalise_qk(float* qv, float* kv, int flags) {
+    if (flags & kL2Norm) {
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            sq = fmaf(qv[e], qv[e], sq);
+            sk = fmaf(kv[e], kv[e], sk);
+        }
+        const float rq = rsqrtf(warp_sum(sq) + 1e-6f);
+        const float rk = rsqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            qv[e] *= rq;
+            kv[e] *= rk;
+        }
+    }
+    float kq = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) kq = fmaf(qv[e], kv[e], kq);
+    return warp_sum(kq);
+}
+
+// The gate's exp(A_log[hv]) (1 without A_log or without the in-kernel gate).
+__device__ __forceinline__ float gate_scale(const Params& p, int hv) {
+    return ((p.flags & kGateInKernel) && p.A_log != nullptr) ? expf(p.A_log[hv]) : 1.f;
+}
+// dt_bias[hv, col] when the gate is computed here with a bias, else 0.
+__device__ __forceinline__ float gate_bias(const Params& p, int hv, int col) {
+    if (!(p.flags & kGateInKernel) || p.dt_bias == nullptr) return 0.f;
+    return load_as_float(p.dt_bias, hv * kDim + col, dtype_of(p.dtypes, kDtBias));
+}
+// exp(gk) of one channel from x = a (+ dt_bias): gk = a itself without the in-kernel gate,
+// else lower_bound * sigmoid(eA x) or -eA softplus(x).
+__device__ __forceinline__ float decay_of(const Params& p, float x, float eA) {
+    float gk = x;
+    if (p.flags & kGateInKernel)
+        gk = (p.flags & kLowerBound) ? p.lower_bound * sigmoid_f(eA * x) : -eA * softplus_f(x);
+    return expf(gk);
+}
+// beta from the raw b: sigmoid when kBetaSigmoid, doubled when kNegEigval.
+__device__ __forceinline__ float beta_of(int flags, float b) {
+    if (flags & kBetaSigmoid) b = sigmoid_f(b);
+    if (flags & kNegEigval) b *= 2.f;
+    return b;
+}
+
 // ------------------------------------------------------------------ 16-byte state chunks
 
 // A 16-byte chunk of state elements <-> floats: 4 fp32 or 8 bf16 (bf16 widens exactly and
@@ -305,25 +355,7 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
                 qv[e] = load_as_float(p.q, qo + e, qc);
                 kv[e] = load_as_float(p.k, ko + e, kc);
             }
-            if (p.flags & kL2Norm) {  // x / sqrt(sum x^2 + 1e-6)
-                float sq = 0.f, sk = 0.f;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sq = fmaf(qv[e], qv[e], sq);
-                    sk = fmaf(kv[e], kv[e], sk);
-                }
-                const float rq = rsqrtf(warp_sum(sq) + 1e-6f);
-                const float rk = rsqrtf(warp_sum(sk) + 1e-6f);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    qv[e] *= rq;
-                    kv[e] *= rk;
-                }
-            }
-            float kq = 0.f;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) kq = fmaf(qv[e], kv[e], kq);
-            kq = warp_sum(kq);
+            const float kq = normalise_qk(qv, kv, p.flags);
             *reinterpret_cast<float4*>(m.q + t * kDim + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
             *reinterpret_cast<float4*>(m.k + t * kDim + col) = make_float4(kv[0], kv[1], kv[2], kv[3]);
             if (lane == 0) m.kq[t] = kq;
@@ -331,20 +363,11 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
             const long long ao = static_cast<long long>(s.bidx) * p.a_sb + tok * p.a_st +
                                  static_cast<long long>(hv) * p.a_sh + col;
             const int ac = dtype_of(p.dtypes, kDtA);
-            const bool gate = (p.flags & kGateInKernel) != 0;
-            const float eA = (gate && p.A_log != nullptr) ? expf(p.A_log[hv]) : 1.f;
+            const float eA = gate_scale(p, hv);
             float ev[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = load_as_float(p.a, ao + e, ac);
-                float gk = x;
-                if (gate) {
-                    if (p.dt_bias != nullptr)
-                        x += load_as_float(p.dt_bias, hv * kDim + col + e, dtype_of(p.dtypes, kDtBias));
-                    gk = (p.flags & kLowerBound) ? p.lower_bound * sigmoid_f(eA * x) : -eA * softplus_f(x);
-                }
-                ev[e] = expf(gk);
-            }
+            for (int e = 0; e < 4; ++e)
+                ev[e] = decay_of(p, load_as_float(p.a, ao + e, ac) + gate_bias(p, hv, col + e), eA);
             *reinterpret_cast<float4*>(m.e + t * kDim + col) = make_float4(ev[0], ev[1], ev[2], ev[3]);
             if (lane == 0) m.slot[t] = token_slot(p, n, c0 + t);
         }
@@ -359,10 +382,9 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
             const long long tok = s.bos + c0 + t;
             vv = load_as_float(p.v, static_cast<long long>(s.bidx) * p.v_sb + tok * p.v_st +
                                         static_cast<long long>(hv) * p.v_sh + row, vc);
-            bb = load_as_float(p.b, static_cast<long long>(s.bidx) * p.b_sb + tok * p.b_st +
-                                        static_cast<long long>(hv) * p.b_sh + (per_channel ? row : 0), bc);
-            if (p.flags & kBetaSigmoid) bb = sigmoid_f(bb);
-            if (p.flags & kNegEigval) bb *= 2.f;
+            bb = beta_of(p.flags, load_as_float(p.b, static_cast<long long>(s.bidx) * p.b_sb + tok * p.b_st +
+                                                         static_cast<long long>(hv) * p.b_sh + (per_channel ? row : 0),
+                                                bc));
         }
         m.v[i] = vv;
         m.b[i] = bb;
@@ -642,6 +664,284 @@ __global__ void __launch_bounds__(256) __maxnreg__(ROWS == 4 ? 128 : 96)
         if (!prefetch) break;  // one unit per CTA
         u = u_next;
         if (u < units) cur = unit_of(u);
+    }
+}
+
+// ------------------------------------------------------------------ V-first streaming kernel
+
+// Raw bits of one unit's per-token inputs, read one unit ahead and converted when used (a
+// conversion right after the load would wait for it). 16-bit values are zero-extended.
+struct StreamRaw {
+    u32 q[4], k[4], a[4], bias[4];  // 4 channels per lane (lane * 4 ...), as prepare_tokens
+    u32 alog;
+    u32 v[4], b[4];                 // the lane's 4 rows
+    long long idx64;                // state_indices[n] (int64 pools)
+    int idx32;                      // state_indices[n] (int32 pools)
+};
+
+__device__ __forceinline__ u32 load_bits(const void* p, long long i, int code) {
+    if (code == kF32) return static_cast<const u32*>(p)[i];
+    return static_cast<const unsigned short*>(p)[i];
+}
+__device__ __forceinline__ float bits_to_float(u32 w, int code) {
+    if (code == kF32) return __uint_as_float(w);
+    if (code == kF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(w)));
+    return __uint_as_float(w << 16);
+}
+
+// State [P, HV, V, K] (V-first), one token per sequence (dense T = 1, state_indices absent
+// or [N]), V % 16 == 0, sm_90. Every warp is its own pipeline over work units
+// u = gwarp, gwarp + W, ... (W warps in the grid); a unit is 16 rows of one (n, hv) state
+// (lane layout and arithmetic of VFirst<StateT, 4> with one warp), staged by one bulk copy
+// into a ring of `tc` shared buffers per warp, one mbarrier each. Unit u + tc * W is
+// requested as soon as unit u's rows are in registers, so each SM keeps reads in flight
+// while it computes and stores instead of reading and writing in waves. q, k, a, dt_bias,
+// v, beta and the slot index of the next unit are loaded one unit ahead.
+// Launch: 32 * warps threads (warps <= 8), n_splits = V / 16, tc = stages per warp (<= 8),
+// dynamic shared memory warps * tc * 16 * 128 * sizeof(StateT) bytes.
+template <typename StateT>
+__global__ void __launch_bounds__(256) kda_decode_vfirst_stream_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = VFirst<StateT, 4>;
+    constexpr int kUnitRows = C::kRowsPerWarp;  // 16
+    constexpr int kStageElems = kUnitRows * kDim;
+    constexpr int kMaxWarps = 8, kMaxStages = 8;
+    __shared__ unsigned long long bars[kMaxWarps][kMaxStages];
+    __shared__ long long slots[kMaxWarps][kMaxStages];  // read slot of the unit in each stage, -1: padding
+    const Params p = KDA_DECODE_PARAMS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane & 7;
+    const int NS = p.tc;
+    const int W = gridDim.x * (blockDim.x >> 5);
+    const int units = p.N * p.HV * p.n_splits;
+    const long long head_elems = static_cast<long long>(p.V) * kDim;
+    const long long slot_elems = head_elems * p.HV;
+    const int lrow0 = lane >> 3;
+    const int lane_off = lrow0 * kDim + g * C::kEPC;
+    StateT* const ring = reinterpret_cast<StateT*>(kda_decode_smem) + warp * NS * kStageElems;
+    unsigned long long* const bar = bars[warp];
+    long long* const stage_slot = slots[warp];
+    const bool load_state = (p.flags & kInitialState) != 0;
+    const bool idx64 = (p.flags & kIdx64) != 0;
+    const bool gate_alog = (p.flags & kGateInKernel) && p.A_log != nullptr;
+    const int qc = dtype_of(p.dtypes, kDtQ), kc = dtype_of(p.dtypes, kDtK), ac = dtype_of(p.dtypes, kDtA);
+    const int vc = dtype_of(p.dtypes, kDtV), bc = dtype_of(p.dtypes, kDtB), oc = dtype_of(p.dtypes, kDtOut);
+    const int biasc = dtype_of(p.dtypes, kDtBias);
+    const bool bias = (p.flags & kGateInKernel) && p.dt_bias != nullptr;
+    const bool per_channel = (p.flags & kBetaPerChannel) != 0;
+
+    const int u_first = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (u_first >= units) return;  // warp-uniform; the warp's barriers are its own
+    if (lane < NS) mbarrier_init_one(&bar[lane]);
+    __syncwarp();
+
+    auto coords = [&](int u, int& n, int& hv, int& v0) {
+        const int nh = u / p.n_splits;
+        v0 = (u - nh * p.n_splits) * kUnitRows;
+        hv = nh % p.HV;
+        n = nh / p.HV;
+    };
+    auto slot_of = [&](int n, long long i64, int i32) -> long long {  // -1: padding sequence
+        const long long slot = p.idx_cols < 0 ? (idx64 ? i64 : static_cast<long long>(i32)) : n;
+        return (slot < 0 || slot >= p.pool_size) ? -1 : slot;
+    };
+    auto load_raw = [&](int u, StreamRaw& r) {
+        int n, hv, v0;
+        coords(u, n, hv, v0);
+        const int h = hv / (p.HV / p.H);
+        const int col = lane * 4;
+        const long long qo = static_cast<long long>(n) * p.q_sb + static_cast<long long>(h) * p.q_sh + col;
+        const long long ko = static_cast<long long>(n) * p.k_sb + static_cast<long long>(h) * p.k_sh + col;
+        const long long ao = static_cast<long long>(n) * p.a_sb + static_cast<long long>(hv) * p.a_sh + col;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            r.q[e] = load_bits(p.q, qo + e, qc);
+            r.k[e] = load_bits(p.k, ko + e, kc);
+            r.a[e] = load_bits(p.a, ao + e, ac);
+            r.bias[e] = bias ? load_bits(p.dt_bias, hv * kDim + col + e, biasc) : 0u;
+        }
+        r.alog = gate_alog ? __float_as_uint(p.A_log[hv]) : 0u;
+#pragma unroll
+        for (int rr = 0; rr < C::kRows; ++rr) {
+            const int row = v0 + lrow0 + 4 * rr;
+            r.v[rr] = load_bits(p.v, static_cast<long long>(n) * p.v_sb + static_cast<long long>(hv) * p.v_sh + row, vc);
+            r.b[rr] = load_bits(p.b, static_cast<long long>(n) * p.b_sb + static_cast<long long>(hv) * p.b_sh +
+                                         (per_channel ? row : 0), bc);
+        }
+        if (p.idx_cols < 0) {
+            if (idx64) r.idx64 = static_cast<const long long*>(p.state_indices)[n];
+            else r.idx32 = static_cast<const int*>(p.state_indices)[n];
+        }
+    };
+    // Lane 0: request unit u's rows into stage s (or just arrive for a padding unit / no initial state).
+    auto issue = [&](int u, int s, long long slot) {
+        int n, hv, v0;
+        coords(u, n, hv, v0);
+        stage_slot[s] = slot;
+        if (slot >= 0 && load_state)
+            bulk_load(ring + s * kStageElems,
+                      static_cast<const StateT*>(p.state) + slot * slot_elems + hv * head_elems +
+                          static_cast<long long>(v0) * kDim,
+                      static_cast<unsigned>(kStageElems * sizeof(StateT)), &bar[s]);
+        else
+            mbarrier_arrive(&bar[s]);
+    };
+    auto read_slot = [&](int u) -> long long {
+        int n, hv, v0;
+        coords(u, n, hv, v0);
+        long long i64 = 0;
+        int i32 = 0;
+        if (p.idx_cols < 0) {
+            if (idx64) i64 = static_cast<const long long*>(p.state_indices)[n];
+            else i32 = static_cast<const int*>(p.state_indices)[n];
+        }
+        return slot_of(n, i64, i32);
+    };
+
+    // Prime the ring; lane 0 then holds the raw index of the next unit to request.
+    long long pend64 = 0;
+    int pend32 = 0;
+    if (lane == 0) {
+        for (int s = 0; s < NS; ++s) {
+            const int uu = u_first + s * W;
+            if (uu < units) issue(uu, s, read_slot(uu));
+        }
+        const int uu = u_first + NS * W;
+        if (uu < units && p.idx_cols < 0) {
+            int n, hv, v0;
+            coords(uu, n, hv, v0);
+            if (idx64) pend64 = static_cast<const long long*>(p.state_indices)[n];
+            else pend32 = static_cast<const int*>(p.state_indices)[n];
+        }
+    }
+
+    // One unit: `cur` holds its raw inputs; the next unit's are loaded into `nxt`.
+    auto step = [&](int i, int u, const StreamRaw& cur, StreamRaw& nxt) {
+        if (u + W < units) load_raw(u + W, nxt);
+        int n, hv, v0;
+        coords(u, n, hv, v0);
+        // Per-token values in the prepare_tokens layout (4 channels per lane), then spread to
+        // the lane's 16 compute columns chunk_offset(j) + g * kEPC + e.
+        float qv[4], kv[4], ev[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            qv[e] = bits_to_float(cur.q[e], qc);
+            kv[e] = bits_to_float(cur.k[e], kc);
+        }
+        const float kq = normalise_qk(qv, kv, p.flags);
+        const float eA = gate_alog ? expf(__uint_as_float(cur.alog)) : 1.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            ev[e] = decay_of(p, bits_to_float(cur.a[e], ac) + (bias ? bits_to_float(cur.bias[e], biasc) : 0.f), eA);
+        float qa[C::kCols], ka[C::kCols], ea[C::kCols];
+#pragma unroll
+        for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+            for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                const int src = (C::chunk_offset(j) + g * C::kEPC + e4) >> 2;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    qa[j * C::kEPC + e4 + e] = __shfl_sync(0xffffffffu, qv[e], src);
+                    ka[j * C::kEPC + e4 + e] = __shfl_sync(0xffffffffu, kv[e], src);
+                    ea[j * C::kEPC + e4 + e] = __shfl_sync(0xffffffffu, ev[e], src);
+                }
+            }
+        }
+        // The state rows: wait for the stage, take them into registers, hand the stage on.
+        const int s = i % NS;
+        mbarrier_wait(&bar[s], static_cast<unsigned>(i / NS) & 1u);
+        const long long slot = stage_slot[s];
+        const bool live = slot >= 0;  // not a padding sequence
+        float S[C::kRows][C::kCols];
+        const StateT* stg = ring + s * kStageElems + lane_off;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                if (slot >= 0 && load_state) {
+                    chunk_to_regs(stg + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < C::kEPC; ++e) S[r][j * C::kEPC + e] = 0.f;
+                }
+            }
+        }
+        __syncwarp();
+        if (lane == 0) {
+            const int un = u + NS * W;
+            if (un < units) {
+                int nn, hh, vv;
+                coords(un, nn, hh, vv);
+                issue(un, s, slot_of(nn, pend64, pend32));
+                const int un2 = un + W;
+                if (un2 < units && p.idx_cols < 0) {
+                    coords(un2, nn, hh, vv);
+                    if (idx64) pend64 = static_cast<const long long*>(p.state_indices)[nn];
+                    else pend32 = static_cast<const int*>(p.state_indices)[nn];
+                }
+            }
+        }
+        const long long ob = (static_cast<long long>(n) * p.HV + hv) * p.V + v0 + lrow0;  // out [N, 1, HV, V]
+        if (!live) {  // padding sequence: zero output and final state, the pool untouched
+            if (g == 0) {
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+            }
+        } else {
+            float dk[C::kRows], dq[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+#pragma unroll
+            for (int c = 0; c < C::kCols; ++c) {
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+                    float& x = S[r][c];
+                    x *= ea[c];
+                    dk[r] = fmaf(x, ka[c], dk[r]);
+                    dq[r] = fmaf(x, qa[c], dq[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                }
+            }
+            float bu[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+                bu[r] = beta_of(p.flags, bits_to_float(cur.b[r], bc)) * (bits_to_float(cur.v[r], vc) - dk[r]);
+                const float o = (dq[r] + bu[r] * kq) * p.scale;
+                if (g == 0) store_from_float(p.out, ob + 4 * r, oc, o);
+            }
+#pragma unroll
+            for (int c = 0; c < C::kCols; ++c) {
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) S[r][c] = Chunk<StateT>::round(fmaf(bu[r], ka[c], S[r][c]));
+            }
+        }
+        const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim + lane_off;
+        StateT* dsts[2] = {nullptr, nullptr};
+        if (live && (p.flags & kInplace)) dsts[0] = static_cast<StateT*>(p.state) + slot * slot_elems + slice;
+        if (p.final_state != nullptr) dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice;
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+            if (dsts[d] == nullptr) continue;
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j)
+                    regs_to_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+            }
+        }
+    };
+
+    StreamRaw raw0, raw1;
+    load_raw(u_first, raw0);
+#pragma unroll 1
+    for (int i = 0, u = u_first; u < units; i += 2, u += 2 * W) {  // two units per trip: no copy of raw
+        step(i, u, raw0, raw1);
+        if (u + W < units) step(i + 1, u + W, raw1, raw0);
     }
 }
 
