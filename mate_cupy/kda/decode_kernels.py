@@ -342,8 +342,8 @@ def run_decode(*, q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accep
     if T > _INT32_MAX or V * K * HV > _INT32_MAX:
         raise ValueError(f"too many tokens or state elements per slot: T = {T}, HV*V*K = {HV * V * K}")
 
-    stream = state_v_first and vfirst_stream(T, V, varlen, idx_cols)
-    if stream:
+    streaming = state_v_first and vfirst_stream(T, V, varlen, idx_cols)
+    if streaming:
         n_splits = V // STREAM_UNIT_ROWS
         threads, grid, tc, smem = stream_shape(N * HV * n_splits, state_dtype)
         spec = VFIRST_STREAM_SPECS[np.dtype(state_dtype)]
