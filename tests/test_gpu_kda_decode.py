@@ -401,7 +401,7 @@ def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
     from mate_cupy.kda import decode_kernels as dk
 
     launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_PREFETCH=True, VFIRST_WARPS=warps,
-                                        VFIRST_STREAM=False, _sm_count=lambda: 1)
+                                        _sm_count=lambda: 1)
     flags = [int(a[3][35]) for a in launches]  # args[35]: the option flags
     assert flags and all(f & dk.F_PREFETCH for f in flags), "the prefetch loop did not run"
 
@@ -414,77 +414,12 @@ def test_decode_vfirst_rows_and_bulk_staging_match_reference(name, rows, bulk, r
     default on sm_90, rows 4 with bulk-copy staging, runs in every other test)."""
     from mate_cupy.kda import decode_kernels as dk
 
-    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_ROWS=rows, VFIRST_BULK=bulk,
-                                        VFIRST_STREAM=False)
+    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_ROWS=rows, VFIRST_BULK=bulk)
     assert launches and all(a[2] % 32 == 0 for a in launches)
     for a in launches:  # args[35]: flags; args[33]: V; block = warps * 32 threads, slice 4 * rows * warps
         vs = 4 * rows * (a[2] // 32)
         expect = bulk and int(a[3][33]) % vs == 0
         assert bool(int(a[3][35]) & dk.F_BULK) == expect
-
-
-def _streams(c: Case) -> bool:
-    """The grid case takes the streaming V-first kernel (on sm_90)."""
-    return c.v_first and c.T == 1 and c.lens is None and c.slots in ("none", "1d") and c.V % 16 == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [None, (1, 1), (1, 3), (4, 2)])
-@pytest.mark.parametrize("name", VFIRST_CASES)
-def test_decode_vfirst_stream_matches_reference(name, shape, rng, monkeypatch):
-    """The streaming V-first kernel on the single-token cases: its default shape, and 1- or
-    4-warp CTAs with 1-3 stages on a grid sized for one SM, so every warp runs many units
-    and its stage ring wraps (mbarrier phases flip); the old kernel with VFIRST_STREAM off."""
-    from mate_cupy.jit import get_kernel
-    from mate_cupy.kda import decode_kernels as dk
-
-    if int(_cupy().cuda.Device().compute_capability) < 90:
-        pytest.skip("the streaming kernel needs sm_90")
-    c = CASES[name]
-    knobs = dict(VFIRST_STREAM=True, VFIRST_STREAM_SHAPE=shape)
-    if shape is not None:
-        knobs["_sm_count"] = lambda: 1
-    launches = _run_with_launcher_knobs(name, rng, monkeypatch, **knobs)
-    state_dt = np.dtype(ml_dtypes.bfloat16) if c.state_dtype == "bfloat16" else np.dtype(np.float32)
-    kern = get_kernel(dk.VFIRST_STREAM_SPECS[state_dt])
-    assert launches
-    assert all((a[0] is kern) == _streams(c) for a in launches)
-    if _streams(c) and shape is not None:
-        assert all(a[2] == 32 * shape[0] and int(a[3][-1]) == shape[1] for a in launches)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in VFIRST_CASES if _streams(CASES[n])])
-def test_decode_vfirst_block_kernel_matches_reference(name, rng, monkeypatch):
-    """The one-slice-per-CTA V-first kernel on the single-token cases (VFIRST_STREAM off)."""
-    from mate_cupy.jit import get_kernel
-    from mate_cupy.kda import decode_kernels as dk
-
-    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_STREAM=False)
-    kerns = {id(get_kernel(s)) for s in dk.VFIRST_STREAM_SPECS.values()}
-    assert launches and all(id(a[0]) not in kerns for a in launches)
-
-
-def test_vfirst_stream_choice(monkeypatch):
-    from mate_cupy.kda import decode_kernels as dk
-
-    monkeypatch.setattr(dk, "_cc_major", lambda: 9)
-    monkeypatch.setattr(dk, "_sm_count", lambda: 132)
-    assert dk.vfirst_stream(1, 128, False, -1) and dk.vfirst_stream(1, 128, False, 0)
-    assert not dk.vfirst_stream(2, 128, False, -1)  # multi-token
-    assert not dk.vfirst_stream(1, 128, True, -1)  # varlen
-    assert not dk.vfirst_stream(1, 128, False, 1)  # [N, C] slots
-    assert not dk.vfirst_stream(1, 100, False, -1)  # V off the 16-row unit
-    monkeypatch.setattr(dk, "VFIRST_STREAM", False)
-    assert not dk.vfirst_stream(1, 128, False, -1)
-    monkeypatch.setattr(dk, "VFIRST_STREAM", None)
-    monkeypatch.setattr(dk, "_cc_major", lambda: 8)
-    assert not dk.vfirst_stream(1, 128, False, -1)  # bulk copies need sm_90
-    # B32 x HV32 fp32: 8192 units, two 4-warp CTAs of 3 x 8 KB stages per warp on each SM
-    threads, grid, stages, smem = dk.stream_shape(32 * 32 * 8, np.float32)
-    assert (threads, grid, stages, smem) == (128, 264, 3, 96 * 1024)
-    assert dk.stream_shape(32 * 8, np.float32)[1] == 64  # few units: one warp each
-    assert dk.stream_shape(32 * 32 * 8, ml_dtypes.bfloat16)[2:] == (6, 96 * 1024)
 
 
 def test_vfirst_prefetch_grid():

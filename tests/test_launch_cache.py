@@ -282,29 +282,12 @@ def test_decode_errors_are_not_cached(fc):
 def test_decode_vfirst_warps_knob_is_part_of_the_key(fc, monkeypatch):
     from mate_cupy.kda import decode_kernels as dk
 
-    monkeypatch.setattr(dk, "VFIRST_STREAM", False)  # the one-slice-per-CTA kernel
     fn, make = decode_maker(fc)
     fn(make())
     monkeypatch.setattr(dk, "VFIRST_WARPS", 2)
     fc.log.clear()
     fn(make())
     assert fc.replays == 0 and fc.log[0][2] == (64,)
-
-
-def test_decode_vfirst_stream_knobs_are_part_of_the_key(fc, monkeypatch):
-    from mate_cupy.kda import decode_kernels as dk
-
-    monkeypatch.setattr(dk, "_cc_major", lambda: 9)
-    fn, make = decode_maker(fc)
-    fn(make())
-    monkeypatch.setattr(dk, "VFIRST_STREAM_SHAPE", (2, 2))
-    fc.log.clear()
-    fn(make())
-    assert fc.replays == 0 and fc.log[0][2] == (64,)  # two-warp streaming CTAs
-    monkeypatch.setattr(dk, "VFIRST_STREAM", False)
-    fc.log.clear()
-    fn(make())
-    assert fc.replays == 0 and len(fc.log) == 1
 
 
 def test_decode_unhashable_or_mutable_options_take_the_full_path(fc):

@@ -13,8 +13,7 @@ Candidates (all in one build, chosen per call):
 * decode, V-first (``decode_kernels.VFIRST_WARPS`` x ``VFIRST_ROWS`` x ``VFIRST_BULK`` x
   ``VFIRST_PREFETCH``): warps per CTA x state rows per lane (4: 128 registers, 2: 96) x the
   slice staged by per-lane cp.async or one bulk copy x one CTA per work unit / CTAs
-  looping over units with the next state prefetched; and the streaming kernel
-  (``VFIRST_STREAM_SHAPE``, label ``sWxS``): W warps per CTA, S bulk-copied stages per warp. Beside them, the bandwidth ceiling of
+  looping over units with the next state prefetched. Beside them, the bandwidth ceiling of
   the same bytes: an in-place elementwise update of the same pool rows and a
   device-to-device copy of the same size.
 
@@ -74,28 +73,21 @@ CHUNK_SHAPES = [  # (label, sequence lengths, H = HV, varlen)
 ]
 DECODE_BATCHES = (32, 256, 1024)
 DECODE_HV, DECODE_H = 32, 16
-# (warps, prefetch, rows per lane, bulk, streaming (warps, stages) or None): the one-slice-per-CTA
-# kernel, then the streaming kernel (warps is then None)
-DECODE_VARIANTS = ([(w, False, 4, bk, None) for w in (2, 4) for bk in (False, True)] + [(2, True, 4, False, None)]
-                   + [(2, False, 2, True, None)]
-                   + [(None, None, None, None, sh) for sh in ((4, 3), (2, 3), (1, 3), (4, 2), (2, 2), (8, 1), (4, 1),
-                                                              (1, 6), (2, 4))])
-_BASE_VARIANT = (4, False, 4, False, None)
+# (warps, prefetch, rows per lane, bulk)
+DECODE_VARIANTS = ([(w, False, 4, bk) for w in (1, 2, 4) for bk in (False, True)] + [(2, True, 4, False)]
+                   + [(w, False, 2, bk) for w in (2, 4, 8) for bk in (False, True)])
+_BASE_VARIANT = (4, False, 4, False)
 
 
-def _dlabel(w, pf, rows=4, bulk=False, stream=None) -> str:
-    if stream is not None:
-        return f"s{stream[0]}x{stream[1]}"
+def _dlabel(w, pf, rows=4, bulk=False) -> str:
     if w is None:
         return "default"
     return f"w{w}{'r2' if rows == 2 else ''}{'pf' if pf else ''}{'b' if bulk else ''}"
 
 
 def _set_knobs(dk, v) -> None:
-    w, pf, rows, bulk, stream = v if v is not None else (None, None, None, None, None)
+    w, pf, rows, bulk = v if v is not None else (None, None, None, None)
     dk.VFIRST_WARPS, dk.VFIRST_PREFETCH, dk.VFIRST_ROWS, dk.VFIRST_BULK = w, pf, rows, bulk
-    dk.VFIRST_STREAM = None if v is None else stream is not None
-    dk.VFIRST_STREAM_SHAPE = stream
 
 
 # --------------------------------------------------------------------------- phase 1: cubins
@@ -106,7 +98,7 @@ def _specs():
 
     specs = [ck.PREPARE_SPECS[BFLOAT16], ck.PREPARE_BASELINE_SPECS[BFLOAT16]]
     specs += [ck.RECURRENCE_SPECS[(BFLOAT16, nw)] for nw in NWS]
-    specs += list(dk.VFIRST_SPECS.values()) + list(dk.VFIRST_STREAM_SPECS.values())
+    specs += list(dk.VFIRST_SPECS.values())
     return specs
 
 
@@ -238,8 +230,7 @@ def part_smoke(path: str) -> None:
     os.environ.pop("MATE_CUPY_KDA_CHUNK_WARPS", None)
     _save(path, status)
 
-    cases = ["t1_f32_vfirst", "t1_bf16_vfirst", "t1_pad_oob", "v48_vfirst_bf16_pad", "t4_spec", "varlen_2d",
-             "t12_chunked_prologue"]
+    cases = ["t1_f32_vfirst", "t4_spec", "varlen_2d", "t12_chunked_prologue"]
     for var in DECODE_VARIANTS:
         w, pf = var[:2]
         label = f"decode {_dlabel(*var)}"
@@ -247,8 +238,8 @@ def part_smoke(path: str) -> None:
         _save(path, status)
         _set_knobs(dk, var)
         sm = dk._sm_count
-        if pf or var[4] is not None:
-            dk._sm_count = lambda: 1  # few resident CTAs / warps: every one loops over many units
+        if pf:
+            dk._sm_count = lambda: 1  # few resident CTAs: every CTA loops over many units
         lc.clear()  # the public API replays recorded launches; these knobs are not in their key
         try:
             for name in cases:
@@ -409,9 +400,7 @@ def decode_batch(batch: int, ok: dict) -> dict:
                             a_log, dt_bias, LOWER_BOUND, K ** -0.5)
     res = {"B": batch, "HV": hv, "H": h, "state_bytes": 2 * batch * hv * V * K * 4, "variants": {}}
     threads, _, _, grid, _, _, prefetch = dk.launch_shape(batch * hv, V, 1, np.float32, True)
-    res["default_choice"] = {"warps": threads // 32, "prefetch": prefetch, "grid": grid,
-                             "stream": dk.stream_shape(batch * hv * V // dk.STREAM_UNIT_ROWS, np.float32)
-                             if dk.vfirst_stream(1, V, False, -1) else None}
+    res["default_choice"] = {"warps": threads // 32, "prefetch": prefetch, "grid": grid}
     base = None
     variants = [v for v in DECODE_VARIANTS if _usable(ok, f"decode {_dlabel(*v)}")]
     variants.sort(key=lambda x: x != _BASE_VARIANT)  # the bitwise baseline first
@@ -440,7 +429,6 @@ def decode_batch(batch: int, ok: dict) -> dict:
             ms = graph_ms([lambda i=i: call(i % nsets, pool) for i in range(16)])
             res["variants"][_dlabel(*var) if var else "default"] = {
                 "warps": w, "prefetch": pf, "rows": (var or (0, 0, None))[2], "bulk": (var or (0, 0, 0, None))[3],
-                "stream": None if var is None else var[4],
                 "us": ms * 1e3, "tbps": res["state_bytes"] / (ms * 1e-3) / 1e12,
                 "err": max(rel_err(o_t, o_ref), rel_err(st, s_ref)),
                 "bitwise_vs_w4": None if base is None else bool(torch.equal(o_t, base[0]) and torch.equal(st, base[1]))}
@@ -536,7 +524,7 @@ def report(result: dict) -> None:
               f"heur {r['heuristic_nw']} best {r.get('best_nw')} | err {r.get('err_prefix', float('nan')):.1e} "
               f"dBase {r.get('rel_default_vs_baseline_out', float('nan')):.1e} bitwise {bw}")
     print("decode us/call (graph) / TB/s of state: wN = warps per CTA, r2 = 2 rows per lane, pf = prefetch loop, "
-          "b = bulk-copy staging, sWxS = streaming W warps x S stages, ! = not bitwise equal to w4")
+          "b = bulk-copy staging, ! = not bitwise equal to w4")
     for d in result["decode"] or []:
         if "error" in d:
             print(f"   B{d['B']}: ERROR {d['error']}")

@@ -222,7 +222,7 @@ _ARRAYS = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "num_accepted_tokens
            "state_indices", "output")
 _RECIPES = lc.new_cache()
 _launcher = None  # decode_kernels, once loaded (its tuning knobs are part of the key)
-_KNOBS = ("VFIRST_WARPS", "VFIRST_PREFETCH", "VFIRST_ROWS", "VFIRST_BULK", "VFIRST_STREAM", "VFIRST_STREAM_SHAPE")
+_KNOBS = ("VFIRST_WARPS", "VFIRST_PREFETCH", "VFIRST_ROWS", "VFIRST_BULK")
 
 
 def _launcher_knobs() -> tuple:

@@ -30,12 +30,6 @@ VFIRST_SPECS = {
     for dt, ctype in _STATE_CTYPE.items()
     for rows in (4, 2)
 }
-#: state dtype -> the V-first streaming variant (sm_90: one token per sequence, warps that
-#: each pipeline 16-row units through a ring of bulk-copied stages).
-VFIRST_STREAM_SPECS = {
-    dt: register(_SOURCE, f"kda_decode::kda_decode_vfirst_stream_kernel<{ctype}>", min_sm=90)
-    for dt, ctype in _STATE_CTYPE.items()
-}
 #: (state dtype, state_v_first) -> the default registered variant of that layout.
 SPECS = {
     **{(dt, True): VFIRST_SPECS[(dt, 4)] for dt in _STATE_CTYPE},
@@ -55,12 +49,6 @@ VFIRST_PREFETCH = None
 VFIRST_ROWS = None
 #: Override of the V-first bulk-copy staging (sm_90+, whole slices) for tuning; None = heuristic.
 VFIRST_BULK = None
-#: Streaming V-first kernel for single-token decode on sm_90: True / False for tuning;
-#: None = heuristic (``vfirst_stream``).
-VFIRST_STREAM = None
-#: Streaming kernel shape override ``(warps per CTA, stages per warp)``; None = heuristic.
-VFIRST_STREAM_SHAPE = None
-STREAM_UNIT_ROWS = 16  # state rows per streaming work unit (one warp, 4 rows per lane)
 _REGS_PER_THREAD = {4: 128, 2: 96}  # __maxnreg__ of the V-first kernel
 _SMEM_PER_SM = 228 * 1024  # sm_90: per SM, 1 KB of it reserved per CTA
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).
@@ -138,32 +126,6 @@ def vfirst_prefetch(units: int, resident: int) -> bool:
     if VFIRST_PREFETCH is not None:
         return bool(VFIRST_PREFETCH)
     return False
-
-
-def vfirst_stream(T: int, V: int, varlen: bool, idx_cols: int) -> bool:
-    """Use the streaming V-first kernel: sm_90+, dense single-token decode with state_indices
-    absent or ``[N]``, V a multiple of 16 rows."""
-    if T != 1 or varlen or idx_cols > 0 or V % STREAM_UNIT_ROWS or _cc_major() < 9:
-        return False
-    return True if VFIRST_STREAM is None else bool(VFIRST_STREAM)
-
-
-def stream_shape(units: int, state_dtype) -> tuple:
-    """``(threads, grid, stages, smem bytes)`` of a streaming launch over ``units`` 16-row units:
-    4-warp CTAs, stages of 16 rows (8 KB fp32, 4 KB bf16) per warp so that two CTAs fill an
-    SM's shared memory, one CTA per 4 units at most."""
-    elem = np.dtype(state_dtype).itemsize
-    stage = STREAM_UNIT_ROWS * K_DIM * elem
-    if VFIRST_STREAM_SHAPE is not None:
-        warps, stages = (int(x) for x in VFIRST_STREAM_SHAPE)
-    else:
-        warps, stages = 4, (3 if elem == 4 else 6)
-    if not (1 <= warps <= 8 and 1 <= stages <= 8):
-        raise ValueError(f"streaming shape (warps, stages) must be in 1..8, got {(warps, stages)}")
-    smem = warps * stages * stage
-    per_sm = max(1, min(32, 2048 // (32 * warps), _SMEM_PER_SM // (smem + 1024 + 1024)))
-    grid = max(1, min(-(-units // warps), per_sm * _sm_count()))
-    return 32 * warps, grid, stages, smem
 
 
 def launch_shape(n_heads: int, V: int, T: int, state_dtype, v_first: bool) -> tuple:
@@ -342,20 +304,12 @@ def run_decode(*, q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accep
     if T > _INT32_MAX or V * K * HV > _INT32_MAX:
         raise ValueError(f"too many tokens or state elements per slot: T = {T}, HV*V*K = {HV * V * K}")
 
-    streaming = state_v_first and vfirst_stream(T, V, varlen, idx_cols)
-    if streaming:
-        n_splits = V // STREAM_UNIT_ROWS
-        threads, grid, tc, smem = stream_shape(N * HV * n_splits, state_dtype)
-        spec = VFIRST_STREAM_SPECS[np.dtype(state_dtype)]
-    else:
-        threads, vs, n_splits, grid, tc, smem, prefetch = launch_shape(N * HV, V, T, state_dtype, state_v_first)
-        if prefetch:
-            flags |= F_PREFETCH
-        rows = vfirst_rows() if state_v_first else 0
-        if state_v_first and vfirst_bulk(V, vs, prefetch):
-            flags |= F_BULK
-        spec = (VFIRST_SPECS[(np.dtype(state_dtype), rows)] if state_v_first
-                else SPECS[(np.dtype(state_dtype), False)])
+    threads, vs, n_splits, grid, tc, smem, prefetch = launch_shape(N * HV, V, T, state_dtype, state_v_first)
+    if prefetch:
+        flags |= F_PREFETCH
+    rows = vfirst_rows() if state_v_first else 0
+    if state_v_first and vfirst_bulk(V, vs, prefetch):
+        flags |= F_BULK
 
     null = np.uintp(0)
     qs, ks, vst, ast, bst = (_strides3(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (a, "a"), (b, "b")))
@@ -375,5 +329,6 @@ def run_decode(*, q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accep
         np.int32(flags), np.int32(dtypes), np.float32(scale), np.float32(lower_bound),
         np.int32(n_splits), np.int32(tc),
     )
+    spec = VFIRST_SPECS[(np.dtype(state_dtype), rows)] if state_v_first else SPECS[(np.dtype(state_dtype), False)]
     kernel = get_kernel(spec)
     _launch(kernel, grid, threads, args, smem, stream)

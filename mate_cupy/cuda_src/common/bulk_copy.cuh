@@ -34,13 +34,6 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, unsigned
 #endif
 }
 
-// Arrive on `bar` without bytes (completes its phase when it expects one arrival).
-__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-#endif
-}
-
 // Wait until phase `parity` of `bar` completes (the bulk bytes are then visible).
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
