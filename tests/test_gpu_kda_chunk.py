@@ -656,7 +656,8 @@ def kda_emulator(tmp_path_factory):
     (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem = emu::dyn_smem();"))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if os.environ.get("MATE_CUPY_EMU_SANITIZE") else ["-O2"]
     exe = d / "driver"
-    cmd = ["g++", "-std=c++20", *flags, f"-I{emu}", f"-I{d}", *(f"-I{i}" for i in cuda_include_dirs()),
+    cmd = ["g++", "-std=c++20", *flags, f"-I{emu}", f"-I{emu.parent / 'cuda_emu'}", f"-I{d}",
+           *(f"-I{i}" for i in cuda_include_dirs()),
            str(emu / "driver.cpp"), "-o", str(exe), "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]

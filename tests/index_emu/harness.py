@@ -55,7 +55,7 @@ def build(tmp_dir: Path, sanitize: bool | None = None) -> Path:
     (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in kernel_names()))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if sanitize else ["-O2"]
     exe = tmp_dir / "index_driver"
-    cmd = ["g++", "-std=c++20", *flags, "-w", f"-I{HERE}", f"-I{tmp_dir}",
+    cmd = ["g++", "-std=c++20", *flags, "-w", f"-I{HERE}", f"-I{HERE.parent / 'cuda_emu'}", f"-I{tmp_dir}",
            *(f"-I{i}" for i in cuda_include_dirs()), str(HERE / "driver.cpp"), "-o", str(exe), "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

@@ -1,6 +1,6 @@
 // Host driver: runs the kda_chunk kernels in the emulator the way run_chunk launches them.
 // Usage: driver DIR (DIR/params.txt and raw input arrays in, out.bin/ht.bin/ws.bin out).
-#include "emu_cuda.h"
+#include "emu_kda.h"
 #include "kda_chunk_emu.inc"
 #include <fstream>
 #include <string>
