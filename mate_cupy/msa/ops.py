@@ -27,6 +27,17 @@ def _nothing_requested(fn: str):
     return NoOutputRequestedError(f"{fn} requires output_o=True or output_maxscore=True")
 
 
+def _pure_plan(fn: str, plan_info, mode: str):
+    """The unpacked ``plan_info`` of a single (not mixed) plan of ``mode``, else ValueError."""
+    info = unpack_plan_info(plan_info)
+    mixed, _, _, plan, extra = info
+    if mixed or extra is not None:
+        raise ValueError(f"{fn} expects a pure {mode.replace('_', '-')} plan")
+    if plan.mode != mode:
+        raise ValueError(f"{fn} expects plan.mode == {mode!r}, got {plan.mode!r}")
+    return info
+
+
 def _unexpected(fn: str, kwargs: dict) -> None:
     if kwargs:
         raise TypeError(f"{fn} got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
@@ -130,12 +141,7 @@ def sparse_msa(*args, **kwargs):
         raise _nothing_requested("sparse_msa")
     if output_o and kv_block_indexes is None:
         raise ValueError("sparse_msa requires kv_block_indexes")
-    info = unpack_plan_info(plan_info)
-    mixed, _, _, plan, extra = info
-    if mixed or extra is not None:
-        raise ValueError("sparse_msa expects a pure sparse-prefill plan")
-    if plan.mode != "sparse_prefill":
-        raise ValueError(f"sparse_msa expects plan.mode == 'sparse_prefill', got {plan.mode!r}")
+    info = _pure_plan("sparse_msa", plan_info, "sparse_prefill")
     out, _, ms = run_plan(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
                           q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
                           sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, runtime_metadata=runtime_metadata,
@@ -172,12 +178,7 @@ def sparse_decode_atten_func(*args, **kwargs):
     _unexpected("sparse_decode_atten_func", kwargs)
     if not output_o and not output_maxscore:
         raise _nothing_requested("sparse_decode_atten_func")
-    info = unpack_plan_info(plan_info)
-    mixed, _, _, plan, extra = info
-    if mixed or extra is not None:
-        raise ValueError("sparse_decode_atten_func expects a pure sparse-decode plan")
-    if plan.mode != "sparse_decode":
-        raise ValueError(f"sparse_decode_atten_func expects plan.mode == 'sparse_decode', got {plan.mode!r}")
+    info = _pure_plan("sparse_decode_atten_func", plan_info, "sparse_decode")
     out, lse_out, ms = run_plan(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
                                 q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
                                 page_table=page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
