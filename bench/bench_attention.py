@@ -8,6 +8,7 @@ All bf16, D = 128; sparse rows at MiniMax-M3's shapes (Hq 64, Hkv 4, 16 blocks o
 from __future__ import annotations
 
 import math
+import os
 
 from . import ours
 from .checks import attention_rows, rel_err, sample_rows
@@ -15,6 +16,8 @@ from .harness import Bound, Case, Impl, sized
 from .models import BLOCK, attention_flops, kv_bytes, sparse_attention_flops
 from .peers import flex_build, sdpa_build, tile_block_mask, token_block_mask
 from .report import Target
+
+SPARSE_TILE_ENV = "MATE_CUPY_ATTN_SPARSE_TILE"  # the block-sparse prefill tile, read at every call
 
 D = 128
 
@@ -256,6 +259,24 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
 
         return Bound(run)
 
+    def gather_build(inputs):
+        """Per-token lists: the caller picks the gather tile (MATE_CUPY_ATTN_SPARSE_TILE=gather,
+        read at every call; part of the replayed-launch key)."""
+        bound = ours_build(inputs)
+
+        def run(i):
+            old = os.environ.get(SPARSE_TILE_ENV)
+            os.environ[SPARSE_TILE_ENV] = "gather"
+            try:
+                return bound.run(i)
+            finally:
+                if old is None:
+                    os.environ.pop(SPARSE_TILE_ENV, None)
+                else:
+                    os.environ[SPARSE_TILE_ENV] = old
+
+        return Bound(run)
+
     if per_token:
         mask = lambda x: token_block_mask(x["kv_block_indexes"], hq, n_blocks)  # noqa: E731
     else:
@@ -301,7 +322,8 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
         op="msa sparse prefill",
         name=f"S{s} Hq{hq} Hkv{hkv} top{topk} " + ("per-token blocks" if per_token else "tile-shared blocks"),
         make_inputs=make_inputs, set_bytes=2.0 * s * hq * D + 4.0 * s * hkv * D,
-        impls=[Impl("mate_cupy", "ours", ours_build)] + ([flex] if flex is not None else []),
+        impls=([Impl("mate_cupy", "ours", gather_build), Impl("mate_cupy.query_tile", "peer", ours_build)]
+               if per_token else [Impl("mate_cupy", "ours", ours_build)]) + ([flex] if flex is not None else []),
         metric="tflops", flops=None, baseline="flex" if flex is not None else None, target=target,
         check=_checker(ref, "fp32 reference on sampled query rows"), tol=2e-2,
         params=dict(S=s, Hq=hq, Hkv=hkv, D=D, topk=topk, block=BLOCK, per_token=per_token, causal=True,

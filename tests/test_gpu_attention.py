@@ -684,6 +684,69 @@ def test_sparse_prefill_tiles_shared_blocks(rng, tile):
     _check(out, lse, _sparse_ref(p, sel), BF16, f"{tile} sparse tile-shared lists")
 
 
+def _spy_gather(monkeypatch):
+    """Count the calls that take the gather kernels."""
+    from mate_cupy.msa import gather_kernels as gk
+
+    calls = []
+    real = gk.run_gather
+    monkeypatch.setattr(gk, "run_gather", lambda **kw: (calls.append(1), real(**kw)))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["table", "csr"])
+@pytest.mark.parametrize("layout,dtype", [("NHD", BF16), ("HND", F16)])
+def test_sparse_prefill_gather_per_token_lists(rng, monkeypatch, source, layout, dtype):
+    """The gather tile (block-stationary kernels) on per-token lists: a varlen batch with an
+    empty request, a single token and lengths off the 128 blocks (kv longer than q: query
+    offsets), ids that are -1, past the request, far out of range, negative or repeated."""
+    p = make_problem(rng, [300, 0, 1, 70, 1100], [1200, 50, 129, 70, 1500], 64, 4, 128, dtype=dtype,
+                     page_size=128, layout=layout)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    sel[::7, :, 1] = sel[::7, :, 0]  # a block listed twice is attended once
+    calls = _spy_gather(monkeypatch)
+    out, lse = _run(p, source=source, sel=sel, tile="gather")
+    assert calls, "the gather kernels did not run"
+    _check(out, lse, _sparse_ref(p, sel), dtype, f"gather {source} {layout}")
+
+
+@pytest.mark.gpu
+def test_sparse_prefill_gather_non_causal_and_wide_lists(rng, monkeypatch):
+    p = make_problem(rng, [2100], [2300], 32, 2, 128, page_size=128)
+    sel = random_selection(rng, p, 24)
+    calls = _spy_gather(monkeypatch)
+    out, lse = _run(p, source="table", sel=sel, tile="gather", causal=False)
+    assert calls
+    _check(out, lse, _sparse_ref(p, sel, causal=False), BF16, "gather non-causal, 24-wide lists")
+
+
+@pytest.mark.gpu
+def test_sparse_prefill_gather_falls_back_where_it_does_not_apply(rng, monkeypatch):
+    p = make_problem(rng, [200, 70], [900, 70], 32, 4, 128, page_size=128)  # 8 query heads per KV head
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    calls = _spy_gather(monkeypatch)
+    out, lse = _run(p, source="table", sel=sel, tile="gather")
+    assert not calls
+    _check(out, lse, _sparse_ref(p, sel), BF16, "gather fallback r8")
+
+
+def test_gather_applies_and_workspace_layout():
+    from mate_cupy.msa import gather_kernels as gk
+
+    base = dict(cc=90, dtype_code=1, head_dim=128, group=16, page_size=128, sparse_decode=False, batch=1,
+                max_seqlen_q=32768, max_seqlen_k=32768, num_heads_kv=4, total_q=32768, width=16)
+    assert gk.applies(**base)
+    for change in (dict(cc=80), dict(dtype_code=2), dict(head_dim=64), dict(group=8), dict(sparse_decode=True),
+                   dict(batch=4096, max_seqlen_k=1 << 20)):
+        assert not gk.applies(**{**base, **change}), change
+    lay = gk.workspace_layout(100, 4, 16, 77, 6400, 200)
+    ends = sorted((off, off + size) for name, (off, size) in ((n, x) for n, x in lay.items() if n != "total"))
+    assert all(off % 256 == 0 for off, _ in ends)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])) and ends[-1][1] <= lay["total"]
+    assert lay["part_o"][1] == 100 * 4 * 16 * 16 * 128 * 2
+
+
 @pytest.mark.gpu
 def test_sparse_fp8_256_row_tile(rng):
     p = make_problem(rng, [200, 40], [700, 40], 16, 1, 128, dtype=FP8, page_size=128)

@@ -22,14 +22,21 @@ constexpr int kD = 128, kBN = 128, kGroup = 16, kSlots = 16;
 #ifndef BG_WGS
 #define BG_WGS 2
 #endif
+#ifndef BG_QBUF
+#define BG_QBUF 2
+#endif
+#ifndef BG_MINB
+#define BG_MINB 1
+#endif
 constexpr int kWGs = BG_WGS, kThreads = 128 * kWGs;  // warpgroups per CTA, each its own 4-query groups
+constexpr int kQBuf = BG_QBUF;  // Q tiles per warpgroup: 2 = the next group gathered while this one computes
 constexpr int kTileBytes = kBN * kD * 2;  // 32 KB: K or V of one block
 constexpr int kQBytes = 64 * kD * 2;      // 16 KB: one 64-row Q tile
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
+extern "C" __global__ void __launch_bounds__(kThreads, BG_MINB)
     block_gather_attn(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                       const int* __restrict__ kv_indices, const int* __restrict__ cta_info,
                       const int* __restrict__ pair_q, const int* __restrict__ pair_slot, half_t* __restrict__ part_o,
@@ -38,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
-    unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
+    unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][kQBuf][kQBytes]
     const int c = blockIdx.x;
     if (c >= n_ctas) return;
     const int kvh = cta_info[4 * c], blk = cta_info[4 * c + 1], begin = cta_info[4 * c + 2], end = cta_info[4 * c + 3];
@@ -59,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const int n_grp = (end - begin + 3) >> 2;
     auto load_q = [&](int grp, int buf) {
         if (grp < n_grp) {
-            unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes;
+            unsigned char* dst = sQ + (wg * kQBuf + buf) * kQBytes;
             for (int i = wtid; i < 64 * 16; i += 128) {
                 const int r = i >> 4, ch = i & 15;
                 const int pi = begin + 4 * grp + (r >> 4);
@@ -71,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         }
         cp_async_commit();
     };
-    load_q(wg, 0);
+    if (kQBuf == 2) load_q(wg, 0);
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();
@@ -79,13 +86,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
     const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
     int buf = 0;
-    for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // buf ^ 1 is free
-        load_q(grp + kWGs, buf ^ 1);
-        cp_async_wait<1>();
+    for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= (kQBuf - 1)) {
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
+        if (kQBuf == 2) {
+            load_q(grp + kWGs, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            load_q(grp, 0);
+            cp_async_wait<0>();
+        }
         fence_proxy_async_smem();
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-        const u64 q_desc = wg_desc(smem_u32(sQ + (wg * 2 + buf) * kQBytes), 16, 1024);
+        const u64 q_desc = wg_desc(smem_u32(sQ + (wg * kQBuf + buf) * kQBytes), 16, 1024);
         float S[16][4];
         wg_fence();
 #pragma unroll
@@ -162,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         // adjacent in part_o.
         const int slot = pair_slot[pi];
         const long long base = (((long long)qi * Hkv + kvh) * kSlots + slot) * kGroup;
-        unsigned char* const qbuf = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
+        unsigned char* const qbuf = sQ + (wg * kQBuf + buf) * kQBytes + w * 2048;
         auto stg_row = [&](int r) { return qbuf + (r >> 3) * (64 * 128) + (r & 7) * 256; };
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

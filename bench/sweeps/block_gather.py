@@ -60,9 +60,11 @@ def main() -> None:
     ap.add_argument("outdir")
     ap.add_argument("--s", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--cap", type=int, default=64)
+    ap.add_argument("--cap", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--wgs", type=int, default=2, help="warpgroups per CTA")
+    ap.add_argument("--wgs", type=int, default=3, help="warpgroups per CTA")
+    ap.add_argument("--qbuf", type=int, default=2, help="Q tiles per warpgroup (2: double-buffered gather)")
+    ap.add_argument("--minb", type=int, default=1, help="__launch_bounds__ min blocks per SM")
     args = ap.parse_args()
     import cupy as cp
     import numpy as np
@@ -87,10 +89,11 @@ def main() -> None:
     host_s = time.perf_counter() - t0
 
     src = (Path(__file__).with_suffix(".cu")).read_text()
-    opts = tuple(compile_options("sm_90a")) + (f"-I{SRC_DIR}", f"-DBG_WGS={args.wgs}")
+    opts = tuple(compile_options("sm_90a")) + (f"-I{SRC_DIR}", f"-DBG_WGS={args.wgs}", f"-DBG_QBUF={args.qbuf}",
+                                                 f"-DBG_MINB={args.minb}")
     mod = cp.RawModule(code=src, options=opts)
     attn, merge = mod.get_function("block_gather_attn"), mod.get_function("block_gather_merge")
-    smem = 2 * BLOCK * D * 2 + args.wgs * 2 * 64 * D * 2 + 1024
+    smem = 2 * BLOCK * D * 2 + args.wgs * args.qbuf * 64 * D * 2 + 1024
     attn.max_dynamic_shared_size_bytes = smem
 
     C = lambda t: cp.from_dlpack(t)  # noqa: E731
@@ -129,7 +132,7 @@ def main() -> None:
         return statistics.median(ts)
 
     res = {"S": S, "Hq": HQ, "Hkv": HKV, "D": D, "topk": TOPK, "pairs": pairs, "ctas": n_ctas,
-           "chunk": args.chunk, "cap": args.cap, "wgs": args.wgs, "host_list_build_s": round(host_s, 3),
+           "chunk": args.chunk, "cap": args.cap, "wgs": args.wgs, "qbuf": args.qbuf, "minb": args.minb, "host_list_build_s": round(host_s, 3),
            "workspace_bytes": int(part_o.nbytes + part_lse.nbytes)}
     res["attn_ms"] = timed(run_attn)
     res["merge_ms"] = timed(run_merge)

@@ -21,6 +21,9 @@ The prefill tile can be chosen per call (``run_attention(prefill_tile=...)``) or
 process through ``MATE_CUPY_ATTN_PREFILL_TILE`` (dense/paged) and
 ``MATE_CUPY_ATTN_SPARSE_TILE`` (block-sparse prefill), read at every call; a tile
 that does not apply to the call (head dim, dtype, GPU) falls back to the default.
+Block-sparse prefill also takes ``"gather"``: the block-stationary kernels of
+``cuda_src/attention_gather.cu`` (:mod:`mate_cupy.msa.gather_kernels`), for block lists
+chosen per query token.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from .._device import device_info
 from .._interop import BFLOAT16, FLOAT16, FLOAT32, INT32
 from .._launch_cache import launch, note_const
 from ..jit import get_kernel, register
+from . import gather_kernels
 
 SOURCE = "attention_fwd.cu"
 KERNELS = ("msa_attention_fwd_kernel", "msa_attention_merge_kernel")
@@ -517,6 +521,20 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
     if prefill_tile is None:
         prefill_tile = os.environ.get(ENV_SPARSE_TILE if sparse else ENV_PREFILL_TILE) or None
     num_sms, cc = _device_info()
+    if prefill_tile == gather_kernels.GATHER_TILE:
+        if sparse and gather_kernels.applies(
+                cc=cc, dtype_code=code, head_dim=d, group=group, page_size=0 if dense else int(page_size),
+                sparse_decode=bool(sparse_decode), batch=batch, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max(1, max_seqlen_k), num_heads_kv=hkv, total_q=total_q, width=width):
+            gather_kernels.run_gather(
+                q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, qo_lens=qo_lens, kv_lens=kv_lens,
+                qo_offset=qo_offset, page_list=page_list, page_indptr=page_indptr, page_list_len=page_list_len,
+                kv_block_indexes=kv_block_indexes, q_strides=qs, k_strides=k_strides, v_strides=v_strides,
+                out_strides=os_, kv_extent=kv_extent, num_heads_kv=hkv, batch=batch, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max(1, max_seqlen_k), causal=causal, scale_log2=scale_log2, dtype_code=code,
+                stream=cupy.cuda.get_current_stream() if stream is None else stream)
+            return
+        prefill_tile = None  # (the gather tile does not apply: the default one runs)
     geo = launch_geometry(batch=batch, num_heads_kv=hkv, group=group, head_dim=d, dtype_code=code,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max(1, max_seqlen_k), sparse=sparse,
                           sparse_decode=bool(sparse_decode), list_width=width,

@@ -1,0 +1,400 @@
+// Block-sparse prefill decomposed per key block ("block-stationary", docs/attention.md),
+// for block lists chosen per query token: instead of a query tile walking the union of its
+// queries' blocks, every (request, query window, KV head, block) key gathers the queries
+// that listed the block. Five launches, all sizes bounded on the host, nothing read back:
+//
+//   msa_gather_count_kernel    valid (query, slot) entries per key (atomics)
+//   msa_gather_scan_kernel     one CTA: pair offsets per key, work items of <= kCap queries
+//                              per key (item -> key, pair range), the item count; zeroes
+//                              the counts for the next call
+//   msa_gather_scatter_kernel  the pairs (token, slot) of each key
+//   msa_gather_attn_kernel     per item: K/V of the block loaded once; each warpgroup takes
+//                              groups of 4 queries (64 rows = 4 x 16 heads), gathers their Q
+//                              rows, S = Q K^T, a one-block softmax, O = P V (wgmma), and
+//                              writes O / l (fp16) and the log2 lse to the pair's slot
+//   msa_gather_merge_kernel    per (query, KV head): the valid slots combined by their lse
+//
+// An entry (query i of request r, KV head, slot j) is valid when its block id s is in range
+// (0 <= s < the request's block count, its page valid), not a repeat of an earlier slot of
+// the same list, and s * 128 < the query's causal key limit: the blocks the query-tile
+// kernel (attention_fwd.cu) attends for that query. Group 16 (16 query heads per KV head),
+// D 128, page size 128 (a block is a page), fp16/bf16, sm_90a.
+#include "common/dtype.cuh"
+#include "common/mma.cuh"
+#include "common/softmax.cuh"
+#include "common/attention_wgmma.cuh"
+#include "common/kv_pages.cuh"
+
+using namespace mate;
+using namespace mate::attn;
+
+#ifndef GATHER_DTYPE
+#define GATHER_DTYPE 1
+#endif
+
+namespace gather {
+
+template <int C> struct ElemOf { typedef bf16_t type; };
+template <> struct ElemOf<0> { typedef half_t type; };
+typedef ElemOf<GATHER_DTYPE>::type Elem;
+constexpr int kD = 128, kBN = 128, kGroup = 16;
+constexpr int kWin = 1024;  // queries per window: a key's queries (and their Q rows) stay close
+constexpr int kCap = 256;   // queries per work item
+constexpr int kWGs = 3, kThreads = 128 * kWGs;
+constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
+constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
+typedef ColumnBlockTile<kBN> KvTile;
+typedef ColumnBlockTile<64> QTile;
+
+// Request r's geometry, clamped to the arrays as attention_fwd.cu clamps it.
+struct Req {
+    int q_start, Lq, Lk, nb;  // nb: blocks an entry may name
+    long long qoff;
+    PageList pages;
+};
+
+__device__ __forceinline__ Req request_of(int r, const int* cu_seqlens_q, const int* qo_lens, const int* kv_lens,
+                                          const int* qo_offset, const int* page_list, const int* page_indptr,
+                                          int page_list_len, int total_q, int nb_max) {
+    Req q;
+    q.q_start = cu_seqlens_q[r];
+    const int lq = qo_lens[r];
+    q.Lq = (q.q_start < 0 || q.q_start > total_q) ? 0 : max(0, min(lq, total_q - q.q_start));
+    q.Lk = max(kv_lens[r], 0);
+    q.qoff = qo_offset[r];
+    q.pages = PageList::of_request(page_list, page_indptr, page_list_len, r);
+    q.nb = min(min((q.Lk + kBN - 1) / kBN, q.pages.count), nb_max);
+    return q;
+}
+
+// Keys query i of the request attends: [0, limit).
+__device__ __forceinline__ int key_limit(const Req& q, int i, int causal) {
+    if (!causal) return q.Lk;
+    return (int)max(0LL, min((long long)q.Lk, q.qoff + i + 1));
+}
+
+// Block id of slot j of (token t, KV head) when the entry is valid, else -1.
+__device__ __forceinline__ int valid_block(const Req& q, const int* lists, long long row, int j, int i, int causal,
+                                           int kv_extent) {
+    const int s = lists[row + j];
+    if (s < 0 || s >= q.nb || (long long)s * kBN >= key_limit(q, i, causal) || q.pages.page(s, kv_extent) < 0)
+        return -1;
+    for (int x = 0; x < j; ++x)
+        if (lists[row + x] == s) return -1;  // listed twice: attended once
+    return s;
+}
+
+__device__ __forceinline__ long long key_of(int r, int i, int kvh, int s, int wins, int hkv, int nb_max) {
+    return (((long long)r * wins + i / kWin) * hkv + kvh) * nb_max + s;
+}
+
+#define GATHER_GEOMETRY_ARGS                                                                                  \
+    const int *__restrict__ block_lists, const int *__restrict__ cu_seqlens_q, const int *__restrict__ qo_lens, \
+        const int *__restrict__ kv_lens, const int *__restrict__ qo_offset, const int *__restrict__ page_list,  \
+        const int *__restrict__ page_indptr, int page_list_len, int kv_extent, int total_q, int hkv, int width,    \
+        int causal, int max_q, int wins, int nb_max
+
+#define GATHER_REQUEST(r) \
+    request_of(r, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list, page_indptr, page_list_len, total_q, nb_max)
+
+}  // namespace gather
+
+using namespace gather;
+
+// Grid (ceil(max_q * hkv * width / 256), B): one thread per entry of request blockIdx.y.
+extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER_GEOMETRY_ARGS, int* counts) {
+    const int r = blockIdx.y;
+    const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
+    const Req q = GATHER_REQUEST(r);
+    const int per_q = hkv * width;
+    if (e >= (long long)q.Lq * per_q) return;
+    const int i = (int)(e / per_q), rem = (int)(e - (long long)i * per_q), kvh = rem / width, j = rem - kvh * width;
+    const long long row = ((long long)(q.q_start + i) * hkv + kvh) * width;
+    const int s = valid_block(q, block_lists, row, j, i, causal, kv_extent);
+    if (s >= 0) atomicAdd(&counts[key_of(r, i, kvh, s, wins, hkv, nb_max)], 1);
+}
+
+// One CTA of 1024 threads. counts [n_keys] -> cursors (pair offsets), items [max_items][3]
+// (key, first pair, end pair), n_items[0]; counts are zeroed again. The host bounds hold
+// for well-formed requests (no query in two requests); past them nothing is stored.
+extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* counts, int* cursors, int* items,
+                                                                          int* n_items, int n_keys, int max_items,
+                                                                          int max_pairs) {
+    __shared__ int warp_sum[2][32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int per = (n_keys + 1023) / 1024;
+    const int k0 = min(n_keys, tid * per), k1 = min(n_keys, k0 + per);
+    int pairs = 0, its = 0;
+    for (int k = k0; k < k1; ++k) {
+        pairs += counts[k];
+        its += (counts[k] + kCap - 1) / kCap;
+    }
+    int ip = pairs, ii = its;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int a = __shfl_up_sync(0xffffffffu, ip, off), b = __shfl_up_sync(0xffffffffu, ii, off);
+        if (lane >= off) ip += a, ii += b;
+    }
+    if (lane == 31) warp_sum[0][warp] = ip, warp_sum[1][warp] = ii;
+    __syncthreads();
+    int pb = 0, ib = 0, itot = 0;
+    for (int w = 0; w < 32; ++w) {
+        pb += w < warp ? warp_sum[0][w] : 0;
+        ib += w < warp ? warp_sum[1][w] : 0;
+        itot += warp_sum[1][w];
+    }
+    int p = pb + ip - pairs, it = ib + ii - its;
+    for (int k = k0; k < k1; ++k) {
+        const int c = counts[k];
+        cursors[k] = p;
+        for (int a = 0; a < c && it < max_items; a += kCap, ++it) {  // (pairs past max_pairs: none stored)
+            items[3 * it] = k;
+            items[3 * it + 1] = min(p + a, max_pairs);
+            items[3 * it + 2] = min(p + min(c, a + kCap), max_pairs);
+        }
+        p += c;
+        counts[k] = 0;
+    }
+    if (tid == 0) n_items[0] = min(itot, max_items);
+}
+
+// Same grid as the count kernel: pairs (token, slot) in the key's range (order within a
+// key is not deterministic; each pair's result does not depend on it).
+extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATHER_GEOMETRY_ARGS, int* cursors,
+                                                                            int* pair_tok, int* pair_slot,
+                                                                            int max_pairs) {
+    const int r = blockIdx.y;
+    const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
+    const Req q = GATHER_REQUEST(r);
+    const int per_q = hkv * width;
+    if (e >= (long long)q.Lq * per_q) return;
+    const int i = (int)(e / per_q), rem = (int)(e - (long long)i * per_q), kvh = rem / width, j = rem - kvh * width;
+    const long long row = ((long long)(q.q_start + i) * hkv + kvh) * width;
+    const int s = valid_block(q, block_lists, row, j, i, causal, kv_extent);
+    if (s < 0) return;
+    const int pos = atomicAdd(&cursors[key_of(r, i, kvh, s, wins, hkv, nb_max)], 1);
+    if (pos >= max_pairs) return;
+    pair_tok[pos] = q.q_start + i;
+    pair_slot[pos] = j;
+}
+
+// Grid: max_items CTAs of 384 threads; items past n_items[0] exit. Partials:
+// part_o [total_q, hkv, width, 16, 128] fp16 (O / l), part_lse [total_q, hkv, width, 16]
+// (log2 domain), written for valid entries only.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel(
+    GATHER_GEOMETRY_ARGS, const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
+    long long q_tok_stride, long long q_head_stride, long long k_page_stride, long long k_slot_stride,
+    long long k_head_stride, long long v_page_stride, long long v_slot_stride, long long v_head_stride,
+    const int* __restrict__ items, const int* __restrict__ n_items, const int* __restrict__ pair_tok,
+    const int* __restrict__ pair_slot, half_t* __restrict__ part_o, float* __restrict__ part_lse, float scale_log2) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sK = smem;
+    unsigned char* sV = smem + kTileBytes;
+    unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
+    const int item = blockIdx.x;
+    if (item >= n_items[0]) return;
+    const long long key = items[3 * item];
+    const int begin = items[3 * item + 1], end = items[3 * item + 2];
+    const int s = (int)(key % nb_max);
+    const int kvh = (int)((key / nb_max) % hkv);
+    const int r = (int)(key / ((long long)nb_max * hkv * wins));
+    const Req rq = GATHER_REQUEST(r);
+    const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int page = rq.pages.page(s, kv_extent);  // valid: the entries were checked
+    {
+        const Elem* kb = k + (long long)page * k_page_stride + (long long)kvh * k_head_stride;
+        const Elem* vb = v + (long long)page * v_page_stride + (long long)kvh * v_head_stride;
+        for (int x = tid; x < kBN * 16; x += kThreads) {
+            const int row = x >> 4, ch = x & 15;
+            const bool ok = s * kBN + row < rq.Lk;  // keys past the request: zeros, masked below
+            cp_async_16(sK + KvTile::offset(row, ch), ok ? kb + row * k_slot_stride + ch * 8 : k, ok);
+            cp_async_16(sV + KvTile::offset(row, ch), ok ? vb + row * v_slot_stride + ch * 8 : v, ok);
+        }
+        cp_async_commit();
+    }
+    const int n_grp = (end - begin + 3) >> 2;
+    auto load_q = [&](int grp, int buf) {
+        if (grp < n_grp) {
+            unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes;
+            for (int x = wtid; x < 64 * 16; x += 128) {
+                const int row = x >> 4, ch = x & 15;
+                const int pi = begin + 4 * grp + (row >> 4);
+                const bool ok = pi < end;
+                const Elem* src = q;
+                if (ok)
+                    src = q + (long long)pair_tok[pi] * q_tok_stride +
+                          (long long)(kvh * kGroup + (row & 15)) * q_head_stride + ch * 8;
+                cp_async_16(dst + QTile::offset(row, ch), src, ok);
+            }
+        }
+        cp_async_commit();
+    };
+    load_q(wg, 0);
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();
+
+    const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
+    const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
+    int buf = 0;
+    for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
+        load_q(grp + kWGs, buf ^ 1);
+        cp_async_wait<1>();
+        fence_proxy_async_smem();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+        unsigned char* const qtile = sQ + (wg * 2 + buf) * kQBytes;
+        const u64 q_desc = wg_desc(smem_u32(qtile), 16, 1024);
+        float S[16][4];
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+            const u32 qo = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
+            const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
+            if (ks == 0)
+                WgmmaSS<kBN, Elem>::first(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
+            else
+                WgmmaSS<kBN, Elem>::run(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<64>(&S[0][0]);
+        // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
+        const int pi = begin + 4 * grp + w;
+        const bool live = pi < end;
+        const int tok = live ? pair_tok[pi] : 0;
+        const int lim = live ? max(0, min(kBN, key_limit(rq, tok - rq.q_start, causal) - s * kBN)) : 0;
+        if (lim < kBN) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
+        }
+        // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
+        float m[2], l[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = kNegInf;
+#pragma unroll
+            for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+            mx = quad_max(mx);
+            const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < 16; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
+                    S[n][2 * h + e] = p;
+                    sum += p;
+                }
+            m[h] = mx;
+            l[h] = sum;
+        }
+        u32 pa[8][4];
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            pa[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
+            pa[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
+            pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+            pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+        }
+        float O[16][4];
+#pragma unroll
+        for (int n = 0; n < 16; ++n) O[n][0] = O[n][1] = O[n][2] = O[n][3] = 0.f;
+        wg_fence_regs<64>(&O[0][0]);
+        wg_fence_regs<32>(&pa[0][0]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+            for (int cb = 0; cb < 2; ++cb)
+                WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048), 1);
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs<64>(&O[0][0]);
+        if (!live) continue;  // (warp-uniform: one query per warp)
+        // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
+        // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
+        // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
+        const int slot = pair_slot[pi];
+        const long long base = (((long long)tok * hkv + kvh) * width + slot) * kGroup;
+        unsigned char* const mine = qtile + w * 2048;
+        auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float lt = quad_sum(l[h]);
+            const float inv = lt > 0.f ? 1.f / lt : 0.f;
+            const int row = g + 8 * h;
+#pragma unroll
+            for (int n = 0; n < 16; ++n)
+                *reinterpret_cast<u32*>(stg_row(row) + ((n ^ (row & 7)) << 4) + 4 * t) =
+                    pack2<half_t>(O[n][2 * h] * inv, O[n][2 * h + 1] * inv);
+            if (t == 0) part_lse[base + row] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
+        }
+        __syncwarp();
+        uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+            const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
+            dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
+        }
+    }
+}
+
+// Grid (max_q, hkv, B), 128 threads: (head = tid / 8, 16 columns). out [total_q, Hq, 128]
+// (strided), lse [total_q, Hq] natural log or null; queries with no valid entry get O = 0,
+// lse = -inf.
+extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
+    GATHER_GEOMETRY_ARGS, const half_t* __restrict__ part_o, const float* __restrict__ part_lse, Elem* __restrict__ out,
+    float* __restrict__ lse, long long out_tok_stride, long long out_head_stride) {
+    const int i = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+    const Req q = GATHER_REQUEST(r);
+    if (i >= q.Lq) return;
+    const int tok = q.q_start + i;
+    const int head = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
+    const long long row = ((long long)tok * hkv + kvh) * width;
+    float M = kNegInf;
+    for (int j = 0; j < width; ++j)
+        if (valid_block(q, block_lists, row, j, i, causal, kv_extent) >= 0)
+            M = fmaxf(M, part_lse[(row + j) * kGroup + head]);
+    float acc[16], den = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[e] = 0.f;
+    if (M != kNegInf) {
+        for (int j = 0; j < width; ++j) {
+            if (valid_block(q, block_lists, row, j, i, causal, kv_extent) < 0) continue;
+            const float ls = part_lse[(row + j) * kGroup + head];
+            if (ls == kNegInf) continue;
+            const float wj = fast_exp2(ls - M);
+            den += wj;
+            const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const uint4 vv = src[x];
+                const u32 ws[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[e]));
+                    acc[8 * x + 2 * e] += wj * f.x;
+                    acc[8 * x + 2 * e + 1] += wj * f.y;
+                }
+            }
+        }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    const int qh = kvh * kGroup + head;
+    vec16 pk[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pk[x].w[e] = pack2<Elem>(acc[8 * x + 2 * e] * inv, acc[8 * x + 2 * e + 1] * inv);
+    vec16* dst = reinterpret_cast<vec16*>(out + (long long)tok * out_tok_stride + (long long)qh * out_head_stride + c0);
+    dst[0] = pk[0];
+    dst[1] = pk[1];
+    if (lse != nullptr && (threadIdx.x & 7) == 0)
+        lse[(long long)tok * hkv * kGroup + qh] = den > 0.f ? (M + __log2f(den)) * 0.69314718055994531f : kNegInf;
+}
