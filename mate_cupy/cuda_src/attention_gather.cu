@@ -178,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
     pair_slot[pos] = j;
 }
 
-// Grid: max_items CTAs of 384 threads; items past n_items[0] exit. Partials:
+// Grid: one CTA of 384 threads per SM (at most max_items), looping over the n_items[0]
+// work items. Partials:
 // part_o [total_q, hkv, width, 16, 128] fp16 (O / l), part_lse [total_q, hkv, width, 16]
 // (log2 domain), written for valid entries only.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel(
@@ -192,155 +193,158 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
-    const int item = blockIdx.x;
-    if (item >= n_items[0]) return;
-    const long long key = items[3 * item];
-    const int begin = items[3 * item + 1], end = items[3 * item + 2];
-    const int s = (int)(key % nb_max);
-    const int kvh = (int)((key / nb_max) % hkv);
-    const int r = (int)(key / ((long long)nb_max * hkv * wins));
-    const Req rq = GATHER_REQUEST(r);
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int page = rq.pages.page(s, kv_extent);  // valid: the entries were checked
-    {
-        const Elem* kb = k + (long long)page * k_page_stride + (long long)kvh * k_head_stride;
-        const Elem* vb = v + (long long)page * v_page_stride + (long long)kvh * v_head_stride;
-        for (int x = tid; x < kBN * 16; x += kThreads) {
-            const int row = x >> 4, ch = x & 15;
-            const bool ok = s * kBN + row < rq.Lk;  // keys past the request: zeros, masked below
-            cp_async_16(sK + KvTile::offset(row, ch), ok ? kb + row * k_slot_stride + ch * 8 : k, ok);
-            cp_async_16(sV + KvTile::offset(row, ch), ok ? vb + row * v_slot_stride + ch * 8 : v, ok);
-        }
-        cp_async_commit();
-    }
-    const int n_grp = (end - begin + 3) >> 2;
-    auto load_q = [&](int grp, int buf) {
-        if (grp < n_grp) {
-            unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes;
-            for (int x = wtid; x < 64 * 16; x += 128) {
+    const int total_items = n_items[0];
+    // Persistent CTAs (grid <= items): item = blockIdx.x, + gridDim.x, ...
+    for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
+        __syncthreads();  // the previous item's K/V and Q tiles are consumed
+        const long long key = items[3 * item];
+        const int begin = items[3 * item + 1], end = items[3 * item + 2];
+        const int s = (int)(key % nb_max);
+        const int kvh = (int)((key / nb_max) % hkv);
+        const int r = (int)(key / ((long long)nb_max * hkv * wins));
+        const Req rq = GATHER_REQUEST(r);
+        const int page = rq.pages.page(s, kv_extent);  // valid: the entries were checked
+        {
+            const Elem* kb = k + (long long)page * k_page_stride + (long long)kvh * k_head_stride;
+            const Elem* vb = v + (long long)page * v_page_stride + (long long)kvh * v_head_stride;
+            for (int x = tid; x < kBN * 16; x += kThreads) {
                 const int row = x >> 4, ch = x & 15;
-                const int pi = begin + 4 * grp + (row >> 4);
-                const bool ok = pi < end;
-                const Elem* src = q;
-                if (ok)
-                    src = q + (long long)pair_tok[pi] * q_tok_stride +
-                          (long long)(kvh * kGroup + (row & 15)) * q_head_stride + ch * 8;
-                cp_async_16(dst + QTile::offset(row, ch), src, ok);
+                const bool ok = s * kBN + row < rq.Lk;  // keys past the request: zeros, masked below
+                cp_async_16(sK + KvTile::offset(row, ch), ok ? kb + row * k_slot_stride + ch * 8 : k, ok);
+                cp_async_16(sV + KvTile::offset(row, ch), ok ? vb + row * v_slot_stride + ch * 8 : v, ok);
             }
+            cp_async_commit();
         }
-        cp_async_commit();
-    };
-    load_q(wg, 0);
-    cp_async_wait<0>();
-    fence_proxy_async_smem();
-    __syncthreads();
-
-    const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
-    const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
-    int buf = 0;
-    for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
-        load_q(grp + kWGs, buf ^ 1);
-        cp_async_wait<1>();
-        fence_proxy_async_smem();
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-        unsigned char* const qtile = sQ + (wg * 2 + buf) * kQBytes;
-        const u64 q_desc = wg_desc(smem_u32(qtile), 16, 1024);
-        float S[16][4];
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < kD / 16; ++ks) {
-            const u32 qo = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
-            const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
-            if (ks == 0)
-                WgmmaSS<kBN, Elem>::first(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
-            else
-                WgmmaSS<kBN, Elem>::run(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
-        }
-        wg_commit();
-        wg_wait<0>();
-        wg_fence_regs<64>(&S[0][0]);
-        // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
-        const int pi = begin + 4 * grp + w;
-        const bool live = pi < end;
-        const int tok = live ? pair_tok[pi] : 0;
-        const int lim = live ? max(0, min(kBN, key_limit(rq, tok - rq.q_start, causal) - s * kBN)) : 0;
-        if (lim < kBN) {
-#pragma unroll
-            for (int n = 0; n < 16; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
-        }
-        // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
-        float m[2], l[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = kNegInf;
-#pragma unroll
-            for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
-            mx = quad_max(mx);
-            const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < 16; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
-                    S[n][2 * h + e] = p;
-                    sum += p;
+        const int n_grp = (end - begin + 3) >> 2;
+        auto load_q = [&](int grp, int buf) {
+            if (grp < n_grp) {
+                unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes;
+                for (int x = wtid; x < 64 * 16; x += 128) {
+                    const int row = x >> 4, ch = x & 15;
+                    const int pi = begin + 4 * grp + (row >> 4);
+                    const bool ok = pi < end;
+                    const Elem* src = q;
+                    if (ok)
+                        src = q + (long long)pair_tok[pi] * q_tok_stride +
+                              (long long)(kvh * kGroup + (row & 15)) * q_head_stride + ch * 8;
+                    cp_async_16(dst + QTile::offset(row, ch), src, ok);
                 }
-            m[h] = mx;
-            l[h] = sum;
-        }
-        u32 pa[8][4];
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            pa[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
-            pa[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
-            pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-            pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
-        }
-        float O[16][4];
-#pragma unroll
-        for (int n = 0; n < 16; ++n) O[n][0] = O[n][1] = O[n][2] = O[n][3] = 0.f;
-        wg_fence_regs<64>(&O[0][0]);
-        wg_fence_regs<32>(&pa[0][0]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-            for (int cb = 0; cb < 2; ++cb)
-                WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048), 1);
-        wg_commit();
-        wg_wait<0>();
-        wg_fence_regs<64>(&O[0][0]);
-        if (!live) continue;  // (warp-uniform: one query per warp)
-        // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
-        // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
-        // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
-        const int slot = pair_slot[pi];
-        const long long base = (((long long)tok * hkv + kvh) * width + slot) * kGroup;
-        unsigned char* const mine = qtile + w * 2048;
-        auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float lt = quad_sum(l[h]);
-            const float inv = lt > 0.f ? 1.f / lt : 0.f;
-            const int row = g + 8 * h;
-#pragma unroll
-            for (int n = 0; n < 16; ++n)
-                *reinterpret_cast<u32*>(stg_row(row) + ((n ^ (row & 7)) << 4) + 4 * t) =
-                    pack2<half_t>(O[n][2 * h] * inv, O[n][2 * h + 1] * inv);
-            if (t == 0) part_lse[base + row] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
-        }
-        __syncwarp();
-        uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
-#pragma unroll
-        for (int x = 0; x < 8; ++x) {
-            const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
-            dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
+            }
+            cp_async_commit();
+        };
+        load_q(wg, 0);
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();
+
+        const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
+        const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
+        int buf = 0;
+        for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
+            load_q(grp + kWGs, buf ^ 1);
+            cp_async_wait<1>();
+            fence_proxy_async_smem();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+            unsigned char* const qtile = sQ + (wg * 2 + buf) * kQBytes;
+            const u64 q_desc = wg_desc(smem_u32(qtile), 16, 1024);
+            float S[16][4];
+            wg_fence();
+    #pragma unroll
+            for (int ks = 0; ks < kD / 16; ++ks) {
+                const u32 qo = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
+                const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
+                if (ks == 0)
+                    WgmmaSS<kBN, Elem>::first(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
+                else
+                    WgmmaSS<kBN, Elem>::run(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs<64>(&S[0][0]);
+            // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
+            const int pi = begin + 4 * grp + w;
+            const bool live = pi < end;
+            const int tok = live ? pair_tok[pi] : 0;
+            const int lim = live ? max(0, min(kBN, key_limit(rq, tok - rq.q_start, causal) - s * kBN)) : 0;
+            if (lim < kBN) {
+    #pragma unroll
+                for (int n = 0; n < 16; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
+            }
+            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
+            float m[2], l[2];
+    #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = kNegInf;
+    #pragma unroll
+                for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+                mx = quad_max(mx);
+                const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
+                float sum = 0.f;
+    #pragma unroll
+                for (int n = 0; n < 16; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
+                        S[n][2 * h + e] = p;
+                        sum += p;
+                    }
+                m[h] = mx;
+                l[h] = sum;
+            }
+            u32 pa[8][4];
+    #pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                pa[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
+                pa[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
+                pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+                pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+            }
+            float O[16][4];
+    #pragma unroll
+            for (int n = 0; n < 16; ++n) O[n][0] = O[n][1] = O[n][2] = O[n][3] = 0.f;
+            wg_fence_regs<64>(&O[0][0]);
+            wg_fence_regs<32>(&pa[0][0]);
+            wg_fence();
+    #pragma unroll
+            for (int kk = 0; kk < 8; ++kk)
+    #pragma unroll
+                for (int cb = 0; cb < 2; ++cb)
+                    WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs<64>(&O[0][0]);
+            if (!live) continue;  // (warp-uniform: one query per warp)
+            // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
+            // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
+            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
+            const int slot = pair_slot[pi];
+            const long long base = (((long long)tok * hkv + kvh) * width + slot) * kGroup;
+            unsigned char* const mine = qtile + w * 2048;
+            auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
+    #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float lt = quad_sum(l[h]);
+                const float inv = lt > 0.f ? 1.f / lt : 0.f;
+                const int row = g + 8 * h;
+    #pragma unroll
+                for (int n = 0; n < 16; ++n)
+                    *reinterpret_cast<u32*>(stg_row(row) + ((n ^ (row & 7)) << 4) + 4 * t) =
+                        pack2<half_t>(O[n][2 * h] * inv, O[n][2 * h + 1] * inv);
+                if (t == 0) part_lse[base + row] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
+            }
+            __syncwarp();
+            uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
+    #pragma unroll
+            for (int x = 0; x < 8; ++x) {
+                const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
+                dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
+            }
         }
     }
 }

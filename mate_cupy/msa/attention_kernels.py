@@ -532,7 +532,7 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
                 kv_block_indexes=kv_block_indexes, q_strides=qs, k_strides=k_strides, v_strides=v_strides,
                 out_strides=os_, kv_extent=kv_extent, num_heads_kv=hkv, batch=batch, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max(1, max_seqlen_k), causal=causal, scale_log2=scale_log2, dtype_code=code,
-                stream=cupy.cuda.get_current_stream() if stream is None else stream)
+                num_sms=num_sms, stream=cupy.cuda.get_current_stream() if stream is None else stream)
             return
         prefill_tile = None  # (the gather tile does not apply: the default one runs)
     geo = launch_geometry(batch=batch, num_heads_kv=hkv, group=group, head_dim=d, dtype_code=code,

@@ -100,7 +100,7 @@ def _workspace(nbytes: int):
 def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list, page_indptr,
                page_list_len: int, kv_block_indexes, q_strides, k_strides, v_strides, out_strides,
                kv_extent: int, num_heads_kv: int, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-               causal: bool, scale_log2: float, dtype_code: int, stream) -> None:
+               causal: bool, scale_log2: float, dtype_code: int, num_sms: int, stream) -> None:
     """Launch the five gather kernels (arguments checked by ``run_attention``): q [total_q,
     Hq, 128], k/v paged (page 128; strides (page, slot, head) in elements), out [total_q,
     Hq, 128] with strides ``out_strides``, lse [total_q, Hq] float32 or None,
@@ -139,7 +139,7 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
                                     np.int32(max_pairs)), stream=stream)
     launch(scatter_k, entries, (256,), geo + (cursors, pair_tok, pair_slot, np.int32(max_pairs)), stream=stream)
     i64 = np.int64
-    launch(attn_k, (max_items,), (128 * WGS,),
+    launch(attn_k, (max(1, min(max_items, num_sms)),), (128 * WGS,),  # persistent: one CTA per SM
            geo + (q, k, v, i64(q_strides[0]), i64(q_strides[1]), i64(k_strides[0]), i64(k_strides[1]),
                   i64(k_strides[2]), i64(v_strides[0]), i64(v_strides[1]), i64(v_strides[2]), items, n_items,
                   pair_tok, pair_slot, part_o, part_lse, np.float32(scale_log2)),
