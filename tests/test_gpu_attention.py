@@ -744,7 +744,7 @@ def test_gather_applies_and_workspace_layout():
                 max_seqlen_q=32768, max_seqlen_k=32768, num_heads_kv=4, total_q=32768, width=16)
     assert gk.applies(**base)
     for change in (dict(cc=80), dict(dtype_code=2), dict(head_dim=64), dict(group=8), dict(sparse_decode=True),
-                   dict(batch=4096, max_seqlen_k=1 << 20)):
+                   dict(batch=4096, max_seqlen_k=1 << 20), dict(width=129)):
         assert not gk.applies(**{**base, **change}), change
     lay = gk.workspace_layout(100, 4, 16, 77, 6400, 200)
     ends = sorted((off, off + size) for name, (off, size) in ((n, x) for n, x in lay.items() if n != "total"))

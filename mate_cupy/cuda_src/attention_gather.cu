@@ -40,6 +40,7 @@ typedef ElemOf<GATHER_DTYPE>::type Elem;
 constexpr int kD = 128, kBN = 128, kGroup = 16;
 constexpr int kWin = 1024;  // queries per window: a key's queries (and their Q rows) stay close
 constexpr int kCap = 256;   // queries per work item
+constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
@@ -115,7 +116,8 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER
 }
 
 // One CTA of 1024 threads. counts [n_keys] -> cursors (pair offsets), items [max_items][3]
-// (key, first pair, end pair), n_items[0]; counts are zeroed again. The host bounds hold
+// (key, first pair, end pair), n_items[0] (n_items[1] = 0: the attention kernel's work
+// counter); counts are zeroed again. The host bounds hold
 // for well-formed requests (no query in two requests); past them nothing is stored.
 extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* counts, int* cursors, int* items,
                                                                           int* n_items, int n_keys, int max_items,
@@ -155,7 +157,10 @@ extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* c
         p += c;
         counts[k] = 0;
     }
-    if (tid == 0) n_items[0] = min(itot, max_items);
+    if (tid == 0) {
+        n_items[0] = min(itot, max_items);
+        n_items[1] = 0;  // the attention kernel's work counter
+    }
 }
 
 // Same grid as the count kernel: pairs (token, slot) in the key's range (order within a
@@ -178,16 +183,17 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
     pair_slot[pos] = j;
 }
 
-// Grid: one CTA of 384 threads per SM (at most max_items), looping over the n_items[0]
-// work items. Partials:
+// Grid: one CTA of 384 threads per SM (at most max_items), taking the n_items[0] work
+// items in order. Partials:
 // part_o [total_q, hkv, width, 16, 128] fp16 (O / l), part_lse [total_q, hkv, width, 16]
 // (log2 domain), written for valid entries only.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel(
     GATHER_GEOMETRY_ARGS, const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
     long long q_tok_stride, long long q_head_stride, long long k_page_stride, long long k_slot_stride,
     long long k_head_stride, long long v_page_stride, long long v_slot_stride, long long v_head_stride,
-    const int* __restrict__ items, const int* __restrict__ n_items, const int* __restrict__ pair_tok,
-    const int* __restrict__ pair_slot, half_t* __restrict__ part_o, float* __restrict__ part_lse, float scale_log2) {
+    const int* __restrict__ items, const int* __restrict__ n_items, int* __restrict__ work_counter,
+    const int* __restrict__ pair_tok, const int* __restrict__ pair_slot, half_t* __restrict__ part_o,
+    float* __restrict__ part_lse, float scale_log2) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
     unsigned char* sK = smem;
@@ -195,10 +201,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
+    __shared__ int next_item;
     const int total_items = n_items[0];
-    // Persistent CTAs (grid <= items): item = blockIdx.x, + gridDim.x, ...
-    for (int item = blockIdx.x; item < total_items; item += gridDim.x) {
-        __syncthreads();  // the previous item's K/V and Q tiles are consumed
+    // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan).
+    for (;;) {
+        __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
+        if (tid == 0) next_item = atomicAdd(work_counter, 1);
+        __syncthreads();
+        const int item = next_item;
+        if (item >= total_items) break;
         const long long key = items[3 * item];
         const int begin = items[3 * item + 1], end = items[3 * item + 2];
         const int s = (int)(key % nb_max);
@@ -355,22 +366,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
 extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
     GATHER_GEOMETRY_ARGS, const half_t* __restrict__ part_o, const float* __restrict__ part_lse, Elem* __restrict__ out,
     float* __restrict__ lse, long long out_tok_stride, long long out_head_stride) {
+    __shared__ unsigned char slot_ok[kMaxWidth];
     const int i = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
     const Req q = GATHER_REQUEST(r);
     if (i >= q.Lq) return;
     const int tok = q.q_start + i;
     const int head = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
     const long long row = ((long long)tok * hkv + kvh) * width;
+    for (int j = threadIdx.x; j < width; j += 128)
+        slot_ok[j] = valid_block(q, block_lists, row, j, i, causal, kv_extent) >= 0 ? 1 : 0;
+    __syncthreads();
     float M = kNegInf;
     for (int j = 0; j < width; ++j)
-        if (valid_block(q, block_lists, row, j, i, causal, kv_extent) >= 0)
-            M = fmaxf(M, part_lse[(row + j) * kGroup + head]);
+        if (slot_ok[j]) M = fmaxf(M, part_lse[(row + j) * kGroup + head]);
     float acc[16], den = 0.f;
 #pragma unroll
     for (int e = 0; e < 16; ++e) acc[e] = 0.f;
     if (M != kNegInf) {
         for (int j = 0; j < width; ++j) {
-            if (valid_block(q, block_lists, row, j, i, causal, kv_extent) < 0) continue;
+            if (!slot_ok[j]) continue;
             const float ls = part_lse[(row + j) * kGroup + head];
             if (ls == kNegInf) continue;
             const float wj = fast_exp2(ls - M);

@@ -33,6 +33,7 @@ WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
 ATTN_SMEM = 2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2 + 1024
 MAX_KEYS = 1 << 20  # keys (request x window x KV head x block) one scan CTA handles
+MAX_WIDTH = 128  # list slots per (query, KV head) the merge handles (kMaxWidth)
 _ALIGN = 256
 
 
@@ -42,7 +43,7 @@ def applies(*, cc: int, dtype_code: int, head_dim: int, group: int, page_size: i
     """Whether the gather tile runs this call (else the default tile does)."""
     if cc != 90 or dtype_code not in (0, 1) or head_dim != D or group != GROUP or page_size != BLOCK:
         return False
-    if sparse_decode or batch <= 0 or max_seqlen_q <= 0 or width <= 0:
+    if sparse_decode or batch <= 0 or max_seqlen_q <= 0 or not 0 < width <= MAX_WIDTH:
         return False
     if total_q * num_heads_kv * width >= 2**31:
         return False
@@ -58,7 +59,7 @@ def workspace_layout(total_q: int, num_heads_kv: int, width: int, keys: int, max
     """Byte offsets of the workspace parts (each 256-byte aligned) and the total."""
     parts = (("part_o", total_q * num_heads_kv * width * GROUP * D * 2),
              ("part_lse", total_q * num_heads_kv * width * GROUP * 4),
-             ("cursors", keys * 4), ("items", max_items * 12), ("n_items", 4),
+             ("cursors", keys * 4), ("items", max_items * 12), ("n_items", 8),
              ("pair_tok", max_pairs * 4), ("pair_slot", max_pairs * 4))
     off, lay = 0, {}
     for name, size in parts:
@@ -124,7 +125,8 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
     part_o, part_lse = part("part_o", np.float16), part("part_lse", np.float32)
     cursors, items, n_items = part("cursors", np.int32), part("items", np.int32), part("n_items", np.int32)
     pair_tok, pair_slot = part("pair_tok", np.int32), part("pair_slot", np.int32)
-    note_const(counts, part_o, part_lse, cursors, items, n_items, pair_tok, pair_slot)
+    n_total, work_counter = n_items[:1], n_items[1:]  # item count; the attention kernel's counter
+    note_const(counts, part_o, part_lse, cursors, items, n_items, n_total, work_counter, pair_tok, pair_slot)
 
     null = np.uintp(0)
     geo = (kv_block_indexes, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list,
@@ -141,8 +143,8 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
     i64 = np.int64
     launch(attn_k, (max(1, min(max_items, num_sms)),), (128 * WGS,),  # persistent: one CTA per SM
            geo + (q, k, v, i64(q_strides[0]), i64(q_strides[1]), i64(k_strides[0]), i64(k_strides[1]),
-                  i64(k_strides[2]), i64(v_strides[0]), i64(v_strides[1]), i64(v_strides[2]), items, n_items,
-                  pair_tok, pair_slot, part_o, part_lse, np.float32(scale_log2)),
+                  i64(k_strides[2]), i64(v_strides[0]), i64(v_strides[1]), i64(v_strides[2]), items, n_total,
+                  work_counter, pair_tok, pair_slot, part_o, part_lse, np.float32(scale_log2)),
            shared_mem=ATTN_SMEM, stream=stream)
     launch(merge_k, (max_seqlen_q, hkv, batch), (128,),
            geo + (part_o, part_lse, out, null if lse is None else lse, i64(out_strides[0]), i64(out_strides[1])),
