@@ -5,8 +5,9 @@ The prefill tile ``"gather"`` of block-sparse attention (``run_attention(prefill
 token (MSA's top-k selection), every (request, query window, KV head, block) gathers the
 queries that listed the block, so each K/V block is loaded once per window and every MMA
 row is a query that picked the block; per (query, slot) partial outputs are then merged.
-On lists shared by whole query tiles the default tile is faster (docs/attention.md), and
-the launcher cannot tell the two apart without reading device data: it is opt-in.
+On lists shared by whole query tiles the default tile is expected to be faster (the
+partials' round trip through DRAM alone is most of its time; docs/attention.md), and the
+launcher cannot tell the two apart without reading device data: it is opt-in.
 
 It applies on sm_90 to fp16/bf16, head dim 128, 16 query heads per KV head, page size 128,
 prefill (not ``sparse_decode``); any other call takes the default tile. Workspace (cached
