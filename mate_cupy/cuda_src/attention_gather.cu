@@ -89,11 +89,35 @@ __device__ __forceinline__ long long key_of(int r, int i, int kvh, int s, int wi
     return (((long long)r * wins + i / kWin) * hkv + kvh) * nb_max + s;
 }
 
+// Entry e (thread (blockIdx.x, threadIdx.x) of a 256-thread grid over max_q * hkv * width)
+// of request blockIdx.y: its key (-1 when invalid or past the request), token and slot.
+struct Entry {
+    long long key;
+    int tok, slot;
+};
+
+__device__ __forceinline__ Entry entry_of(const Req& q, const int* lists, int hkv, int width, int causal,
+                                          int kv_extent, int wins, int nb_max) {
+    Entry x{-1, 0, 0};
+    const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
+    const int per_q = hkv * width;
+    if (e >= (long long)q.Lq * per_q) return x;
+    const int i = (int)(e / per_q), rem = (int)(e - (long long)i * per_q), kvh = rem / width, j = rem - kvh * width;
+    x.tok = q.q_start + i;
+    x.slot = j;
+    const int s = valid_block(q, lists, ((long long)x.tok * hkv + kvh) * width, j, i, causal, kv_extent);
+    if (s >= 0) x.key = key_of(blockIdx.y, i, kvh, s, wins, hkv, nb_max);
+    return x;
+}
+
 #define GATHER_GEOMETRY_ARGS                                                                                  \
     const int *__restrict__ block_lists, const int *__restrict__ cu_seqlens_q, const int *__restrict__ qo_lens, \
         const int *__restrict__ kv_lens, const int *__restrict__ qo_offset, const int *__restrict__ page_list,  \
         const int *__restrict__ page_indptr, int page_list_len, int kv_extent, int total_q, int hkv, int width,    \
         int causal, int max_q, int wins, int nb_max
+
+#define GATHER_ENTRY() \
+    entry_of(GATHER_REQUEST(blockIdx.y), block_lists, hkv, width, causal, kv_extent, wins, nb_max)
 
 #define GATHER_REQUEST(r) \
     request_of(r, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list, page_indptr, page_list_len, total_q, nb_max)
@@ -104,15 +128,8 @@ using namespace gather;
 
 // Grid (ceil(max_q * hkv * width / 256), B): one thread per entry of request blockIdx.y.
 extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER_GEOMETRY_ARGS, int* counts) {
-    const int r = blockIdx.y;
-    const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
-    const Req q = GATHER_REQUEST(r);
-    const int per_q = hkv * width;
-    if (e >= (long long)q.Lq * per_q) return;
-    const int i = (int)(e / per_q), rem = (int)(e - (long long)i * per_q), kvh = rem / width, j = rem - kvh * width;
-    const long long row = ((long long)(q.q_start + i) * hkv + kvh) * width;
-    const int s = valid_block(q, block_lists, row, j, i, causal, kv_extent);
-    if (s >= 0) atomicAdd(&counts[key_of(r, i, kvh, s, wins, hkv, nb_max)], 1);
+    const Entry x = GATHER_ENTRY();
+    if (x.key >= 0) atomicAdd(&counts[x.key], 1);
 }
 
 // One CTA of 1024 threads. counts [n_keys] -> cursors (pair offsets), items [max_items][3]
@@ -168,19 +185,12 @@ extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* c
 extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATHER_GEOMETRY_ARGS, int* cursors,
                                                                             int* pair_tok, int* pair_slot,
                                                                             int max_pairs) {
-    const int r = blockIdx.y;
-    const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
-    const Req q = GATHER_REQUEST(r);
-    const int per_q = hkv * width;
-    if (e >= (long long)q.Lq * per_q) return;
-    const int i = (int)(e / per_q), rem = (int)(e - (long long)i * per_q), kvh = rem / width, j = rem - kvh * width;
-    const long long row = ((long long)(q.q_start + i) * hkv + kvh) * width;
-    const int s = valid_block(q, block_lists, row, j, i, causal, kv_extent);
-    if (s < 0) return;
-    const int pos = atomicAdd(&cursors[key_of(r, i, kvh, s, wins, hkv, nb_max)], 1);
+    const Entry x = GATHER_ENTRY();
+    if (x.key < 0) return;
+    const int pos = atomicAdd(&cursors[x.key], 1);
     if (pos >= max_pairs) return;
-    pair_tok[pos] = q.q_start + i;
-    pair_slot[pos] = j;
+    pair_tok[pos] = x.tok;
+    pair_slot[pos] = x.slot;
 }
 
 // Grid: one CTA of 384 threads per SM (at most max_items), taking the n_items[0] work
