@@ -58,6 +58,62 @@ def test_launcher_arguments_match_kernel_signature(kernel, params):
     assert _c_params(kernel) == list(params)
 
 
+def _gather_params(kernel: str) -> list:
+    """Parameter kinds of a kernel of attention_gather.cu (GATHER_GEOMETRY_ARGS expanded)."""
+    text = (SRC.parent / "attention_gather.cu").read_text()
+    geo = re.search(r"#define GATHER_GEOMETRY_ARGS(.*?)\n\n", text, re.S).group(1).replace("\\\n", " ")
+    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", text, re.S)
+    assert m, kernel
+    kinds = []
+    for decl in m.group(1).replace("GATHER_GEOMETRY_ARGS", geo).split(","):
+        decl = " ".join(decl.replace("__restrict__", "").replace("const ", "").split())
+        if "*" in decl:
+            kinds.append("ptr")
+        elif decl.startswith("long long"):
+            kinds.append("i64")
+        elif decl.startswith("int"):
+            kinds.append("i32")
+        elif decl.startswith("float"):
+            kinds.append("f32")
+        else:
+            raise AssertionError(decl)
+    return kinds
+
+
+def test_gather_launcher_arguments_match_kernel_signatures(monkeypatch):
+    """Every launch of run_gather passes each kernel its parameters in order and type."""
+    from mate_cupy.msa import gather_kernels as gk
+
+    launches = []
+    monkeypatch.setattr(gk, "launch", lambda kern, grid, block, args, shared_mem=0, stream=None:
+                        launches.append((kern, grid, block, args, shared_mem)))
+    monkeypatch.setattr(gk, "get_kernel", lambda spec, name: name)
+    monkeypatch.setattr(gk, "_workspace", lambda n: np.empty(n, np.uint8))
+    monkeypatch.setattr(gk, "_counts", lambda keys: np.zeros(keys, np.int32))
+    total_q, hkv, width = 40, 2, 16
+    arr = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    gk.run_gather(q=arr(total_q, 32, 128), k=arr(3, 128, hkv, 128), v=arr(3, 128, hkv, 128),
+                  out=arr(total_q, 32, 128), lse=None, cu_seqlens_q=i32(3), qo_lens=i32(2), kv_lens=i32(2),
+                  qo_offset=i32(2), page_list=np.zeros((2, 3), np.int32), page_indptr=None, page_list_len=3,
+                  kv_block_indexes=np.zeros((total_q, hkv, width), np.int32), q_strides=(4096, 128),
+                  k_strides=(32768, 256, 128), v_strides=(32768, 256, 128), out_strides=(4096, 128), kv_extent=3,
+                  num_heads_kv=hkv, batch=2, max_seqlen_q=30, max_seqlen_k=300, causal=True, scale_log2=0.1,
+                  dtype_code=1, num_sms=132, stream=None)
+    assert [x[0] for x in launches] == list(gk.KERNELS)
+    for kern, grid, block, args, smem in launches:
+        kinds = _gather_params(kern)
+        assert len(args) == len(kinds), kern
+        for a, kind in zip(args, kinds):
+            if kind == "ptr":
+                assert isinstance(a, (np.ndarray, np.uintp)), (kern, type(a))
+            else:
+                assert type(a) is {"i32": np.int32, "i64": np.int64, "f32": np.float32}[kind], (kern, kind, a)
+    attn = launches[3]
+    assert attn[1] == (min(132, attn[1][0]),) and attn[2] == (128 * gk.WGS,) and attn[4] == gk.ATTN_SMEM
+    assert gk.ATTN_SMEM <= ak.SMEM_LIMIT
+
+
 def test_every_variant_fits_shared_memory_and_occupancy():
     for (d, code, kind, kv), spec in ak._SPECS.items():
         cfg = ak.tile_config(kind, d, code)
