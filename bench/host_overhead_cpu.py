@@ -231,13 +231,13 @@ class FakeCuda:
         from mate_cupy import _launch_cache as lc
         from mate_cupy.jit import compiler
         from mate_cupy.kda import chunk_kernels, decode_kernels
-        from mate_cupy.msa import attention_kernels, index_kernels
+        from mate_cupy.msa import attention_kernels, gather_kernels, index_kernels
         from mate_cupy.msa.plan import MsaPlan
 
         lc.register_tensor_type(FakeTensor, 1)
         lc.clear()
         fc = self
-        for mod in (decode_kernels, attention_kernels, index_kernels, chunk_kernels):
+        for mod in (decode_kernels, attention_kernels, gather_kernels, index_kernels, chunk_kernels):
             self._set(mod, "get_kernel", self._kernel)
         for mod in (decode_kernels, index_kernels, chunk_kernels):
             if hasattr(mod, "_sm_count"):
@@ -251,6 +251,7 @@ class FakeCuda:
         self._set(cupy.cuda, "Device", _FakeDevice)
         self._set(cupy.cuda, "get_current_stream", lambda *a: _FakeStream())
         self._set(cupy, "empty", lambda shape, dtype=float, order="C": fc.cupy(shape, dtype))
+        self._set(cupy, "zeros", lambda shape, dtype=float, order="C": fc.cupy(shape, dtype))
         self._set(_interop, "_torch_stream_ptr", lambda device: _FakeStream.ptr)
         self._set(_interop, "external_stream", lambda ptr: _FakeStream())
         self._set(lc, "_current_device", lambda: 0)
@@ -287,13 +288,14 @@ class FakeCuda:
         self._set(MsaPlan, "device_vector", device_vector)
         self._saved_optin = dict(compiler._smem_optin)
         self._saved_ws = {k: list(v) for k, v in attention_kernels._WORKSPACES.items()}
+        self._saved_gather = [{k: list(v) for k, v in c.items()} for c in (gather_kernels._WORK, gather_kernels._COUNTS)]
         del torch
         return self
 
     def __exit__(self, *exc):
         from mate_cupy import _launch_cache as lc
         from mate_cupy.jit import compiler
-        from mate_cupy.msa import attention_kernels
+        from mate_cupy.msa import attention_kernels, gather_kernels
 
         for obj, name, value in reversed(self._undo):
             setattr(obj, name, value)
@@ -303,6 +305,9 @@ class FakeCuda:
         compiler._smem_optin.update(self._saved_optin)
         attention_kernels._WORKSPACES.clear()
         attention_kernels._WORKSPACES.update(self._saved_ws)
+        for cache, saved in zip((gather_kernels._WORK, gather_kernels._COUNTS), self._saved_gather):
+            cache.clear()
+            cache.update(saved)
         return False
 
 

@@ -403,6 +403,30 @@ def test_msa_sparse_decode_split_kv_lse_and_workspace(fc):
     assert any(p.startswith("anon") for p in log[0][4] if isinstance(p, str)), "workspace address"
 
 
+def test_msa_sparse_prefill_gather_tile_replays_its_five_launches(fc, monkeypatch):
+    """The gather tile (MATE_CUPY_ATTN_SPARSE_TILE=gather): count, scan, scatter, attention and
+    merge launches, replayed with the cached workspace and counters at the same addresses."""
+    from mate_cupy.msa import gather_kernels as gk
+
+    monkeypatch.setenv("MATE_CUPY_ATTN_SPARSE_TILE", "gather")
+    S, hq, hkv, topk, d = 512, 64, 4, 16, 128
+    pages = S // 128
+    plan = mc.sparse_msa_plan(np.array([S], np.int32), np.array([S], np.int32), hq, hkv, page_size=128,
+                              kv_block_num=topk, causal=True)
+
+    def make():
+        return dict(q=fc.tensor((S, hq, d), BF16), k=fc.tensor((pages, 128, hkv, d), BF16),
+                    v=fc.tensor((pages, 128, hkv, d), BF16), idx=fc.tensor((pages,), I32),
+                    kbi=fc.tensor((S, hkv, topk), I32), out=fc.tensor((S, hq, d), BF16))
+
+    def fn(x):
+        return mc.sparse_msa(x["q"], x["k"], x["v"], plan, kv_indices=x["idx"], kv_block_indexes=x["kbi"],
+                             out=x["out"])
+
+    log, _ = check_replay(fc, fn, make)
+    assert [entry[0].rsplit(":", 1)[-1] for entry in log] == list(gk.KERNELS)
+
+
 def test_msa_maxscore_and_attention_in_one_call(fc):
     bs, L, hq, hkv, d = 3, 1024, 8, 8, 128
     pages = bs * L // 128
