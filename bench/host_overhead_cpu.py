@@ -288,7 +288,7 @@ class FakeCuda:
         self._set(MsaPlan, "device_vector", device_vector)
         self._saved_optin = dict(compiler._smem_optin)
         self._saved_ws = {k: list(v) for k, v in attention_kernels._WORKSPACES.items()}
-        self._saved_gather = [{k: list(v) for k, v in c.items()} for c in (gather_kernels._WORK, gather_kernels._COUNTS)]
+        self._saved_counts = {k: list(v) for k, v in gather_kernels._COUNTS.items()}
         del torch
         return self
 
@@ -305,9 +305,8 @@ class FakeCuda:
         compiler._smem_optin.update(self._saved_optin)
         attention_kernels._WORKSPACES.clear()
         attention_kernels._WORKSPACES.update(self._saved_ws)
-        for cache, saved in zip((gather_kernels._WORK, gather_kernels._COUNTS), self._saved_gather):
-            cache.clear()
-            cache.update(saved)
+        gather_kernels._COUNTS.clear()
+        gather_kernels._COUNTS.update(self._saved_counts)
         return False
 
 

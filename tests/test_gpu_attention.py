@@ -88,7 +88,6 @@ def test_gather_launcher_arguments_match_kernel_signatures(monkeypatch):
     monkeypatch.setattr(gk, "launch", lambda kern, grid, block, args, shared_mem=0, stream=None:
                         launches.append((kern, grid, block, args, shared_mem)))
     monkeypatch.setattr(gk, "get_kernel", lambda spec, name: name)
-    monkeypatch.setattr(gk, "_workspace", lambda n: np.empty(n, np.uint8))
     monkeypatch.setattr(gk, "_counts", lambda keys: np.zeros(keys, np.int32))
     total_q, hkv, width = 40, 2, 16
     arr = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
@@ -99,7 +98,9 @@ def test_gather_launcher_arguments_match_kernel_signatures(monkeypatch):
                   kv_block_indexes=np.zeros((total_q, hkv, width), np.int32), q_strides=(4096, 128),
                   k_strides=(32768, 256, 128), v_strides=(32768, 256, 128), out_strides=(4096, 128), kv_extent=3,
                   num_heads_kv=hkv, batch=2, max_seqlen_q=30, max_seqlen_k=300, causal=True, scale_log2=0.1,
-                  dtype_code=1, num_sms=132, stream=None)
+                  dtype_code=1, num_sms=132, stream=None, workspace_cached=True,
+                  workspace=np.empty(gk.workspace_bytes(total_q=total_q, num_heads_kv=hkv, width=width, batch=2,
+                                                        max_seqlen_q=30, max_seqlen_k=300), np.uint8))
     assert [x[0] for x in launches] == list(gk.KERNELS)
     for kern, grid, block, args, smem in launches:
         kinds = _gather_params(kern)

@@ -330,6 +330,22 @@ def split_workspace_bytes(total_q: int, num_heads_q: int, head_dim: int, splits:
 _WORKSPACES: dict = {}
 
 
+def _checked_workspace(workspace, need: int):
+    """The caller's workspace (checked: contiguous, 16-byte aligned, >= ``need`` bytes) or
+    the cached one."""
+    if workspace is None:
+        return _cached_workspace(need)
+    if workspace.nbytes < need or not workspace.flags.c_contiguous or workspace.data.ptr % 16:
+        raise ValueError(f"workspace must be a contiguous 16-byte aligned array of at least {need} bytes, "
+                         f"got {workspace.nbytes} bytes")
+    return workspace
+
+
+def _is_cached(workspace) -> bool:
+    """Whether ``workspace`` is one of the cached buffers (they outlive recorded launches)."""
+    return any(workspace is b for bufs in _WORKSPACES.values() for b in bufs)
+
+
 def _cached_workspace(nbytes: int):
     """Per-device split workspace, grown geometrically and never freed while cached.
 
@@ -526,13 +542,17 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
                 cc=cc, dtype_code=code, head_dim=d, group=group, page_size=0 if dense else int(page_size),
                 sparse_decode=bool(sparse_decode), batch=batch, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max(1, max_seqlen_k), num_heads_kv=hkv, total_q=total_q, width=width):
+            need = gather_kernels.workspace_bytes(total_q=total_q, num_heads_kv=hkv, width=width, batch=batch,
+                                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max(1, max_seqlen_k))
+            workspace = _checked_workspace(workspace, need)
             gather_kernels.run_gather(
                 q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, qo_lens=qo_lens, kv_lens=kv_lens,
                 qo_offset=qo_offset, page_list=page_list, page_indptr=page_indptr, page_list_len=page_list_len,
                 kv_block_indexes=kv_block_indexes, q_strides=qs, k_strides=k_strides, v_strides=v_strides,
                 out_strides=os_, kv_extent=kv_extent, num_heads_kv=hkv, batch=batch, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max(1, max_seqlen_k), causal=causal, scale_log2=scale_log2, dtype_code=code,
-                num_sms=num_sms, stream=cupy.cuda.get_current_stream() if stream is None else stream)
+                num_sms=num_sms, workspace=workspace.view(np.uint8).reshape(-1), workspace_cached=_is_cached(workspace),
+                stream=cupy.cuda.get_current_stream() if stream is None else stream)
             return
         prefill_tile = None  # (the gather tile does not apply: the default one runs)
     geo = launch_geometry(batch=batch, num_heads_kv=hkv, group=group, head_dim=d, dtype_code=code,
@@ -545,16 +565,12 @@ def run_attention(q, k, v, out, lse, *, cu_seqlens_q, qo_lens, kv_lens, qo_offse
     ws_o = ws_lse = None
     if geo.splits > 1:
         need = split_workspace_bytes(total_q, hq, d, geo.splits)
-        if workspace is None:
-            workspace = _cached_workspace(need)
-        elif workspace.nbytes < need or not workspace.flags.c_contiguous or workspace.data.ptr % 16:
-            raise ValueError(f"workspace must be a contiguous 16-byte aligned array of at least {need} bytes, "
-                             f"got {workspace.nbytes} bytes")
+        workspace = _checked_workspace(workspace, need)
         flat = workspace.view(np.uint8).reshape(-1)
         n_o = geo.splits * total_q * hq * d * 4
         ws_o = flat[:n_o].view(np.float32)
         ws_lse = flat[n_o:need].view(np.float32)
-        if any(workspace is b for bufs in _WORKSPACES.values() for b in bufs):
+        if _is_cached(workspace):
             note_const(ws_o, ws_lse)  # a cached workspace outlives recorded launches (replay)
 
     out_scale = float(v_scale) if is_fp8 else 1.0

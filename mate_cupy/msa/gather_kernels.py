@@ -10,10 +10,11 @@ partials' round trip through DRAM alone is most of its time; docs/attention.md),
 launcher cannot tell the two apart without reading device data: it is opt-in.
 
 It applies on sm_90 to fp16/bf16, head dim 128, 16 query heads per KV head, page size 128,
-prefill (not ``sparse_decode``); any other call takes the default tile. Workspace (cached
-per device, grown geometrically, reused, so a warm-up call makes a captured call
-allocation-free): fp16 O and an lse per (query, KV head, list slot) and 16 heads, 4.2 KB
-per entry (8.6 GB at 32768 queries x 4 KV heads x 16 slots), plus the pair lists.
+prefill (not ``sparse_decode``); any other call takes the default tile. Workspace (the
+attention launchers' per-device cache, grown geometrically and reused, so a warm-up call
+makes a captured call allocation-free; or the caller's): fp16 O and an lse per (query,
+KV head, list slot) and 16 heads, 4.2 KB per entry (8.7 GB at 32768 queries x 4 KV heads
+x 16 slots), plus the pair lists.
 """
 from __future__ import annotations
 
@@ -70,10 +71,9 @@ def workspace_layout(total_q: int, num_heads_kv: int, width: int, keys: int, max
     return lay
 
 
-# Per device, newest last; older buffers stay alive (queued kernels and recorded launches
-# may still use them).
-_COUNTS: dict = {}  # zeroed int32 counters (the scan kernel zeroes what it used)
-_WORK: dict = {}  # workspaces
+# Zeroed int32 counters per device, newest last; older ones stay alive (queued kernels and
+# recorded launches may still use them). The scan kernel zeroes what it used.
+_COUNTS: dict = {}
 
 
 def _counts(keys: int):
@@ -87,36 +87,41 @@ def _counts(keys: int):
     return buf
 
 
-def _workspace(nbytes: int):
-    import cupy
+def _bounds(total_q: int, num_heads_kv: int, width: int, batch: int, max_seqlen_q: int,
+            max_seqlen_k: int) -> tuple:
+    """(windows, blocks per request, keys, max pairs, max work items) of a call."""
+    wins = -(-max_seqlen_q // WIN)
+    nb_max = max(1, -(-max_seqlen_k // BLOCK))
+    keys = batch * wins * num_heads_kv * nb_max
+    max_pairs = min(total_q, batch * max_seqlen_q) * num_heads_kv * width
+    max_items = max(1, min(-(-max_pairs // CAP) + min(keys, max_pairs), 2**31 - 1))
+    return wins, nb_max, keys, max_pairs, max_items
 
-    dev = cupy.cuda.Device().id
-    bufs = _WORK.setdefault(dev, [])
-    if bufs and bufs[-1].nbytes >= nbytes:
-        return bufs[-1]
-    buf = cupy.empty(max(nbytes, 2 * bufs[-1].nbytes if bufs else 0, 1 << 20), dtype=np.uint8)
-    bufs.append(buf)
-    return buf
+
+def workspace_bytes(*, total_q: int, num_heads_kv: int, width: int, batch: int, max_seqlen_q: int,
+                    max_seqlen_k: int) -> int:
+    """Bytes of the workspace ``run_gather`` needs."""
+    _, _, keys, max_pairs, max_items = _bounds(total_q, num_heads_kv, width, batch, max_seqlen_q, max_seqlen_k)
+    return workspace_layout(total_q, num_heads_kv, width, keys, max_pairs, max_items)["total"]
 
 
 def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list, page_indptr,
                page_list_len: int, kv_block_indexes, q_strides, k_strides, v_strides, out_strides,
                kv_extent: int, num_heads_kv: int, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-               causal: bool, scale_log2: float, dtype_code: int, num_sms: int, stream) -> None:
+               causal: bool, scale_log2: float, dtype_code: int, num_sms: int, workspace,
+               workspace_cached: bool, stream) -> None:
     """Launch the five gather kernels (arguments checked by ``run_attention``): q [total_q,
     Hq, 128], k/v paged (page 128; strides (page, slot, head) in elements), out [total_q,
     Hq, 128] with strides ``out_strides``, lse [total_q, Hq] float32 or None,
-    kv_block_indexes [total_q, Hkv, W] int32."""
+    kv_block_indexes [total_q, Hkv, W] int32; ``workspace`` a uint8 array of at least
+    :func:`workspace_bytes` (16-byte aligned; ``workspace_cached``: it outlives recorded
+    launches)."""
     total_q = int(q.shape[0])
     width = int(kv_block_indexes.shape[2])
     hkv = int(num_heads_kv)
-    wins = -(-max_seqlen_q // WIN)
-    nb_max = max(1, -(-max_seqlen_k // BLOCK))
-    keys = batch * wins * hkv * nb_max
-    max_pairs = min(total_q, batch * max_seqlen_q) * hkv * width
-    max_items = max(1, min(-(-max_pairs // CAP) + min(keys, max_pairs), 2**31 - 1))
+    wins, nb_max, keys, max_pairs, max_items = _bounds(total_q, hkv, width, batch, max_seqlen_q, max_seqlen_k)
     lay = workspace_layout(total_q, hkv, width, keys, max_pairs, max_items)
-    ws = _workspace(lay["total"])
+    ws = workspace
     counts = _counts(keys)
 
     def part(name, dtype):
@@ -127,7 +132,9 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
     cursors, items, n_items = part("cursors", np.int32), part("items", np.int32), part("n_items", np.int32)
     pair_tok, pair_slot = part("pair_tok", np.int32), part("pair_slot", np.int32)
     n_total, work_counter = n_items[:1], n_items[1:]  # item count; the attention kernel's counter
-    note_const(counts, part_o, part_lse, cursors, items, n_items, n_total, work_counter, pair_tok, pair_slot)
+    note_const(counts)
+    if workspace_cached:
+        note_const(part_o, part_lse, cursors, items, n_items, n_total, work_counter, pair_tok, pair_slot)
 
     null = np.uintp(0)
     geo = (kv_block_indexes, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list,
