@@ -30,12 +30,16 @@ SRC = Path(ak.__file__).resolve().parent.parent / "cuda_src" / ak.SOURCE
 # ============================================================================ CPU: launcher vs source
 
 
-def _c_params(kernel: str) -> list:
-    text = SRC.read_text()
+def _c_params(kernel: str, src: Path = SRC, macros: dict = {}) -> list:
+    """(name, kind) of each parameter of ``kernel`` in ``src``, ``macros`` expanded first."""
+    text = src.read_text()
     m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", text, re.S)
     assert m, kernel
+    decls = m.group(1)
+    for name, body in macros.items():
+        decls = decls.replace(name, body)
     params = []
-    for decl in m.group(1).split(","):
+    for decl in decls.split(","):
         decl = " ".join(decl.replace("__restrict__", "").split())
         name = decl.split()[-1].lstrip("*")
         if "*" in decl:
@@ -60,24 +64,9 @@ def test_launcher_arguments_match_kernel_signature(kernel, params):
 
 def _gather_params(kernel: str) -> list:
     """Parameter kinds of a kernel of attention_gather.cu (GATHER_GEOMETRY_ARGS expanded)."""
-    text = (SRC.parent / "attention_gather.cu").read_text()
-    geo = re.search(r"#define GATHER_GEOMETRY_ARGS(.*?)\n\n", text, re.S).group(1).replace("\\\n", " ")
-    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", text, re.S)
-    assert m, kernel
-    kinds = []
-    for decl in m.group(1).replace("GATHER_GEOMETRY_ARGS", geo).split(","):
-        decl = " ".join(decl.replace("__restrict__", "").replace("const ", "").split())
-        if "*" in decl:
-            kinds.append("ptr")
-        elif decl.startswith("long long"):
-            kinds.append("i64")
-        elif decl.startswith("int"):
-            kinds.append("i32")
-        elif decl.startswith("float"):
-            kinds.append("f32")
-        else:
-            raise AssertionError(decl)
-    return kinds
+    src = SRC.parent / "attention_gather.cu"
+    geo = re.search(r"#define GATHER_GEOMETRY_ARGS(.*?)\n\n", src.read_text(), re.S).group(1).replace("\\\n", " ")
+    return [kind for _, kind in _c_params(kernel, src, {"GATHER_GEOMETRY_ARGS": geo})]
 
 
 def test_gather_launcher_arguments_match_kernel_signatures(monkeypatch):

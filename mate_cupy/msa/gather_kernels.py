@@ -92,7 +92,7 @@ def _bounds(total_q: int, num_heads_kv: int, width: int, batch: int, max_seqlen_
     """(windows, blocks per request, keys, max pairs, max work items) of a call."""
     wins = -(-max_seqlen_q // WIN)
     nb_max = max(1, -(-max_seqlen_k // BLOCK))
-    keys = batch * wins * num_heads_kv * nb_max
+    keys = n_keys(batch, max_seqlen_q, max_seqlen_k, num_heads_kv)
     max_pairs = min(total_q, batch * max_seqlen_q) * num_heads_kv * width
     max_items = max(1, min(-(-max_pairs // CAP) + min(keys, max_pairs), 2**31 - 1))
     return wins, nb_max, keys, max_pairs, max_items
@@ -121,12 +121,11 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
     hkv = int(num_heads_kv)
     wins, nb_max, keys, max_pairs, max_items = _bounds(total_q, hkv, width, batch, max_seqlen_q, max_seqlen_k)
     lay = workspace_layout(total_q, hkv, width, keys, max_pairs, max_items)
-    ws = workspace
     counts = _counts(keys)
 
     def part(name, dtype):
         off, size = lay[name]
-        return ws[off:off + size].view(dtype)
+        return workspace[off:off + size].view(dtype)
 
     part_o, part_lse = part("part_o", np.float16), part("part_lse", np.float32)
     cursors, items, n_items = part("cursors", np.int32), part("items", np.int32), part("n_items", np.int32)
