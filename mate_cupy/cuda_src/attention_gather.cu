@@ -132,50 +132,61 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER
     if (x.key >= 0) atomicAdd(&counts[x.key], 1);
 }
 
-// One CTA of 1024 threads. counts [n_keys] -> cursors (pair offsets), items [max_items][3]
-// (key, first pair, end pair), n_items[0] (n_items[1] = 0: the attention kernel's work
-// counter); counts are zeroed again. The host bounds hold
-// for well-formed requests (no query in two requests); past them nothing is stored.
+// One CTA of 1024 threads, over tiles of 4096 keys (4 consecutive keys per thread, loads
+// coalesced). counts [n_keys] -> cursors (pair offsets), items [max_items][3] (key, first
+// pair, end pair), n_items[0] (n_items[1] = 0: the attention kernel's work counter); counts
+// are zeroed again. The host bounds hold for well-formed requests (no query in two
+// requests); past them nothing is stored.
 extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* counts, int* cursors, int* items,
                                                                           int* n_items, int n_keys, int max_items,
                                                                           int max_pairs) {
-    __shared__ int warp_sum[2][32];
+    __shared__ int warp_sum[2][32], carry[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int per = (n_keys + 1023) / 1024;
-    const int k0 = min(n_keys, tid * per), k1 = min(n_keys, k0 + per);
-    int pairs = 0, its = 0;
-    for (int k = k0; k < k1; ++k) {
-        pairs += counts[k];
-        its += (counts[k] + kCap - 1) / kCap;
-    }
-    int ip = pairs, ii = its;
+    if (tid == 0) carry[0] = carry[1] = 0;
+    for (int base = 0; base < n_keys; base += 4096) {
+        const int k0 = base + 4 * tid;
+        int c[4], pairs = 0, its = 0;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int a = __shfl_up_sync(0xffffffffu, ip, off), b = __shfl_up_sync(0xffffffffu, ii, off);
-        if (lane >= off) ip += a, ii += b;
-    }
-    if (lane == 31) warp_sum[0][warp] = ip, warp_sum[1][warp] = ii;
-    __syncthreads();
-    int pb = 0, ib = 0, itot = 0;
-    for (int w = 0; w < 32; ++w) {
-        pb += w < warp ? warp_sum[0][w] : 0;
-        ib += w < warp ? warp_sum[1][w] : 0;
-        itot += warp_sum[1][w];
-    }
-    int p = pb + ip - pairs, it = ib + ii - its;
-    for (int k = k0; k < k1; ++k) {
-        const int c = counts[k];
-        cursors[k] = p;
-        for (int a = 0; a < c && it < max_items; a += kCap, ++it) {  // (pairs past max_pairs: none stored)
-            items[3 * it] = k;
-            items[3 * it + 1] = min(p + a, max_pairs);
-            items[3 * it + 2] = min(p + min(c, a + kCap), max_pairs);
+        for (int e = 0; e < 4; ++e) {
+            c[e] = k0 + e < n_keys ? counts[k0 + e] : 0;
+            pairs += c[e];
+            its += (c[e] + kCap - 1) / kCap;
         }
-        p += c;
-        counts[k] = 0;
+        int ip = pairs, ii = its;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int x = __shfl_up_sync(0xffffffffu, ip, off), y = __shfl_up_sync(0xffffffffu, ii, off);
+            if (lane >= off) ip += x, ii += y;
+        }
+        if (lane == 31) warp_sum[0][warp] = ip, warp_sum[1][warp] = ii;
+        __syncthreads();
+        int pb = carry[0], ib = carry[1], ptot = 0, itot = 0;
+        for (int w = 0; w < 32; ++w) {
+            pb += w < warp ? warp_sum[0][w] : 0;
+            ib += w < warp ? warp_sum[1][w] : 0;
+            ptot += warp_sum[0][w];
+            itot += warp_sum[1][w];
+        }
+        int p = pb + ip - pairs, it = ib + ii - its;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int k = k0 + e;
+            if (k >= n_keys) break;
+            cursors[k] = p;
+            for (int a = 0; a < c[e] && it < max_items; a += kCap, ++it) {  // (pairs past max_pairs: none stored)
+                items[3 * it] = k;
+                items[3 * it + 1] = min(p + a, max_pairs);
+                items[3 * it + 2] = min(p + min(c[e], a + kCap), max_pairs);
+            }
+            p += c[e];
+            counts[k] = 0;
+        }
+        __syncthreads();  // warp_sum and carry are read
+        if (tid == 0) carry[0] += ptot, carry[1] += itot;
     }
+    __syncthreads();
     if (tid == 0) {
-        n_items[0] = min(itot, max_items);
+        n_items[0] = min(carry[1], max_items);
         n_items[1] = 0;  // the attention kernel's work counter
     }
 }
