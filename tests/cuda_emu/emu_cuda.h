@@ -227,36 +227,45 @@ inline void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const void* p)
 template <typename T> inline float h2f(uint16_t b) { T x; std::memcpy(&x, &b, 2); return to_float<T>(x); }
 inline uint16_t half_of(u32 w, int i) { return i ? (uint16_t)(w >> 16) : (uint16_t)(w & 0xFFFF); }
 
-// mma.sync m16n8k16, f32 accumulate (exact products, float sums in k order).
-template <typename T>
-inline void mma_16x8x16(float* d, const u32* a, const u32* b) {
+// A warp-wide m16n8kK mma.sync, f32 accumulate (exact products, float sums in k order): the
+// lanes' fragments are exchanged, `place(a, b, g, t, A, B)` puts lane (g = lane / 4,
+// t = lane % 4)'s A and B elements, and each lane gets its four elements of C + A B.
+template <int K, typename Place>
+inline void mma_16x8(float* d, const u32* a, const u32* b, Place place) {
     struct In { u32 a[4]; u32 b[2]; float c[4]; } in;
     for (int i = 0; i < 4; ++i) { in.a[i] = a[i]; in.c[i] = d[i]; }
     in.b[0] = b[0]; in.b[1] = b[1];
     emu::put(in); emu::wsync();
-    float A[16][16], B[16][8], C[16][8];
+    float A[16][K], B[K][8], C[16][8];
     for (int L = 0; L < 32; ++L) {
         In x = emu::get<In>(L);
         int g = L / 4, t = L % 4;
-        for (int e = 0; e < 2; ++e) {
-            A[g][2 * t + e] = h2f<T>(half_of(x.a[0], e));
-            A[g + 8][2 * t + e] = h2f<T>(half_of(x.a[1], e));
-            A[g][2 * t + 8 + e] = h2f<T>(half_of(x.a[2], e));
-            A[g + 8][2 * t + 8 + e] = h2f<T>(half_of(x.a[3], e));
-            B[2 * t + e][g] = h2f<T>(half_of(x.b[0], e));
-            B[2 * t + 8 + e][g] = h2f<T>(half_of(x.b[1], e));
-            C[g][2 * t + e] = x.c[e];
-            C[g + 8][2 * t + e] = x.c[2 + e];
-        }
+        place(x.a, x.b, g, t, A, B);
+        C[g][2 * t] = x.c[0]; C[g][2 * t + 1] = x.c[1]; C[g + 8][2 * t] = x.c[2]; C[g + 8][2 * t + 1] = x.c[3];
     }
     emu::wsync();
     int l = emu::my_lane(), g = l / 4, t = l % 4;
     int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
     for (int i = 0; i < 4; ++i) {
         float s = C[rows[i]][cols[i]];
-        for (int kk = 0; kk < 16; ++kk) s += A[rows[i]][kk] * B[kk][cols[i]];
+        for (int kk = 0; kk < K; ++kk) s += A[rows[i]][kk] * B[kk][cols[i]];
         d[i] = s;
     }
+}
+
+// mma.sync m16n8k16 on fp16/bf16 fragments.
+template <typename T>
+inline void mma_16x8x16(float* d, const u32* a, const u32* b) {
+    mma_16x8<16>(d, a, b, [](const u32* xa, const u32* xb, int g, int t, float (*A)[16], float (*B)[8]) {
+        for (int e = 0; e < 2; ++e) {
+            A[g][2 * t + e] = h2f<T>(half_of(xa[0], e));
+            A[g + 8][2 * t + e] = h2f<T>(half_of(xa[1], e));
+            A[g][2 * t + 8 + e] = h2f<T>(half_of(xa[2], e));
+            A[g + 8][2 * t + 8 + e] = h2f<T>(half_of(xa[3], e));
+            B[2 * t + e][g] = h2f<T>(half_of(xb[0], e));
+            B[2 * t + 8 + e][g] = h2f<T>(half_of(xb[1], e));
+        }
+    });
 }
 
 template <typename T> inline u32 pack2(float lo, float hi);

@@ -9,26 +9,10 @@ inline float fast_exp2(float x) { const float y = exp2f(x); return std::fpclassi
 inline u32 to_tf32(float x) { u32 u; std::memcpy(&u, &x, 4); return (u + 0x1000u) & 0xFFFFE000u; }
 inline float bits_f(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline void mma_tf32_16x8x8(float* d, const u32* a, const u32* b) {
-    struct In { u32 a[4]; u32 b[2]; float c[4]; } in;
-    for (int i = 0; i < 4; ++i) { in.a[i] = a[i]; in.c[i] = d[i]; }
-    in.b[0] = b[0]; in.b[1] = b[1];
-    emu::put(in); emu::wsync();
-    float A[16][8], B[8][8], C[16][8];
-    for (int L = 0; L < 32; ++L) {
-        In x = emu::get<In>(L);
-        int g = L / 4, t = L % 4;
-        A[g][t] = bits_f(x.a[0]); A[g + 8][t] = bits_f(x.a[1]); A[g][t + 4] = bits_f(x.a[2]); A[g + 8][t + 4] = bits_f(x.a[3]);
-        B[t][g] = bits_f(x.b[0]); B[t + 4][g] = bits_f(x.b[1]);
-        C[g][2 * t] = x.c[0]; C[g][2 * t + 1] = x.c[1]; C[g + 8][2 * t] = x.c[2]; C[g + 8][2 * t + 1] = x.c[3];
-    }
-    emu::wsync();
-    int l = emu::my_lane(), g = l / 4, t = l % 4;
-    int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
-    for (int i = 0; i < 4; ++i) {
-        float s = C[rows[i]][cols[i]];
-        for (int kk = 0; kk < 8; ++kk) s += A[rows[i]][kk] * B[kk][cols[i]];
-        d[i] = s;
-    }
+    mma_16x8<8>(d, a, b, [](const u32* xa, const u32* xb, int g, int t, float (*A)[8], float (*B)[8]) {
+        A[g][t] = bits_f(xa[0]); A[g + 8][t] = bits_f(xa[1]); A[g][t + 4] = bits_f(xa[2]); A[g + 8][t + 4] = bits_f(xa[3]);
+        B[t][g] = bits_f(xb[0]); B[t + 4][g] = bits_f(xb[1]);
+    });
 }
 // lane holds M[lane/4][2(lane%4)+e]; returns M^T the same way: M[2(lane%4)+e][lane/4]
 inline u32 movmatrix_trans(u32 x) {
