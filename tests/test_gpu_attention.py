@@ -774,6 +774,23 @@ def test_sparse_prefill_gather_non_causal_and_wide_lists(rng, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_sparse_prefill_gather_windows_and_split_items(rng, monkeypatch):
+    """Causal lists over two query windows (gk.WIN queries each), with block 0 in every list:
+    that key's queries exceed a work item (gk.CAP) and split into several items."""
+    from mate_cupy.msa import gather_kernels as gk
+
+    nq = gk.WIN + 450
+    p = make_problem(rng, [nq], [nq + 200], 64, 4, 128, page_size=128)
+    sel = random_selection(rng, p, 16)
+    sel[:, :, 0] = 0
+    assert nq > gk.CAP
+    calls = _spy_gather(monkeypatch)
+    out, lse = _run(p, source="table", sel=sel, tile="gather")
+    assert calls
+    _check(out, lse, _sparse_ref(p, sel), BF16, "gather two windows, split items")
+
+
+@pytest.mark.gpu
 def test_sparse_prefill_gather_falls_back_where_it_does_not_apply(rng, monkeypatch):
     p = make_problem(rng, [200, 70], [900, 70], 32, 4, 128, page_size=128)  # 8 query heads per KV head
     sel = _corrupt(rng, random_selection(rng, p, 16), p)

@@ -38,8 +38,17 @@ template <int C> struct ElemOf { typedef bf16_t type; };
 template <> struct ElemOf<0> { typedef half_t type; };
 typedef ElemOf<GATHER_DTYPE>::type Elem;
 constexpr int kD = 128, kBN = 128, kGroup = 16;
-constexpr int kWin = 1024;  // queries per window: a key's queries (and their Q rows) stay close
-constexpr int kCap = 256;   // queries per work item
+// The launcher (gather_kernels.py) passes the window and the work-item cap.
+#ifndef GATHER_WIN
+#define GATHER_WIN 2048
+#endif
+#ifndef GATHER_CAP
+#define GATHER_CAP 512
+#endif
+// Queries per window: a key's queries (their Q rows: 32 MB at 2048 queries x 64 heads x 128
+// bf16) stay in L2 while the window's items run.
+constexpr int kWin = GATHER_WIN;
+constexpr int kCap = GATHER_CAP;  // queries per work item
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
@@ -225,6 +234,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     __shared__ int next_item;
     const int total_items = n_items[0];
     // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan).
+    // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
+    // 16-byte chunk wtid % 16.
+    const int qrow0 = wtid >> 4, qch = wtid & 15;
     for (;;) {
         __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
         if (tid == 0) next_item = atomicAdd(work_counter, 1);
@@ -250,41 +262,47 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             cp_async_commit();
         }
         const int n_grp = (end - begin + 3) >> 2;
-        auto load_q = [&](int grp, int buf) {
+        // Keys of the block a query (token t) attends: min(lim_a, lim_b + t) clamped to [0, 128]
+        // when causal, else lim_a clamped (lim_b is clamped to [INT_MIN, 128], which keeps that).
+        const int lim_a = rq.Lk - s * kBN;
+        const int lim_b = (int)max(-2147483648LL, min((long long)kBN, rq.qoff - rq.q_start + 1 - (long long)s * kBN));
+        const Elem* const qh0 = q + (long long)(kvh * kGroup + qrow0) * q_head_stride + qch * 8;
+        const long long qh8 = 8 * q_head_stride;
+        // Tokens of group grp's four queries (-1 past the item), loaded a group ahead of use.
+        auto load_toks = [&](int grp, int (&tk)[4]) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int pi = begin + 4 * grp + e;
+                tk[e] = pi < end ? pair_tok[pi] : -1;
+            }
+        };
+        auto load_q = [&](int grp, const int (&tk)[4], int buf) {
             if (grp < n_grp) {
                 unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes;
-                for (int x = wtid; x < 64 * 16; x += 128) {
-                    const int row = x >> 4, ch = x & 15;
-                    const int pi = begin + 4 * grp + (row >> 4);
-                    const bool ok = pi < end;
-                    const Elem* src = q;
-                    if (ok)
-                        src = q + (long long)pair_tok[pi] * q_tok_stride +
-                              (long long)(kvh * kGroup + (row & 15)) * q_head_stride + ch * 8;
-                    cp_async_16(dst + QTile::offset(row, ch), src, ok);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const int tq = tk[i >> 1];
+                    const Elem* src = tq >= 0 ? qh0 + (long long)tq * q_tok_stride + ((i & 1) ? qh8 : 0) : q;
+                    cp_async_16(dst + QTile::offset(qrow0 + 8 * i, qch), src, tq >= 0);
                 }
             }
             cp_async_commit();
         };
-        load_q(wg, 0);
+        int tk_next[4];
+        load_toks(wg, tk_next);
+        load_q(wg, tk_next, 0);
+        load_toks(wg + kWGs, tk_next);
         cp_async_wait<0>();
         fence_proxy_async_smem();
         __syncthreads();
 
         const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
         const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
-        int buf = 0;
-        for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
-            load_q(grp + kWGs, buf ^ 1);
-            cp_async_wait<1>();
-            fence_proxy_async_smem();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-            unsigned char* const qtile = sQ + (wg * 2 + buf) * kQBytes;
-            const u64 q_desc = wg_desc(smem_u32(qtile), 16, 1024);
-            float S[16][4];
+        // S = Q K^T of the group in buffer b (issued, not waited for).
+        auto issue_qk = [&](float (&S)[16][4], int b) {
+            const u64 q_desc = wg_desc(smem_u32(sQ + (wg * 2 + b) * kQBytes), 16, 1024);
             wg_fence();
-    #pragma unroll
+#pragma unroll
             for (int ks = 0; ks < kD / 16; ++ks) {
                 const u32 qo = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
                 const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
@@ -294,13 +312,27 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                     WgmmaSS<kBN, Elem>::run(&S[0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
             }
             wg_commit();
-            wg_wait<0>();
-            wg_fence_regs<64>(&S[0][0]);
-            // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
+        };
+        int buf = 0;
+        for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
+            // This warp's query (its 16 rows): token and slot, loaded before the MMA that hides them.
             const int pi = begin + 4 * grp + w;
             const bool live = pi < end;
             const int tok = live ? pair_tok[pi] : 0;
-            const int lim = live ? max(0, min(kBN, key_limit(rq, tok - rq.q_start, causal) - s * kBN)) : 0;
+            const int slot = live ? pair_slot[pi] : 0;
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
+            load_q(grp + kWGs, tk_next, buf ^ 1);
+            load_toks(grp + 2 * kWGs, tk_next);
+            cp_async_wait<1>();
+            fence_proxy_async_smem();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+            float S[16][4];
+            issue_qk(S, buf);
+            wg_wait<0>();
+            wg_fence_regs<64>(&S[0][0]);
+            // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
+            const int lim_q = lim_b >= kBN - tok ? kBN : lim_b + tok;  // (no overflow either way)
+            const int lim = live ? max(0, min(kBN, causal ? min(lim_a, lim_q) : lim_a)) : 0;
             if (lim < kBN) {
     #pragma unroll
                 for (int n = 0; n < 16; ++n)
@@ -338,16 +370,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
             }
             float O[16][4];
-    #pragma unroll
-            for (int n = 0; n < 16; ++n) O[n][0] = O[n][1] = O[n][2] = O[n][3] = 0.f;
-            wg_fence_regs<64>(&O[0][0]);
             wg_fence_regs<32>(&pa[0][0]);
             wg_fence();
     #pragma unroll
             for (int kk = 0; kk < 8; ++kk)
     #pragma unroll
-                for (int cb = 0; cb < 2; ++cb)
-                    WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048), 1);
+                for (int cb = 0; cb < 2; ++cb) {
+                    const u64 vd = wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048);
+                    if (kk == 0)
+                        WgmmaRS<64, Elem>::first(&O[8 * cb][0], pa[kk], vd);
+                    else
+                        WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], vd, 1);
+                }
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
@@ -355,9 +389,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
             // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
-            const int slot = pair_slot[pi];
             const long long base = (((long long)tok * hkv + kvh) * width + slot) * kGroup;
-            unsigned char* const mine = qtile + w * 2048;
+            unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
             auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
     #pragma unroll
             for (int h = 0; h < 2; ++h) {

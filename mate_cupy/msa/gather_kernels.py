@@ -27,10 +27,11 @@ GATHER_TILE = "gather"
 SOURCE = "attention_gather.cu"
 KERNELS = ("msa_gather_count_kernel", "msa_gather_scan_kernel", "msa_gather_scatter_kernel",
            "msa_gather_attn_kernel", "msa_gather_merge_kernel")
+WIN = 2048  # queries per window (kWin)
+CAP = 512  # queries per work item (kCap)
 #: dtype code (0 fp16, 1 bf16) -> registered variant
-SPECS = {code: register(SOURCE, KERNELS, min_sm=90, GATHER_DTYPE=code) for code in (0, 1)}
-WIN = 1024  # queries per window (kWin)
-CAP = 256  # queries per work item (kCap)
+SPECS = {code: register(SOURCE, KERNELS, min_sm=90, GATHER_DTYPE=code, GATHER_WIN=WIN, GATHER_CAP=CAP)
+         for code in (0, 1)}
 WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
 ATTN_SMEM = 2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2 + 1024

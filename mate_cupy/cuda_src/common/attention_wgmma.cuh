@@ -133,6 +133,14 @@ template <int N, typename E> struct WgmmaRS {
                          : MATE_WG_ACC32("+f")                                                        \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));        \
         }                                                                                             \
+        /* D = A B (accumulator not read: the registers are pure outputs). */                         \
+        static __device__ __forceinline__ void first(float* d, const u32* a, u64 db) {                \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " MATE_WG_REGS32     \
+                         ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                  \
+                         : MATE_WG_ACC32("=f")                                                        \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));              \
+        }                                                                                             \
     };
 
 MATE_WG_SS(64, half_t, "f16", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
