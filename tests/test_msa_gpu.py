@@ -128,6 +128,28 @@ def test_sparse_prefill(rng, hq, dtype):
     check(out, lse, masked_ref(p, sel, **scales), dtype, "sparse prefill")
 
 
+def test_sparse_prefill_plan_selects_the_gather_tile(rng, monkeypatch):
+    """A plan's prefill_tile="gather" runs the block-stationary kernels (MiniMax-M3's 16
+    query heads per KV head), with the environment's choice ignored."""
+    from mate_cupy.msa import gather_kernels as gk
+
+    calls = []
+    real = gk.run_gather
+    monkeypatch.setattr(gk, "run_gather", lambda **kw: (calls.append(1), real(**kw)))
+    monkeypatch.setenv("MATE_CUPY_ATTN_SPARSE_TILE", "wg2n128s2")
+    p = make_problem(rng, [40, 0, 300], [300, 10, 3000], 64, 4, 128, page_size=128)
+    sel = random_selection(rng, p, 16)
+    ran = []
+    for tile in ("gather", None):
+        info = mc.sparse_msa_plan(p.qo, p.kv, 64, 4, page_size=128, kv_block_num=16, prefill_tile=tile)
+        out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 64), np.float32)
+        mc.sparse_msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices),
+                      kv_block_indexes=dev(sel), out=out, lse=lse)
+        check(out, lse, masked_ref(p, sel), BF16, f"sparse prefill, tile {tile}")
+        ran.append(len(calls))
+    assert ran == [1, 1]  # the gather kernels ran for the "gather" plan only
+
+
 @pytest.mark.parametrize("per_q_head", [False, True], ids=["per-kv-head", "per-q-head"])
 def test_sparse_decode(rng, per_q_head):
     p = make_problem(rng, [1, 4, 1, 2], [129, 7000, 1, 300], 16, 2, 128, page_size=128)

@@ -253,6 +253,27 @@ def test_static_planner_refusals(args, kw, exc):
         mc.msa_plan(*args, **kw)
 
 
+# ----------------------------------------------------------------------------- prefill tile option
+
+
+def test_prefill_tile_option_in_eager_static_and_sparse_plans():
+    from mate_cupy.msa.plan import prefill_tile_names
+
+    names = prefill_tile_names()
+    assert "gather" in names and "prefill" in names
+    eager = mc.msa_plan_from_lengths([1, 300], [500, 600], 16, 2, page_size=128, kv_block_num=16,
+                                     prefill_tile="gather")
+    assert eager[0] and eager[3].prefill_tile == eager[4].prefill_tile == "gather"  # both parts of a split
+    assert mc.msa_plan(2, 512, 1024, 8, prefill_tile="wg2n128s2")[3].prefill_tile == "wg2n128s2"
+    assert mc.sparse_msa_plan([300], [600], 16, 1, prefill_tile="gather", **SPARSE)[3].prefill_tile == "gather"
+    assert mc.msa_plan_from_lengths([3], [5], 4)[3].prefill_tile is None
+    for bad in ("nope", "", 3):
+        with pytest.raises(ValueError, match="prefill_tile"):
+            mc.msa_plan_from_lengths([3], [5], 4, prefill_tile=bad)
+        with pytest.raises(ValueError, match="prefill_tile"):
+            mc.msa_plan(1, 8, 8, 4, prefill_tile=bad)
+
+
 # ----------------------------------------------------------------------------- sparse_msa_plan
 
 

@@ -431,6 +431,7 @@ def _prepare_attention(ctx: _Ctx, part: _Part) -> Callable[[], None]:
                 causal=plan.causal, sm_scale=ctx.sm_scale, k_scale=scales[0], v_scale=scales[1],
                 is_fp8=ctx.is_fp8, num_kv_splits=plan.num_kv_splits,
                 sparse_decode=plan.mode == "sparse_decode", workspace=None, stream=call.stream,
+                prefill_tile=plan.prefill_tile,
             )
 
     return run_cuda

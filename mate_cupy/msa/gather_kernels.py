@@ -1,7 +1,8 @@
 """Launcher of the block-stationary sparse prefill (``cuda_src/attention_gather.cu``).
 
-The prefill tile ``"gather"`` of block-sparse attention (``run_attention(prefill_tile=
-"gather")`` or ``MATE_CUPY_ATTN_SPARSE_TILE=gather``): for block lists chosen per query
+The prefill tile ``"gather"`` of block-sparse attention (a plan's ``prefill_tile="gather"``,
+``run_attention(prefill_tile="gather")`` or ``MATE_CUPY_ATTN_SPARSE_TILE=gather``): for
+block lists chosen per query
 token (MSA's top-k selection), every (request, query window, KV head, block) gathers the
 queries that listed the block, so each K/V block is loaded once per window and every MMA
 row is a query that picked the block; per (query, slot) partial outputs are then merged.

@@ -107,6 +107,9 @@ class MsaPlan:
     prefill_plan: MsaPrefillPlan
     decode_plan: Optional[MsaDecodePlan] = None
     is_static: bool = False
+    # Prefill tile of the attention kernels (a mate_cupy option, docs/attention.md): None
+    # (the environment's, else the default) or a name of ``prefill_tile_names()``.
+    prefill_tile: Optional[str] = None
     # Device copies of the host vectors, per (device id, field name); eager plans only.
     _device_cache: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -291,9 +294,27 @@ def _check_sparse_options(kv_block_num, force_begin_blocks, force_end_blocks, fo
         raise ValueError("forced sparse blocks require kv_block_num to select sparse execution")
 
 
+def prefill_tile_names() -> tuple:
+    """Names a plan's ``prefill_tile`` accepts: the query tiles and ``"gather"``."""
+    from .attention_kernels import PREFILL_TILES
+    from .gather_kernels import GATHER_TILE
+
+    return tuple(PREFILL_TILES) + (GATHER_TILE,)
+
+
+def _check_prefill_tile(prefill_tile) -> Optional[str]:
+    if prefill_tile is None:
+        return None
+    names = prefill_tile_names()
+    if not isinstance(prefill_tile, str) or prefill_tile not in names:
+        raise ValueError(f"prefill_tile must be None or one of {', '.join(names)}; got {prefill_tile!r}")
+    return prefill_tile
+
+
 def _build_single_plan(qo_lens, kv_lens, qo_offset, *, num_qo_heads, num_kv_heads, num_kv_splits, page_size,
                        sparse_block_size, output_maxscore, kv_block_num, force_begin_blocks, force_end_blocks,
-                       force_blocks_count_in_topk, causal, sparse_kernel_mode, use_fp8_kvcache) -> MsaPlan:
+                       force_blocks_count_in_topk, causal, sparse_kernel_mode, use_fp8_kvcache,
+                       prefill_tile) -> MsaPlan:
     prefill = MsaPrefillPlan(
         cu_seqlens_q=_cu_seqlens(qo_lens),
         cu_seqlens_k=_cu_seqlens(kv_lens),
@@ -329,6 +350,7 @@ def _build_single_plan(qo_lens, kv_lens, qo_offset, *, num_qo_heads, num_kv_head
         mode=mode,
         prefill_plan=prefill,
         decode_plan=decode,
+        prefill_tile=prefill_tile,
     )
 
 
@@ -357,7 +379,10 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, *args, qo_offset=Non
     ``output_maxscore=False``, ``kv_block_num=-1`` (``> 0``: sparse, the top-k),
     ``force_begin_blocks=0``, ``force_end_blocks=0``, ``force_blocks_count_in_topk=True``,
     ``causal=True``, ``sparse_kernel_mode='auto'``, ``use_fp8_kvcache=False`` (``usable_SM_count``,
-    ``device``, ``stream`` are accepted and ignored). ``qo_offset``: None (bottom-right),
+    ``device``, ``stream`` are accepted and ignored); ``prefill_tile=None`` (mate_cupy: the
+    attention kernels' prefill tile, e.g. ``"gather"`` for block lists chosen per query
+    token, see :func:`prefill_tile_names`; None takes ``MATE_CUPY_ATTN_PREFILL_TILE`` /
+    ``MATE_CUPY_ATTN_SPARSE_TILE``, else the default). ``qo_offset``: None (bottom-right),
     an int, or ``[B]``.
 
     Returns ``(False, 0, B, plan, None)``, or ``(True, split, B, decode_plan, prefill_plan)``
@@ -407,6 +432,7 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, *args, qo_offset=Non
     opts["causal"] = bool(kwargs.pop("causal", True))
     opts["sparse_kernel_mode"] = str(kwargs.pop("sparse_kernel_mode", "auto"))
     opts["use_fp8_kvcache"] = bool(kwargs.pop("use_fp8_kvcache", False))
+    opts["prefill_tile"] = _check_prefill_tile(kwargs.pop("prefill_tile", None))
     kwargs.pop("device", None)
     kwargs.pop("stream", None)
     if kwargs:
@@ -441,14 +467,15 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
              page_size: int = -1, sparse_block_size: int = SPARSE_BLOCK_SIZE, output_maxscore: bool = False,
              kv_block_num: int = -1, force_begin_blocks: int = 0, force_end_blocks: int = 0,
              force_blocks_count_in_topk: bool = True, causal: bool = True, sparse_kernel_mode: str = "auto",
-             use_fp8_kvcache: bool = False) -> MsaPlanInfo:
+             use_fp8_kvcache: bool = False, prefill_tile: Optional[str] = None) -> MsaPlanInfo:
     """Build a capture-safe MSA plan from capacities; never inspects live lengths.
 
     ``max_seqlen_q``/``max_seqlen_k`` fix the launch geometry (and the max-score width
     ``ceil(max_seqlen_k / 128)``); ``total_seqlen_k`` (default ``max_seqlen_k``) is the
     physical K token capacity. The mode follows ``max_seqlen_q`` as in the eager planner.
     Per-request lengths and page indirection are given at run time through
-    :class:`MsaRuntimeMetadata`. Returns ``(False, 0, batch_size, plan, None)``.
+    :class:`MsaRuntimeMetadata`. ``prefill_tile`` as in :func:`msa_plan_from_lengths`.
+    Returns ``(False, 0, batch_size, plan, None)``.
     """
     batch_size = int(batch_size)
     max_seqlen_q = int(max_seqlen_q)
@@ -466,6 +493,7 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
     kv_block_num, begin, end = int(kv_block_num), int(force_begin_blocks), int(force_end_blocks)
     count_in_topk, output_maxscore = bool(force_blocks_count_in_topk), bool(output_maxscore)
     sparse_kernel_mode = str(sparse_kernel_mode)
+    prefill_tile = _check_prefill_tile(prefill_tile)
     if batch_size < 0:
         raise ValueError(f"batch_size must be non-negative, got {batch_size}")
     if max_seqlen_q <= 0 or max_seqlen_k <= 0:
@@ -517,6 +545,7 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
         prefill_plan=prefill,
         decode_plan=decode,
         is_static=True,
+        prefill_tile=prefill_tile,
     )
     return (False, 0, batch_size, plan, None)
 
