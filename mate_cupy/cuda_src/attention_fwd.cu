@@ -39,6 +39,7 @@
 #include "common/attention_tile.cuh"
 #include "common/softmax.cuh"
 #include "common/kv_pages.cuh"
+#include "common/request_rows.cuh"
 #include "common/block_union.cuh"
 #include "common/attention_wgmma.cuh"
 
@@ -160,9 +161,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     const int row0 = (gridDim.x - 1 - blockIdx.x) * kM;
 
     // ---- request geometry, clamped to the arrays ----
-    const int q_start = cu_seqlens_q[b];
-    int Lq = qo_lens[b];
-    Lq = (q_start < 0 || q_start > total_q) ? 0 : max(0, min(Lq, total_q - q_start));
+    const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
+    const int q_start = qr.start, Lq = qr.len;
     const int rows_total = Lq * group;
     if (row0 >= rows_total) return;
 
@@ -751,9 +751,8 @@ extern "C" __global__ void __launch_bounds__(128) msa_attention_merge_kernel(
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int b = blockIdx.y;
-    const int q_start = cu_seqlens_q[b];
-    int Lq = qo_lens[b];
-    Lq = (q_start < 0 || q_start > total_q) ? 0 : max(0, min(Lq, total_q - q_start));
+    const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
+    const int q_start = qr.start, Lq = qr.len;
     if (row >= (long long)Lq * num_heads_q) return;
     const long long ridx = (long long)q_start * num_heads_q + row;
     const int tok = (int)(ridx / num_heads_q), head = (int)(ridx - (long long)tok * num_heads_q);

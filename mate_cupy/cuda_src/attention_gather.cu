@@ -24,6 +24,7 @@
 #include "common/softmax.cuh"
 #include "common/attention_wgmma.cuh"
 #include "common/kv_pages.cuh"
+#include "common/request_rows.cuh"
 
 using namespace mate;
 using namespace mate::attn;
@@ -56,7 +57,8 @@ constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
 
-// Request r's geometry, clamped to the arrays as attention_fwd.cu clamps it.
+// Request r's geometry, clamped to the arrays as attention_fwd.cu clamps it (query_rows,
+// PageList).
 struct Req {
     int q_start, Lq, Lk, nb;  // nb: blocks an entry may name
     long long qoff;
@@ -67,9 +69,9 @@ __device__ __forceinline__ Req request_of(int r, const int* cu_seqlens_q, const 
                                           const int* qo_offset, const int* page_list, const int* page_indptr,
                                           int page_list_len, int total_q, int nb_max) {
     Req q;
-    q.q_start = cu_seqlens_q[r];
-    const int lq = qo_lens[r];
-    q.Lq = (q.q_start < 0 || q.q_start > total_q) ? 0 : max(0, min(lq, total_q - q.q_start));
+    const QueryRows rows = query_rows(cu_seqlens_q, qo_lens, total_q, r);
+    q.q_start = rows.start;
+    q.Lq = rows.len;
     q.Lk = max(kv_lens[r], 0);
     q.qoff = qo_offset[r];
     q.pages = PageList::of_request(page_list, page_indptr, page_list_len, r);
