@@ -21,8 +21,8 @@ The prefill tile can be chosen per plan (``msa_plan_from_lengths(..., prefill_ti
 ``msa_plan``, ``sparse_msa_plan``), per call (``run_attention(prefill_tile=...)``) or per
 process through ``MATE_CUPY_ATTN_PREFILL_TILE`` (dense/paged) and
 ``MATE_CUPY_ATTN_SPARSE_TILE`` (block-sparse prefill), read at every call when the plan
-names none; a tile
-that does not apply to the call (head dim, dtype, GPU) falls back to the default.
+names none; a tile that does not apply to the call (head dim, dtype, GPU) falls back to
+the default.
 Block-sparse prefill also takes ``"gather"``: the block-stationary kernels of
 ``cuda_src/attention_gather.cu`` (:mod:`mate_cupy.msa.gather_kernels`), for block lists
 chosen per query token.

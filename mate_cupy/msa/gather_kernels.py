@@ -1,11 +1,11 @@
 """Launcher of the block-stationary sparse prefill (``cuda_src/attention_gather.cu``).
 
-The prefill tile ``"gather"`` of block-sparse attention (a plan's ``prefill_tile="gather"``,
-``run_attention(prefill_tile="gather")`` or ``MATE_CUPY_ATTN_SPARSE_TILE=gather``): for
-block lists chosen per query
-token (MSA's top-k selection), every (request, query window, KV head, block) gathers the
-queries that listed the block, so each K/V block is loaded once per window and every MMA
-row is a query that picked the block; per (query, slot) partial outputs are then merged.
+The prefill tile ``"gather"`` of block-sparse attention (a plan's
+``prefill_tile="gather"``, ``run_attention(prefill_tile="gather")`` or
+``MATE_CUPY_ATTN_SPARSE_TILE=gather``): for block lists chosen per query token (MSA's
+top-k selection), every (request, query window, KV head, block) gathers the queries that
+listed the block, so each K/V block is loaded once per window and every MMA row is a query
+that picked the block; per (query, slot) partial outputs are then merged.
 On lists shared by whole query tiles the default tile is expected to be faster (the
 partials' round trip through DRAM alone is most of its time; docs/attention.md), and the
 launcher cannot tell the two apart without reading device data: it is opt-in.
