@@ -8,7 +8,6 @@ All bf16, D = 128; sparse rows at MiniMax-M3's shapes (Hq 64, Hkv 4, 16 blocks o
 from __future__ import annotations
 
 import math
-import os
 
 from . import ours
 from .checks import attention_rows, rel_err, sample_rows
@@ -16,8 +15,6 @@ from .harness import Bound, Case, Impl, sized
 from .models import BLOCK, attention_flops, kv_bytes, sparse_attention_flops
 from .peers import flex_build, sdpa_build, tile_block_mask, token_block_mask
 from .report import Target
-
-SPARSE_TILE_ENV = "MATE_CUPY_ATTN_SPARSE_TILE"  # the block-sparse prefill tile, read at every call
 
 D = 128
 
@@ -246,10 +243,11 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
             x["v_lin"] = x["v_cache"][p].reshape(n_blocks * BLOCK, hkv, D)[:s]
         return x["k_lin"], x["v_lin"]
 
-    def ours_build(inputs):
+    def ours_build(inputs, tile=None):
         import torch
 
-        plan = ours.sparse_plan([s], [s], hq, hkv, page_size=BLOCK, kv_block_num=topk, causal=True)
+        plan = ours.sparse_plan([s], [s], hq, hkv, page_size=BLOCK, kv_block_num=topk, causal=True,
+                                prefill_tile=tile)
         outs = [torch.empty_like(x["q"]) for x in inputs]
 
         def run(i):
@@ -260,22 +258,8 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
         return Bound(run)
 
     def gather_build(inputs):
-        """Per-token lists: the caller picks the gather tile (MATE_CUPY_ATTN_SPARSE_TILE=gather,
-        read at every call; part of the replayed-launch key)."""
-        bound = ours_build(inputs)
-
-        def run(i):
-            old = os.environ.get(SPARSE_TILE_ENV)
-            os.environ[SPARSE_TILE_ENV] = "gather"
-            try:
-                return bound.run(i)
-            finally:
-                if old is None:
-                    os.environ.pop(SPARSE_TILE_ENV, None)
-                else:
-                    os.environ[SPARSE_TILE_ENV] = old
-
-        return Bound(run)
+        """Per-token lists: the caller picks the gather tile on the plan."""
+        return ours_build(inputs, tile="gather")
 
     if per_token:
         mask = lambda x: token_block_mask(x["kv_block_indexes"], hq, n_blocks)  # noqa: E731

@@ -102,11 +102,7 @@ def sparse_msa_plan(*args, **kwargs):
     kwargs.setdefault("split_prefill_decode", False)
     kwargs["sparse_kernel_mode"] = "prefill"
     info = msa_plan_from_lengths(*args, **kwargs)
-    mixed, _, _, plan, extra = unpack_plan_info(info)
-    if mixed or extra is not None:
-        raise ValueError("sparse_msa_plan expects a pure sparse-prefill batch")
-    if plan.mode != "sparse_prefill":
-        raise ValueError(f"sparse_msa_plan expected sparse_prefill mode, got {plan.mode!r}")
+    _pure_plan("sparse_msa_plan", info, "sparse_prefill")
     return info
 
 
