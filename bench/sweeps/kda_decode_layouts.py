@@ -8,8 +8,8 @@ beta sigmoid in kernel (the bench's KDA decode case), for B in 32 / 256 / 1024 b
 Per (B, layout, slot indices, implementation):
 
 * ``graph_us``: CUDA-graph replay of 32 rotated calls (GPU time per call);
-* ``plain_us``: 100 back-to-back plain calls between two events (host launch cost included
-  when it exceeds the kernel);
+* ``plain_us``: back-to-back plain calls between events (host launch cost included when it
+  exceeds the kernel); both from ``bench.timing.Timer`` as in ``bench/run.py``;
 * ``latency_us``: one call followed by a synchronisation, wall clock (median of 60).
 
 Layouts: V-first ``[P, HV, V, K]`` (fla ``state_v_first=True``) and K-first
@@ -26,61 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.timing import Timer, TimingConfig  # noqa: E402
+
 HV, H, K, V = 32, 16, 128, 128
 NSETS = 4
 LOWER_BOUND = -5.0
-
-
-def _event():
-    import torch
-
-    return torch.cuda.Event(enable_timing=True)
-
-
-def graph_us(run, calls: int = 32, reps: int = 7) -> float:
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(NSETS):
-            run(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            run(j % NSETS)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = _event(), _event()
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / calls * 1e3)
-    del graph
-    return statistics.median(times)
-
-
-def plain_us(run, inner: int = 100, reps: int = 7) -> float:
-    import torch
-
-    for i in range(20):
-        run(i % NSETS)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = _event(), _event()
-        a.record()
-        for i in range(inner):
-            run(i % NSETS)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / inner * 1e3)
-    return statistics.median(times)
 
 
 def latency_us(run, n: int = 60) -> float:
@@ -96,7 +47,7 @@ def latency_us(run, n: int = 60) -> float:
     return statistics.median(times)
 
 
-def batch_rows(B: int, fla) -> list:
+def batch_rows(B: int, fla, timer) -> list:
     import torch
 
     import mate_cupy
@@ -140,7 +91,8 @@ def batch_rows(B: int, fla) -> list:
                     row["error"] = "fla not importable"
                 else:
                     try:
-                        row.update(graph_us=graph_us(fn), plain_us=plain_us(fn), latency_us=latency_us(fn))
+                        row.update(graph_us=timer.time_graph(fn, NSETS)["ms_graph"] * 1e3,
+                                   plain_us=timer.time(fn, NSETS)["ms"] * 1e3, latency_us=latency_us(fn))
                         row["tbps_graph"] = state_bytes / (row["graph_us"] * 1e-6) / 1e12
                     except Exception as e:  # reported, the sweep goes on
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -155,11 +107,11 @@ def batch_rows(B: int, fla) -> list:
         j = (i + 1) % NSETS
         dst[i * B:(i + 1) * B].copy_(src[j * B:(j + 1) * B])
 
-    row = dict(B=B, impl="copy", graph_us=graph_us(copy))
+    row = dict(B=B, impl="copy", graph_us=timer.time_graph(copy, NSETS)["ms_graph"] * 1e3)
     row["tbps_graph"] = state_bytes / (row["graph_us"] * 1e-6) / 1e12
     print(json.dumps(row), flush=True)
     rows.append(row)
-    del src, dst
+    src = dst = None  # freed before the next batch size
     torch.cuda.empty_cache()
     return rows
 
@@ -191,9 +143,10 @@ def main(outdir: str, batches) -> None:
     except Exception as e:  # the peer is optional
         print(f"fla not importable ({type(e).__name__}: {e})")
         fla = None
+    timer = Timer(TimingConfig())
     rows = []
     for B in batches:
-        rows += batch_rows(B, fla)
+        rows += batch_rows(B, fla, timer)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("MATE_CUPY_COMMIT"),
