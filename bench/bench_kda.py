@@ -42,7 +42,12 @@ def _gate_params(g, hv, device):
 
 # --------------------------------------------------------------------------- decode
 
-def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target: Target | None) -> Case:
+def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target: Target | None,
+                v_first: bool = True, identity_slots: bool = False) -> Case:
+    """One in-place decode step over an fp32 pool of ``batch * n_sets`` slots: V-first
+    ``[P, HV, V, K]`` (the bench's case) or K-first ``[P, HV, K, V]`` (fla's default), with
+    each input set's slots a random permutation of its share of the pool or, with
+    ``identity_slots``, the share in order."""
     dev = cfg.device
 
     def make_inputs(n):
@@ -50,8 +55,12 @@ def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target
 
         g = _gen(dev, 7)
         pool_size = batch * n  # each input set updates its own slots: rotation covers the whole pool
-        pool = torch.randn((pool_size, hv, V, K), generator=g, device=dev) * 0.05
-        perm = torch.randperm(pool_size, generator=g, device=dev).to(torch.int32)
+        pool = torch.randn((pool_size, hv, V, K) if v_first else (pool_size, hv, K, V), generator=g,
+                           device=dev) * 0.05
+        if identity_slots:
+            perm = torch.arange(pool_size, device=dev, dtype=torch.int32)
+        else:
+            perm = torch.randperm(pool_size, generator=g, device=dev).to(torch.int32)
         a_log, dt_bias = _gate_params(g, hv, dev)
         dt_bias = dt_bias.view(hv, K)
         return [{"q": _randn((batch, 1, h, K), g, dev), "k": _randn((batch, 1, h, K), g, dev),
@@ -71,7 +80,7 @@ def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target
                 x["q"], x["k"], x["v"], pool, x["A_log"], x["a"], x["dt_bias"], None, None, x["b"],
                 state_indices=x["idx"], output=outs[i], use_qk_l2norm=True, lower_bound=LOWER_BOUND,
                 use_gate_in_kernel=True, use_lower_bound=True, apply_beta_sigmoid=True,
-                inplace_final_state=True))
+                inplace_final_state=True, state_v_first=v_first))
 
         idx0 = inputs[0]["idx"].long()
         return Bound(run, result=lambda out: (out, pool[idx0]))
@@ -88,7 +97,7 @@ def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target
             return fla.fused_recurrent_kda_fwd(
                 q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                 initial_state=pool, scale=None, output_final_state=False, inplace_final_state=True,
-                state_v_first=True, ssm_state_indices=x["idx"], use_qk_l2norm_in_kernel=True,
+                state_v_first=v_first, ssm_state_indices=x["idx"], use_qk_l2norm_in_kernel=True,
                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND,
                 out=outs[i])[0]
 
@@ -97,21 +106,25 @@ def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target
 
     def check(results, inp):
         idx = inp["idx"].long()
-        o, s = kda_step(inp["pool"][idx], inp["q"][:, 0], inp["k"][:, 0], inp["v"][:, 0], inp["a"][:, 0],
+        vf = (lambda st: st) if v_first else (lambda st: st.transpose(-1, -2))  # [N, HV, V, K] view
+        o, s = kda_step(vf(inp["pool"][idx]), inp["q"][:, 0], inp["k"][:, 0], inp["v"][:, 0], inp["a"][:, 0],
                         inp["b"][:, 0], inp["A_log"], inp["dt_bias"], LOWER_BOUND, K ** -0.5)
         out = {}
         for name, (o_impl, s_impl) in results.items():
-            out[name] = {"err": max(rel_err(o_impl[:, 0], o), rel_err(s_impl, s)),
+            out[name] = {"err": max(rel_err(o_impl[:, 0], o), rel_err(vf(s_impl), s)),
                          "err_vs": "fp32 torch step (max of output and updated-state errors)"}
         return out
 
+    layout = "[P, HV, V, K]" if v_first else "[P, HV, K, V]"
     return Case(
-        op="kda decode", name=f"B{batch} HV{hv} H{h} fp32 pool in place",
+        op="kda decode",
+        name=f"B{batch} HV{hv} H{h} fp32 pool in place" + ("" if v_first else " K-first")
+        + (" identity slots" if identity_slots else ""),
         make_inputs=make_inputs, set_bytes=kda_decode_bytes(batch, hv),
         impls=[Impl("mate_cupy", "ours", ours_build, capture_safe=True),
                Impl("fla", "peer", fla_build, family="fla", capture_safe=True, guard=session.guard)],
         metric="tbps", bytes=kda_decode_bytes(batch, hv), baseline="fla", target=target, check=check, tol=1e-2,
-        params=dict(B=batch, T=1, HV=hv, H=h, K=K, V=V, state="float32 [P, HV, V, K]", qkv="bfloat16",
+        params=dict(B=batch, T=1, HV=hv, H=h, K=K, V=V, state=f"float32 {layout}", qkv="bfloat16",
                     lower_bound=LOWER_BOUND, gate_in_kernel=True, beta_sigmoid=True, l2norm=True),
     )
 

@@ -4,7 +4,8 @@
 
 Case: HV 32, H 16, K = V = 128, fp32 state pool of 4 * B slots updated in place, T = 1,
 bf16 q/k/v/a/b, gate ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``, q/k L2 norm and
-beta sigmoid in kernel (the bench's KDA decode case), for B in 32 / 256 / 1024 by default.
+beta sigmoid in kernel: the bench's KDA decode case (``bench_kda.decode_case`` with its
+layout and slot-order options), for B in 32 / 256 / 1024 by default.
 Per (B, layout, slot indices, implementation):
 
 * ``graph_us``: CUDA-graph replay of 32 rotated calls (GPU time per call);
@@ -19,6 +20,7 @@ or the identity (``ident``). Beside them, a device-to-device copy of the same by
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -27,80 +29,49 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.bench_kda import K, V, decode_case  # noqa: E402
+from bench.fla_peer import FlaSession  # noqa: E402
+from bench.harness import BenchConfig  # noqa: E402
 from bench.timing import Timer, TimingConfig  # noqa: E402
 
-HV, H, K, V = 32, 16, 128, 128
-NSETS = 4
-LOWER_BOUND = -5.0
+HV, H = 32, 16
+NSETS = 4  # input sets rotated through (each updates its own B slots of the pool)
 
 
-def latency_us(run, n: int = 60) -> float:
+def latency_us(timer, run, n: int = 60) -> float:
+    """Median wall-clock microseconds of one call followed by a synchronisation."""
+    return statistics.median(timer.wall(lambda i=i: run(i % NSETS))[1] for i in range(n)) * 1e6
+
+
+def batch_rows(B: int, session, timer) -> list:
+    """Rows of one batch size: the bench's KDA decode case (``bench_kda.decode_case``) in
+    both layouts and slot orders, each implementation timed three ways, then a copy."""
     import torch
 
-    torch.cuda.synchronize()
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        run(i % NSETS)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
-def batch_rows(B: int, fla, timer) -> list:
-    import torch
-
-    import mate_cupy
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16)
-
-    pool_slots = B * NSETS  # each input set updates its own slots
-    perm = torch.randperm(pool_slots, generator=g, device="cuda").to(torch.int32)
-    a_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=g))
-    dt_bias = torch.randn(HV, K, device="cuda") * 0.5
-    sets = [dict(q=rnd(B, 1, H, K), k=rnd(B, 1, H, K), v=rnd(B, 1, HV, V), a=rnd(B, 1, HV, K), b=rnd(B, 1, HV),
-                 idx=perm[i * B:(i + 1) * B].contiguous(),
-                 ident=torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32),
-                 out=torch.empty(B, 1, HV, V, device="cuda", dtype=torch.bfloat16)) for i in range(NSETS)]
-    state_bytes = 2 * B * HV * V * K * 4
+    cfg = BenchConfig()
     rows = []
     for v_first in (True, False):
-        pool = torch.randn((pool_slots, HV, V, K) if v_first else (pool_slots, HV, K, V), generator=g,
-                           device="cuda") * 0.05
-        for slots in ("idx", "ident"):
-            def ours(i, pool=pool, v_first=v_first, slots=slots):
-                x = sets[i]
-                mate_cupy.gated_delta_rule_decode(
-                    x["q"], x["k"], x["v"], pool, a_log, x["a"], dt_bias, None, None, x["b"], state_indices=x[slots],
-                    output=x["out"], use_qk_l2norm=True, lower_bound=LOWER_BOUND, use_gate_in_kernel=True,
-                    use_lower_bound=True, apply_beta_sigmoid=True, inplace_final_state=True, state_v_first=v_first)
-
-            def peer(i, pool=pool, v_first=v_first, slots=slots):
-                x = sets[i]
-                fla(q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["b"], A_log=a_log, dt_bias=dt_bias,
-                    initial_state=pool, scale=None, output_final_state=False, inplace_final_state=True,
-                    state_v_first=v_first, ssm_state_indices=x[slots], use_qk_l2norm_in_kernel=True,
-                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=x["out"])
-
-            for name, fn in (("mate_cupy", ours), ("fla", peer)):
-                row = dict(B=B, layout="V-first" if v_first else "K-first", slots=slots, impl=name)
-                if fn is peer and fla is None:
-                    row["error"] = "fla not importable"
-                else:
-                    try:
-                        row.update(graph_us=timer.time_graph(fn, NSETS)["ms_graph"] * 1e3,
-                                   plain_us=timer.time(fn, NSETS)["ms"] * 1e3, latency_us=latency_us(fn))
-                        row["tbps_graph"] = state_bytes / (row["graph_us"] * 1e-6) / 1e12
-                    except Exception as e:  # reported, the sweep goes on
-                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for identity in (False, True):
+            case = decode_case(cfg, B, HV, H, session=session, target=None, v_first=v_first,
+                               identity_slots=identity)
+            inputs = case.make_inputs(NSETS)
+            for impl in case.impls:
+                row = dict(B=B, layout="V-first" if v_first else "K-first", slots="ident" if identity else "idx",
+                           impl=impl.name)
+                try:
+                    with impl.guard() if impl.guard else contextlib.nullcontext():
+                        run = impl.build(inputs).run
+                        run(0)
+                    row.update(graph_us=timer.time_graph(run, NSETS)["ms_graph"] * 1e3,
+                               plain_us=timer.time(run, NSETS)["ms"] * 1e3, latency_us=latency_us(timer, run))
+                    row["tbps_graph"] = case.bytes / (row["graph_us"] * 1e-6) / 1e12
+                except Exception as e:  # reported (fla not importable, ...), the sweep goes on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-        del pool
-        torch.cuda.empty_cache()
-    src = torch.randn((pool_slots, HV, V, K), device="cuda")
+            del inputs
+            torch.cuda.empty_cache()
+    src = torch.randn((B * NSETS, HV, V, K), device="cuda")
     dst = torch.empty_like(src)
 
     def copy(i):
@@ -108,7 +79,7 @@ def batch_rows(B: int, fla, timer) -> list:
         dst[i * B:(i + 1) * B].copy_(src[j * B:(j + 1) * B])
 
     row = dict(B=B, impl="copy", graph_us=timer.time_graph(copy, NSETS)["ms_graph"] * 1e3)
-    row["tbps_graph"] = state_bytes / (row["graph_us"] * 1e-6) / 1e12
+    row["tbps_graph"] = case.bytes / (row["graph_us"] * 1e-6) / 1e12
     print(json.dumps(row), flush=True)
     rows.append(row)
     src = dst = None  # freed before the next batch size
@@ -137,16 +108,11 @@ def markdown(rows: list) -> str:
 def main(outdir: str, batches) -> None:
     import torch
 
-    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-    try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla
-    except Exception as e:  # the peer is optional
-        print(f"fla not importable ({type(e).__name__}: {e})")
-        fla = None
+    session = FlaSession(budget_s=300.0, configs_dir=None)
     timer = Timer(TimingConfig())
     rows = []
     for B in batches:
-        rows += batch_rows(B, fla, timer)
+        rows += batch_rows(B, session, timer)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("MATE_CUPY_COMMIT"),
