@@ -29,55 +29,78 @@ def _cases(torch, mc):
         return torch.randn(shape, generator=g, device=dev).to(dtype)
 
     cases = {}
-    # KDA decode, B32 HV32 H16, fp32 pool in place.
-    b, hv, h, k = 32, 32, 16, 128
-    pool = torch.randn((b, hv, k, k), generator=g, device=dev) * 0.05
-    idx = torch.arange(b, dtype=torch.int32, device=dev)
-    dq = dict(q=rn(b, 1, h, k), k=rn(b, 1, h, k), v=rn(b, 1, hv, k), a=rn(b, 1, hv, k), b=rn(b, 1, hv),
-              A_log=torch.rand(hv, device=dev, generator=g).float(), dt_bias=torch.zeros(hv, k, device=dev),
-              out=torch.empty(b, 1, hv, k, device=dev, dtype=torch.bfloat16))
+    # KDA decode, HV32 H16, fp32 pool in place, preallocated output: B1 and B32.
+    hv, h, k = 32, 16, 128
+    for b in (1, 32):
+        pool = torch.randn((b, hv, k, k), generator=g, device=dev) * 0.05
+        idx = torch.arange(b, dtype=torch.int32, device=dev)
+        dq = dict(q=rn(b, 1, h, k), k=rn(b, 1, h, k), v=rn(b, 1, hv, k), a=rn(b, 1, hv, k), b=rn(b, 1, hv),
+                  A_log=torch.rand(hv, device=dev, generator=g).float(), dt_bias=torch.zeros(hv, k, device=dev),
+                  out=torch.empty(b, 1, hv, k, device=dev, dtype=torch.bfloat16))
 
-    def kda_decode():
-        return mc.gated_delta_rule_decode(dq["q"], dq["k"], dq["v"], pool, dq["A_log"], dq["a"], dq["dt_bias"], None,
-                                          None, dq["b"], state_indices=idx, output=dq["out"], use_lower_bound=True,
-                                          apply_beta_sigmoid=True, inplace_final_state=True)
+        def kda_decode(dq=dq, pool=pool, idx=idx):
+            return mc.gated_delta_rule_decode(dq["q"], dq["k"], dq["v"], pool, dq["A_log"], dq["a"], dq["dt_bias"],
+                                              None, None, dq["b"], state_indices=idx, output=dq["out"],
+                                              use_lower_bound=True, apply_beta_sigmoid=True,
+                                              inplace_final_state=True)
 
-    cases["kda decode B32"] = kda_decode
+        cases[f"gated_delta_rule_decode B{b}"] = kda_decode
 
-    # MSA paged decode B64 L8192 page 64, static plan + runtime metadata.
-    bs, L, page, hq, hkv, d = 64, 8192, 64, 64, 8, 128
-    n_pages = bs * L // page
+    # Sparse decode B1, 128K keys, Hq64 Hkv4 top-16, page 128: eager and static plan.
+    page, hq, hkv, d, L = 128, 64, 4, 128, 131072
+    n_pages = L // page
     kc, vc = rn(n_pages, page, hkv, d), rn(n_pages, page, hkv, d)
-    qd = rn(bs, hq, d)
-    outd = torch.empty_like(qd)
-    kv_indices = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)
-    qo = torch.ones(bs, dtype=torch.int32, device=dev)
-    kv = torch.full((bs,), L, dtype=torch.int32, device=dev)
-    zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    meta = mc.MsaRuntimeMetadata(
-        qo_lens=qo, kv_lens=kv, qo_offset=kv - qo, cu_seqlens_q=torch.cat([zero, torch.cumsum(qo, 0, dtype=torch.int32)]),
-        cu_seqlens_k=torch.cat([zero, torch.cumsum(kv, 0, dtype=torch.int32)]), seqused_k=kv.clone(),
-        kv_page_indptr=torch.cat([zero, torch.cumsum(kv // page, 0, dtype=torch.int32)]))
-    plan = mc.msa_plan(bs, 1, L, hq, total_seqlen_k=n_pages * page, num_kv_heads=hkv, page_size=page)
+    qs = rn(1, hq, d)
+    outs = torch.empty_like(qs)
+    idx_s = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)
+    sel = torch.randint(0, n_pages, (1, hkv, 16), device=dev, generator=g, dtype=torch.int32)
+    splan = mc.msa_plan_from_lengths(torch.ones(1, dtype=torch.int32), torch.full((1,), L, dtype=torch.int32), hq,
+                                     hkv, page_size=page, kv_block_num=16, device=0)
+    mc.upload_plan(splan, device=0, head_dim=d, dtype=torch.bfloat16)
 
-    def paged_static():
-        return mc.msa(qd, kc, vc, plan, kv_indices=kv_indices, out=outd, runtime_metadata=meta)
+    def sparse_decode():
+        return mc.sparse_decode_atten_func(qs, kc, vc, splan, kv_indices=idx_s, kv_block_indexes=sel, out=outs)
 
-    cases["msa paged decode static B64"] = paged_static
-    eplan = mc.msa_plan_from_lengths(qo.cpu(), kv.cpu(), hq, hkv, page_size=page)
+    cases["sparse_decode_atten_func B1 eager"] = sparse_decode
 
-    def paged_eager():
-        return mc.msa(qd, kc, vc, eplan, kv_indices=kv_indices, out=outd)
+    # MSA paged decode B1 and B64 (8192 keys, page 64, Hq64 Hkv8), static plan + runtime metadata
+    # and eager plan.
+    L, page, hq, hkv = 8192, 64, 64, 8
+    for bs in (1, 64):
+        n_pages = bs * L // page
+        kc2, vc2 = rn(n_pages, page, hkv, d), rn(n_pages, page, hkv, d)
+        qd = rn(bs, hq, d)
+        outd = torch.empty_like(qd)
+        kv_indices = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)
+        qo = torch.ones(bs, dtype=torch.int32, device=dev)
+        kv = torch.full((bs,), L, dtype=torch.int32, device=dev)
+        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        meta = mc.MsaRuntimeMetadata(
+            qo_lens=qo, kv_lens=kv, qo_offset=kv - qo,
+            cu_seqlens_q=torch.cat([zero, torch.cumsum(qo, 0, dtype=torch.int32)]),
+            cu_seqlens_k=torch.cat([zero, torch.cumsum(kv, 0, dtype=torch.int32)]), seqused_k=kv.clone(),
+            kv_page_indptr=torch.cat([zero, torch.cumsum(kv // page, 0, dtype=torch.int32)]))
+        plan = mc.msa_plan(bs, 1, L, hq, total_seqlen_k=n_pages * page, num_kv_heads=hkv, page_size=page)
+        mc.upload_plan(plan, device=0, head_dim=d, dtype=torch.bfloat16)
+        eplan = mc.msa_plan_from_lengths(qo, kv, hq, hkv, page_size=page)  # CUDA lengths: uploaded at once
+        mc.upload_plan(eplan, device=0, head_dim=d, dtype=torch.bfloat16)
 
-    cases["msa paged decode eager B64"] = paged_eager
+        def paged_static(a=(qd, kc2, vc2, plan), kw=dict(kv_indices=kv_indices, out=outd, runtime_metadata=meta)):
+            return mc.msa(*a, **kw)
+
+        def paged_eager(a=(qd, kc2, vc2, eplan), kw=dict(kv_indices=kv_indices, out=outd)):
+            return mc.msa(*a, **kw)
+
+        cases[f"msa paged decode static B{bs}"] = paged_static
+        cases[f"msa paged decode eager B{bs}"] = paged_eager
 
     scores = torch.randn((64, 64, 8192), generator=g, device=dev)
-    sel = torch.empty((64, 64, 16), dtype=torch.int32, device=dev)
+    selk = torch.empty((64, 64, 16), dtype=torch.int32, device=dev)
 
     def topk():
-        return mc.sparse_topk_select(scores, 16, output=sel)
+        return mc.sparse_topk_select(scores, 16, output=selk)
 
-    cases["topk [64,64,8192]"] = topk
+    cases["sparse_topk_select [64,64,8192]"] = topk
     return cases
 
 

@@ -6,7 +6,7 @@ of the first array argument.
 """
 from ._version import __version__
 from ._logging import get_log_level, set_log_level
-from .util_kernels import cast
+from .util_ops import cast
 from .msa_interface import *  # noqa: F401,F403
 from .msa_interface import __all__ as _msa_all
 from .kda_interface import *  # noqa: F401,F403

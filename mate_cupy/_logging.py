@@ -17,10 +17,12 @@ _level = int(os.environ.get("MATE_CUPY_LOGLEVEL", "0") or 0)
 
 
 def get_log_level() -> int:
+    """The API logging level (0 off, 1 call names, 3 also shapes, dtypes, devices and plans)."""
     return _level
 
 
 def set_log_level(level: int) -> None:
+    """Set the API logging level (see :func:`get_log_level`); logs go to the ``mate_cupy`` logger."""
     global _level
     _level = int(level)
     if _level > 0 and not logger.handlers and not logging.getLogger().handlers:

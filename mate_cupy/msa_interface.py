@@ -1,9 +1,10 @@
 """Public MSA (MiniMax Sparse Attention) API.
 
 Plans (:mod:`mate_cupy.msa.plan`), attention ops (:mod:`mate_cupy.msa.ops`), top-k block
-selection (:mod:`mate_cupy.msa.topk`) and the page-table builder
-(:mod:`mate_cupy.msa.page_table`). Every function takes any DLPack array: CUDA arrays
-run the kernels, NumPy arrays the float64 references (:mod:`mate_cupy.reference.msa`).
+selection (:mod:`mate_cupy.msa.topk`), the page-table builder
+(:mod:`mate_cupy.msa.page_table`) and :class:`Workspace` (caller-owned scratch memory).
+Every function takes any DLPack array: CUDA arrays run the kernels, NumPy arrays the
+float64 references (:mod:`mate_cupy.reference.msa`), refused for the same conditions.
 """
 from .msa.ops import msa, sparse_decode_atten_func, sparse_msa, sparse_msa_plan
 from .msa.page_table import build_page_table_from_flat_kv_indices
@@ -15,8 +16,10 @@ from .msa.plan import (
     MsaRuntimeMetadata,
     msa_plan,
     msa_plan_from_lengths,
+    upload_plan,
 )
 from .msa.topk import sparse_topk_select
+from .runtime.workspace import Workspace
 
 # The seed's name for the eager planner.
 _msa_plan_from_lengths = msa_plan_from_lengths
@@ -27,6 +30,7 @@ __all__ = [
     "MsaPlanInfo",
     "MsaPrefillPlan",
     "MsaRuntimeMetadata",
+    "Workspace",
     "build_page_table_from_flat_kv_indices",
     "msa",
     "msa_plan",
@@ -35,4 +39,5 @@ __all__ = [
     "sparse_msa",
     "sparse_msa_plan",
     "sparse_topk_select",
+    "upload_plan",
 ]

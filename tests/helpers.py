@@ -27,7 +27,7 @@ def rel_err(out, ref) -> float:
         return float("inf")
     if not np.array_equal(out[~finite], ref[~finite]):
         return float("inf")
-    num = np.linalg.norm((out - ref)[finite])
+    num = np.linalg.norm(out[finite] - ref[finite])
     den = np.linalg.norm(ref[finite])
     return float(num / den) if den > 0 else float(num)
 

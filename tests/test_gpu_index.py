@@ -2,22 +2,28 @@
 
 CPU tests (run everywhere): a NumPy model of the top-k kernel's algorithm (same
 thread layout, lower bound, candidate compaction, bitwise searches, tie rule) is
-checked against the float64 reference on adversarial rows, and every registered
-variant compiles with NVRTC. GPU tests: the CUDA kernels, through the launchers and
-through the public API, against ``mate_cupy.reference.msa`` on fresh random inputs
-with poisoned outputs: selected ids must be identical; max scores must match to
-fp32 rounding with ``-inf`` exactly where the reference has it.
+checked against the float64 reference on adversarial rows; the kernel choices reach
+every registered variant and only those; the launchers' parameter tables match the
+kernel signatures in the source; every registered variant compiles with NVRTC for
+sm_90a and sm_80. GPU tests: the CUDA kernels, through the launchers and through the
+public API, against ``mate_cupy.reference.msa`` on fresh random inputs with poisoned
+outputs: selected ids must be identical; max scores must match to fp32 rounding with
+``-inf`` exactly where the reference has it.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
+import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from mate_cupy.msa import index_kernels as ik
+from mate_cupy.msa import index_launch as il
+from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
+from mate_cupy.runtime.interop import wrap
 
 BLOCK = 128
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
@@ -103,7 +109,8 @@ def model_topk_row(row: np.ndarray, width: int, valid: int, begin: int, end: int
     if k <= 0:
         return out
     lo, hi = begin, valid - end
-    nw, npt, vec, top2 = ik.topk_variant(nt, k, nt % 4 == 0)
+    cfg = il.block_topk_config(_problem(nt, k, nt % 4 == 0))
+    nw, npt, vec, top2 = cfg.warps_per_row, cfg.scores_per_thread, cfg.vector_width, cfg.top2
     g = 32 * nw
     v, c = np.meshgrid(np.arange(npt // vec), np.arange(vec), indexing="ij")
     step = (vec * g * v + c).reshape(-1)                        # [NPT] in key[] order
@@ -113,7 +120,7 @@ def model_topk_row(row: np.ndarray, width: int, valid: int, begin: int, end: int
     srt = np.sort(keys, axis=1)
     maxima = srt[:, -1] if not top2 else np.concatenate([srt[:, -1], srt[:, -2]])
     t0 = max(_kth_largest(maxima, k), 1)
-    cap = (ik._TOPK_WARP_CANDIDATES if nw == 1 else ik._TOPK_CTA_CANDIDATES) if cap is None else cap
+    cap = cfg.candidate_capacity if cap is None else cap
     sel_pool = keys >= t0
     if sel_pool.sum() > cap:  # register path: all keys
         sel_pool = keys >= 1
@@ -127,6 +134,11 @@ def model_topk_row(row: np.ndarray, width: int, valid: int, begin: int, end: int
     assert chosen.shape[0] == k
     out[lo:lo + k] = np.sort(chosen)
     return out
+
+
+def _problem(nt: int, slots: int, aligned: bool = True, rows: int = 1) -> TopkProblem:
+    """A selection of ``rows`` rows of ``nt`` scores with ``slots`` free slots (no forced blocks)."""
+    return TopkProblem(rows, 1, nt, slots, slots, nt, 0, 0, True, False, aligned, 0)
 
 
 def _valid_per_row(total_q, nt, num_valid_pages, query_positions):
@@ -191,53 +203,212 @@ def test_order_keys_sort_like_the_reference():
     assert k[1] > 1                                # -inf above NaN
 
 
-def test_topk_variant_choice():
-    assert ik.topk_variant(64, 16, True) == (1, 8, 4, False)
-    assert ik.topk_variant(1024, 16, True) == (1, 32, 4, False)
-    assert ik.topk_variant(1024, 64, False) == (1, 32, 1, True)
-    assert ik.topk_variant(8192, 16, True) == (8, 32, 4, False)
-    assert ik.topk_variant(12287, 64, False) == (12, 32, 1, False)
+def test_block_topk_config_choice():
+    key = lambda c: (c.warps_per_row, c.scores_per_thread, c.vector_width, c.top2)  # noqa: E731
+    assert key(il.block_topk_config(_problem(64, 16))) == (1, 8, 4, True)
+    assert key(il.block_topk_config(_problem(1024, 16))) == (1, 32, 4, True)
+    assert key(il.block_topk_config(_problem(1024, 64, False))) == (1, 32, 1, True)
+    assert key(il.block_topk_config(_problem(8192, 16))) == (8, 32, 4, False)
+    assert key(il.block_topk_config(_problem(2048, 33))) == (2, 32, 4, True)
+    assert key(il.block_topk_config(_problem(12287, 64, False))) == (12, 32, 1, False)
     for nt in (1, 256, 257, 1024, 1025, 2048, 2049, 4096, 4097, 8192, 8193, 12287):
         for slots in (1, 16, 17, 32, 33, 64):
-            for vec_ok in (True, False):
-                nw, npt, vec, top2 = ik.topk_variant(nt, slots, vec_ok)
-                assert 32 * nw * npt >= nt
-                assert (nw, npt, vec, top2) in ik.TOPK_SPECS
+            for aligned in (True, False):
+                cfg = il.block_topk_config(_problem(nt, slots, aligned))
+                assert 32 * cfg.warps_per_row * cfg.scores_per_thread >= nt
+                assert key(cfg) in il.TOPK_SPECS
+                assert cfg.candidate_capacity == (256 if cfg.warps_per_row == 1 else 2048)
+
+
+def test_choices_reach_every_registered_variant_and_only_those():
+    """No registered variant is unreachable: the automatic choices over a grid of problems
+    pick exactly the registered top-k and max-score variants."""
+    picked = set()
+    for nt in (1, 256, 257, 512, 513, 1024, 1025, 2048, 2049, 4096, 4097, 8192, 8193, 12287):
+        for slots in (0, 1, 16, 17, 32, 33, 64):
+            for aligned in (True, False):
+                for rows in (1, 1023, 1024, 1 << 20):
+                    cfg = il.select_topk_config(_problem(nt, slots, aligned, rows))
+                    if cfg.kernel == "stream":
+                        picked.add(il.STREAM_SPECS[(cfg.scores_per_thread, cfg.vector_width)])
+                    else:
+                        picked.add(il.TOPK_SPECS[(cfg.warps_per_row, cfg.scores_per_thread, cfg.vector_width,
+                                                  cfg.top2)])
+    assert picked == set(il.TOPK_SPECS.values()) | set(il.STREAM_SPECS.values())
+    configs = {il.select_max_score_config(rows, cc) for rows in (1, 64, 65, 1 << 20) for cc in (80, 86, 89, 90, 100)}
+    assert configs == set(il.MAX_SCORE_CONFIGS)
+    assert {cfg for _, _, cfg in il.MAX_SCORE_SPECS} == configs
 
 
 def test_max_score_launch_geometry():
     """Key splits cover every output block once; shared memory fits an H200 SM."""
     for ctas in (0, 1, 7, 64, 256, 527, 528, 4096):
         for nt in (1, 2, 5, 64, 1000, 1024, 12287):
-            splits, per = ik.max_score_splits(ctas, nt, 132)
+            splits, per = il.max_score_splits(ctas, nt, 132)
             assert splits >= 1 and per >= 1 and splits * per >= nt > (splits - 1) * per
             assert splits == 1 or ctas * splits <= 2 * 4 * 132 or per <= 4 * 2
-    assert ik.max_score_splits(4096, 64, 132) == (1, 64)      # S8192 Hq64 Hkv8: one CTA per tile
-    assert ik.max_score_splits(8, 8192, 132)[0] > 32           # decode: the key range is spread
-    for d in ik.MAX_SCORE_HEAD_DIMS:
-        for nw, stages, mma in ik._max_score_configs(d):
-            smem = ik.max_score_smem_bytes(d, nw, stages, mma)
-            assert smem <= 227 * 1024, (d, nw, stages, mma)
-            if d <= 128 and (mma == "mma" or stages == 2):  # launch bounds promise two CTAs per SM
-                assert 2 * (smem + 1024) <= 228 * 1024, (d, nw, stages, mma)
+    assert il.max_score_splits(4096, 64, 132) == (1, 64)      # S8192 Hq64 Hkv8: one CTA per tile
+    assert il.max_score_splits(8, 8192, 132)[0] > 32           # decode: the key range is spread
+    for d in il.MAX_SCORE_HEAD_DIMS:
+        for cfg in il.MAX_SCORE_CONFIGS:
+            smem = il.max_score_smem_bytes(d, cfg)
+            assert smem <= 227 * 1024, (d, cfg)
+            if d <= 128:  # launch bounds promise two CTAs per SM
+                assert 2 * (smem + 1024) <= 228 * 1024, (d, cfg)
 
 
-def test_index_variants_compile():
-    """Every registered variant builds with NVRTC for sm_90a (no GPU needed); the hot
-    variants never read local memory in the kernel itself (the streaming kernel saves a
-    few registers around its out-of-line exact pass, which only rare rows take)."""
-    import re
+# ---------------------------------------------------------------------------- launchers vs the source
 
-    from mate_cupy.jit import compile_all, compile_variant
+SRC = Path(il.__file__).resolve().parent.parent / "cuda_src" / il.SOURCE
 
-    specs = list(ik.TOPK_SPECS.values()) + list(ik.STREAM_SPECS.values()) + list(ik.MAX_SCORE_SPECS.values())
-    results = compile_all("sm_90a", specs=specs)
+
+def c_params(kernel: str, src: Path = SRC) -> list:
+    """(name, kind) of each parameter of ``kernel`` as declared in ``src``."""
+    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", src.read_text(), re.S)
+    assert m, kernel
+    params = []
+    for decl in m.group(1).split(","):
+        decl = " ".join(decl.replace("__restrict__", "").split())
+        name = decl.split()[-1].lstrip("*")
+        if "*" in decl:
+            kind = "ptr"
+        elif decl.startswith("long long"):
+            kind = "i64"
+        elif decl.startswith("int"):
+            kind = "i32"
+        elif decl.startswith("float"):
+            kind = "f32"
+        else:
+            raise AssertionError(decl)
+        params.append((name, kind))
+    return params
+
+
+@pytest.mark.parametrize("kernel,params", [("msa_block_max_score_kernel", il.MAX_SCORE_PARAMS),
+                                           ("msa_topk_select_kernel", il.TOPK_PARAMS),
+                                           ("msa_topk_stream_kernel", il.STREAM_PARAMS)])
+def test_launcher_parameters_match_kernel_signature(kernel, params):
+    assert c_params(kernel) == list(params.params)
+
+
+def _recording(monkeypatch, sm_count=132, cc=90):
+    """Launches of index_launch recorded instead of run (kernel name, grid, block, params, values, smem)."""
+    launches = []
+    monkeypatch.setattr(il, "launch", lambda kern, grid, block, params, values, shared_mem=0, stream=0:
+                        launches.append((kern, tuple(grid), tuple(block), params, tuple(values), shared_mem, stream)))
+    monkeypatch.setattr(il, "get_kernel", lambda spec, kernel=None, device_id=None: spec.kernels[0])
+    monkeypatch.setattr(il, "device_info", lambda device=None: (sm_count, cc))
+    return launches
+
+
+@pytest.mark.parametrize("paged", ["dense", "table", "csr"])
+@pytest.mark.parametrize("cc", [80, 90])
+def test_run_max_score_packs_its_launch(monkeypatch, paged, cc):
+    """Grid, block, shared memory and packed values of one launch (host arrays as Args)."""
+    launches = _recording(monkeypatch, cc=cc)
+    hq, hkv, d, page = 8, 2, 128, 64
+    qo, kv = np.array([100, 3], np.int32), np.array([700, 300], np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    q = wrap("q", np.zeros((int(cu_q[-1]), hq, d), BF16))
+    ms = wrap("max_score", np.zeros((q.shape[0], hq, 6), np.float32))
+    w = lambda n, a: None if a is None else wrap(n, a)  # noqa: E731
+    kw = dict(cu_seqlens_q=w("cu_q", cu_q), qo_lens=w("qo", qo), kv_lens=w("kv", kv), qo_offset=w("off", off))
+    if paged == "dense":
+        k = wrap("k", np.zeros((int(cu_k[-1]), hkv, d), BF16))
+        kw.update(cu_seqlens_k=w("cu_k", cu_k))
+    else:
+        k = wrap("k", np.zeros((20, hkv, page, d), BF16))  # HND
+        table = np.zeros((2, 11), np.int32)
+        if paged == "table":
+            kw.update(page_table=w("table", table), kv_layout="HND", page_size=page)
+        else:
+            kw.update(kv_indices=w("idx", table.ravel()[:16]), kv_layout="HND", page_size=page,
+                      kv_page_indptr=w("indptr", np.array([0, 11, 16], np.int32)))
+    il.run_max_score(q, k, ms, max_seqlen_q=100, causal=True, stream=1234, **kw)
+    (kern, grid, block, params, values, smem, stream), = launches
+    cfg = il.select_max_score_config(100 * 4, cc)
+    assert kern == il.MAX_SCORE_SPECS[(BF16, d, cfg)].kernels[0] and stream == 1234
+    m_tiles = -(-400 // cfg.rows_per_cta)
+    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2 * hkv, 6, 132)[0])
+    assert block == (32 * cfg.num_warps,) and smem == il.max_score_smem_bytes(d, cfg)
+    params.pack(values)  # every value fits its kind
+    v = dict(zip(params.names, values))
+    assert v["kv_mode"] == {"dense": 0, "table": 1, "csr": 2}[paged]
+    assert v["q_stride_tok"] == hq * d and v["q_stride_head"] == d
+    if paged == "dense":
+        assert (v["k_stride_outer"], v["k_stride_slot"], v["k_stride_head"]) == (hkv * d, 0, d)
+        assert v["page_table"] is None and v["kv_indices"] is None and v["cu_seqlens_k"] is not None
+    else:
+        assert (v["k_stride_outer"], v["k_stride_slot"], v["k_stride_head"]) == (hkv * page * d, d, page * d)
+        assert v["page_shift"] == 6 and v["cu_seqlens_k"] is None
+        assert v["page_table_cols"] == (11 if paged == "table" else 0)
+        assert v["num_kv_indices"] == (16 if paged == "csr" else 0)
+    assert (v["batch"], v["num_heads_q"], v["num_heads_kv"], v["nt"], v["causal"]) == (2, hq, hkv, 6, 1)
+
+
+def test_run_max_score_empty_launches_nothing(monkeypatch):
+    launches = _recording(monkeypatch)
+    z = lambda *shape, dt=np.int32: wrap("a", np.zeros(shape, dt))  # noqa: E731
+    for total_q, batch, nt, max_q in ((0, 1, 4, 1), (3, 0, 4, 1), (3, 1, 0, 1), (3, 1, 4, 0)):
+        il.run_max_score(z(total_q, 4, 64, dt=F16), z(5, 1, 64, dt=F16), z(total_q, 4, nt, dt=np.float32),
+                         cu_seqlens_q=z(batch + 1), qo_lens=z(batch), kv_lens=z(batch), qo_offset=z(batch),
+                         cu_seqlens_k=z(batch + 1), max_seqlen_q=max_q, causal=True, stream=0)
+    assert launches == []
+
+
+@pytest.mark.parametrize("nt,slots,rows", [(64, 16, 7), (2000, 16, 7), (2000, 40, 3000), (5000, 64, 3)])
+def test_launch_topk_packs_its_launch(monkeypatch, nt, slots, rows):
+    launches = _recording(monkeypatch)
+    ms = wrap("max_score", np.zeros((rows, 1, nt), np.float32))
+    out = wrap("output", np.zeros((rows, 1, slots), np.int32))
+    problem = _problem(nt, slots, ms.ptr % 16 == 0 and nt % 4 == 0, rows)
+    cfg = il.select_topk_config(problem)
+    il.launch_topk(problem, cfg, ms, out, None, 77)
+    (kern, grid, block, params, values, smem, stream), = launches
+    params.pack(values)
+    v = dict(zip(params.names, values))
+    assert (v["num_rows"], v["nt"], v["width"], v["num_valid_pages"]) == (rows, nt, slots, nt)
+    assert v["query_positions"] is None
+    assert stream == 77 and smem == 0
+    if cfg.kernel == "stream":
+        assert params is il.STREAM_PARAMS and kern.startswith("msa_topk_stream_kernel")
+        assert grid == (-(-rows // cfg.rows_per_cta),) and block == (32 * cfg.rows_per_cta,)
+    else:
+        assert params is il.TOPK_PARAMS and v["cand_cap"] == cfg.candidate_capacity
+        if cfg.warps_per_row == 1:
+            assert grid == (-(-rows // 8),) and block == (256,)
+        else:
+            assert grid == (rows,) and block == (32 * cfg.warps_per_row,)
+
+
+def _index_specs():
+    return list(il.TOPK_SPECS.values()) + list(il.STREAM_SPECS.values()) + list(il.MAX_SCORE_SPECS.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_index_variants_compile(arch):
+    """Every registered variant builds with NVRTC (no GPU needed; wgmma only for sm_90a)."""
+    from mate_cupy.jit import compile_all
+
+    results = compile_all(arch, specs=_index_specs())
     errors = [r for r in results if "error" in r]
     assert not errors, errors[0]["error"][:4000]
-    hot = [ik.TOPK_SPECS[(1, 32, 4, False)], ik.TOPK_SPECS[(8, 32, 4, False)],
-           ik.STREAM_SPECS[(32, 4)], ik.STREAM_SPECS[(16, 4)], ik.STREAM_SPECS[(8, 4)],
-           ik.MAX_SCORE_SPECS[(BF16, 128, 8, 3, "mma")], ik.MAX_SCORE_SPECS[(F16, 64, 8, 3, "mma")],
-           ik.MAX_SCORE_SPECS[(BF16, 128, 8, 2, "wgmma")], ik.MAX_SCORE_SPECS[(BF16, 128, 8, 2, "mma")]]
+    skipped = {r["name"] for r in results if "skipped" in r}
+    wgmma = {s.name for s in il.MAX_SCORE_SPECS.values() if s.min_sm == 90}
+    assert skipped == (set() if arch == "sm_90a" else wgmma)
+
+
+@pytest.mark.slow
+def test_hot_variants_keep_to_registers():
+    """The hot variants never read local memory in the kernel itself (the streaming kernel
+    saves a few registers around its out-of-line exact pass, which only rare rows take)."""
+    from mate_cupy.jit import compile_variant
+
+    hot = [il.TOPK_SPECS[(1, 32, 4, True)], il.TOPK_SPECS[(8, 32, 4, False)],
+           il.STREAM_SPECS[(32, 4)], il.STREAM_SPECS[(16, 4)], il.STREAM_SPECS[(8, 4)]]
+    hot += [il.MAX_SCORE_SPECS[(BF16, 128, cfg)] for cfg in il.MAX_SCORE_CONFIGS]
+    hot += [il.MAX_SCORE_SPECS[(F16, 64, il.MAX_SCORE_CONFIGS[1])]]
     for spec in hot:
         log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
         # per function: "Function properties for <mangled>" then "... spill stores, N bytes spill loads"
@@ -279,19 +450,29 @@ def _host(a) -> np.ndarray:
 # ============================================================================ GPU: top-k select
 
 
-def _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp, cap=None, algo=None, npt=None):
+def _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp, cap=None, kernel=None, npt=None):
+    """One selection through validate_topk and launch_topk: the automatic choice, or
+    ``kernel`` ("stream" / "block") with its chunk size / candidate capacity replaced."""
     cp = _cp()
     width = _width(topk, begin, end, count_in)
     d_ms = cp.asarray(ms)
     out = cp.full(ms.shape[:2] + (width,), -7, dtype=cp.int32)  # poison
-    ik._launch_topk(d_ms, out, topk=topk, num_valid_pages=nvp, force_begin_blocks=begin,
-                    force_end_blocks=end, force_blocks_count_in_topk=count_in,
-                    query_positions=None if qp is None else cp.asarray(qp), stream=None,
-                    candidate_capacity=cap, algo=algo, npt=npt)
+    args = (wrap("max_score", d_ms), wrap("output", out),
+            None if qp is None else wrap("query_positions", cp.asarray(qp)))
+    problem = validate_topk(args[0], topk, nvp, args[1], begin, end, count_in, args[2])
+    if kernel is None:
+        config = il.select_topk_config(problem)
+    elif kernel == "stream":
+        config = il.stream_topk_config(problem)
+        config = config if npt is None else dataclasses.replace(config, scores_per_thread=npt)
+    else:
+        config = il.block_topk_config(problem)
+        config = config if cap is None else dataclasses.replace(config, candidate_capacity=cap)
+    il.launch_topk(problem, config, *args, cp.cuda.get_current_stream().ptr)
     return _host(out)
 
 
-# (algo, candidate capacity, stream chunk size): auto choice; block kernels with candidates /
+# (kernel, candidate capacity, stream chunk size): auto choice; block kernels with candidates /
 # register path; streaming kernel at each chunk size.
 TOPK_PATHS = [(None, None, None), ("block", None, None), ("block", 0, None),
               ("stream", None, 8), ("stream", None, 16), ("stream", None, 32)]
@@ -303,15 +484,15 @@ TOPK_PATH_IDS = ["auto", "block-candidates", "block-registers", "stream8", "stre
 @pytest.mark.parametrize("nt", [1, 3, 7, 16, 64, 100, 128, 255, 256, 257, 1000, 1024, 1025, 2047, 2048,
                                 3001, 4096, 6000, 8192, 10000, 12287])
 def test_topk_select_exact(rng, nt, path):
-    algo, cap, npt = path
+    kernel, cap, npt = path
     for topk, begin, end, count_in, nvp, use_qp, kind in [c[1:] for c in _selection_cases(rng, 24, [nt])]:
-        if algo == "stream" and _width(topk, begin, end, count_in) - begin - end > ik.STREAM_KERNEL_MAX_SLOTS:
+        if kernel == "stream" and _width(topk, begin, end, count_in) - begin - end > il.STREAM_KERNEL_MAX_SLOTS:
             continue
         total_q, hq = (7, 3) if nt <= 2048 else (3, 2)
         ms = _scores(rng, (total_q, hq, nt), kind)
         qp = _positions(rng, total_q, nt) if use_qp else None
         want = ref.topk_select(ms, topk, nvp, begin, end, count_in, qp)
-        got = _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp, cap, algo, npt)
+        got = _run_topk_gpu(ms, topk, nvp, begin, end, count_in, qp, cap, kernel, npt)
         assert np.array_equal(got, want), (nt, topk, begin, end, count_in, nvp, use_qp, kind)
 
 
@@ -330,7 +511,7 @@ def test_topk_stream_rare_paths(rng, nt, npt):
         qp[::2] = nt * BLOCK
         for q in (None, qp):
             want = ref.topk_select(ms, topk, None, begin, end, count_in, q)
-            got = _run_topk_gpu(ms, topk, None, begin, end, count_in, q, algo="stream", npt=npt)
+            got = _run_topk_gpu(ms, topk, None, begin, end, count_in, q, kernel="stream", npt=npt)
             bad = np.argwhere((got != want).any(-1))
             assert bad.shape[0] == 0, (nt, npt, topk, [SPECIAL_KINDS[i] for i, _ in bad[:5]])
 
@@ -342,8 +523,8 @@ def test_topk_stream_many_rows(rng):
         ms = _scores(rng, (rows, 1, nt), "normal")
         ms[::7] = _scores(rng, (len(ms[::7]), 1, nt), "causal")
         want = ref.topk_select(ms, 16, None, 0, 0, True, None)
-        for npt in ik.STREAM_NPT:
-            got = _run_topk_gpu(ms, 16, None, 0, 0, True, None, algo="stream", npt=npt)
+        for npt in il.STREAM_NPT:
+            got = _run_topk_gpu(ms, 16, None, 0, 0, True, None, kernel="stream", npt=npt)
             assert np.array_equal(got, want), (nt, npt)
 
 
@@ -456,16 +637,21 @@ def _meta(qo, kv, offsets):
 
 
 def _launch_max_score(q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
-                      indptr=None, kv_layout="NHD", page_size=0, causal=True, extra_rows=0, variant=None):
+                      indptr=None, kv_layout="NHD", page_size=0, causal=True, config=None):
     cp = _cp()
     total_q = q.shape[0]
     ms = cp.full((total_q, q.shape[1], nt), np.nan, dtype=cp.float32)  # poison
-    dv = lambda a: None if a is None else cp.asarray(a)  # noqa: E731
-    ik.run_max_score(_dev(q), _dev(k), ms, cu_seqlens_q=dv(cu_q), qo_lens=dv(qo), kv_lens=dv(kv),
-                     qo_offset=dv(off), cu_seqlens_k=dv(cu_k), page_table=dv(page_table),
-                     kv_indices=dv(kv_indices), kv_page_indptr=dv(indptr), kv_layout=kv_layout,
-                     page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal, variant=variant)
+    dv = lambda name, a: None if a is None else wrap(name, cp.asarray(a))  # noqa: E731
+    il.run_max_score(wrap("q", _dev(q)), wrap("k", _dev(k)), wrap("max_score", ms), cu_seqlens_q=dv("cu_q", cu_q),
+                     qo_lens=dv("qo", qo), kv_lens=dv("kv", kv), qo_offset=dv("off", off),
+                     cu_seqlens_k=dv("cu_k", cu_k), page_table=dv("table", page_table),
+                     kv_indices=dv("idx", kv_indices), kv_page_indptr=dv("indptr", indptr), kv_layout=kv_layout,
+                     page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal,
+                     stream=cp.cuda.get_current_stream().ptr, config=config)
     return _host(ms)
+
+
+CONFIGS = [None] + list(il.MAX_SCORE_CONFIGS)  # the automatic choice, then every variant
 
 
 @pytest.mark.gpu
@@ -485,9 +671,9 @@ def test_max_score_dense(rng, dtype, d, heads, causal):
         nt = -(-int(kv.max()) // BLOCK) + 2  # tiles past every request: -inf
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
                                    qo_lens=qo, kv_lens=kv)
-        for variant in [None] + ik._max_score_configs(d):  # default choice, then every variant
-            got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, variant=variant)
-            _check_max_score(got, want, q, k, f"{case} causal={causal} variant={variant}")
+        for config in CONFIGS:
+            got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=config)
+            _check_max_score(got, want, q, k, f"{case} causal={causal} config={config}")
 
 
 @pytest.mark.gpu
@@ -513,10 +699,10 @@ def test_max_score_paged(rng, page_size, kv_layout, source):
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
                                      causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
     k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
-    for variant in [None] + ik._max_score_configs(d):
+    for config in CONFIGS:
         got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
-                                variant=variant, **kw)
-        _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {variant}")
+                                config=config, **kw)
+        _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {config}")
 
 
 @pytest.mark.gpu
@@ -535,10 +721,10 @@ def test_max_score_invalid_pages_are_not_admissible(rng):
     q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
     nt = 2
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt)
-    for variant in [None] + ik._max_score_configs(d):
+    for config in CONFIGS:
         got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, page_table=table, page_size=page_size,
-                                variant=variant)
-        _check_max_score(got, want, q, k_cache.reshape(-1, d), f"invalid pages {variant}")
+                                config=config)
+        _check_max_score(got, want, q, k_cache.reshape(-1, d), f"invalid pages {config}")
 
 
 @pytest.mark.gpu
@@ -553,11 +739,11 @@ def test_max_score_rows_outside_requests_untouched(rng):
     q = _rand(rng, (8, hq, d), dtype)  # rows 5..7 belong to no request
     k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
     want = ref.block_max_score(q[:5], k, cu_q, cu_k, qo_offset=off, max_k_tiles=3, qo_lens=qo, kv_lens=kv)
-    for variant in [None] + ik._max_score_configs(d):
-        got = _launch_max_score(q, k, 3, qo, kv, off, cu_q, cu_k=cu_k, variant=variant)
-        assert np.isnan(got[5:]).all(), variant
-        _check_max_score(got[:5], want, q[:5], k, f"{variant}")
-        assert np.isneginf(got[:2]).all(), variant
+    for config in CONFIGS:
+        got = _launch_max_score(q, k, 3, qo, kv, off, cu_q, cu_k=cu_k, config=config)
+        assert np.isnan(got[5:]).all(), config
+        _check_max_score(got[:5], want, q[:5], k, f"{config}")
+        assert np.isneginf(got[:2]).all(), config
 
 
 @pytest.mark.gpu
@@ -609,3 +795,33 @@ def test_max_score_then_select_end_to_end(rng):
     want = ref.topk_select(ms, 16, None, 1, 2, True, pos)  # same scores in: exact ids out
     assert np.array_equal(got, want)
     assert cp is not None
+
+
+def _to_device(a):
+    """A host array on the GPU with the same shape, dtype and element strides."""
+    cp = _cp()
+    if a is None or not isinstance(a, np.ndarray):
+        return a
+    if a.flags.c_contiguous:
+        return cp.asarray(a)
+    base = cp.asarray(a.base if a.base is not None else np.ascontiguousarray(a))
+    return cp.lib.stride_tricks.as_strided(base, a.shape, a.strides)
+
+
+@pytest.mark.gpu
+def test_sparse_topk_select_refuses_cuda_inputs_like_host_inputs():
+    """Each refusal of host inputs (tests/test_msa_topk.py ERRORS) holds for CUDA inputs:
+    same exception, same message."""
+    from test_msa_topk import ERRORS
+
+    from mate_cupy import msa_interface as mi
+
+    for name, make, kw, exc in ERRORS:
+        if name == "not-an-array":
+            continue
+        args = make()
+        with pytest.raises(exc) as host:
+            mi.sparse_topk_select(*args, **kw)
+        with pytest.raises(exc) as dev:
+            mi.sparse_topk_select(_to_device(args[0]), args[1], **{k: _to_device(v) for k, v in kw.items()})
+        assert str(dev.value) == str(host.value), name

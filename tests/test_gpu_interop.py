@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mate_cupy._interop import BFLOAT16, FP8_E4M3, Call, wrap
+from mate_cupy.runtime.interop import BFLOAT16, FP8_E4M3, Call, wrap
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def test_cast_kernel_matches_reference(src, dst, rng):
     import cupy
 
     import mate_cupy as m
-    from mate_cupy._interop import as_dtype
+    from mate_cupy.runtime.interop import as_dtype
 
     n = 4096 * 3 + 5  # vector body and a scalar tail
     host = (rng.standard_normal(n) * 50).astype(np.float32).astype(as_dtype(src))
@@ -132,6 +132,6 @@ def test_mixed_host_and_device_rejected():
 
 def test_loader_caches_modules():
     from mate_cupy.jit import get_kernel
-    from mate_cupy.util_kernels import PAGE_TABLE_SPEC
+    from mate_cupy.util_ops import PAGE_TABLE_SPEC
 
     assert get_kernel(PAGE_TABLE_SPEC) is get_kernel(PAGE_TABLE_SPEC)

@@ -3,18 +3,28 @@
 CPU tests: a float32 NumPy model of the kernels' exact decomposition (chunk 64, 16-row
 sub-blocks, tf32 products for Aqk/Akk, operand rounding to the input dtype where the
 kernels round) is compared with ``kda_recurrent``; its error sets the GPU tolerances.
-GPU tests: the public ``chunk_kda`` and the launcher against ``kda_recurrent`` on fresh
-random inputs with NaN-poisoned outputs, plus the phase-1 workspace against the model.
+CPU tests of the launcher: parameter tables against the kernel signatures in the source,
+the configuration choice, and launch dry runs on CUDA stand-ins (NumPy arrays described as
+CUDA arrays). GPU tests: the public ``chunk_kda`` against ``kda_recurrent`` on fresh random
+inputs with NaN-poisoned outputs, every recurrence width, the phase-1 workspace (read from a
+caller's workspace) against the model, and caller workspace + preallocated outputs (no
+allocation, graph capture) against the default call.
 """
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from helpers import to_f64
-from mate_cupy.kda import chunk_kernels as ck
+from mate_cupy.kda import chunk as ch
+from mate_cupy.jit import address
+from mate_cupy.kda import chunk_launch as cl
 from mate_cupy.reference.kda import kda_recurrent
+from test_kda_chunk import STREAM, StandinCall, cuda_standins, standin_workspace, validate_args  # noqa: F401
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -22,6 +32,17 @@ F32 = np.dtype(np.float32)
 K = 128
 C = 64
 LOG2E = np.float32(1.4426950408889634)
+SRC = Path(cl.__file__).resolve().parent.parent / "cuda_src" / "kda_chunk.cu"
+# Workspace slot parts (kda_chunk.cu kWs*): byte offset, shape, dtype (None: the input dtype).
+SLOT_PARTS = {"Qs": (0, (C, K), None), "Kt": (16384, (C, K), None), "Kb": (32768, (C, K), None),
+              "T": (49152, (C, C), None), "Aqk": (57344, (C, C), None), "egl": (65536, (K,), F32)}
+
+
+def slot_part(blob, name, dtype):
+    """Part ``name`` of one workspace slot (``blob``: its SLOT_BYTES bytes, uint8, host)."""
+    off, shape, dt = SLOT_PARTS[name]
+    dt = dtype if dt is None else dt
+    return blob[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
 
 # Normalised error bounds, ~3x what the float32 model of the kernels measures against the
 # float64 recurrence (test_model_error_budget): bf16 ~3.3e-3, fp16 ~5e-4.
@@ -96,12 +117,11 @@ def _tf32(x):
 
 
 def model_chunk(q, k, v, g, beta, *, scale, S, A_log=None, dt_bias=None, lower_bound=-5.0, l2=True, op=BF16,
-                diag_span_limit=60.0, offdiag_ref="mid", record=None):
+                diag_span_limit=60.0, record=None):
     """The kernels' computation for one value head of one sequence, in float32.
 
     q, k, v, g [T, 128] float32 (values of the input dtype), beta [T] logits, S [V, K]
     float32 (updated in place). ``record`` collects the phase-1 workspace per chunk.
-    ``offdiag_ref``: "mid" (kda_chunk_prepare_kernel) or "above" (the baseline kernel).
     Returns o [T, 128] float32 (before the final rounding to the output dtype).
     """
     T = q.shape[0]
@@ -134,11 +154,10 @@ def model_chunk(q, k, v, g, beta, *, scale, S, A_log=None, dt_bias=None, lower_b
             rows = slice(16 * I, 16 * I + 16)
             m = gc[16 * I + 7][None, :]
             fast = np.abs(gc[rows] - m).max() / LOG2E <= diag_span_limit
-            # Reference of the off-diagonal blocks J < I: the kernel's (see kda_chunk.cu P2b)
-            # takes the mid row m when the diagonal block is on the fast path, else the row
-            # above the block; the baseline kernel always the row above.
+            # Reference of the off-diagonal blocks J < I (kda_chunk.cu P2b): the mid row m when
+            # the diagonal block is on the fast path, else the row above the block.
             if I > 0:
-                ref = m if (fast and offdiag_ref == "mid") else gc[16 * I - 1][None, :]
+                ref = m if fast else gc[16 * I - 1][None, :]
                 rq, rk = _tf32(qq[rows] * _ex2(gc[rows] - ref)), _tf32(kk[rows] * _ex2(gc[rows] - ref))
                 for J in range(I):
                     cols = slice(16 * J, 16 * J + 16)
@@ -242,49 +261,254 @@ def test_model_elementwise_diagonal_matches_fast_path(rng):
     assert rel(o_slow, o_fast) < 2e-3 and rel(s_slow, s_fast) < 2e-3
 
 
-# ----------------------------------------------------------------------------- CPU: launcher helpers
+# ----------------------------------------------------------------------------- CPU: launcher and configuration
 
 
-def test_recurrence_warps_heuristic(monkeypatch):
-    monkeypatch.delenv("MATE_CUPY_KDA_CHUNK_WARPS", raising=False)
-    assert ck.recurrence_warps(64, 132) == 4      # B1 H64: 128 CTAs
-    assert ck.recurrence_warps(96, 132) == 8      # B1 H96: one wave of 96 CTAs
-    assert ck.recurrence_warps(32, 132) == 2      # B1 H32: 128 two-warp CTAs (fastest in the H200 sweep)
-    assert ck.recurrence_warps(512, 132) == 8     # varlen 8 x H64
-    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_WARPS", "1")
-    assert ck.recurrence_warps(512, 132) == 1
-    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_WARPS", "3")
-    with pytest.raises(ValueError, match="MATE_CUPY_KDA_CHUNK_WARPS"):
-        ck.recurrence_warps(64, 132)
+def c_params(kernel: str) -> list:
+    """``(name, kind)`` of each parameter of the ``__global__`` kernel ``kernel`` in kda_chunk.cu."""
+    m = re.search(r"__global__ void (?:__launch_bounds__\([^)]*\) )?" + kernel + r"\((.*?)\)\s*\{", SRC.read_text(),
+                  re.S)
+    assert m, kernel
+    params = []
+    for decl in m.group(1).split(","):
+        decl = " ".join(decl.replace("__restrict__", "").split())
+        name = decl.split()[-1].lstrip("*")
+        kind = ("ptr" if "*" in decl else "i64" if decl.startswith("long long ") else
+                "i32" if decl.startswith("int ") else "f32" if decl.startswith("float ") else decl)
+        params.append((name, kind))
+    return params
+
+
+@pytest.mark.parametrize("kernel, params", [("kda_chunk_offsets_kernel", cl.OFFSETS_PARAMS),
+                                            ("kda_chunk_prepare_kernel", cl.PREPARE_PARAMS),
+                                            ("kda_chunk_recurrence_kernel", cl.RECURRENCE_PARAMS)])
+def test_kernel_params_match_source(kernel, params):
+    assert c_params(kernel) == list(params.params)
+
+
+def test_registered_variants_are_the_launched_kernels():
+    from mate_cupy.jit import registered
+
+    src = SRC.read_text()
+    assert sorted(re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", src)) == sorted(
+        ["kda_chunk_offsets_kernel", "kda_chunk_prepare_kernel", "kda_chunk_recurrence_kernel"])
+    specs = [sp for sp in registered() if sp.source == "kda_chunk.cu"]
+    launched = {cl.OFFSETS_KERNEL, *cl.PREPARE_KERNEL.values(), *cl.RECURRENCE_KERNEL.values()}
+    assert {k_ for sp in specs for k_ in sp.kernels} == launched
+    assert len(specs) == 2 + 2 * len(cl.RECURRENCE_WARPS)
+
+
+def test_layout_constants_match_source():
+    src = SRC.read_text()
+    const = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr int (k\w+) = (\d+);", src)}
+    assert const["kWsSlotBytes"] == cl.SLOT_BYTES and const["kC"] == cl.CHUNK and const["kD"] == cl.HEAD_DIM
+    assert const["kPrepThreads"] == cl.PREPARE_THREADS
+    assert f"static_assert(kPrepSmemBytes == {cl.PREPARE_SMEM}," in src
+    for name, ws_const in (("Qs", "kWsQs"), ("Kt", "kWsKt"), ("Kb", "kWsKb"), ("T", "kWsT"), ("Aqk", "kWsAqk"),
+                           ("egl", "kWsEgl")):
+        assert SLOT_PARTS[name][0] == const[ws_const], name
+    assert cl.SLOT_BYTES % 256 == 0  # the varlen offsets table after the slots stays aligned
+
+
+def test_recurrence_warps_heuristic():
+    assert ch.recurrence_warps(64, 132) == 4      # B1 H64: 128 CTAs
+    assert ch.recurrence_warps(96, 132) == 8      # B1 H96: one wave of 96 CTAs
+    assert ch.recurrence_warps(32, 132) == 2      # B1 H32: 128 two-warp CTAs (fastest in the H200 sweep)
+    assert ch.recurrence_warps(512, 132) == 8     # varlen 8 x H64
+    assert ch.recurrence_warps(512, 108, (1, 2, 4)) == 4  # sm_80: no 8-warp CTAs
+
+
+def test_recurrence_widths_fit_the_device():
+    assert ch.recurrence_widths(90) == ch.recurrence_widths(100) == (1, 2, 4, 8)
+    assert ch.recurrence_widths(80) == (1, 2, 4)  # 163 KB per block: the 8-warp CTA needs 173 KB
+    assert ch.recurrence_widths(86) == ch.recurrence_widths(75) == ()
+    for cc, limit in ch.MAX_SMEM_PER_BLOCK.items():
+        assert all(cl.recurrence_smem(nw) <= limit for nw in ch.recurrence_widths(cc))
 
 
 def test_varlen_slot_bound(rng):
     for _ in range(50):
         lens = rng.integers(0, 300, rng.integers(1, 20))
         need = int(sum((n + C - 1) // C for n in lens))
-        assert need <= ck.num_chunk_slots(1, int(lens.sum()), len(lens), True)
-    assert ck.num_chunk_slots(3, 65, 3, False) == 6
+        assert need <= cl.num_chunk_slots(1, int(lens.sum()), len(lens), True)
+    assert cl.num_chunk_slots(3, 65, 3, False) == 6
 
 
 def test_smem_fits():
     per_sm = 228 * 1024  # H100/H200: 228 KB per SM, 1 KB reserved per CTA, 227 KB per CTA at most
-    assert 3 * (ck.PREPARE_SMEM + 1024) <= per_sm  # three prepare CTAs per SM
-    assert 2 * (ck.PREPARE_BASELINE_SMEM + 1024) <= per_sm
-    assert all(ck.recurrence_smem(nw) <= 227 * 1024 for nw in ck.RECURRENCE_WARPS)
+    assert 3 * (cl.PREPARE_SMEM + 1024) <= per_sm  # three prepare CTAs per SM
+    assert all(cl.recurrence_smem(nw) <= 227 * 1024 for nw in cl.RECURRENCE_WARPS)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_kernels_compile_without_spills(dtype):
+def test_kernels_compile_without_spills(dtype, arch):
     from mate_cupy.jit import compile_variant
 
-    specs = [ck.PREPARE_SPECS[dtype], ck.PREPARE_BASELINE_SPECS[dtype]]
-    specs += [ck.RECURRENCE_SPECS[(dtype, nw)] for nw in ck.RECURRENCE_WARPS]
-    for spec in specs:
-        log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
+    for spec in [cl.PREPARE_SPECS[dtype]] + [cl.RECURRENCE_SPECS[(dtype, nw)] for nw in cl.RECURRENCE_WARPS]:
+        log = compile_variant(spec, arch, ptxas_verbose=True)["log"]
         entries = log.count("Compiling entry function")
         assert entries >= len(spec.kernels)
         assert log.count("0 bytes spill stores, 0 bytes spill loads") == entries, log
+
+
+def test_select_config(rng, cuda_standins):
+    x = make_inputs(rng, 0, 0, 2, 96, gate_params=True, lens=[1000, 3, 0])
+    _, p, _ = ch.validate(**validate_args(x))
+    cfg = ch.select_config(p, 132, 90)
+    assert ch.select_config(p, 132, 90) is cfg  # pure, cached by the frozen problem
+    assert cfg.recurrence_warps == ch.recurrence_warps(3 * 96, 132) == 8  # 3 waves of 288 CTAs
+    assert cfg.num_slots == (1003 + 63 * 3) // 64 and cfg.prepare_grid == (cfg.num_slots, 96)
+    assert cfg.recurrence_grid == (3 * 1, 96) and cfg.recurrence_smem == cl.recurrence_smem(8)
+    assert cfg.offsets_at == cfg.num_slots * 96 * cl.SLOT_BYTES
+    assert cfg.launch_offsets and cfg.launch_prepare and cfg.launch_recurrence
+    assert ch.select_config(p, 108, 80).recurrence_warps == 4  # A100: 8-warp CTAs do not fit
+    # nothing to run: no sequences, or no tokens and no final state
+    _, p0, _ = ch.validate(**validate_args(make_inputs(rng, 0, 0, 1, 1, lens=[])))
+    assert not ch.select_config(p0, 132, 90).launches_any
+    _, p1, _ = ch.validate(**validate_args(make_inputs(rng, 2, 0, 1, 1)))
+    c1 = ch.select_config(p1, 132, 90)
+    assert not c1.launches_any
+    _, p2, _ = ch.validate(**validate_args(dict(make_inputs(rng, 2, 0, 1, 1), output_final_state=True)))
+    c2 = ch.select_config(p2, 132, 90)
+    assert c2.launch_recurrence and not c2.launch_prepare and not c2.launch_offsets
+
+
+class _FakeKernel:
+    def __init__(self, name):
+        self.name = name
+        self.raw = type("Raw", (), {})()
+
+
+@pytest.fixture
+def launches(monkeypatch, cuda_standins):
+    """Launches of the chunk launcher, recorded instead of run: (kernel, grid, block, params,
+    values, shared memory, stream); kernels are stand-ins named like the real ones."""
+    rec = []
+    monkeypatch.setattr(cl, "get_kernel", lambda spec, name, device_id=None: _FakeKernel(name))
+    monkeypatch.setattr(cl, "launch", lambda kern, grid, block, params, values, shared_mem=0, stream=0:
+                        rec.append((kern, tuple(grid), tuple(block), params, tuple(values), shared_mem, stream)))
+    cl.prepare_kernel.cache_clear()
+    yield rec
+    cl.prepare_kernel.cache_clear()
+
+
+def _ptr(a):
+    return a.__array_interface__["data"][0]
+
+
+DRY_CASES = [
+    # varlen, gate params, initial state, final state, preallocated output/final state/workspace
+    pytest.param(False, True, F32, F32, True, id="dense-gate-f32-prealloc"),
+    pytest.param(True, False, None, BF16, True, id="varlen-bf16-final-prealloc"),
+    pytest.param(True, True, BF16, None, False, id="varlen-gate-bf16-init-alloc"),
+    pytest.param(False, False, None, None, False, id="dense-nostate-alloc"),
+]
+
+
+@pytest.mark.parametrize("varlen, gate, s_in, s_out, prealloc", DRY_CASES)
+def test_launcher_dry_run(rng, launches, varlen, gate, s_in, s_out, prealloc):
+    """Every launch: the kernel's parameter table and values that pack into it, grids,
+    blocks, shared memory, the caller's stream, the caller's addresses, and no allocation
+    when the caller gives outputs and workspace."""
+    lens = [1000, 3, 0] if varlen else None
+    x = make_inputs(rng, 2, 130, 2, 4, gate_params=gate, lens=lens, state=s_in)
+    if varlen:
+        x["cu_seqlens"] = x["cu_seqlens"].astype(np.int64)
+    B, T, H, _ = x["q"].shape
+    HV, N = 4, (3 if varlen else 2)
+    kw = dict(x, output_final_state=s_out is not None)
+    if prealloc:
+        kw["output"] = np.full(x["v"].shape, np.nan, BF16)
+        kw["final_state"] = np.full((N, HV, K, K), np.nan, s_out) if s_out is not None else None
+        kw["workspace"] = standin_workspace(ch.chunk_kda_workspace_bytes(B, T, HV, N if varlen else None))
+    res = ch.chunk_kda(**validate_args(kw))
+    out = res[0] if s_out is not None else res
+    assert StandinCall.allocations == ([] if prealloc else
+                                       ["output"] + (["final_state"] if s_out is not None else []) + ["workspace"])
+    if prealloc:
+        assert out is kw["output"] and (s_out is None or res[1] is kw["final_state"])
+    cfg = ch.select_config(ch.validate(**validate_args(kw))[1], 132, 90)
+    names = [kern.name.split("<")[0] for kern, *_ in launches]
+    assert names == (["kda_chunk_offsets_kernel"] if varlen else []) + ["kda_chunk_prepare_kernel",
+                                                                       "kda_chunk_recurrence_kernel"]
+    table = {"kda_chunk_offsets_kernel": cl.OFFSETS_PARAMS, "kda_chunk_prepare_kernel": cl.PREPARE_PARAMS,
+             "kda_chunk_recurrence_kernel": cl.RECURRENCE_PARAMS}
+    ws = None
+    for kern, grid, block, params, values, smem, stream in launches:
+        base = kern.name.split("<")[0]
+        assert params is table[base] and stream == STREAM
+        params.pack(values)  # count and types fit the kernel's parameter list
+        v = dict(zip(params.names, values))
+        if base == "kda_chunk_offsets_kernel":
+            assert grid == (1,) and block == (1024,) and v["cu_is_64"] == 1 and v["num_seqs"] == N
+        if base == "kda_chunk_prepare_kernel":
+            ws = v["ws"]
+            assert grid == (cl.num_chunk_slots(B, T, N, varlen), HV) and block == (cl.PREPARE_THREADS,)
+            assert smem == cl.PREPARE_SMEM and v["has_gate"] == int(gate) and v["seq_len_dense"] == (0 if varlen else T)
+            assert address(v["q"]) == _ptr(x["q"]) and address(v["beta"]) == _ptr(x["beta"])
+            assert v["H"] == H and v["HV"] == HV and v["total_rows"] == B * T
+        if base == "kda_chunk_recurrence_kernel":
+            nw = int(kern.name.split(",")[1].strip(" >"))
+            assert nw == cfg.recurrence_warps == ch.recurrence_warps(N * HV, 132)
+            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,) and smem == cl.recurrence_smem(nw)
+            kind = {None: 0, F32: 1, BF16: 2}
+            assert (v["state_in_kind"], v["state_out_kind"]) == (kind[s_in], kind[s_out])
+            assert v["ws"] == ws and v["num_slots"] == cfg.num_slots
+            if prealloc:
+                assert address(v["out"]) == _ptr(kw["output"])
+        if varlen:
+            table_at = v["offsets" if base == "kda_chunk_offsets_kernel" else "chunk_offsets"]
+            assert table_at == ws_base(launches) + cfg.offsets_at
+    if prealloc:
+        assert ws == _ptr(kw["workspace"])
+
+
+@pytest.mark.parametrize("case", ["no-tokens", "no-sequences", "no-sequences-with-rows", "no-heads"])
+def test_launcher_dry_run_nothing_to_do(rng, launches, case):
+    """No launch, no kernel load, no workspace when there is nothing to compute."""
+    x = {"no-tokens": lambda: make_inputs(rng, 2, 0, 1, 2),
+         "no-sequences": lambda: make_inputs(rng, 0, 0, 1, 2, lens=[]),
+         "no-sequences-with-rows": lambda: dict(make_inputs(rng, 1, 100, 1, 2, gate_params=False),
+                                                cu_seqlens=np.zeros(1, np.int32)),
+         "no-heads": lambda: dict(make_inputs(rng, 2, 5, 1, 2, gate_params=False), v=np.zeros((2, 5, 0, K), BF16),
+                                  g=np.zeros((2, 5, 0, K), BF16), beta=np.zeros((2, 5, 0), BF16))}[case]()
+    out = ch.chunk_kda(**validate_args(x))
+    assert out.shape == x["v"].shape and launches == [] and StandinCall.allocations == ["output"]
+
+
+def ws_base(launches):
+    prep = next(r for r in launches if r[0].name.startswith("kda_chunk_prepare_kernel"))
+    return dict(zip(prep[3].names, prep[4]))["ws"]
+
+
+def test_launcher_dry_run_staging(rng, launches):
+    """Arrays the problem stages are copied (values kept) before the launches and staged
+    results copied back after; fp16 states go through float32."""
+    x = make_inputs(rng, 2, 70, 1, 2, dtype=F16, gate_params=True, state=F16)
+    nc = lambda a: np.repeat(a, 2, axis=1)[:, ::2]  # noqa: E731
+    q = nc(x["q"])
+    out = np.full((2, 140, 2, K), np.nan, F16)[:, ::2]
+    fs = np.full((2, 2, K, K), np.nan, F16)
+    A_log = x["A_log"].astype(np.float64)
+    dt_bias = x["dt_bias"].astype(BF16)
+    ws = standin_workspace(ch.chunk_kda_workspace_bytes(2, 70, 2))
+    ch.chunk_kda(**validate_args(dict(x, q=q, A_log=A_log, dt_bias=dt_bias, output=out, output_final_state=True,
+                                      final_state=fs, workspace=ws)))
+    assert sorted(StandinCall.allocations) == sorted(["q", "A_log", "dt_bias", "initial_state", "output_staged",
+                                                      "final_state_f32"])
+    prep = next(r for r in launches if r[0].name.startswith("kda_chunk_prepare_kernel"))
+    v = dict(zip(prep[3].names, prep[4]))
+    assert np.array_equal(v["q"].data, q) and v["q"].data.flags.c_contiguous
+    assert v["A_log"].data.dtype == F32 and np.array_equal(v["A_log"].data, A_log.astype(F32))
+    assert v["dt_bias"].data.dtype == F32 and np.array_equal(v["dt_bias"].data, dt_bias.astype(F32))
+    rec = next(r for r in launches if r[0].name.startswith("kda_chunk_recurrence_kernel"))
+    r = dict(zip(rec[3].names, rec[4]))
+    assert r["state_in_kind"] == r["state_out_kind"] == 1
+    assert np.array_equal(r["state_in"].data, x["initial_state"].astype(F32))
+    # the stand-in kernels wrote nothing: the zeros of the staged results were copied back
+    assert (out == 0).all() and (fs == 0).all()
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -304,14 +528,17 @@ def _nan(shape, dtype):
     return a
 
 
+def _num_seqs(x):
+    return len(x["cu_seqlens"]) - 1 if "cu_seqlens" in x else x["q"].shape[0]
+
+
 def _run_public(x, state_out=None, **kw):
     """chunk_kda on device copies of ``x`` with NaN-poisoned preallocated outputs."""
     from mate_cupy import chunk_kda
 
     d = _dev(x)
     out = _nan(x["v"].shape, x["v"].dtype)
-    N = len(x["cu_seqlens"]) - 1 if "cu_seqlens" in x else x["q"].shape[0]
-    fs = None if state_out is None else _nan((N, x["v"].shape[2], K, K), state_out)
+    fs = None if state_out is None else _nan((_num_seqs(x), x["v"].shape[2], K, K), state_out)
     res = chunk_kda(**d, output=out, output_final_state=fs is not None, final_state=fs, **kw)
     if fs is not None:
         assert res[0] is out and res[1] is fs
@@ -403,15 +630,27 @@ def test_chunk_long_sequence_stable(rng, gate):
     assert rel(fs, s_ref) < STATE_TOL[BF16]
 
 
+def _run_width(x, warps):
+    """The CUDA path with ``warps`` warps per recurrence CTA (the configuration made by hand)."""
+    d = _dev(x)
+    out = _nan(x["v"].shape, x["v"].dtype)
+    fs = _nan((_num_seqs(x), x["v"].shape[2], K, K), F32)
+    call, p, ws = ch.validate(**validate_args(dict(d, output=out, output_final_state=True, final_state=fs)))
+    ch.run_cuda(call, p, ch.chunk_config(p, warps), ws)
+    return out, fs
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("nw", ck.RECURRENCE_WARPS)
-def test_chunk_every_recurrence_width(rng, monkeypatch, nw):
+@pytest.mark.parametrize("nw", cl.RECURRENCE_WARPS)
+def test_chunk_every_recurrence_width(rng, nw):
     """Every V-slice width gives bitwise the same result (warps never share data)."""
-    x = make_inputs(rng, 1, 300, 1, 2, gate_params=True, state=F32)
-    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_WARPS", "8")
-    base, base_s = _run_public(x, state_out=F32)
-    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_WARPS", str(nw))
-    out, fs = _run_public(x, state_out=F32)
+    from mate_cupy.runtime.device import device_info
+
+    if nw not in ch.recurrence_widths(device_info()[1]):
+        pytest.skip(f"{nw}-warp recurrence CTAs do not fit this device's shared memory")
+    x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[300, 1, 64], state=F32)
+    base, base_s = _run_width(x, 1)
+    out, fs = _run_width(x, nw)
     np.testing.assert_array_equal(to_f64(out), to_f64(base))
     np.testing.assert_array_equal(to_f64(fs), to_f64(base_s))
     o_ref, _ = reference(x)
@@ -419,56 +658,150 @@ def test_chunk_every_recurrence_width(rng, monkeypatch, nw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ck.PREPARE_VARIANTS)
 @pytest.mark.parametrize("gates", ["gate", "extreme"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_chunk_workspace_matches_model(rng, monkeypatch, dtype, gates, variant):
-    """Phase 1 alone: every workspace part of every (chunk, head) against the model
-    (``extreme``: decays of -30 / -100 put diagonal blocks on the element-wise path)."""
+def test_chunk_workspace_matches_model(rng, dtype, gates):
+    """Phase 1, read from the caller's workspace: every part of every (chunk, head) against
+    the model (``extreme``: decays of -30 / -100 put diagonal blocks on the element-wise path)."""
     import cupy
 
-    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_PREPARE", variant)
+    from mate_cupy import chunk_kda, chunk_kda_workspace_bytes
+
     lens = [70, 1, 128]
     x = make_inputs(rng, 0, 0, 1, 2, dtype=dtype, gate_params=gates == "gate", extreme=gates == "extreme", lens=lens,
                     state=F32)
-    d = _dev(x)
-    out = _nan(x["v"].shape, dtype)
-    ws, slots = ck.run_chunk_workspace(
-        q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d.get("A_log"),
-        dt_bias=None if "dt_bias" not in d else d["dt_bias"].reshape(-1), initial_state=d["initial_state"],
-        final_state=None, cu_seqlens=d["cu_seqlens"], out=out, scale=K ** -0.5, lower_bound=-5.0,
-        use_qk_l2norm=True)
-    cupy.cuda.Device().synchronize()
-    parts = ck.workspace_views(ws, slots, 2, dtype)
+    ws = cupy.empty(chunk_kda_workspace_bytes(1, sum(lens), 2, num_seqs=len(lens)), np.uint8)
+    chunk_kda(**_dev(x), workspace=ws)
+    blob = ws.get()
     rec: dict = {}
-    model_chunk_kda(x, op=dtype, record=rec, offdiag_ref="above" if variant == "baseline" else "mid")
+    model_chunk_kda(x, op=dtype, record=rec)
     slot = 0
     for n, ln in enumerate(lens):
         nch = (ln + C - 1) // C
         for hv in range(2):
             for c in range(nch):
+                part = blob[((slot + c) * 2 + hv) * cl.SLOT_BYTES:][:cl.SLOT_BYTES]
                 m = rec[(n, hv)][c]
                 for name in ("Qs", "Kt", "Kb", "T", "Aqk"):
-                    got = to_f64(parts[name][slot + c, hv])
+                    got = to_f64(slot_part(part, name, dtype))
                     assert rel(got, m[name]) < 5e-3, (n, hv, c, name, rel(got, m[name]))
                 # egl = 2^gl per channel (ex2.approx: ~2^-22 relative; results below 2^-126
                 # flush to zero, so values near that edge may differ by a few 1e-38). gl is a
                 # float32 sum of up to 64 gates: |gl| ~ 100 carries ~1e-5 absolute rounding, which
                 # 2^gl turns into ~1e-5 relative, hence rtol 5e-5.
-                np.testing.assert_allclose(to_f64(parts["egl"][slot + c, hv]), to_f64(m["egl"]), rtol=5e-5,
+                np.testing.assert_allclose(to_f64(slot_part(part, "egl", dtype)), to_f64(m["egl"]), rtol=5e-5,
                                            atol=1e-37, err_msg=str((n, hv, c)))
         slot += nch
+    # the varlen chunk-offsets table follows the slots
+    offsets_at = cl.workspace_layout(1, sum(lens), 2, len(lens), True)[1]
+    np.testing.assert_array_equal(blob[offsets_at:offsets_at + 16].view(np.int32), [0, 2, 3, 5])
 
 
 @pytest.mark.gpu
-def test_chunk_baseline_prepare_matches_recurrence(rng, monkeypatch):
-    """The baseline phase-1 kernel (kept for comparison) still gives correct outputs."""
-    monkeypatch.setenv("MATE_CUPY_KDA_CHUNK_PREPARE", "baseline")
-    x = make_inputs(rng, 0, 0, 2, 4, gate_params=True, lens=[1, 200, 64, 0, 333], state=F32)
-    o_ref, s_ref = reference(x)
-    out, fs = _run_public(x, state_out=F32)
-    assert rel(out, o_ref) < TOL[BF16]
-    assert rel(fs, s_ref) < STATE_TOL[BF16]
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_chunk_caller_workspace_and_outputs_equal_default(rng, layout):
+    """A call with the caller's workspace and preallocated outputs gives the default call's
+    bits, allocates nothing (CuPy's allocator refuses during the call) and captures into a
+    CUDA graph in global capture mode (no synchronisation, no allocation)."""
+    import cupy
+
+    from mate_cupy import chunk_kda, chunk_kda_workspace_bytes
+    from mate_cupy.runtime.workspace import Workspace
+
+    if layout == "dense":
+        x = make_inputs(rng, 2, 300, 2, 4, gate_params=True, state=F32)
+        state, need = F32, chunk_kda_workspace_bytes(2, 300, 4)
+    else:
+        lens = [1, 0, 130, 64, 257]
+        x = make_inputs(rng, 0, 0, 2, 4, gate_params=False, lens=lens, state=BF16)
+        state, need = BF16, chunk_kda_workspace_bytes(1, sum(lens), 4, num_seqs=len(lens))
+    d = _dev(x)
+    ref_out, ref_fs = chunk_kda(**d, output_final_state=True)
+    shape_fs = (_num_seqs(x), 4, K, K)
+
+    ws = Workspace(need)
+    out, fs = _nan(x["v"].shape, BF16), _nan(shape_fs, state)
+    chunk_kda(**d, output_final_state=True, output=out, final_state=fs, workspace=ws)  # loads the kernels
+    out.fill(np.nan)
+    fs.fill(np.nan)
+    pool = cupy.get_default_memory_pool()
+
+    def refuse(nbytes):
+        raise AssertionError(f"chunk_kda allocated {nbytes} bytes")
+
+    cupy.cuda.set_allocator(refuse)
+    try:
+        res = chunk_kda(**d, output_final_state=True, output=out, final_state=fs, workspace=ws)
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+    assert res[0] is out and res[1] is fs
+    np.testing.assert_array_equal(to_f64(out), to_f64(ref_out))
+    np.testing.assert_array_equal(to_f64(fs), to_f64(ref_fs))
+
+    ws_array = cupy.empty(need, np.uint8)  # any contiguous CUDA array serves as well
+    out2, fs2 = _nan(x["v"].shape, BF16), _nan(shape_fs, state)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal)
+        try:
+            chunk_kda(**d, output_final_state=True, output=out2, final_state=fs2, workspace=ws_array)
+        finally:
+            graph = stream.end_capture()
+    graph.launch(stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(to_f64(out2), to_f64(ref_out))
+    np.testing.assert_array_equal(to_f64(fs2), to_f64(ref_fs))
+
+
+@pytest.mark.gpu
+def test_chunk_staged_layouts_equal_direct(rng):
+    """Non-contiguous and misaligned arrays, float64/bfloat16 gate parameters: the same bits
+    as contiguous, aligned, float32 ones (the staging copies are exact)."""
+    import cupy
+
+    from mate_cupy import chunk_kda
+
+    x = make_inputs(rng, 2, 150, 1, 2, gate_params=True, state=F32)
+    x["dt_bias"] = x["dt_bias"].astype(BF16).astype(F32)  # exactly representable in bf16
+    d = _dev(x)
+    ref_out, ref_fs = chunk_kda(**d, output_final_state=True)
+
+    def odd(a):  # same values, contiguous, one element off 16-byte alignment
+        flat = cupy.empty(a.size + 8, a.dtype)
+        v = flat[1:1 + a.size].reshape(a.shape)
+        v[...] = a
+        return v
+
+    nc = lambda a: cupy.repeat(a, 2, axis=1)[:, ::2]  # noqa: E731
+    y = dict(d, q=nc(d["q"]), k=odd(d["k"]), v=odd(d["v"]), g=nc(d["g"]), beta=nc(d["beta"]),
+             A_log=d["A_log"].astype(np.float64), dt_bias=cupy.asarray(x["dt_bias"].astype(BF16)),
+             initial_state=odd(d["initial_state"]))
+    out = odd(_nan(x["v"].shape, BF16))
+    fs = _nan((2, 2, K, 2 * K), F32)[..., ::2]
+    res = chunk_kda(**y, output_final_state=True, output=out, final_state=fs)
+    assert res[0] is out and res[1] is fs
+    np.testing.assert_array_equal(to_f64(out), to_f64(ref_out))
+    np.testing.assert_array_equal(to_f64(fs), to_f64(ref_fs))
+
+
+@pytest.mark.gpu
+def test_chunk_torch_tensors(rng):
+    """torch CUDA tensors: results in torch, on torch's current stream, allocated by torch."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    from mate_cupy import chunk_kda
+
+    x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[100, 3], state=F32)
+    ref_out, ref_fs = chunk_kda(**_dev(x), output_final_state=True)
+    t = {k_: torch.from_dlpack(v_) for k_, v_ in _dev(x).items()}
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out, fs = chunk_kda(**t, output_final_state=True)
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and fs.dtype == torch.float32
+    np.testing.assert_array_equal(to_f64(out.float().cpu().numpy()), to_f64(ref_out))
+    np.testing.assert_array_equal(fs.cpu().numpy(), to_f64(ref_fs).astype(np.float32))
 
 
 @pytest.mark.gpu
@@ -492,21 +825,21 @@ def test_chunk_final_state_continues_in_decode(rng):
 
 @pytest.mark.gpu
 def test_chunk_malformed_cu_seqlens_stays_in_bounds(rng):
-    """Offsets past the end or decreasing are clamped: no write outside ``out``."""
+    """Offsets past the end or decreasing are clamped: no write outside ``output``."""
     import cupy
+
+    from mate_cupy import chunk_kda
 
     x = make_inputs(rng, 0, 0, 1, 1, gate_params=False, lens=[100, 200])
     d = _dev(x)
     S = x["q"].shape[1]
     guard = _nan((1, S + 256, 1, K), BF16)
-    out = guard[:, 128:128 + S]
+    out = guard[:, 128:128 + S]  # contiguous and aligned: the kernels write into guard directly
     # past the end, huge, decreasing/negative, valid, overlapping (more chunks than slots)
     for cu in ([0, 250, 100], [0, 10 ** 6, 2 ** 31 - 1], [5, -3, 40], [0, 300, 300], [0, 300, 0, 300]):
         cu = cupy.asarray(np.asarray(cu, np.int64))
         fs = _nan((len(cu) - 1, 1, K, K), F32)
-        ck.run_chunk(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=None, dt_bias=None,
-                     initial_state=None, final_state=fs, cu_seqlens=cu, out=out, scale=K ** -0.5,
-                     lower_bound=-5.0, use_qk_l2norm=True)
+        chunk_kda(**dict(d, cu_seqlens=cu), output=out, output_final_state=True, final_state=fs)
         cupy.cuda.Device().synchronize()
         g_host = to_f64(guard)
         assert np.isnan(g_host[:, :128]).all() and np.isnan(g_host[:, 128 + S:]).all()
@@ -518,104 +851,14 @@ def test_chunk_varlen_no_sequences_writes_nothing(rng):
     """cu_seqlens = [0] with rows present: nothing to compute, nothing written."""
     import cupy
 
+    from mate_cupy import chunk_kda
+
     x = make_inputs(rng, 1, 100, 1, 1, gate_params=False)
     d = _dev(x)
     out = _nan(x["v"].shape, BF16)
-    ck.run_chunk(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=None, dt_bias=None,
-                 initial_state=None, final_state=None, cu_seqlens=cupy.zeros(1, np.int32), out=out,
-                 scale=K ** -0.5, lower_bound=-5.0, use_qk_l2norm=True)
+    assert chunk_kda(**dict(d, cu_seqlens=cupy.zeros(1, np.int32)), output=out) is out
     cupy.cuda.Device().synchronize()
     assert np.isnan(to_f64(out)).all()
-
-
-# ----------------------------------------------------------------------------- CPU: launcher dry run
-
-
-def _kernel_params(name: str) -> list:
-    """Parameter kinds of ``__global__`` kernel ``name`` in kda_chunk.cu: ptr, i32, i64, f32."""
-    import re
-    from pathlib import Path
-
-    src = (Path(ck.__file__).resolve().parent.parent / "cuda_src" / "kda_chunk.cu").read_text()
-    m = re.search(r"__global__ void (?:__launch_bounds__\([^)]*\) )?" + name + r"\(", src)
-    assert m, name
-    depth, i = 1, m.end()
-    while depth:
-        depth += {"(": 1, ")": -1}.get(src[i], 0)
-        i += 1
-    kinds = []
-    for p in src[m.end():i - 1].split(","):
-        p = " ".join(p.split())
-        kinds.append("ptr" if "*" in p else "i64" if "long long" in p else "i32" if p.startswith("int ") else
-                     "f32" if p.startswith("float ") else p)
-    return kinds
-
-
-class _FakeDev:
-    """Stands in for a CuPy array in the launcher (no GPU here)."""
-
-    def __init__(self, shape, dtype, ptr=4096):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.ndim, self.size = len(self.shape), int(np.prod(self.shape))
-        self.flags = type("F", (), {"c_contiguous": True})()
-        self.data = type("D", (), {"ptr": ptr})()
-
-    def reshape(self, *shape):
-        return _FakeDev(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape, self.dtype)
-
-    def copy(self):
-        return _FakeDev(self.shape, self.dtype)
-
-
-class _FakeKernel:
-    __slots__ = ("name", "preferred_shared_memory_carveout")
-
-    def __init__(self, name):
-        self.name = name
-
-
-def _arg_kind(a):
-    if isinstance(a, (_FakeDev, np.uintp)):
-        return "ptr"
-    return {np.int32: "i32", np.int64: "i64", np.float32: "f32"}.get(type(a), repr(type(a)))
-
-
-@pytest.mark.parametrize("varlen, gate, s_in, s_out", [
-    (False, True, F32, F32), (True, False, None, BF16), (True, True, BF16, None), (False, False, None, None)])
-def test_launcher_dry_run(monkeypatch, varlen, gate, s_in, s_out):
-    import cupy
-
-    launches = []
-    monkeypatch.setattr(ck, "get_kernel", lambda spec, name: _FakeKernel(name))
-    monkeypatch.setattr(ck, "launch", lambda k, grid, block, args, shared_mem=0, stream=None:
-                        launches.append((k.name, tuple(grid), tuple(block), args, shared_mem)))
-    monkeypatch.setattr(ck, "_sm_count", lambda: 132)
-    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _FakeDev(np.atleast_1d(shape), dtype))
-    monkeypatch.delenv("MATE_CUPY_KDA_CHUNK_WARPS", raising=False)
-    B, T, H, HV = (1, 1000, 2, 64) if varlen else (2, 130, 2, 4)
-    N = 3 if varlen else B
-    a = dict(q=_FakeDev((B, T, H, K), BF16), k=_FakeDev((B, T, H, K), BF16), v=_FakeDev((B, T, HV, K), BF16),
-             g=_FakeDev((B, T, HV, K), BF16), beta=_FakeDev((B, T, HV), BF16),
-             A_log=_FakeDev((HV,), F32) if gate else None, dt_bias=_FakeDev((HV * K,), F32) if gate else None,
-             initial_state=None if s_in is None else _FakeDev((N, HV, K, K), s_in),
-             final_state=None if s_out is None else _FakeDev((N, HV, K, K), s_out),
-             cu_seqlens=_FakeDev((N + 1,), np.int64) if varlen else None, out=_FakeDev((B, T, HV, K), BF16))
-    ck.run_chunk(**a, scale=0.1, lower_bound=-5.0, use_qk_l2norm=True)
-    names = [n.split("<")[0] for n, *_ in launches]
-    assert names == (["kda_chunk_offsets_kernel"] if varlen else []) + ["kda_chunk_prepare_kernel",
-                                                                       "kda_chunk_recurrence_kernel"]
-    for name, grid, block, args, smem in launches:
-        base = name.split("<")[0]
-        assert [_arg_kind(x) for x in args] == _kernel_params(base), name
-        if base == "kda_chunk_prepare_kernel":
-            assert grid == (ck.num_chunk_slots(B, T, N, varlen), HV) and block == (ck.PREPARE_THREADS,)
-            assert smem == ck.PREPARE_SMEM
-        if base == "kda_chunk_recurrence_kernel":
-            nw = int(name.split(",")[1].strip(" >"))
-            assert nw == ck.recurrence_warps(N * HV, 132)
-            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,) and smem == ck.recurrence_smem(nw)
-            kinds = (args[4], args[6])
-            assert kinds == (np.int32({None: 0, F32: 1, BF16: 2}[s_in]), np.int32({None: 0, F32: 1, BF16: 2}[s_out]))
 
 
 # ----------------------------------------------------------------------------- CPU: the kernel source, emulated
@@ -629,7 +872,7 @@ EMU_CASES = [
     pytest.param(dict(B=1, T=100, H=1, HV=1, gate_params=False, extreme=True, state=F32), dict(nw=1, s_out=F32),
                  id="extreme-nw1"),
     pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=True, lens=[30, 64, 97], state=F32),
-                 dict(nw=2, s_out=F32, baseline=1), id="baseline-prepare"),
+                 dict(nw=2, s_out=F32), id="varlen-gate-nw2"),
 ]
 
 
@@ -646,12 +889,12 @@ def kda_emulator(tmp_path_factory):
     if shutil.which("g++") is None or not cuda_include_dirs():
         pytest.skip("needs g++ and the CUDA fp16/bf16 headers")
     emu = Path(__file__).resolve().parent / "kda_chunk_emu"
-    src = (Path(ck.__file__).resolve().parent.parent / "cuda_src" / "kda_chunk.cu").read_text()
+    src = SRC.read_text()
     for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"'):
         assert inc in src
         src = src.replace(inc, "")
     decl = "extern __shared__ __align__(16) unsigned char smem[];"
-    assert src.count(decl) == 3  # prepare, baseline prepare, recurrence
+    assert src.count(decl) == 2  # prepare, recurrence
     d = tmp_path_factory.mktemp("kda_emu")
     (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem = emu::dyn_smem();"))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if os.environ.get("MATE_CUPY_EMU_SANITIZE") else ["-O2"]
@@ -693,14 +936,13 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
     scale = K ** -0.5
     (tmp_path / "params.txt").write_text(
         f"{B} {T} {H} {HV} {N} {int(varlen)} {int(dtype == BF16)} {int('A_log' in x)} {int(l2)} {scale} -5.0 "
-        f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} {run.get('lazy', 0)} "
-        f"{run.get('baseline', 0)}\n")
+        f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} "
+        f"{run.get('lazy', 0)}\n")
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")  # the driver leaves its buffers to process exit
     r = subprocess.run([str(kda_emulator), str(tmp_path)], capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     rec: dict = {}
-    o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec,
-                                       offdiag_ref="above" if run.get("baseline") else "mid")
+    o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec)
     out = np.fromfile(tmp_path / "out.bin", dtype=dtype).reshape(x["v"].shape)
     assert rel(out, _round(o_model, dtype)) < 2e-3
     if s_out is not None:
@@ -708,15 +950,12 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
         assert rel(fs, _round(s_model, s_out)) < 2e-3
     ws = np.fromfile(tmp_path / "ws.bin", dtype=np.uint8)
     lens = np.diff(x["cu_seqlens"]) if varlen else [T] * B
-    parts = {"Qs": (0, (C, K), dtype), "Kt": (16384, (C, K), dtype), "Kb": (32768, (C, K), dtype),
-             "T": (49152, (C, C), dtype), "Aqk": (57344, (C, C), dtype), "egl": (65536, (K,), F32)}
     slot = 0
     for n, ln in enumerate(lens):
         nch = (int(ln) + C - 1) // C
         for hv in range(HV):
             for c in range(nch):
-                blob = ws[((slot + c) * HV + hv) * ck.SLOT_BYTES:][:ck.SLOT_BYTES]
-                for name, (off, shape, dt) in parts.items():
-                    got = blob[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
-                    assert rel(got, rec[(n, hv)][c][name]) < 5e-3, (n, hv, c, name)
+                blob = ws[((slot + c) * HV + hv) * cl.SLOT_BYTES:][:cl.SLOT_BYTES]
+                for name in SLOT_PARTS:
+                    assert rel(slot_part(blob, name, dtype), rec[(n, hv)][c][name]) < 5e-3, (n, hv, c, name)
         slot += nch

@@ -293,6 +293,12 @@ CASES = {
     "v_odd_vfirst": replace(_BASE, V=40, pad_seq=True),
     "v48_vfirst_bf16_pad": replace(_BASE, B=9, V=48, state_dtype="bfloat16", pad_seq=True, oob=True),
     "v_odd_vfirst_t4": replace(_BASE, V=72, T=4, slots="2d", state_dtype="bfloat16"),
+    "v_odd_vfirst_spec_pad": replace(_BASE, B=6, V=40, T=4, slots="spec", pad_seq=True, oob=True),
+    "v_odd_vfirst_varlen_zero_init": replace(_BASE, V=24, lens=(3, 0, 9), slots="none", initial_state=False),
+    "v_odd_vfirst_store_bf16": replace(_BASE, V=56, inplace=False, store_final=True, state_dtype="bfloat16",
+                                       pad_seq=True),
+    "v_odd_vfirst_gate_off_per_channel": replace(_BASE, V=40, gate_in_kernel=False, beta_per_channel=True,
+                                                 out_dtype="float32"),
     "v_odd_kfirst": replace(_BASE, V=40, v_first=False),
     "v_odd_kfirst_bf16": replace(_BASE, V=72, v_first=False, state_dtype="bfloat16", T=2, slots="2d"),
 }
@@ -367,69 +373,6 @@ def test_decode_matches_reference(name, rng):
     check_results(c, prep, out, pool, final)
 
 
-VFIRST_CASES = [n for n, c in CASES.items() if c.v_first]
-
-
-def _run_with_launcher_knobs(name, rng, monkeypatch, **knobs):
-    """Run case ``name`` with decode_kernels attributes ``knobs`` set, check it against the
-    reference, and return the launches it made (``_launch`` argument tuples)."""
-    from mate_cupy import _launch_cache
-    from mate_cupy.kda import decode_kernels as dk
-
-    for attr, value in knobs.items():
-        monkeypatch.setattr(dk, attr, value)
-    launches = []
-    real_launch = dk._launch
-    monkeypatch.setattr(dk, "_launch", lambda *a: (launches.append(a), real_launch(*a)))
-    _launch_cache.clear()  # recipes replay the launch they recorded: these knobs are not in their key
-    try:
-        c = CASES[name]
-        prep = build_case(c, rng)
-        out, pool, final = _run_case(c, prep, preallocate=True)
-    finally:
-        _launch_cache.clear()
-    check_results(c, prep, out, pool, final)
-    return launches
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("warps", [1, 4])
-@pytest.mark.parametrize("name", VFIRST_CASES)
-def test_decode_prefetch_loop_matches_reference(name, warps, rng, monkeypatch):
-    """V-first CTAs looping over work units with the next state prefetched (few resident
-    CTAs: the launcher is told the GPU has one SM, so every CTA runs many units)."""
-    from mate_cupy.kda import decode_kernels as dk
-
-    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_PREFETCH=True, VFIRST_WARPS=warps,
-                                        _sm_count=lambda: 1)
-    flags = [int(a[3][35]) for a in launches]  # args[35]: the option flags
-    assert flags and all(f & dk.F_PREFETCH for f in flags), "the prefetch loop did not run"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,bulk", [(2, False), (2, True), (4, False)])
-@pytest.mark.parametrize("name", VFIRST_CASES)
-def test_decode_vfirst_rows_and_bulk_staging_match_reference(name, rows, bulk, rng, monkeypatch):
-    """The 2-rows-per-lane V-first kernel, and per-lane cp.async staging of the slice (the
-    default on sm_90, rows 4 with bulk-copy staging, runs in every other test)."""
-    from mate_cupy.kda import decode_kernels as dk
-
-    launches = _run_with_launcher_knobs(name, rng, monkeypatch, VFIRST_ROWS=rows, VFIRST_BULK=bulk)
-    assert launches and all(a[2] % 32 == 0 for a in launches)
-    for a in launches:  # args[35]: flags; args[33]: V; block = warps * 32 threads, slice 4 * rows * warps
-        vs = 4 * rows * (a[2] // 32)
-        expect = bulk and int(a[3][33]) % vs == 0
-        assert bool(int(a[3][35]) & dk.F_BULK) == expect
-
-
-def test_vfirst_prefetch_grid():
-    from mate_cupy.kda import decode_kernels as dk
-
-    smem2 = dk._smem_bytes(2 * 64 * 128 * 4, 1, 64, 0)  # 4 warps, fp32 state, two stages
-    assert dk.vfirst_resident_ctas(128, smem2) == 3  # shared memory bound: 3 x 66 KB
-    assert dk.vfirst_resident_ctas(32, dk._smem_bytes(2 * 16 * 128 * 4, 1, 16, 0)) == 12  # 12 x 19 KB (registers: 16)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["t1_f32_vfirst", "t4_spec", "varlen_2d_kfirst_bf16"])
 def test_decode_allocated_output(name, rng):
@@ -482,6 +425,71 @@ def test_decode_strided_inputs(rng):
     o = _poisoned((B, T, c.HV, c.V), np.float32)
     m.gated_delta_rule_decode(**args, **dict(prep.kwargs, state_indices=None), output=o)
     assert rel_err(cp.asnumpy(o), prep.ref_out) <= 2e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_first", [True, False], ids=["vfirst", "kfirst"])
+def test_decode_staged_operands(v_first, rng):
+    """Layouts the kernel cannot index (q with a strided last dim; A_log, dt_bias, slots and
+    output with gaps between elements; a pool with gaps between slots) go through contiguous
+    copies: same results, the caller's output and pool written, their gaps untouched."""
+    import mate_cupy as m
+
+    cp = _cupy()
+    c = replace(_BASE, B=3, T=2, slots="2d", out_dtype="float32", v_first=v_first)
+    prep = build_case(c, rng)
+    args = {n: _to_device(x) for n, x in prep.args.items()}
+
+    def spread(x, axis=-1):  # the same values with a zero after each element of `axis`
+        u = x.view(np.uint16) if x.dtype.itemsize == 2 else x  # 16-bit floats through their bits
+        shape = list(u.shape)
+        shape[axis] *= 2
+        big = cp.zeros(shape, dtype=u.dtype)
+        idx = [slice(None)] * u.ndim
+        idx[axis] = slice(None, None, 2)
+        big[tuple(idx)] = u
+        return big[tuple(idx)].view(x.dtype), big
+
+    args["q"], _ = spread(args["q"])
+    args["A_log"], _ = spread(args["A_log"])
+    args["dt_bias"], _ = spread(args["dt_bias"])
+    pool, pool_big = spread(args["state"], axis=0)
+    args["state"] = pool
+    si, _ = spread(_to_device(prep.kwargs["state_indices"]))
+    out, out_big = spread(_poisoned(prep.out_shape, np.float32), axis=1)
+    for x in (args["q"], args["A_log"], args["dt_bias"], pool, si, out):
+        assert not x.flags.c_contiguous
+    res, fin = m.gated_delta_rule_decode(**args, **dict(prep.kwargs, state_indices=si), output=out)
+    assert res is out and fin is pool
+    check_results(c, prep, _to_host(out), _to_host(pool), None)
+    assert float(cp.abs(pool_big[1::2]).max()) == 0.0  # the gaps are not written
+    assert float(cp.abs(out_big[:, 1::2]).max()) == 0.0
+
+
+@pytest.mark.gpu
+def test_decode_preallocated_call_allocates_nothing(rng):
+    """Contiguous inputs and a preallocated output: no device allocation (CuPy's allocator
+    refuses every request during the call), in place and with [N, C] slots."""
+    import mate_cupy as m
+
+    cp = _cupy()
+    for c in (replace(_BASE, B=8, out_dtype="float32"), replace(_BASE, B=4, T=3, slots="spec", v_first=False)):
+        prep = build_case(c, rng)
+        args = {n: _to_device(x) for n, x in prep.args.items()}
+        kw = dict(prep.kwargs, state_indices=_to_device(prep.kwargs["state_indices"]))
+        out = _poisoned(prep.out_shape, prep.out_dtype)
+        pool0 = args["state"].copy()
+        m.gated_delta_rule_decode(**args, **kw, output=out)  # warm-up: compile and load the module
+        args["state"][...] = pool0
+        out.fill(np.nan)
+        cp.cuda.Device().synchronize()
+
+        def refuse(nbytes):
+            raise AssertionError(f"gated_delta_rule_decode allocated {nbytes} bytes")
+
+        with cp.cuda.using_allocator(refuse):
+            m.gated_delta_rule_decode(**args, **kw, output=out)
+        check_results(c, prep, _to_host(out), _to_host(args["state"]), None)
 
 
 @pytest.mark.gpu
@@ -588,42 +596,7 @@ def test_prefill_then_decode(rng):
     assert rel_err(cp.asnumpy(S_after).astype(np.float64), ref_S) <= 5e-3
 
 
-# ------------------------------------------------------------------ CPU checks of the launcher
-
-
-def test_decode_variants_registered():
-    from mate_cupy.jit import registered
-    from mate_cupy.kda import decode_kernels as dk
-
-    names = {k for s in registered() for k in s.kernels}
-    for spec in dk.SPECS.values():
-        assert spec.kernels[0] in names
-    assert len(dk.SPECS) == 4
-
-
-def test_vfirst_warps_fill_the_gpu():
-    from mate_cupy.kda.decode_kernels import vfirst_warps
-
-    assert vfirst_warps(256 * 32, 128, 132) == 4  # large batch: 4-warp CTAs
-    assert vfirst_warps(64 * 32, 128, 132) == 4  # 4096 CTAs >= 16 per SM
-    assert vfirst_warps(32 * 32, 128, 132) == 2  # B32: 2048 four-warp CTAs would be < 16 per SM
-    assert vfirst_warps(8 * 32, 128, 132) == 2
-    assert vfirst_warps(1 * 32, 128, 132) == 1  # B = 1: 256 one-warp CTAs
-    assert vfirst_warps(32 * 32, 128, 132, rows=2) == 4  # 2 rows per lane: 8-row warps, twice the CTAs
-
-
-def test_vfirst_bulk_only_for_whole_single_unit_slices(monkeypatch):
-    from mate_cupy.kda import decode_kernels as dk
-
-    monkeypatch.setattr(dk, "_cc_major", lambda: 9)
-    assert dk.vfirst_bulk(128, 64, prefetch=False)
-    assert not dk.vfirst_bulk(128, 64, prefetch=True)  # the prefetch loop refills its stages per lane
-    assert not dk.vfirst_bulk(100, 64, prefetch=False)  # a partial last slice
-    monkeypatch.setattr(dk, "VFIRST_BULK", False)
-    assert not dk.vfirst_bulk(128, 64, prefetch=False)
-    monkeypatch.setattr(dk, "VFIRST_BULK", None)
-    monkeypatch.setattr(dk, "_cc_major", lambda: 8)
-    assert not dk.vfirst_bulk(128, 64, prefetch=False)  # no bulk copies before sm_90
+# ------------------------------------------------------------------ CPU: the grid's reference side
 
 
 @pytest.mark.parametrize("name", ["t4_spec_kfirst_pad", "varlen_spec_pad", "t4_2d_pad_tok", "t1_pad_oob"])

@@ -5,15 +5,18 @@ Top-k: exact id equality on adversarial rows for every kernel family (streaming 
 kernel at each chunk size, warp and CTA kernels), including rows built to reach each
 rare path of the streaming kernel (candidate overflow, cutting the buffer, the chunk's
 own best k, the exact-key pass). Max score: dense and paged K, causal and not, GQA,
-offsets, with cp.async copies landing both at issue and at the retiring wait.
+offsets, every variant, with cp.async copies landing both at issue and at the retiring wait.
 Set MATE_CUPY_EMU_SANITIZE=1 to build the emulator with ASan/UBSan.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from mate_cupy.msa import index_kernels as ik
+from mate_cupy.msa import index_launch as il
+from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 
 from test_gpu_index import (BF16, F16, SCORE_KINDS, _check_max_score, _lengths, _meta, _positions, _rand,
@@ -24,6 +27,8 @@ BLOCK = 128
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
+    """(harness module, Emulated runner) standing in for an H200 (132 SMs, sm_90: the
+    emulator runs wgmma)."""
     from index_emu import harness
 
     d = tmp_path_factory.mktemp("index_emu")
@@ -33,12 +38,7 @@ def emu(tmp_path_factory):
         if "needs g++" in str(e):
             pytest.skip(str(e))
         raise
-    # The emulator stands in for an sm_90 device (it emulates wgmma): default-variant
-    # choices that ask for the device get an H200's answer instead of a driver query.
-    saved = ik._device_info
-    ik._device_info = lambda: (132, 90)
-    yield harness, harness.Emulated(exe, d / "work")
-    ik._device_info = saved
+    return harness, harness.Emulated(exe, d / "work")
 
 
 # ============================================================================ score rows
@@ -98,11 +98,22 @@ SPECIAL_KINDS = ("inf_head", "tie_flood", "late_ties", "zeros", "pos_nan", "neg_
                  "denormal_ties", "increasing", "decreasing")
 
 
-def _select(H, emu, ms, topk, nvp, begin, end, count_in, qp, **kw):
+def _select(H, emu, ms, topk, nvp, begin, end, count_in, qp, kernel=None, npt=None, cap=None):
+    """Run one selection in the emulator: the automatic choice, or ``kernel`` ("stream" /
+    "block") with its chunk size ``npt`` / candidate capacity ``cap`` replaced."""
     width = _width(topk, begin, end, count_in)
     out = np.full(ms.shape[:2] + (width,), -7, dtype=np.int32)
-    emu(ik._launch_topk, H.wrap(ms), H.wrap(out), topk=topk, num_valid_pages=nvp, force_begin_blocks=begin,
-        force_end_blocks=end, force_blocks_count_in_topk=count_in, query_positions=H.wrap(qp), stream=None, **kw)
+    args = H.wrap(ms, "max_score"), H.wrap(out, "output"), H.wrap(qp, "query_positions")
+    problem = validate_topk(args[0], topk, nvp, args[1], begin, end, count_in, args[2])
+    if kernel is None:
+        config = il.select_topk_config(problem)
+    elif kernel == "stream":
+        config = il.stream_topk_config(problem)
+        config = config if npt is None else dataclasses.replace(config, scores_per_thread=npt)
+    else:
+        config = il.block_topk_config(problem)
+        config = config if cap is None else dataclasses.replace(config, candidate_capacity=cap)
+    emu(il.launch_topk, problem, config, *args, 0)
     return out
 
 
@@ -112,14 +123,14 @@ STREAM_NTS = [1, 5, 40, 64, 255, 256, 257, 600, 1024, 1025, 2049, 4100, 8192, 12
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("npt", ik.STREAM_NPT)
+@pytest.mark.parametrize("npt", il.STREAM_NPT)
 @pytest.mark.parametrize("nt", STREAM_NTS)
 def test_stream_topk_emulated_exact(emu, rng, nt, npt):
     """Streaming kernel, every chunk size, random flags, every score kind (rows of one
     launch mix the kinds), plus rows aimed at each rare path."""
     H, run = emu
     configs = [(16, 0, 0, True, None, False), (8, 1, 2, False, None, True), (32, 2, 2, True, None, False),
-               (4, 0, 1, True, max(1, nt // 2), True), (16, 1, 0, True, None, True), (20, 0, 0, False, nt, False)]
+               (4, 0, 1, True, max(1, nt // 2), True), (16, 1, 0, True, None, True), (32, 6, 6, True, nt, False)]
     for topk, begin, end, count_in, nvp, use_qp in configs:
         kinds = list(SCORE_KINDS) + list(SPECIAL_KINDS)
         hq = 2
@@ -132,7 +143,7 @@ def test_stream_topk_emulated_exact(emu, rng, nt, npt):
         if use_qp:
             qp[::3] = nt * BLOCK + 5  # some rows see every block
         want = ref.topk_select(ms, topk, nvp, begin, end, count_in, qp)
-        got = _select(H, run, ms, topk, nvp, begin, end, count_in, qp, algo="stream", npt=npt)
+        got = _select(H, run, ms, topk, nvp, begin, end, count_in, qp, kernel="stream", npt=npt)
         bad = np.argwhere((got != want).any(-1))
         assert bad.shape[0] == 0, (nt, npt, topk, begin, end, count_in, nvp, use_qp,
                                    [(kinds[i], h, got[i, h].tolist(), want[i, h].tolist()) for i, h in bad[:3]])
@@ -146,8 +157,8 @@ def test_stream_topk_many_rows_and_tails(emu, rng):
         ms = _scores(rng, (37, 3, nt), "causal")
         for topk, begin, end in ((16, 0, 0), (16, 1, 2)):
             want = ref.topk_select(ms, topk, None, begin, end, True, None)
-            for npt in ik.STREAM_NPT:
-                got = _select(H, run, ms, topk, None, begin, end, True, None, algo="stream", npt=npt)
+            for npt in il.STREAM_NPT:
+                got = _select(H, run, ms, topk, None, begin, end, True, None, kernel="stream", npt=npt)
                 assert np.array_equal(got, want), (nt, topk, npt)
 
 
@@ -158,7 +169,7 @@ def test_block_topk_emulated_exact(emu, rng, nt):
     H, run = emu
     kinds = list(SCORE_KINDS) + list(SPECIAL_KINDS)
     for topk, begin, end, count_in, cap in ((16, 0, 0, True, None), (64, 2, 2, True, None), (8, 1, 1, False, 0),
-                                            (40, 0, 2, False, None)):
+                                            (64, 12, 12, True, None)):
         if _width(topk, begin, end, count_in) > 64:
             continue
         k = _width(topk, begin, end, count_in) - begin - end
@@ -166,52 +177,54 @@ def test_block_topk_emulated_exact(emu, rng, nt):
                        for kd in kinds])
         qp = _positions(rng, len(kinds), nt)
         want = ref.topk_select(ms, topk, None, begin, end, count_in, qp)
-        got = _select(H, run, ms, topk, None, begin, end, count_in, qp, algo="block", candidate_capacity=cap)
+        got = _select(H, run, ms, topk, None, begin, end, count_in, qp, kernel="block", cap=cap)
         assert np.array_equal(got, want), (nt, topk, begin, end, cap)
 
 
+def _problem(rows: int, nt: int, slots: int) -> TopkProblem:
+    return TopkProblem(rows, 1, nt, slots, slots, nt, 0, 0, True, False, True, 0)
+
+
 def test_auto_choice_routes_small_k_to_stream():
-    assert ik.topk_algorithm(524288, 1024, 16) == "stream"
-    assert ik.topk_algorithm(4096, 8192, 16) == "stream"
-    assert ik.topk_algorithm(64, 8192, 16) == "block"
-    assert ik.topk_algorithm(64, 1024, 16) == "stream"
-    assert ik.topk_algorithm(4096, 1024, 17) == "block"
-    assert ik.stream_npt(64) == 8 and ik.stream_npt(1024) == 32 and ik.stream_npt(8192) == 16
+    kernel = lambda rows, nt, slots: il.select_topk_config(_problem(rows, nt, slots)).kernel  # noqa: E731
+    assert kernel(524288, 1024, 16) == "stream"
+    assert kernel(4096, 8192, 16) == "stream"
+    assert kernel(64, 8192, 16) == "block"
+    assert kernel(64, 1024, 16) == "stream"
+    assert kernel(4096, 1024, 17) == "block"
+    npt = lambda nt: il.stream_topk_config(_problem(64, nt, 16)).scores_per_thread  # noqa: E731
+    assert npt(64) == 8 and npt(1024) == 32 and npt(8192) == 16 and npt(300) == 16
 
 
 # ============================================================================ max score
 
 
 def _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
-                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, variant=None):
+                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, config=None):
     ms = np.full((q.shape[0], q.shape[1], nt), np.nan, dtype=np.float32)
-    run(ik.run_max_score, H.wrap(q), H.wrap(k), H.wrap(ms), cu_seqlens_q=H.wrap(cu_q), qo_lens=H.wrap(qo),
-        kv_lens=H.wrap(kv), qo_offset=H.wrap(off), cu_seqlens_k=H.wrap(cu_k), page_table=H.wrap(page_table),
-        kv_indices=H.wrap(kv_indices), kv_page_indptr=H.wrap(indptr), kv_layout=kv_layout, page_size=page_size,
-        max_seqlen_q=int(qo.max(initial=0)), causal=causal, lazy_cp_async=lazy, variant=variant)
+    w = H.wrap
+    run(il.run_max_score, w(q), w(k), w(ms), cu_seqlens_q=w(cu_q), qo_lens=w(qo), kv_lens=w(kv), qo_offset=w(off),
+        cu_seqlens_k=w(cu_k), page_table=w(page_table), kv_indices=w(kv_indices), kv_page_indptr=w(indptr),
+        kv_layout=kv_layout, page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal, stream=0,
+        config=config, lazy_cp_async=lazy)
     return ms
 
 
-def _variants(d):
-    return [(nw, st, mma) for nw, st, mma in ik._max_score_configs(d)]
-
-
-ALL = None  # every registered variant of the head dim
-MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land at the wait, variants
-    pytest.param(BF16, 128, (8, 1), True, False, ALL, id="bf16-d128-r8-causal"),
-    pytest.param(BF16, 128, (8, 1), True, True, ALL, id="bf16-d128-r8-causal-copy-at-wait"),
-    pytest.param(F16, 64, (6, 2), False, False, ALL, id="fp16-d64-r3-full"),
-    pytest.param(BF16, 256, (4, 4), True, False, [(8, 3, "mma"), (4, 2, "mma"), (8, 2, "wgmma")], id="bf16-d256-r1"),
-    pytest.param(F16, 128, (12, 4), True, True, [(8, 3, "mma"), (8, 2, "wgmma"), (4, 2, "wgmma")],
-                 id="fp16-d128-r3-copy-at-wait"),
+CONFIGS = (None,) + il.MAX_SCORE_CONFIGS  # the automatic choice, then every variant
+MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land at the wait
+    pytest.param(BF16, 128, (8, 1), True, False, id="bf16-d128-r8-causal"),
+    pytest.param(BF16, 128, (8, 1), True, True, id="bf16-d128-r8-causal-copy-at-wait"),
+    pytest.param(F16, 64, (6, 2), False, False, id="fp16-d64-r3-full"),
+    pytest.param(BF16, 256, (4, 4), True, False, id="bf16-d256-r1"),
+    pytest.param(F16, 128, (12, 4), True, True, id="fp16-d128-r3-copy-at-wait"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,d,heads,causal,lazy,variants", MS_CASES)
-def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy, variants):
-    """(warps, stages, mma.sync / wgmma) variants: decode-like rows (key-range splits), a
-    prefill with offsets, lengths not multiples of 128."""
+@pytest.mark.parametrize("dtype,d,heads,causal,lazy", MS_CASES)
+def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy):
+    """Every variant (mma.sync with 4 and 8 warps, wgmma): decode-like rows (key-range
+    splits), a prefill with offsets, lengths not multiples of 128."""
     H, run = emu
     hq, hkv = heads
     for case in ("prefill", "decode"):
@@ -227,10 +240,10 @@ def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy, varia
         nt = -(-int(kv.max()) // BLOCK) + 1
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
                                    qo_lens=qo, kv_lens=kv)
-        for variant in _variants(d) if variants is ALL else variants:
+        for config in CONFIGS:
             got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy,
-                                 variant=variant)
-            _check_max_score(got, want, q, k, f"{case} causal={causal} {variant}")
+                                 config=config)
+            _check_max_score(got, want, q, k, f"{case} causal={causal} {config}")
 
 
 @pytest.mark.slow
@@ -255,22 +268,16 @@ def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
                                      causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
     k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
-    for variant in (None, (8, 3, "mma"), (8, 2, "wgmma"), (4, 2, "wgmma")):
+    for config in CONFIGS:
         got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
-                             variant=variant, **kw)
-        _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {variant}")
+                             config=config, **kw)
+        _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {config}")
 
 
-def test_max_score_default_variant_rules(monkeypatch):
-    assert ik.max_score_variant(64, 128, 90) == (4, 3, "mma")
-    assert ik.max_score_variant(65, 128, 90) == (8, 3, ik.MAX_SCORE_DEFAULT_MMA) or ik.MAX_SCORE_DEFAULT_MMA != "mma"
-    for kind, want90, want80, want_d256 in (("mma", (8, 3, "mma"), (8, 3, "mma"), (8, 3, "mma")),
-                                            ("mma32", (4, 3, "mma32"), (4, 3, "mma32"), (8, 3, "mma")),
-                                            ("wgmma", (8, 2, "wgmma"), (8, 3, "mma"), (8, 2, "wgmma"))):
-        monkeypatch.setattr(ik, "MAX_SCORE_DEFAULT_MMA", kind)
-        assert ik.max_score_variant(4096, 128, 90) == want90
-        assert ik.max_score_variant(4096, 128, lambda: 80) == want80
-        assert ik.max_score_variant(4096, 256, 90) == want_d256
-        for d in ik.MAX_SCORE_HEAD_DIMS:
-            for cc in (80, 90):
-                assert ik.max_score_variant(4096, d, cc) in ik._max_score_configs(d)
+def test_max_score_config_choice():
+    """4 warps of mma.sync up to 64 packed rows; above, wgmma on sm_90 only."""
+    mma4, mma8, wg8 = il.MAX_SCORE_CONFIGS
+    assert il.select_max_score_config(1, 90) == mma4 and il.select_max_score_config(64, 80) == mma4
+    assert il.select_max_score_config(65, 90) == wg8 and il.select_max_score_config(1 << 20, 90) == wg8
+    assert il.select_max_score_config(65, 80) == mma8 and il.select_max_score_config(4096, 100) == mma8
+    assert (mma4.stages, mma8.stages, wg8.stages) == (3, 3, 2)

@@ -5,8 +5,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mate_cupy import _interop
-from mate_cupy._interop import BFLOAT16, FP8_E4M3, Call, as_dtype, export, to_host, wrap
+from mate_cupy.runtime import interop as _interop
+from mate_cupy.runtime.interop import BFLOAT16, FP8_E4M3, Call, as_dtype, export, to_host, wrap
 
 TORCH_DTYPES = ["bfloat16", "float16", "float8_e4m3fn", "float32", "int32", "int64"]
 
@@ -109,10 +109,25 @@ def test_mixed_devices_error_names_arguments(monkeypatch):
 
     def fake_wrap(name, obj):
         if isinstance(obj, FakeCuda):
-            return _interop.Arg(name, obj, None, np.dtype(np.float32), "dlpack", 0)
+            return _interop.Arg(name, obj, np.dtype(np.float32), "dlpack", 0, (2,), (1,), 0)
         return real_wrap(name, obj)
 
     real_wrap = _interop.wrap
     monkeypatch.setattr(_interop, "wrap", fake_wrap)
     with pytest.raises(ValueError, match=r"k is on cuda:0 but q is on cpu"):
         Call(q=np.zeros(2, np.float32), k=FakeCuda())
+
+
+def test_arg_describes_without_a_backend_view(rng):
+    x = rng.standard_normal((4, 6)).astype(np.float32)[:, ::2]
+    a = wrap("x", x)
+    assert a.shape == (4, 3) and a.strides == (6, 2) and a.ptr == x.ctypes.data
+    assert not a.is_contiguous() and a.size == 12 and a.nbytes == 48
+    assert wrap("y", np.zeros((3, 1, 5), np.float16)).is_contiguous()
+
+
+def test_call_new_allocates_in_the_callers_framework():
+    call = Call(q=np.zeros(3, np.float32))
+    out = call.new("out", (2, 3), BFLOAT16)
+    assert isinstance(out.obj, np.ndarray) and out.obj.dtype == BFLOAT16 and out.shape == (2, 3)
+    assert out.data is out.obj and out.ptr == out.obj.ctypes.data

@@ -75,6 +75,7 @@ def test_spec_names_spell_choices():
     assert spec.name == "attention_fwd[CAUSAL=1,HEAD_DIM=128]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_every_registered_variant_compiles(arch):
     specs = registered()

@@ -1,13 +1,17 @@
 """``chunk_kda`` on host arrays: results against the float64 references, output/state dtype
-rules, preallocated outputs, varlen layouts, frameworks, and every refused input."""
+rules, preallocated outputs, varlen layouts, frameworks, and every refused input; the same
+refusals for CUDA inputs (validation run on CPU-side stand-ins for CUDA arrays), the
+workspace size helper and the CUDA workspace checks."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import mate_cupy
-from mate_cupy import chunk_kda
-from mate_cupy.kda.common import load_launcher
+from mate_cupy import chunk_kda, chunk_kda_workspace_bytes
+from mate_cupy.kda import chunk as ch
+from mate_cupy.runtime import interop
+from mate_cupy.runtime import workspace as wsmod
 from mate_cupy.reference.kda import kda_chunked, kda_recurrent
 from test_kda_reference import BF16, kda_inputs, rel
 
@@ -179,15 +183,23 @@ def test_torch_cpu_tensors(rng):
 
 def test_package_exports():
     assert mate_cupy.chunk_kda is chunk_kda
-    assert "chunk_kda" in mate_cupy.__all__ and "gated_delta_rule_decode" in mate_cupy.__all__
+    assert mate_cupy.chunk_kda_workspace_bytes is chunk_kda_workspace_bytes
+    for name in ("chunk_kda", "chunk_kda_workspace_bytes", "gated_delta_rule_decode"):
+        assert name in mate_cupy.__all__
     assert getattr(chunk_kda, "__mate_api__", False)
 
 
-def test_missing_launcher_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="no_such_launcher"):
-        load_launcher("no_such_launcher", "run", "chunk_kda")
-    with pytest.raises(NotImplementedError, match="run_nothing"):
-        load_launcher("common", "run_nothing", "chunk_kda")
+def test_signature_and_defaults():
+    import inspect
+
+    sig = inspect.signature(chunk_kda)
+    assert list(sig.parameters) == ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                                    "cu_seqlens", "A_log", "dt_bias", "lower_bound", "use_qk_l2norm_in_kernel",
+                                    "output", "final_state", "workspace"]
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == dict(scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, A_log=None,
+                            dt_bias=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, output=None,
+                            final_state=None, workspace=None)
 
 
 # ----------------------------------------------------------------------------- refused inputs
@@ -253,7 +265,33 @@ ERRORS = [
      lambda x: dict(x, output_final_state=True, initial_state=np.zeros((2, 2, 128, 128), BF),
                     final_state=np.zeros((2, 2, 128, 128), np.float32)), TypeError),
     ("q-not-array", False, lambda x: dict(x, q=[[1.0]]), TypeError),
+    ("no-q-heads", False, lambda x: dict(x, q=x["q"][:, :, :0], k=x["k"][:, :, :0]), ValueError),
+    ("v-heads-over-kernel-limit", False, lambda x: _many_v_heads(x, 65536), NotImplementedError),
+    ("workspace-not-on-q-device", False, lambda x: dict(x, workspace=HostBuffer(np.empty(1 << 20, np.uint8))),
+     ValueError),
 ]
+# Conditions on cu_seqlens values: checked for host inputs only (CUDA offsets are not read
+# on the host; the kernels clamp them).
+HOST_ONLY = {"cu_seqlens-start", "cu_seqlens-decreasing", "cu_seqlens-too-long", "cu_seqlens-short"}
+
+
+class HostBuffer:
+    """A host array seen only through DLPack (it stays a host array for the CUDA stand-ins below)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def _many_v_heads(x, hv):
+    """Zero-length (T = 0) inputs with ``hv`` value heads: cheap at any head count."""
+    z = lambda *shape: np.zeros(shape, BF)  # noqa: E731
+    return dict(q=z(2, 0, 1, 128), k=z(2, 0, 1, 128), v=z(2, 0, hv, 128), g=z(2, 0, hv, 128), beta=z(2, 0, hv))
 
 
 @pytest.mark.parametrize("varlen,mutate,exc", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
@@ -279,3 +317,239 @@ def test_refusal_leaves_preallocated_arrays_untouched(rng):
     with pytest.raises(ValueError):
         chunk_kda(**dict(x, cu_seqlens=np.array([0, 2, 6], np.int32)), output=out)
     assert (out.astype(np.float32) == 3.0).all()
+
+
+def test_host_inputs_take_no_workspace(rng):
+    x = _base(rng)
+    with pytest.raises(ValueError, match="workspace"):
+        chunk_kda(**x, workspace=np.empty(chunk_kda_workspace_bytes(2, 3, 2), np.uint8))
+
+
+@pytest.mark.slow  # the reference builds 65535 zero states
+def test_kernel_limit_accepts_the_largest_head_count(rng):
+    o = chunk_kda(**_many_v_heads(None, 65535))
+    assert o.shape == (2, 0, 65535, 128)
+
+
+# ----------------------------------------------------------------------------- workspace size
+
+
+def test_workspace_bytes_values():
+    slot = 66048
+    assert chunk_kda_workspace_bytes(2, 130, 4) == 2 * 3 * 4 * slot  # 3 chunks per sequence
+    assert chunk_kda_workspace_bytes(1, 64, 1) == slot
+    assert chunk_kda_workspace_bytes(3, 0, 8) == 0
+    # varlen: (S + 63 N) // 64 slots, then an int32 [N + 1] offsets table
+    assert chunk_kda_workspace_bytes(1, 1000, 64, num_seqs=3) == (1189 // 64) * 64 * slot + 16
+    assert chunk_kda_workspace_bytes(1, 0, 4, num_seqs=0) == chunk_kda_workspace_bytes(1, 100, 4, num_seqs=0) == 4
+    assert chunk_kda_workspace_bytes(np.int64(1), np.int32(10), 2, num_seqs=np.int64(2)) == 2 * 2 * slot + 12
+
+
+def test_workspace_bytes_bounds_every_varlen_split(rng):
+    for _ in range(200):
+        lens = rng.integers(0, 300, rng.integers(1, 12))
+        need = int(sum((n + 63) // 64 for n in lens)) * 3 * 66048 + 4 * (len(lens) + 1)
+        assert need <= chunk_kda_workspace_bytes(1, int(lens.sum()), 3, num_seqs=len(lens))
+
+
+def test_workspace_bytes_grow_with_every_argument():
+    base = chunk_kda_workspace_bytes(1, 500, 4, num_seqs=5)
+    assert base <= chunk_kda_workspace_bytes(1, 501, 4, num_seqs=5)
+    assert base <= chunk_kda_workspace_bytes(1, 500, 5, num_seqs=5)
+    assert base <= chunk_kda_workspace_bytes(1, 500, 4, num_seqs=6)
+    dense = chunk_kda_workspace_bytes(2, 500, 4)
+    assert dense <= chunk_kda_workspace_bytes(3, 500, 4) and dense <= chunk_kda_workspace_bytes(2, 501, 4)
+
+
+@pytest.mark.parametrize("args, exc", [
+    ((1.0, 10, 2), TypeError), ((1, "10", 2), TypeError), ((1, 10, 2, 2.5), TypeError),
+    ((-1, 10, 2), ValueError), ((1, -10, 2), ValueError), ((1, 10, -2), ValueError), ((1, 10, 2, -1), ValueError),
+    ((2, 10, 2, 3), ValueError),  # varlen input has batch 1
+])
+def test_workspace_bytes_refusals(args, exc):
+    with pytest.raises(exc):
+        chunk_kda_workspace_bytes(*args)
+
+
+# ----------------------------------------------------------------------------- CUDA validation on the CPU
+# ``validate`` only reads array descriptions (Arg: shape, dtype, device, address, strides), so
+# NumPy arrays described as cuda:0 arrays exercise its CUDA branch without a GPU.
+
+STREAM = 0x5000
+
+
+def cuda_standin(name, a):
+    """An Arg describing the NumPy array ``a`` as a cuda:0 CuPy array (the data stays NumPy)."""
+    if not isinstance(a, np.ndarray):
+        return interop.wrap(name, a)
+    item = a.dtype.itemsize
+    arg = interop.Arg(name, a, a.dtype, "cupy", 0, a.shape, tuple(s // item for s in a.strides),
+                      a.__array_interface__["data"][0], data=a)
+    return arg
+
+
+class StandinCall(interop.Call):
+    """A Call of CUDA stand-ins: no device scope, a fixed stream address, and allocations
+    (NumPy, described as cuda:0) recorded in ``allocations``."""
+
+    allocations: list = []
+
+    def add(self, name, obj):
+        if obj is None:
+            return None
+        arg = cuda_standin(name, obj)
+        if self.device is None:
+            self.device, self.framework, self._first = arg.device, arg.framework, name
+        elif arg.device != self.device:
+            raise ValueError(f"{name} is on another device than {self._first}")
+        self.args[name] = arg
+        return arg
+
+    def device_scope(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @property
+    def stream(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @property
+    def stream_ptr(self):
+        return STREAM
+
+    def new(self, name, shape, dtype):
+        StandinCall.allocations.append(name)
+        return cuda_standin(name, np.zeros(tuple(shape), interop.as_dtype(dtype)))
+
+
+def standin_workspace(nbytes, offset=0):
+    """A workspace array described as cuda:0 (``offset`` bytes into a 256-aligned buffer)."""
+    buf = np.empty(nbytes + offset + 256, np.uint8)
+    start = -buf.__array_interface__["data"][0] % 256
+    return buf[start + offset:start + offset + nbytes]
+
+
+@pytest.fixture
+def cuda_standins(monkeypatch):
+    """chunk_kda's validation sees NumPy arrays as cuda:0 arrays (an sm_90 device, 132 SMs)."""
+    monkeypatch.setattr(ch, "Call", StandinCall)
+    monkeypatch.setattr(ch, "device_info", lambda device=None: (132, 90))
+    monkeypatch.setattr(wsmod, "wrap", cuda_standin)
+    StandinCall.allocations = []
+    return StandinCall
+
+
+def validate_args(x):
+    """Every keyword of ``validate`` (the public defaults where ``x`` has none)."""
+    args = dict(q=None, k=None, v=None, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+                output=None, final_state=None, workspace=None)
+    args.update(x)
+    return args
+
+
+@pytest.mark.parametrize("varlen,mutate,exc", [e[1:] for e in ERRORS if e[0] not in HOST_ONLY],
+                         ids=[e[0] for e in ERRORS if e[0] not in HOST_ONLY])
+def test_cuda_inputs_refused_alike(rng, cuda_standins, varlen, mutate, exc):
+    """Every refusal of host inputs that is part of the contract holds for CUDA inputs, with
+    the same exception type (a host workspace is on another device than CUDA q, too)."""
+    x = mutate(_base(rng, varlen))
+    with pytest.raises(exc):
+        ch.validate(**validate_args(x))
+
+
+@pytest.mark.parametrize("case", sorted(HOST_ONLY))
+def test_cuda_offsets_are_not_read_on_the_host(rng, cuda_standins, case):
+    x = next(e for e in ERRORS if e[0] == case)[2](_base(rng, True))
+    call, p, _ = ch.validate(**validate_args(x))
+    assert call.is_cuda and p.varlen
+
+
+def test_cuda_validation_problem(rng, cuda_standins):
+    x = kda_inputs(rng, 0, 0, 2, 4, gate_params=True, lens=[5, 0, 70], state=F32)
+    call, p, ws = ch.validate(**validate_args(dict(x, output_final_state=True)))
+    assert ws is None and p.device == 0 and p.varlen and not p.squeeze
+    assert (p.batch, p.seqlen, p.num_heads, p.num_v_heads, p.num_seqs) == (1, 75, 2, 4, 3)
+    assert p.state_dtype == F32 and p.initial_state_dtype == F32 and p.has_gate_params and not p.cu_seqlens_int64
+    assert p.staged == frozenset()
+    assert p.workspace_bytes == chunk_kda_workspace_bytes(1, 75, 4, num_seqs=3)
+    hash(p)  # frozen, hashable: the key of select_config's cache
+
+
+def _odd(a):
+    """A view of ``a`` one element into a copy: same shape, contiguous, misaligned by one element."""
+    flat = np.empty(a.size + 16, a.dtype)
+    i = next(j for j in range(1, 16) if (flat[j:].__array_interface__["data"][0] % 16))
+    v = flat[i:i + a.size].reshape(a.shape)
+    v[...] = a
+    return v
+
+
+def test_cuda_staging_decisions(rng, cuda_standins):
+    x = kda_inputs(rng, 2, 70, 1, 2, gate_params=True, state=F32)
+    nc = lambda a: np.repeat(a, 2, axis=1)[:, ::2]  # noqa: E731  same values, not contiguous
+    cases = [
+        (dict(q=nc(x["q"])), {"q"}),
+        (dict(beta=nc(x["beta"])), {"beta"}),
+        (dict(A_log=x["A_log"].astype(np.float64), dt_bias=x["dt_bias"].astype(BF16)), {"A_log", "dt_bias"}),
+        (dict(dt_bias=x["dt_bias"].reshape(-1)), set()),
+        (dict(initial_state=_odd(x["initial_state"])), {"initial_state"}),  # f32 states: 8-byte alignment
+        (dict(output=_odd(np.zeros(x["v"].shape, BF16))), {"output"}),
+        (dict(k=_odd(x["k"])), {"k"}),
+        (dict(initial_state=x["initial_state"].astype(BF16), output_final_state=True,
+              final_state=np.zeros((2, 2, 128, 128), BF16)), set()),
+    ]
+    for change, staged in cases:
+        _, p, _ = ch.validate(**validate_args(dict(x, **change)))
+        assert p.staged == frozenset(staged), (change.keys(), p.staged)
+    # fp16 q: fp16 states go through float32 copies
+    y = kda_inputs(rng, 1, 10, 1, 1, dtype=F16, state=F16)
+    fs = np.zeros((1, 1, 128, 128), F16)
+    _, p, _ = ch.validate(**validate_args(dict(y, output_final_state=True, final_state=fs)))
+    assert p.staged == {"initial_state", "final_state"} and p.state_dtype == F16
+
+
+@pytest.mark.parametrize("how", ["small", "misaligned", "strided", "other-device", "not-an-array"])
+def test_cuda_workspace_refusals(rng, cuda_standins, how):
+    x = kda_inputs(rng, 0, 0, 1, 2, lens=[3, 100])
+    need = chunk_kda_workspace_bytes(1, 103, 2, num_seqs=2)
+    if how == "small":
+        ws = standin_workspace(need - 1)
+    elif how == "misaligned":
+        ws = standin_workspace(need, offset=8)
+    elif how == "strided":
+        ws = standin_workspace(2 * need)[::2]
+    elif how == "other-device":
+        ws = wsmod.Workspace.__new__(wsmod.Workspace)
+        ws.nbytes, ws.device, ws.ptr = need, 1, 4096
+    else:
+        ws = object()
+    with pytest.raises(TypeError if how == "not-an-array" else ValueError, match="workspace"):
+        ch.validate(**validate_args(dict(x, workspace=ws)))
+
+
+def test_cuda_workspace_accepted(rng, cuda_standins):
+    x = kda_inputs(rng, 0, 0, 1, 2, lens=[3, 100])
+    need = chunk_kda_workspace_bytes(1, 103, 2, num_seqs=2)
+    _, p, ws = ch.validate(**validate_args(dict(x, workspace=standin_workspace(need))))
+    assert ws.nbytes == need == p.workspace_bytes and ws.ptr % 256 == 0
+    obj = wsmod.Workspace.__new__(wsmod.Workspace)
+    obj.nbytes, obj.device, obj.ptr = need + 1000, 0, 1 << 20
+    _, _, ws = ch.validate(**validate_args(dict(x, workspace=obj)))
+    assert ws is obj
+
+
+@pytest.mark.parametrize("cc, refused", [(75, True), (80, False), (86, True), (89, True), (90, False), (100, False),
+                                         (120, True)])
+def test_cuda_device_support(rng, cuda_standins, monkeypatch, cc, refused):
+    """The recurrence kernel needs 145 KB of shared memory per block at its narrowest."""
+    monkeypatch.setattr(ch, "device_info", lambda device=None: (100, cc))
+    x = kda_inputs(rng, 1, 5, 1, 1)
+    if refused:
+        with pytest.raises(NotImplementedError, match="shared memory"):
+            ch.validate(**validate_args(x))
+    else:
+        ch.validate(**validate_args(x))

@@ -4,11 +4,17 @@ Every result is checked against a driver written here that runs the recurrent re
 (``kda_recurrent``) one token at a time, with its own gate/beta formulas (SPEC 8) and its
 own slot bookkeeping (SPEC 8a): state pools, ``[B]`` and ``[B, T]`` slots, padding,
 speculative decoding, varlen, in-place and returned final states, both state layouts,
-fp32 and bf16 states. Then every refused input.
+fp32 and bf16 states. Then every refused input (the kernels' contract refused for host
+inputs too), the CUDA path's validation on stand-in torch CUDA tensors (metadata and an
+address, no memory: no GPU needed), the launch configuration, and the launcher's
+parameter list against the kernel source.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -110,7 +116,7 @@ def drive(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,
 # ----------------------------------------------------------------------------- inputs
 
 
-def decode_inputs(rng, B, T, H=2, HV=4, K=32, V=16, P=None, dtype=BF16, state_dtype=F32, state_v_first=True,
+def decode_inputs(rng, B, T, H=2, HV=4, K=128, V=16, P=None, dtype=BF16, state_dtype=F32, state_v_first=True,
                   per_channel_beta=False, gate_params=True, lens=None):
     if lens is not None:
         B, T = 1, int(sum(lens))
@@ -304,7 +310,7 @@ def test_defaults(rng):
     x = decode_inputs(rng, 2, 1)
     o1, f1 = gated_delta_rule_decode(**x, store_final_state=True)
     o2, f2 = gated_delta_rule_decode(
-        **x, store_final_state=True, scale=32 ** -0.5, use_qk_l2norm=True, lower_bound=-5.0,
+        **x, store_final_state=True, scale=128 ** -0.5, use_qk_l2norm=True, lower_bound=-5.0,
         use_gate_in_kernel=True, use_lower_bound=False, apply_beta_sigmoid=False, allow_neg_eigval=False,
         use_initial_state=True, state_v_first=True, is_varlen=False, state_dtype=np.float32)
     np.testing.assert_array_equal(o1, o2)
@@ -322,7 +328,7 @@ def test_returns(rng):
     out, fin = gated_delta_rule_decode(**x, state_v_first=False)
     assert fin is None and out.shape == (2, 1, 4, 16)
     out, fin = gated_delta_rule_decode(**x, state_v_first=False, store_final_state=True)
-    assert fin.shape == (2, 4, 32, 16) and fin.dtype == F32  # K-first [N, HV, K, V]
+    assert fin.shape == (2, 4, 128, 16) and fin.dtype == F32  # K-first [N, HV, K, V]
     pre = np.full((2, 1, 4, 16), np.nan, np.float32)
     out, fin = gated_delta_rule_decode(**x, state_v_first=False, output=pre, inplace_final_state=True,
                                        store_final_state=True)
@@ -333,7 +339,7 @@ def test_state_none_without_initial_state(rng):
     x = decode_inputs(rng, 2, 2)
     x["state"] = None
     out, fin = gated_delta_rule_decode(**x, use_initial_state=False, store_final_state=True, state_dtype="bfloat16")
-    assert fin.dtype == BF16 and fin.shape == (2, 4, 16, 32)
+    assert fin.dtype == BF16 and fin.shape == (2, 4, 16, 128)
     _, _, drv = drive(**x, use_initial_state=False, store_final_state=True, state_dtype=BF16)
     assert rel(fin, drv) < 1e-2
     out2, fin2 = gated_delta_rule_decode(**x, use_initial_state=False, state_dtype=BF16)
@@ -464,6 +470,10 @@ ERRORS = [
     _bad("pool-empty-with-indices", lambda x: {**x, "state": x["state"][:0]}, ValueError,
          state_indices=np.array([-1, -1], np.int32)),
     _bad("q-not-array", lambda x: {**x, "q": "q"}, TypeError),
+    _bad("H-zero", lambda x: {**x, "q": x["q"][:, :, :0], "k": x["k"][:, :, :0]}, ValueError),
+    # The kernels' contract, refused for host inputs as for CUDA ones.
+    _bad("K-64", lambda x: {**x, "q": x["q"][..., :64], "k": x["k"][..., :64], "a": x["a"][..., :64],
+                            "dt_bias": x["dt_bias"][:, :64], "state": x["state"][..., :64]}, NotImplementedError),
 ]
 
 
@@ -503,7 +513,7 @@ def test_all_boolean_flag_combinations_run(rng):
              "use_initial_state", "state_v_first"]
     for values in itertools.product([False, True], repeat=len(names)):
         opts = dict(zip(names, values))
-        x = decode_inputs(rng, 2, 2, H=1, HV=2, K=8, V=4, state_v_first=opts["state_v_first"])
+        x = decode_inputs(rng, 2, 2, H=1, HV=2, V=4, state_v_first=opts["state_v_first"])
         x["q"] = (x["q"].astype(np.float32) / 3).astype(BF16)
         x["k"] = (x["k"].astype(np.float32) / 3).astype(BF16)
         check(x, dict(opts, store_final_state=True))
@@ -521,3 +531,372 @@ def test_is_varlen_flag(rng):
     ref, _, ref_fin = kda_decode(**{**x, "cu_seqlens": cu}, store_final_state=True)
     assert rel(split, ref) < 1e-2 and rel(fin, ref_fin) < 1e-6
     assert not np.array_equal(split[:, 2:], base[:, 2:])  # sequence 1 restarts from slot 1
+
+
+# ----------------------------------------------------------------------------- the kernels' contract, both paths
+
+I32_MAX = 2**31 - 1
+
+
+def _huge(shape, dtype):
+    """A read-only array of ``shape`` over one element (zero strides): big shapes, no memory."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
+
+
+def _contract_case(name):
+    """Inputs (NumPy) of a request only the kernels' contract refuses."""
+    rng = np.random.default_rng(0)
+    if name == "K-64":
+        return decode_inputs(rng, 2, 1, K=64), {}
+    if name == "kfirst-f32-V6":
+        return decode_inputs(rng, 2, 1, V=6, state_v_first=False), dict(state_v_first=False)
+    if name == "kfirst-bf16-V12":
+        return (decode_inputs(rng, 2, 1, V=12, state_v_first=False, state_dtype=BF16), dict(state_v_first=False))
+    if name == "tokens-32bit":  # T * HV * K = 2**31
+        T, HV = 2**24, 1
+        x = dict(q=_huge((1, T, 1, 128), BF16), k=_huge((1, T, 1, 128), BF16), v=_huge((1, T, HV, 16), BF16),
+                 state=np.zeros((1, HV, 16, 128), np.float32), A_log=None, a=_huge((1, T, HV, 128), BF16),
+                 dt_bias=None, num_accepted_tokens=None, cu_seqlens=None, b=_huge((1, T, HV), BF16))
+        return x, {}
+    if name == "grid-32bit":  # N * HV * ceil(V / 16) = 2**31
+        N, V = 2**27, 256
+        x = dict(q=_huge((N, 1, 1, 128), BF16), k=_huge((N, 1, 1, 128), BF16), v=_huge((N, 1, 1, V), BF16),
+                 state=_huge((N, 1, V, 128), np.float32), A_log=None, a=_huge((N, 1, 1, 128), BF16),
+                 dt_bias=None, num_accepted_tokens=None, cu_seqlens=None, b=_huge((N, 1, 1), BF16))
+        return x, {}
+    raise KeyError(name)
+
+
+CONTRACT = ["K-64", "kfirst-f32-V6", "kfirst-bf16-V12", "tokens-32bit", "grid-32bit"]
+
+
+@pytest.mark.parametrize("name", CONTRACT)
+def test_kernel_contract_is_refused_for_host_inputs(name):
+    x, opts = _contract_case(name)
+    with pytest.raises(NotImplementedError):
+        gated_delta_rule_decode(**x, **opts)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", CONTRACT)
+def test_kernel_contract_is_refused_for_cuda_inputs(name):
+    """The same requests on (stand-in) CUDA tensors: the same exception from validation."""
+    x, opts = _contract_case(name)
+    with pytest.raises(NotImplementedError):
+        _validate(**{n: fake_cuda(a) for n, a in x.items()}, **opts)
+
+
+def test_kernel_contract_edges_are_accepted(rng):
+    """K-first V multiples of 4 (fp32) / 8 (bf16) run; V-first takes any V."""
+    for V, sdt, v_first in ((4, F32, False), (8, BF16, False), (6, F32, True), (5, BF16, True)):
+        x = decode_inputs(rng, 2, 1, V=V, state_dtype=sdt, state_v_first=v_first)
+        check(x, dict(state_v_first=v_first, store_final_state=True))
+
+
+# ----------------------------------------------------------------------------- the CUDA path's validation (no GPU)
+
+
+class FakeCudaTensor:
+    """A torch CUDA tensor as mate_cupy's interop reads it: dtype, shape, strides, address."""
+
+    __slots__ = ("dtype", "shape", "_stride", "_ptr")
+    is_cuda = True
+    requires_grad = False
+
+    def __init__(self, shape, dtype, ptr, stride):
+        import torch
+
+        self.shape, self.dtype, self._ptr, self._stride = torch.Size(shape), dtype, int(ptr), tuple(stride)
+
+    def stride(self):
+        return self._stride
+
+    def data_ptr(self):
+        return self._ptr
+
+    def get_device(self):
+        return 0
+
+    def __dlpack__(self, stream=None):  # marks an array; never called on the validated path
+        raise RuntimeError("a stand-in tensor has no memory")
+
+
+FakeCudaTensor.__module__ = "torch.fake"  # interop reads the framework from the top-level module
+_NEXT_ADDRESS = [0x7F00_0000_0000]
+
+
+def fake_cuda(x, stride=None, misalign=0):
+    """A stand-in CUDA tensor with ``x``'s shape, dtype and (element) strides."""
+    import torch
+
+    if x is None:
+        return None
+    tdt = {F32: torch.float32, BF16: torch.bfloat16, np.dtype(np.float16): torch.float16,
+           np.dtype(np.float64): torch.float64, np.dtype(np.int32): torch.int32,
+           np.dtype(np.int64): torch.int64}[x.dtype]
+    ptr = _NEXT_ADDRESS[0] + misalign
+    _NEXT_ADDRESS[0] += 1 << 32
+    if stride is None:
+        stride = tuple(s // x.itemsize for s in x.strides)
+    return FakeCudaTensor(x.shape, tdt, ptr, stride)
+
+
+_PUBLIC_DEFAULTS = dict(state_indices=None, scale=None, output=None, use_qk_l2norm=None, lower_bound=None,
+                        use_gate_in_kernel=None, use_lower_bound=None, apply_beta_sigmoid=None,
+                        allow_neg_eigval=None, use_initial_state=None, state_v_first=None, is_varlen=None,
+                        store_final_state=False, inplace_final_state=False, state_dtype=None)
+
+
+def _validate(**kw):
+    from mate_cupy.kda import decode
+
+    return decode.validate(**{**_PUBLIC_DEFAULTS, **kw})
+
+
+def _cuda_inputs(rng, B=3, T=1, P=5, **kw):
+    x = decode_inputs(rng, B, T, P=P, **kw)
+    return {n: fake_cuda(a) for n, a in x.items()}
+
+
+@pytest.mark.torch
+def test_validate_signature_matches_the_public_function():
+    import inspect
+
+    from mate_cupy.kda import decode
+
+    public = inspect.signature(gated_delta_rule_decode).parameters
+    assert list(inspect.signature(decode.validate).parameters) == list(public)
+    assert {n: p.default for n, p in public.items() if p.default is not inspect.Parameter.empty} == _PUBLIC_DEFAULTS
+
+
+@pytest.mark.torch
+def test_cuda_problem_and_kernel_arguments(rng):
+    """Contiguous CUDA inputs: nothing staged, contiguous strides; the packed arguments."""
+    from mate_cupy.kda import decode_launch as dl
+
+    x = _cuda_inputs(rng, B=3, T=2, P=8)
+    si = fake_cuda(np.zeros((3, 2), np.int64))
+    out = fake_cuda(np.zeros((3, 2, 4, 16), np.float32))
+    call, p = _validate(**x, state_indices=si, output=out, inplace_final_state=True, use_lower_bound=True)
+    assert p.device == 0 and (p.B, p.T, p.H, p.K, p.HV, p.V, p.N) == (3, 2, 2, 128, 4, 16, 3)
+    assert p.staged == () and p.slot_columns == 2 and p.pool_size == 8 and p.index_dtype == np.int64
+    assert p.token_strides == (2 * 2 * 128, 2 * 128, 128) * 2 + (2 * 4 * 16, 4 * 16, 16) + (2 * 4 * 128, 4 * 128, 128) \
+        + (2 * 4, 4, 1)
+    assert p.out_dtype == F32 and p.qkv_dtype == BF16 and p.dt_bias_dtype == F32 and p.has_A_log
+    assert p.scale == 128 ** -0.5 and p.lower_bound == -5.0
+    hash(p)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.T = 3
+    assert _validate(**x, state_indices=si, output=out, inplace_final_state=True, use_lower_bound=True)[1] == p
+
+    cfg = dl.select_config(p, 132, 90)
+    ptrs = {name: arg.ptr for name, arg in call.args.items()}
+    values = dl.kernel_values(p, cfg, ptrs)
+    assert len(dl.PARAMS.pack(values)) == 8 * 14 + 4 * 27  # 13 pointers + pool_size, 27 four-byte values
+    named = dict(zip(dl.PARAMS.names, values))
+    assert named["q"] == x["q"].data_ptr() and named["out"] == out.data_ptr() and named["final_state"] == 0
+    assert named["state"] == x["state"].data_ptr() and named["pool_size"] == 8
+    assert (named["N"], named["T"], named["H"], named["HV"], named["V"], named["idx_cols"]) == (3, 2, 2, 4, 16, 2)
+    flags = named["flags"]
+    for bit in (dl.F_L2NORM, dl.F_GATE_IN_KERNEL, dl.F_LOWER_BOUND, dl.F_INITIAL_STATE, dl.F_INPLACE, dl.F_IDX64,
+                dl.F_BULK):
+        assert flags & bit
+    for bit in (dl.F_VARLEN, dl.F_BETA_SIGMOID, dl.F_NEG_EIGVAL, dl.F_BETA_PER_CHANNEL, dl.F_HAS_ACCEPTED):
+        assert not flags & bit
+    # q/k/v bf16 (2), a bf16, b bf16, dt_bias float32 (0), out float32 (0)
+    assert named["dtypes"] == 2 | 2 << 2 | 2 << 4 | 2 << 6 | 2 << 8
+    assert (named["n_splits"], named["tc"]) == (cfg.n_splits, 2) and cfg.grid == 3 * 4 * cfg.n_splits
+
+
+@pytest.mark.torch
+def test_cuda_without_pool_use_passes_no_pool(rng):
+    from mate_cupy.kda import decode_launch as dl
+
+    x = _cuda_inputs(rng)
+    x["state"] = fake_cuda(np.zeros((5, 4, 16, 128), np.float32), misalign=4)  # not read: not checked
+    call, p = _validate(**x, use_initial_state=False, store_final_state=True)
+    ptrs = {n: a.ptr for n, a in call.args.items()}
+    ptrs.update(output=0x1000, final_state=0x2000)  # results allocated by the launcher
+    named = dict(zip(dl.PARAMS.names, dl.kernel_values(p, dl.select_config(p, 132, 90), ptrs)))
+    assert named["state"] == 0 and named["pool_size"] == dl.NO_POOL and p.staged == ()
+    assert named["final_state"] == 0x2000 and p.final_shape == (3, 4, 16, 128)
+
+
+@pytest.mark.torch
+def test_cuda_strided_views_are_indexed_not_staged(rng):
+    """q/k/v views of one packed projection keep their strides; an extent-1 dim may have any stride."""
+    B, T, H, HV, K, V = 3, 2, 2, 4, 128, 16
+    x = _cuda_inputs(rng, B=B, T=T)
+    row = H * K * 2 + HV * V
+    x["q"] = fake_cuda(np.zeros((B, T, H, K), BF16), stride=(T * row, row, K, 1))
+    x["k"] = fake_cuda(np.zeros((B, T, H, K), BF16), stride=(T * row, row, K, 1))
+    x["v"] = fake_cuda(np.zeros((B, T, HV, V), BF16), stride=(T * row, row, V, 1))
+    x["b"] = fake_cuda(np.zeros((B, T, HV), BF16), stride=(T * 2 * HV, 2 * HV, 2))  # no contiguous dim needed
+    _, p = _validate(**x)
+    assert p.staged == ()
+    assert p.token_strides[:9] == (T * row, row, K) * 2 + (T * row, row, V)
+    assert p.token_strides[12:] == (T * 2 * HV, 2 * HV, 2)
+    x1 = _cuda_inputs(rng, B=1, T=1)
+    x1["q"] = fake_cuda(np.zeros((1, 1, H, K), BF16), stride=(-5, 2**40, K, 1))  # contiguous: extent-1 dims
+    _, p1 = _validate(**x1)
+    assert p1.staged == () and p1.token_strides[:3] == (H * K, H * K, K)
+
+
+@pytest.mark.torch
+def test_cuda_layouts_the_kernel_cannot_index_are_staged(rng):
+    x = _cuda_inputs(rng, B=3, T=1, P=5)
+    x["q"] = fake_cuda(np.zeros((3, 1, 2, 128), BF16), stride=(512, 512, 1, 2))  # last dim not contiguous
+    x["a"] = fake_cuda(np.zeros((3, 1, 4, 128), BF16), stride=(-512, 512, 128, 1))  # negative stride
+    x["A_log"] = fake_cuda(np.zeros(4, np.float32), stride=(2,))
+    x["state"] = fake_cuda(np.zeros((5, 4, 16, 128), np.float32), stride=(2 * 4 * 16 * 128, 16 * 128, 128, 1))
+    out = fake_cuda(np.zeros((3, 1, 4, 16), BF16), stride=(128, 64, 16, 1))
+    si = fake_cuda(np.zeros(3, np.int32), stride=(2,))
+    _, p = _validate(**x, output=out, state_indices=si, inplace_final_state=True)
+    assert set(p.staged) == {"q", "a", "A_log", "state_indices", "output", "state"}
+    assert p.token_strides[:3] == (256, 256, 128) and p.token_strides[9:12] == (512, 512, 128)
+    _, p2 = _validate(**x, output=out, state_indices=si, use_initial_state=False)  # the pool is not used
+    assert "state" not in p2.staged
+
+
+@pytest.mark.torch
+def test_cuda_misaligned_pool_is_refused(rng):
+    """Alignment is a fact of CUDA memory (host inputs have no such condition)."""
+    x = _cuda_inputs(rng)
+    x["state"] = fake_cuda(np.zeros((5, 4, 16, 128), np.float32), misalign=4)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _validate(**x)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _validate(**x, use_initial_state=False, inplace_final_state=True)
+    _validate(**x, use_initial_state=False)  # not read nor written: not checked
+
+
+@pytest.mark.torch
+def test_cuda_and_host_inputs_are_refused_alike(rng):
+    """Every refusal of the host table raises the same exception type for CUDA inputs,
+    except the value checks of host index arrays (CUDA indices are not read on the host)."""
+    value_checks = {"cu_seqlens-values", "num_accepted-zero", "num_accepted-too-large", "slot-out-of-range",
+                    "token-slot-out-of-range", "token-slot-out-of-range-store", "varlen-few-columns-inplace"}
+    for case in ERRORS:
+        if case.id in value_checks:
+            continue
+        mutate, opts, exc = case.values
+        x = mutate(_base(rng))
+        fx = {n: (fake_cuda(a) if isinstance(a, np.ndarray) else a) for n, a in x.items()}
+        fo = {n: (fake_cuda(a) if isinstance(a, np.ndarray) else a) for n, a in opts.items()}
+        with pytest.raises(exc):
+            _validate(**fx, **fo)
+
+
+# ----------------------------------------------------------------------------- launch configuration
+
+
+def _problem(rng, B=32, HV=32, H=16, V=128, T=1, sdt=F32, v_first=True):
+    """The problem of a CUDA call of these sizes (stand-in tensors, no memory)."""
+    K = 128
+
+    def t(*shape, dtype=BF16):
+        return fake_cuda(_huge(shape, dtype), stride=tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))))
+
+    x = dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, HV, V), a=t(B, T, HV, K), b=t(B, T, HV),
+             state=t(B, HV, V, K, dtype=sdt) if v_first else t(B, HV, K, V, dtype=sdt),
+             A_log=t(HV, dtype=F32), dt_bias=t(HV, K, dtype=F32), num_accepted_tokens=None, cu_seqlens=None)
+    return _validate(**x, state_v_first=v_first)[1]
+
+
+@pytest.mark.torch
+def test_vfirst_warps_fill_the_gpu(rng):
+    from mate_cupy.kda.decode_launch import select_config, vfirst_warps
+
+    assert vfirst_warps(256 * 32, 128, 132) == 4  # large batch: 4-warp CTAs
+    assert vfirst_warps(64 * 32, 128, 132) == 4  # 4096 CTAs >= 16 per SM
+    assert vfirst_warps(32 * 32, 128, 132) == 2  # B32: 2048 four-warp CTAs would be < 16 per SM
+    assert vfirst_warps(8 * 32, 128, 132) == 2
+    assert vfirst_warps(1 * 32, 128, 132) == 1  # B = 1: 256 one-warp CTAs
+    cfg = select_config(_problem(rng, B=32), 132, 90)
+    assert (cfg.warps, cfg.threads, cfg.v_slice, cfg.n_splits, cfg.grid) == (2, 64, 32, 4, 32 * 32 * 4)
+    assert cfg.spec.kernels == ("kda_decode::kda_decode_vfirst_kernel<float>",)
+
+
+@pytest.mark.torch
+def test_vfirst_bulk_staging_only_for_whole_slices_on_sm90(rng):
+    from mate_cupy.kda.decode_launch import F_BULK, select_config
+
+    p = _problem(rng, B=2, HV=4, H=2, V=128)
+    assert select_config(p, 132, 90).bulk_stage and select_config(p, 132, 90).option_flags & F_BULK
+    assert not select_config(p, 132, 80).bulk_stage  # no bulk copies before sm_90
+    p40 = _problem(rng, B=2, HV=4, H=2, V=40)  # a partial last slice
+    cfg = select_config(p40, 132, 90)
+    assert cfg.v_slice == 16 and cfg.n_splits == 3 and not cfg.bulk_stage and not cfg.option_flags & F_BULK
+    assert not select_config(_problem(rng, v_first=False), 132, 90).bulk_stage  # K-first: cp.async
+
+
+@pytest.mark.torch
+def test_kfirst_shape_tokens_and_shared_memory(rng):
+    from mate_cupy.kda.decode_launch import K_DIM, MAX_CHUNK, select_config, smem_bytes
+
+    for sdt, threads, cols in ((F32, 64, 32), (BF16, 128, 64)):
+        cfg = select_config(_problem(rng, B=4, V=128, T=3, sdt=sdt, v_first=False), 132, 90)
+        assert (cfg.threads, cfg.v_slice, cfg.n_splits, cfg.token_chunk) == (threads, cols, 128 // cols, 3)
+        red = 2 * (threads // 32) * 2 * cols
+        assert cfg.smem == smem_bytes(cols * K_DIM * sdt.itemsize, 3, cols, red)
+        assert cfg.spec.kernels[0].startswith("kda_decode::kda_decode_kfirst_kernel<")
+    cfg = select_config(_problem(rng, B=256, T=12), 132, 90)
+    assert cfg.token_chunk == MAX_CHUNK and cfg.warps == 4 and cfg.smem <= 227 * 1024
+    assert select_config(_problem(rng, B=0), 132, 90).grid == 0  # nothing to launch
+
+
+@pytest.mark.torch
+def test_select_config_is_a_pure_function_of_the_problem(rng):
+    from mate_cupy.kda.decode_launch import select_config
+
+    p, q = _problem(rng, B=8), _problem(rng, B=8)
+    assert p == q and hash(p) == hash(q)
+    assert select_config(p, 132, 90) is select_config(dataclasses.replace(q), 132, 90)
+    assert select_config(p, 132, 90) != select_config(p, 16, 90)  # fewer SMs: smaller CTAs fill them
+
+
+# ----------------------------------------------------------------------------- the launcher against the kernel source
+
+
+def _source_params(kernel: str) -> list:
+    """(name, kind) of each parameter of ``kernel`` in kda_decode.cu."""
+    from mate_cupy.kda import decode_launch as dl
+
+    text = (Path(dl.__file__).resolve().parent.parent / "cuda_src" / dl.SOURCE).read_text()
+    sig = re.search(r"\b" + kernel + r"\s*\(\s*KDA_DECODE_KERNEL_ARGS\s*\)\s*\{", text)
+    assert sig, f"{kernel} is not declared with KDA_DECODE_KERNEL_ARGS"
+    body = re.search(r"#define KDA_DECODE_KERNEL_ARGS(.*?)\n\n", text, re.S).group(1).replace("\\\n", " ")
+    params = []
+    for decl in body.split(","):
+        decl = " ".join(decl.split())
+        name = decl.split()[-1].lstrip("*")
+        if "*" in decl:
+            kind = "ptr"
+        elif decl.startswith("long long"):
+            kind = "i64"
+        elif decl.startswith("int"):
+            kind = "i32"
+        elif decl.startswith("float"):
+            kind = "f32"
+        else:
+            raise AssertionError(decl)
+        params.append((name, kind))
+    return params
+
+
+def test_kernel_params_match_the_source():
+    from mate_cupy.kda import decode_launch as dl
+
+    assert set(dl.KERNEL_PARAMS) == {"kda_decode_vfirst_kernel", "kda_decode_kfirst_kernel"}
+    for kernel, params in dl.KERNEL_PARAMS.items():
+        assert _source_params(kernel) == list(params.params), kernel
+
+
+def test_decode_variants_registered():
+    from mate_cupy.jit import registered
+    from mate_cupy.kda import decode_launch as dl
+
+    decode = sorted(k for s in registered() if s.source == dl.SOURCE for k in s.kernels)
+    assert decode == sorted(f"kda_decode::kda_decode_{layout}_kernel<{t}>" for layout in ("vfirst", "kfirst")
+                            for t in ("float", "__nv_bfloat16"))
+    assert set(dl.SPECS) == {(dt, v) for dt in (F32, BF16) for v in (True, False)}

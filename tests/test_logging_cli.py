@@ -61,7 +61,12 @@ def test_cli_check_compile_only():
              timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Python" in r.stdout and "NVRTC" in r.stdout and "no GPU" in r.stdout
-    assert "13 compiled, 0 skipped, 0 failed" in r.stdout
+    import re
+
+    from mate_cupy.jit import registered
+
+    n = sum(1 for spec in registered() if spec.source == "util.cu")
+    assert re.search(rf"\b{n} compiled, 0 skipped, 0 failed", r.stdout), r.stdout[-2000:]
 
 
 def test_cli_demo_runs():
@@ -84,5 +89,5 @@ def test_cast_reference_path(rng):
     np.testing.assert_array_equal(y.view(np.uint8), expect.view(np.uint8))
     out = np.empty(100, ml_dtypes.bfloat16)
     assert m.cast(x, "bfloat16", out=out) is out
-    with pytest.raises(TypeError, match="cast supports"):
+    with pytest.raises(TypeError, match="x must be float32/float16/bfloat16/float8_e4m3fn, got int32"):
         m.cast(np.zeros(3, np.int32), "float32")

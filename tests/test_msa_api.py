@@ -35,7 +35,7 @@ def check(out, lse, ref, dtype, what=""):
 # ----------------------------------------------------------------------------- dense
 
 
-@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 1), (16, 1)], ids=["gqa1", "gqa8", "gqa16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_dense(rng, dtype, hq, hkv, causal):
@@ -49,7 +49,7 @@ def test_dense(rng, dtype, hq, hkv, causal):
 
 
 def test_dense_offsets_scale_and_preallocated_out(rng):
-    p = make_problem(rng, [5, 9, 2], [8, 20, 30], 8, 2, 32)
+    p = make_problem(rng, [5, 9, 2], [8, 20, 30], 8, 2, 64)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2, qo_offset=np.array([0, -3, 40]))
     out = np.full(p.q.shape, np.nan, BF16)
     res, _ = mc.msa(p.q, p.k, p.v, info, out=out, sm_scale=0.2)
@@ -63,7 +63,7 @@ def test_dense_offsets_scale_and_preallocated_out(rng):
 
 
 def test_plan_object_accepted_directly(rng):
-    p = make_problem(rng, [4], [9], 2, 1, 16)
+    p = make_problem(rng, [4], [9], 2, 1, 64)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 2, 1)
     out, _ = mc.msa(p.q, p.k, p.v, info[3])
     check(out, None, dense_ref(p), BF16)
@@ -86,7 +86,7 @@ def test_paged(rng, page_size, layout, source):
 
 
 def test_paged_ambiguous_layout_is_nhd(rng):
-    p = make_problem(rng, [2], [40], 16, 16, 32, page_size=16, layout="NHD")  # page_size == Hkv
+    p = make_problem(rng, [2], [40], 16, 16, 64, page_size=16, layout="NHD")  # page_size == Hkv
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 16, page_size=16)
     out, _ = mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices)
     check(out, None, dense_ref(p), BF16)
@@ -127,7 +127,7 @@ def test_max_score_paged(rng, layout, source):
 
 def test_mixed_dense(rng):
     qo, kv = [1, 3, 200, 2], [50, 300, 260, 9]
-    p = make_problem(rng, qo, kv, 8, 2, 32)
+    p = make_problem(rng, qo, kv, 8, 2, 64)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2, output_maxscore=True)
     assert info[0] and info[1] == 2
     lse = np.empty((p.total_q, 8), np.float32)
@@ -145,7 +145,7 @@ def test_mixed_dense(rng):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_mixed_paged_shared_pool(rng, layout):
     qo, kv = [2, 1, 150], [90, 33, 200]
-    p = make_problem(rng, qo, kv, 4, 4, 32, page_size=16, layout=layout)
+    p = make_problem(rng, qo, kv, 4, 4, 64, page_size=16, layout=layout)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 4, 4, page_size=16)
     assert info[0] and info[1] == 2
     out, _ = mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices)
@@ -319,7 +319,7 @@ def test_checked_mode_refuses_bad_blocks_and_pages(rng):
 
 
 def test_paged_bad_page_skipped_unchecked_refused_checked(rng):
-    p = make_problem(rng, [2], [48], 4, 4, 32, page_size=16)
+    p = make_problem(rng, [2], [48], 4, 4, 64, page_size=16)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 4, 4, page_size=16)
     pages = p.kv_indices.copy()
     pages[1] = -3
@@ -353,7 +353,7 @@ def test_static_dense_equals_eager(rng):
 
 
 def test_seqused_k_limits_the_keys(rng):
-    p = make_problem(rng, [4, 4], [50, 60], 4, 4, 32)
+    p = make_problem(rng, [4, 4], [50, 60], 4, 4, 64)
     info = mc.msa_plan(2, 4, 64, 4, causal=False, total_seqlen_k=110)
     out, _ = mc.msa(p.q, p.k, p.v, info, runtime_metadata=metadata(p, seqused=[10, 60]))
     check(out, None, dense_ref(p, causal=False, kv_lens=np.array([10, 60])), BF16, "seqused_k")
@@ -388,7 +388,7 @@ def test_static_sparse_decode(rng):
 
 
 def test_eager_plan_with_runtime_metadata(rng):
-    p = make_problem(rng, [3, 5], [20, 9], 4, 2, 32)
+    p = make_problem(rng, [3, 5], [20, 9], 4, 2, 64)
     info = mc.msa_plan_from_lengths([1, 1], [1, 1], 4, 2)  # runtime lengths replace the plan's
     md = mc.MsaRuntimeMetadata(qo_lens=p.qo, kv_lens=p.kv, qo_offset=(p.kv - p.qo).astype(np.int32))
     out, _ = mc.msa(p.q, p.k, p.v, info, runtime_metadata=md)
@@ -396,7 +396,7 @@ def test_eager_plan_with_runtime_metadata(rng):
 
 
 def _static_case(rng):
-    p = make_problem(rng, [2, 3], [10, 20], 4, 4, 32)
+    p = make_problem(rng, [2, 3], [10, 20], 4, 4, 64)
     info = mc.msa_plan(2, 4, 32, 4, total_seqlen_k=64)
     return p, info
 
@@ -436,7 +436,7 @@ def test_runtime_metadata_refusals(rng, make_md, kw, exc):
 
 
 def test_mixed_plan_with_metadata_not_implemented(rng):
-    p = make_problem(rng, [1, 200], [10, 200], 4, 4, 32)
+    p = make_problem(rng, [1, 200], [10, 200], 4, 4, 64)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 4)
     with pytest.raises(NotImplementedError):
         mc.msa(p.q, p.k, p.v, info, runtime_metadata=metadata(p))
@@ -526,7 +526,7 @@ def test_positional_rules(sparse_setup):
 
 @pytest.fixture
 def dense_setup(rng):
-    p = make_problem(rng, [3, 5], [20, 9], 4, 2, 32)
+    p = make_problem(rng, [3, 5], [20, 9], 4, 2, 64)
     return p, mc.msa_plan_from_lengths(p.qo, p.kv, 4, 2)
 
 
@@ -621,15 +621,6 @@ def test_torch_cpu_fp8_sparse(rng):
     assert_rel(out.float().numpy(), sparse_ref(p, sel, k_scale=0.5, v_scale=2.0)[0], 8e-3, "torch fp8")
 
 
-def test_missing_launcher_is_not_implemented():
-    from mate_cupy.msa import kernels
-
-    with pytest.raises(NotImplementedError, match="run_nothing"):
-        kernels._launcher("index_kernels", "run_nothing", "a test op")
-    with pytest.raises(NotImplementedError, match="no_such_module"):
-        kernels._launcher("no_such_module", "run", "a test op")
-
-
 def test_page_indirection_conflicts(rng):
     p = make_problem(rng, [1, 1], [130, 200], 8, 1, 128, page_size=128)
     static = mc.msa_plan(2, 1, 256, 8, num_kv_heads=1, page_size=128, output_maxscore=True, total_seqlen_k=1024)
@@ -671,8 +662,113 @@ def test_no_output_requested_is_value_and_not_implemented_error(sparse_setup):
 
 
 def test_empty_page_pool(rng):
-    p = make_problem(rng, [2, 1], [0, 0], 4, 4, 32, page_size=16)
+    p = make_problem(rng, [2, 1], [0, 0], 4, 4, 64, page_size=16)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 4, 4, page_size=16)
     empty = p.k_cache[:0]
     out, _ = mc.msa(p.q, empty, empty, info, kv_indices=np.zeros(0, np.int32))
     assert np.all(np.asarray(out, dtype=np.float64) == 0)
+
+
+# ----------------------------------------------------------------------------- the kernels' limits, on host inputs too
+
+
+def _dense_call(p, info=None, **kw):
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, p.hq, p.hkv) if info is None else info
+    return mc.msa(kw.pop("q", p.q), kw.pop("k", p.k), kw.pop("v", p.v), info, **kw)
+
+
+HOST_LIMITS = [
+    ("head-dim-96", dict(d=96), {}, NotImplementedError),
+    ("head-dim-32", dict(d=32), {}, NotImplementedError),
+    ("head-dim-512", dict(d=512), {}, NotImplementedError),
+    ("float32", dict(dtype=np.float32), {}, TypeError),
+    ("float32-max-score", dict(dtype=np.float32), {"output_maxscore": True, "output_o": False}, TypeError),
+    ("fp8-max-score", dict(dtype=FP8), {"output_maxscore": True, "output_o": False}, TypeError),
+    ("max-score-head-dim-96", dict(d=96), {"output_maxscore": True, "output_o": False}, NotImplementedError),
+    ("zero-scale", {}, {"sm_scale": 0.0}, NotImplementedError),
+    ("negative-scale", {}, {"sm_scale": -0.1}, NotImplementedError),
+    ("nan-scale", {}, {"sm_scale": float("nan")}, NotImplementedError),
+]
+
+
+@pytest.mark.parametrize("make, kw, exc", [pytest.param(m, k, e, id=i) for i, m, k, e in HOST_LIMITS])
+def test_kernel_limits_refused_for_host_inputs(rng, make, kw, exc):
+    spec = dict(d=64, dtype=BF16)
+    spec.update(make)
+    p = make_problem(rng, [3, 5], [20, 9], 8, 2, spec["d"], dtype=spec["dtype"])
+    with pytest.raises(exc):
+        _dense_call(p, **kw)
+
+
+def test_fp8_dense_attention_runs_on_host(rng):
+    p = make_problem(rng, [3, 5], [20, 9], 8, 2, 64, dtype=FP8)
+    out, _ = _dense_call(p)
+    assert out.dtype == BF16
+    assert_rel(out, dense_ref(p)[0], 8e-3, "fp8 dense")
+
+
+def test_layout_limits_refused_for_host_inputs(rng):
+    p = make_problem(rng, [3, 5], [20, 9], 8, 2, 64)
+    wide = np.zeros((p.total_q, 8, 128), BF16)
+    wide[..., ::2] = p.q
+    with pytest.raises(ValueError, match="head dimension must be contiguous"):
+        _dense_call(p, q=wide[..., ::2])
+    padded = np.zeros((p.total_q, 8, 68), BF16)  # rows of 136 bytes: not 16-byte multiples
+    padded[..., :64] = p.q
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _dense_call(p, q=padded[..., :64])
+    raw = np.zeros(p.q.size * 2 + 8, np.uint8)[1:1 + p.q.size * 2].view(BF16).reshape(p.q.shape)
+    raw[...] = p.q
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _dense_call(p, q=raw)
+    ok = np.zeros((p.total_q, 8, 72), BF16)  # 144-byte rows: fine
+    ok[..., :64] = p.q
+    out, _ = _dense_call(p, q=ok[..., :64])
+    check(out, None, dense_ref(p), BF16, "padded q rows")
+
+
+def test_sparse_limits_refused_for_host_inputs(rng):
+    p = make_problem(rng, [40], [300], 32, 8, 128, page_size=128)  # Hq/Hkv 4
+    info = mc.sparse_msa_plan(p.qo, p.kv, 32, 8, page_size=128, kv_block_num=4)
+    sel = random_selection(rng, p, 4)
+    with pytest.raises(ValueError, match="Hq/Hkv"):
+        mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices, kv_block_indexes=sel)
+    p = make_problem(rng, [40], [300], 8, 1, 256, page_size=128)
+    info = mc.sparse_msa_plan(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+    with pytest.raises(ValueError, match="head dim 128"):
+        mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
+                      kv_block_indexes=random_selection(rng, p, 4))
+    with pytest.raises(TypeError, match="max score"):  # fp8 sparse attention runs, its max score does not
+        q8 = p.q[..., :128].astype(FP8)
+        info = mc.sparse_msa_plan(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+        k8 = p.k_cache[..., :128].astype(FP8)
+        mc.sparse_msa(q8, k8, k8, info, kv_indices=p.kv_indices, output_o=False, output_maxscore=True)
+
+
+def test_workspace_is_not_used_by_host_inputs(rng):
+    p = make_problem(rng, [3, 5], [20, 9], 8, 2, 64)
+    a, _ = _dense_call(p)
+    b, _ = _dense_call(p, workspace=np.zeros(16, np.uint8))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_sparse_context_limit_is_refused_for_host_inputs(rng):
+    from mate_cupy.msa.execute import SPARSE_MAX_SEQLEN_K
+
+    p = make_problem(rng, [40], [300], 8, 1, 128, page_size=128)
+    info = mc.sparse_msa_plan(p.qo, [SPARSE_MAX_SEQLEN_K + 1], 8, 1, page_size=128, kv_block_num=4)
+    with pytest.raises(NotImplementedError, match="max_seqlen_k"):
+        mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
+                      kv_block_indexes=random_selection(rng, p, 4))
+
+
+def test_repeated_calls_reuse_the_frozen_problem(rng):
+    p = make_problem(rng, [3, 5], [20, 9], 8, 2, 64)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2)
+    a, _ = _dense_call(p, info=info)
+    first = info[3].last_call[1]
+    b, _ = _dense_call(p, info=info)
+    assert info[3].last_call[1] is first  # the same call shape: the same frozen problem
+    np.testing.assert_array_equal(a, b)
+    _dense_call(p, info=info, sm_scale=0.1)
+    assert info[3].last_call[1] is not first and info[3].last_call[1].sm_scale == 0.1

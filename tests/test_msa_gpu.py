@@ -70,7 +70,7 @@ def check(out, lse, ref, dtype, what):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_dense(rng, dtype, hq, hkv, d, causal):
     p = make_problem(rng, [3, 0, 200, 1, 77], [300, 9, 200, 0, 1000], hq, hkv, d, dtype=dtype)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, causal=causal, split_prefill_decode=False)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, causal=causal, split_prefill_decode=False, device=0)
     out, lse = poisoned(p.q.shape, dtype), poisoned((p.total_q, hq), np.float32)
     res, _ = mc.msa(dev(p.q), dev(p.k), dev(p.v), info, out=out, lse=lse)
     assert res is out
@@ -79,7 +79,7 @@ def test_dense(rng, dtype, hq, hkv, d, causal):
 
 def test_dense_offsets_and_mixed_split(rng):
     p = make_problem(rng, [1, 2, 300, 5], [64, 500, 300, 40], 8, 1, 128)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, output_maxscore=True)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, output_maxscore=True, device=0)
     assert info[0]
     offs = np.array([3, -10, 100, 60], np.int32)
     out, ms = mc.msa(dev(p.q), dev(p.k), dev(p.v), info, q_offset_override=dev(offs))
@@ -93,7 +93,8 @@ def test_dense_offsets_and_mixed_split(rng):
 def test_paged(rng, page_size, layout, source):
     p = make_problem(rng, [1, 4, 0, 130, 1], [300, 4, 17, 130, 2000], 8, 1, 128, page_size=page_size,
                      layout=layout)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=page_size, split_prefill_decode=False)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=page_size, split_prefill_decode=False,
+                                    device=0)
     kw = {"kv_indices": dev(p.kv_indices)} if source == "kv_indices" else {"page_table": dev(p.page_table)}
     out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 8), np.float32)
     mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, out=out, lse=lse, **kw)
@@ -103,7 +104,7 @@ def test_paged(rng, page_size, layout, source):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_max_score_paged(rng, layout):
     p = make_problem(rng, [3, 20, 1], [300, 129, 5000], 16, 2, 128, page_size=128, layout=layout)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, output_maxscore=True)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, output_maxscore=True, device=0)
     ms = poisoned((p.total_q, 16, 40), np.float32)
     out, res = mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices), max_score=ms,
                       output_o=False)
@@ -119,7 +120,7 @@ def test_max_score_paged(rng, layout):
 def test_sparse_prefill(rng, hq, dtype):
     p = make_problem(rng, [40, 0, 300], [300, 10, 3000], hq, 1, 128, dtype=dtype, page_size=128)
     info = mc.sparse_msa_plan(p.qo, p.kv, hq, 1, page_size=128, kv_block_num=16, force_begin_blocks=1,
-                              force_end_blocks=2, use_fp8_kvcache=dtype == FP8)
+                              force_end_blocks=2, use_fp8_kvcache=dtype == FP8, device=0)
     sel = random_selection(rng, p, 16)
     scales = dict(k_scale=0.5, v_scale=1.5) if dtype == FP8 else {}
     out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, hq), np.float32)
@@ -130,18 +131,17 @@ def test_sparse_prefill(rng, hq, dtype):
 
 def test_sparse_prefill_plan_selects_the_gather_tile(rng, monkeypatch):
     """A plan's prefill_tile="gather" runs the block-stationary kernels (MiniMax-M3's 16
-    query heads per KV head), with the environment's choice ignored."""
-    from mate_cupy.msa import gather_kernels as gk
+    query heads per KV head); the default plan runs the query tiles."""
+    from mate_cupy.msa import gather_launch
 
     calls = []
-    real = gk.run_gather
-    monkeypatch.setattr(gk, "run_gather", lambda **kw: (calls.append(1), real(**kw)))
-    monkeypatch.setenv("MATE_CUPY_ATTN_SPARSE_TILE", "wg2n128s2")
+    real = gather_launch.run_gather
+    monkeypatch.setattr(gather_launch, "run_gather", lambda **kw: (calls.append(1), real(**kw)))
     p = make_problem(rng, [40, 0, 300], [300, 10, 3000], 64, 4, 128, page_size=128)
     sel = random_selection(rng, p, 16)
     ran = []
     for tile in ("gather", None):
-        info = mc.sparse_msa_plan(p.qo, p.kv, 64, 4, page_size=128, kv_block_num=16, prefill_tile=tile)
+        info = mc.sparse_msa_plan(p.qo, p.kv, 64, 4, page_size=128, kv_block_num=16, prefill_tile=tile, device=0)
         out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 64), np.float32)
         mc.sparse_msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices),
                       kv_block_indexes=dev(sel), out=out, lse=lse)
@@ -153,7 +153,7 @@ def test_sparse_prefill_plan_selects_the_gather_tile(rng, monkeypatch):
 @pytest.mark.parametrize("per_q_head", [False, True], ids=["per-kv-head", "per-q-head"])
 def test_sparse_decode(rng, per_q_head):
     p = make_problem(rng, [1, 4, 1, 2], [129, 7000, 1, 300], 16, 2, 128, page_size=128)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, kv_block_num=8)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, kv_block_num=8, device=0)
     assert info[3].mode == "sparse_decode"
     sel = random_selection(rng, p, 8)
     arg = np.repeat(sel, 8, axis=1) if per_q_head else sel
@@ -165,7 +165,7 @@ def test_sparse_decode(rng, per_q_head):
 
 def test_sparse_mixed_plan(rng):
     p = make_problem(rng, [1, 3, 100, 2], [300, 129, 900, 200], 8, 1, 128, page_size=128)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4, device=0)
     assert info[0]
     sel = random_selection(rng, p, 4)
     out, _ = mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices),
@@ -266,7 +266,7 @@ def test_torch_cuda_in_torch_out(rng):
     import torch
 
     p = make_problem(rng, [5, 40], [100, 40], 8, 1, 128)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, device=0)
     t = [torch.from_dlpack(dev(x)) for x in (p.q, p.k, p.v)]
     out, _ = mc.msa(*t, info)
     assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.bfloat16
@@ -275,6 +275,157 @@ def test_torch_cuda_in_torch_out(rng):
 
 def test_host_index_array_with_cuda_q_is_refused(rng):
     p = make_problem(rng, [2], [40], 8, 1, 128, page_size=16)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=16)
-    with pytest.raises(ValueError, match="device"):
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=16, device=0)
+    with pytest.raises(ValueError, match="share one device"):
         mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=p.kv_indices)
+
+
+# ----------------------------------------------------------------------------- plans on the device
+
+
+def test_eager_plan_must_be_uploaded(rng):
+    p = make_problem(rng, [3, 40], [100, 40], 8, 1, 128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1)  # host lengths, no device: nothing uploaded
+    q, k, v = dev(p.q), dev(p.k), dev(p.v)
+    with pytest.raises(ValueError, match="upload"):
+        mc.msa(q, k, v, info)
+    assert mc.upload_plan(info) is info and info[3].device_vectors.device == 0
+    out, _ = mc.msa(q, k, v, info)
+    check(out, None, dense_ref(p), BF16, "uploaded later")
+    mixed = mc.msa_plan_from_lengths([1, 200], [50, 200], 8, 1)
+    assert mixed[0] and mixed[3].device_vectors is None and mixed[4].device_vectors is None
+    mc.upload_plan(mixed)
+    assert mixed[3].device_vectors is not None and mixed[4].device_vectors is not None
+
+
+def test_cuda_lengths_upload_the_plan_at_build(rng):
+    import cupy
+
+    p = make_problem(rng, [3, 40], [100, 40], 8, 1, 128)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    info = mc.msa_plan_from_lengths(cupy.asarray(p.qo), cupy.asarray(p.kv), 8, 1, stream=stream)
+    stream.synchronize()
+    vec = info[3].device_vectors
+    assert vec is not None and vec.device == 0
+    np.testing.assert_array_equal(vec.cu_seqlens_q.data.get(), p.cu_q)
+    np.testing.assert_array_equal(vec.qo_offset.data.get(), p.kv - p.qo)
+    out, _ = mc.msa(dev(p.q), dev(p.k), dev(p.v), info)
+    check(out, None, dense_ref(p), BF16, "CUDA lengths")
+
+
+def _split_decode_case(rng):
+    """Paged decode that the configuration splits over the keys (so it needs a workspace)."""
+    p = make_problem(rng, [1, 1], [6000, 3000], 16, 2, 128, page_size=64)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=64, device=0)
+    return p, info
+
+
+def test_plan_owned_workspace_is_sized_by_the_plan_and_reused(rng):
+    p, info = _split_decode_case(rng)
+    plan = info[3]
+    need = plan.workspace_bytes(128, "bfloat16")
+    assert need > 0 and plan.workspace is None
+    args = (dev(p.q), dev(p.k_cache), dev(p.v_cache), info)
+    out, _ = mc.msa(*args, kv_indices=dev(p.kv_indices))
+    ws = plan.workspace
+    assert ws is not None and ws.nbytes == need
+    out2, _ = mc.msa(*args, kv_indices=dev(p.kv_indices))
+    assert plan.workspace is ws  # reused, never regrown
+    check(out2, None, dense_ref(p), BF16, "plan workspace")
+
+
+def test_caller_workspace(rng):
+    import cupy
+
+    p, info = _split_decode_case(rng)
+    need = info[3].workspace_bytes(128, "bfloat16")
+    args = (dev(p.q), dev(p.k_cache), dev(p.v_cache), info)
+    for ws in (mc.Workspace(need), cupy.zeros(need, dtype=np.uint8), cupy.zeros(-(-need // 4), dtype=np.float32)):
+        out, _ = mc.msa(*args, kv_indices=dev(p.kv_indices), workspace=ws)
+        check(out, None, dense_ref(p), BF16, f"caller workspace {type(ws).__name__}")
+    assert info[3].workspace is None  # the plan allocated nothing
+    with pytest.raises(ValueError, match="workspace"):
+        mc.msa(*args, kv_indices=dev(p.kv_indices), workspace=mc.Workspace(need - 1))
+    with pytest.raises(ValueError, match="workspace"):
+        mc.msa(*args, kv_indices=dev(p.kv_indices), workspace=np.zeros(need, np.uint8))
+
+
+def test_upload_with_head_dim_allocates_the_workspace(rng):
+    p, info = _split_decode_case(rng)
+    info[3].upload(head_dim=128, dtype="bfloat16")
+    ws = info[3].workspace
+    assert ws is not None and ws.nbytes == info[3].workspace_bytes(128, "bfloat16")
+    mc.msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices))
+    assert info[3].workspace is ws
+
+
+@pytest.mark.parametrize("case, exc", [("head-dim-96", NotImplementedError), ("float32", TypeError),
+                                       ("fp8-max-score", TypeError)])
+def test_cuda_refusals_match_the_host_ones(rng, case, exc):
+    d = 96 if case == "head-dim-96" else 128
+    dtype = {"float32": np.float32, "fp8-max-score": FP8}.get(case, BF16)
+    p = make_problem(rng, [3, 5], [20, 9], 8, 2, d, dtype=dtype)
+    kw = dict(output_o=False, output_maxscore=True) if case == "fp8-max-score" else {}
+    for arrays, info in (((p.q, p.k, p.v), mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2)),
+                         ((dev(p.q), dev(p.k), dev(p.v)), mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2, device=0))):
+        with pytest.raises(exc):
+            mc.msa(*arrays, info, **kw)
+
+
+# ----------------------------------------------------------------------------- capture without warm-up
+
+
+_CAPTURE = r'''
+import numpy as np, torch, sys
+sys.path.insert(0, {tests!r})
+import mate_cupy as mc
+from msa_cases import make_problem
+from mate_cupy.reference import msa as R
+from helpers import rel_err
+
+rng = np.random.default_rng(7)
+p = make_problem(rng, [1, 1, 1], [6000, 3000, 129], 16, 2, 128, page_size=64)
+dev = torch.device("cuda", 0)
+bf = lambda x: torch.from_numpy(np.asarray(x, np.float32)).to(dev, torch.bfloat16)
+q, kc, vc = bf(p.q), bf(p.k_cache), bf(p.v_cache)
+idx = torch.from_numpy(p.kv_indices).to(dev)
+out = torch.full(tuple(p.q.shape), float("nan"), device=dev, dtype=torch.bfloat16)
+lse = torch.full((p.total_q, 16), float("nan"), device=dev, dtype=torch.float32)
+if {static}:
+    info = mc.msa_plan(3, 1, 6016, 16, num_kv_heads=2, page_size=64, total_seqlen_k=kc.shape[0] * 64)
+    info[3].upload(0, head_dim=128, dtype=torch.bfloat16)  # the plan's workspace and kernels
+    z = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(dev)
+    md = mc.MsaRuntimeMetadata(qo_lens=z(p.qo), kv_lens=z(p.kv), qo_offset=z(p.kv - p.qo), cu_seqlens_q=z(p.cu_q),
+                               cu_seqlens_k=z(p.cu_k), seqused_k=z(p.kv),
+                               kv_page_indptr=z(np.concatenate([[0], np.cumsum(-(-p.kv // 64))])))
+    kw = dict(runtime_metadata=md)
+    assert info[3].workspace is not None
+else:
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=64, device=0)  # uploaded at build
+    kw = dict(workspace=mc.Workspace(info[3].workspace_bytes(128, torch.bfloat16)))
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # no warm-up: the first call ever is captured
+    mc.msa(q, kc, vc, info, kv_indices=idx, out=out, lse=lse, **kw)
+graph.replay()
+torch.cuda.synchronize()
+ref = R.paged_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, qo_offset=p.kv - p.qo)
+err = rel_err(out.float().cpu().numpy(), ref[0])
+lerr = float(np.max(np.abs(lse.cpu().numpy() - ref[1])))
+assert err < 1e-2 and lerr < 1e-3, (err, lerr)
+print("CAPTURED-OK")
+'''
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("static", [False, True], ids=["eager-uploaded-at-build", "static-uploaded"])
+def test_first_call_captured_in_torch_graph_in_a_fresh_process(static):
+    """Outputs and workspace preallocated, plan uploaded before: the very first call of a
+    fresh process (kernels not yet loaded) is captured in a torch.cuda.graph."""
+    import os
+    import subprocess
+    import sys
+
+    code = _CAPTURE.format(tests=os.path.dirname(__file__), static=static)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "CAPTURED-OK" in res.stdout, res.stdout + res.stderr

@@ -68,3 +68,45 @@ def test_torch_in_torch_out():
 def test_builder_refusals(idx, lens, page_size, exc):
     with pytest.raises(exc):
         mc.build_page_table_from_flat_kv_indices(np.array(idx), np.array(lens), page_size)
+
+
+def _on_cuda(a):
+    """The same array described as if it lived on cuda:0 (validation reads only metadata)."""
+    from mate_cupy.runtime.interop import Arg
+
+    return Arg(a.name, a.obj, a.dtype, "cupy", 0, a.shape, a.strides, a.ptr, data=a.data)
+
+
+@pytest.mark.parametrize(
+    "idx, lens, page_size, exc",
+    [
+        pytest.param([1, 2], [20], 0, ValueError, id="page-size-zero"),
+        pytest.param([1, 2, 3], [20], 16, ValueError, id="too-many-ids"),
+        pytest.param([[1, 2]], [20], 16, ValueError, id="ids-2d"),
+        pytest.param([1, 2], [[20]], 16, ValueError, id="lens-2d"),
+        pytest.param([1.0, 2.0], [20], 16, TypeError, id="float-ids"),
+        pytest.param([1, 2], [20.0], 16, TypeError, id="float-lens"),
+        pytest.param([1, 2], [-4, 20], 16, ValueError, id="negative-length"),
+    ],
+)
+def test_builder_refusals_are_the_same_for_host_and_cuda_ids(idx, lens, page_size, exc):
+    """validate_page_table (the one validation of both paths) refuses the CUDA description
+    of each refused host input with the same exception and message."""
+    from mate_cupy.msa.page_table import validate_page_table
+    from mate_cupy.runtime.interop import wrap
+
+    messages = []
+    for device_arg in (lambda a: a, _on_cuda):
+        with pytest.raises(exc) as info:
+            validate_page_table(device_arg(wrap("kv_indices", np.array(idx))), np.array(lens), page_size)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_builder_problem_holds_the_page_starts():
+    from mate_cupy.msa.page_table import validate_page_table
+    from mate_cupy.runtime.interop import wrap
+
+    p = validate_page_table(wrap("kv_indices", np.arange(7, dtype=np.int16)), [17, 0, 64, 1], 16)
+    assert (p.batch, p.max_pages, p.page_size) == (4, 4, 16)
+    assert p.page_start.tolist() == [0, 2, 2, 6, 7] and p.page_start.dtype == np.int64

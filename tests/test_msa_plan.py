@@ -145,8 +145,9 @@ def test_lengths_from_lists_and_int64_and_keywords():
     assert info[3].num_kv_heads == 4 and info[3].kv_lens.dtype == np.int32
     info = mc.msa_plan_from_lengths([2], [5], 8, num_kv_heads=0)  # <= 0 means "same as num_qo_heads"
     assert info[3].num_kv_heads == 8
-    info = mc.msa_plan_from_lengths([2], [5], 8, usable_SM_count=132, device="cuda", stream=None)
-    assert info[3].mode == "dense"
+    info = mc.msa_plan_from_lengths([2], [5], 8, usable_SM_count=132, device="cpu", stream=None)
+    assert info[3].mode == "dense" and info[3].usable_sm_count == 132
+    assert info[3].device_vectors is None  # a host plan: nothing uploaded
 
 
 def test_seed_alias_is_the_eager_planner():
@@ -191,6 +192,12 @@ EAGER_ERRORS = [
     ("offset-2d", ([1, 2], [3, 4], 4), {"qo_offset": np.array([[1, 2]])}, ValueError),
     ("negative-length", ([1, -2], [3, 4], 4), {}, ValueError),
     ("zero-heads", ([1], [3], 0), {}, ValueError),
+    ("page-size-48", ([1], [3], 4), {"page_size": 48}, NotImplementedError),
+    ("sparse-page-size-96", ([1], [3], 4), {"page_size": 96, "kv_block_num": 4}, NotImplementedError),
+    ("usable-sm-zero", ([1], [3], 4), {"usable_SM_count": 0}, ValueError),
+    ("usable-sm-float", ([1], [3], 4), {"usable_SM_count": 1.5}, ValueError),
+    ("device-name", ([1], [3], 4), {"device": "tpu"}, ValueError),
+    ("prefill-tile-query", ([1], [3], 4), {"prefill_tile": "wg2n128s2"}, ValueError),
 ]
 
 
@@ -244,6 +251,7 @@ STATIC_ERRORS = [
     ("topk-12", (2, 8, 64, 4), {"kv_block_num": 12, "page_size": 128}, ValueError),
     ("forced-without-sparse", (2, 8, 64, 4), {"force_begin_blocks": 1}, ValueError),
     ("unknown-keyword", (2, 8, 64, 4), {"qo_offset": 3}, TypeError),
+    ("page-size-24", (2, 8, 64, 4), {"page_size": 24}, NotImplementedError),
 ]
 
 
@@ -257,21 +265,122 @@ def test_static_planner_refusals(args, kw, exc):
 
 
 def test_prefill_tile_option_in_eager_static_and_sparse_plans():
-    from mate_cupy.msa.plan import prefill_tile_names
-
-    names = prefill_tile_names()
-    assert "gather" in names and "prefill" in names
     eager = mc.msa_plan_from_lengths([1, 300], [500, 600], 16, 2, page_size=128, kv_block_num=16,
                                      prefill_tile="gather")
     assert eager[0] and eager[3].prefill_tile == eager[4].prefill_tile == "gather"  # both parts of a split
-    assert mc.msa_plan(2, 512, 1024, 8, prefill_tile="wg2n128s2")[3].prefill_tile == "wg2n128s2"
+    assert mc.msa_plan(2, 512, 1024, 8, prefill_tile="gather")[3].prefill_tile == "gather"
     assert mc.sparse_msa_plan([300], [600], 16, 1, prefill_tile="gather", **SPARSE)[3].prefill_tile == "gather"
     assert mc.msa_plan_from_lengths([3], [5], 4)[3].prefill_tile is None
-    for bad in ("nope", "", 3):
+    for bad in ("nope", "", 3, "prefill", "wg3n64s3", "mma256"):  # query tiles are not options
         with pytest.raises(ValueError, match="prefill_tile"):
             mc.msa_plan_from_lengths([3], [5], 4, prefill_tile=bad)
         with pytest.raises(ValueError, match="prefill_tile"):
             mc.msa_plan(1, 8, 8, 4, prefill_tile=bad)
+
+
+def test_no_tile_environment_variables():
+    from mate_cupy.msa import attention_launch as al
+    from mate_cupy.msa import execute as ex
+
+    for mod in (al, ex):
+        src = open(mod.__file__).read()
+        assert "environ" not in src and "MATE_CUPY_ATTN" not in src
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+@pytest.mark.parametrize("fn", ["msa_plan_from_lengths", "sparse_msa_plan", "msa_plan", "msa", "sparse_msa",
+                                "sparse_decode_atten_func", "upload_plan"])
+def test_public_signatures_are_explicit(fn):
+    import inspect
+
+    params = inspect.signature(getattr(mc, fn)).parameters.values()
+    assert not [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def test_eager_planner_keeps_the_seed_positional_order():
+    import inspect
+
+    params = list(inspect.signature(mc.msa_plan_from_lengths).parameters.values())
+    assert [p.name for p in params[:4]] == ["qo_segment_lens", "kv_segment_lens", "num_qo_heads", "num_kv_heads"]
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[4:])
+    names = {p.name for p in params}
+    assert {"usable_SM_count", "device", "stream", "qo_offset", "split_prefill_decode"} <= names
+    info = mc.msa_plan_from_lengths([2, 3], [5, 6], 8, 2)
+    assert (info[3].num_qo_heads, info[3].num_kv_heads) == (8, 2)
+
+
+# ----------------------------------------------------------------------------- devices, upload, workspace
+
+
+@pytest.mark.parametrize("device, index", [(3, 3), ("cuda:2", 2), ("CUDA:0", 0), ("cpu", None)])
+def test_device_index(device, index):
+    from mate_cupy.msa.plan import device_index
+
+    assert device_index(device) == index
+
+
+@pytest.mark.torch
+def test_device_index_of_torch_devices():
+    import torch
+
+    from mate_cupy.msa.plan import device_index
+
+    assert device_index(torch.device("cuda", 1)) == 1 and device_index(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("bad", ["cuda:x", "npu", 1.0, object()])
+def test_device_index_refusals(bad):
+    from mate_cupy.msa.plan import device_index
+
+    with pytest.raises(ValueError, match="device"):
+        device_index(bad)
+
+
+def test_stream_address():
+    from mate_cupy.msa.plan import stream_address
+
+    class TorchLike:
+        cuda_stream = 1234
+
+    class CupyLike:
+        ptr = 99
+
+    assert stream_address(None) is None and stream_address(7) == 7
+    assert stream_address(TorchLike()) == 1234 and stream_address(CupyLike()) == 99
+    with pytest.raises(TypeError, match="stream"):
+        stream_address("default")
+
+
+def test_upload_to_the_host_is_refused():
+    info = mc.msa_plan_from_lengths([2], [5], 8)
+    with pytest.raises(ValueError, match="CUDA device"):
+        info[3].upload("cpu")
+    with pytest.raises(ValueError, match="CUDA device"):
+        mc.upload_plan(info, device="cpu")
+    with pytest.raises(TypeError):
+        mc.upload_plan("not a plan", device="cpu")
+
+
+def test_plans_own_their_device_state():
+    info = mc.msa_plan_from_lengths([1, 300], [10, 400], 8, 1, page_size=128)
+    for plan in info[3:]:
+        assert plan.device_vectors is None and plan.workspace is None
+    assert info[3].total_q == 1 and info[4].total_q == 300
+    static = mc.msa_plan(4, 16, 4096, 16, num_kv_heads=1, page_size=128, kv_block_num=16)[3]
+    assert static.total_q == 4 * 16 and static.device_vectors is None
+    from mate_cupy.msa import attention_launch
+
+    assert not hasattr(attention_launch, "_WORKSPACES")
+
+
+def test_not_uploaded_message_says_how():
+    from mate_cupy.msa.runtime import not_uploaded
+
+    err = not_uploaded("msa", 1)
+    assert isinstance(err, ValueError)
+    assert "upload(device=1)" in str(err) and "upload_plan" in str(err) and "device=" in str(err)
 
 
 # ----------------------------------------------------------------------------- sparse_msa_plan
@@ -335,3 +444,11 @@ def test_eager_plan_properties(qo, extra, sparse, split):
         assert plan.mode == want
         if mixed and plan is first:
             assert pf.max_seqlen_q <= threshold
+
+
+def test_workspace_and_upload_are_exported():
+    from mate_cupy.runtime.workspace import Workspace
+
+    assert mc.Workspace is Workspace and "Workspace" in msa_interface.__all__
+    assert mc.upload_plan is msa_interface.upload_plan and "upload_plan" in msa_interface.__all__
+    assert callable(mc.MsaPlan.upload) and callable(mc.MsaPlan.workspace_bytes)

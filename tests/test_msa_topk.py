@@ -1,6 +1,8 @@
 """sparse_topk_select on host arrays: brute-force selection by sorting, properties, refusals."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -185,3 +187,49 @@ ERRORS = [
 def test_topk_refusals(make, kw, exc):
     with pytest.raises(exc):
         mc.sparse_topk_select(*make(), **kw)
+
+
+# ---------------------------------------------------------------------------- one validation for both paths
+
+
+def _on_cuda(a):
+    """The same array described as if it lived on cuda:0: validation reads only metadata,
+    so a CUDA input with these shapes, dtypes and strides meets the same checks."""
+    from mate_cupy.runtime.interop import Arg
+
+    if a is None:
+        return None
+    return Arg(a.name, a.obj, a.dtype, "cupy", 0, a.shape, a.strides, a.ptr, data=a.data)
+
+
+def _validate(device_arg, args, kw):
+    from mate_cupy.msa.topk import validate_topk
+    from mate_cupy.runtime.interop import wrap
+
+    ms, topk = args
+    arg = lambda name: None if kw.get(name) is None else device_arg(wrap(name, kw[name]))  # noqa: E731
+    return validate_topk(device_arg(wrap("max_score", ms)), topk, kw.get("num_valid_pages"), arg("output"),
+                         kw.get("force_begin_blocks", 0), kw.get("force_end_blocks", 0),
+                         kw.get("force_blocks_count_in_topk", True), arg("query_positions"))
+
+
+@pytest.mark.parametrize("make, kw, exc", [pytest.param(m, k, e, id=i) for i, m, k, e in ERRORS if i != "not-an-array"])
+def test_topk_refusals_are_the_same_for_host_and_cuda_inputs(make, kw, exc):
+    """validate_topk (the one validation of both paths) refuses the CUDA description of
+    each refused host input with the same exception and message."""
+    messages = []
+    for device_arg in (lambda a: a, _on_cuda):
+        with pytest.raises(exc) as info:
+            _validate(device_arg, make(), kw)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_topk_problem_is_the_same_for_host_and_cuda_inputs():
+    args = (np.zeros((3, 2, 40), np.float32), 8)
+    kw = dict(num_valid_pages=30, force_begin_blocks=1, force_end_blocks=2, force_blocks_count_in_topk=False,
+              query_positions=np.arange(3, dtype=np.int64), output=np.zeros((3, 2, 11), np.int32))
+    host, cuda = _validate(lambda a: a, args, kw), _validate(_on_cuda, args, kw)
+    assert (host.device, cuda.device) == (-1, 0)
+    assert dataclasses.replace(host, device=0) == cuda
+    assert (host.width, host.free_slots, host.rows, host.num_valid_pages) == (11, 8, 6, 30)

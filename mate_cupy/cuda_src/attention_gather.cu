@@ -1,12 +1,15 @@
-// Block-sparse prefill decomposed per key block ("block-stationary", docs/attention.md),
-// for block lists chosen per query token: instead of a query tile walking the union of its
-// queries' blocks, every (request, query window, KV head, block) key gathers the queries
-// that listed the block. Five launches, all sizes bounded on the host, nothing read back:
+// Block-sparse prefill decomposed per key block ("block-stationary", docs/attention.md; row
+// windows and workspace: docs/gather.md), for block lists chosen per query token: instead
+// of a query tile walking the union of its queries' blocks, every (request, query window,
+// KV head, block) key gathers the queries that listed the block. The host walks the
+// flattened query rows in row windows [row_begin, row_end) and launches five kernels per
+// row window, all sizes bounded on the host by one window's rows, nothing read back:
 //
-//   msa_gather_count_kernel    valid (query, slot) entries per key (atomics)
-//   msa_gather_scan_kernel     one CTA: pair offsets per key, work items of <= kCap queries
-//                              per key (item -> key, pair range), the item count; zeroes
-//                              the counts for the next call
+//   msa_gather_count_kernel    valid (query, slot) entries per key (atomics), and the key
+//                              range of the window's requests
+//   msa_gather_scan_kernel     one CTA over that key range: pair offsets per key, work items
+//                              of <= kCap queries per key (item -> key, pair range), the item
+//                              count; zeroes the counts and the range for the next window
 //   msa_gather_scatter_kernel  the pairs (token, slot) of each key
 //   msa_gather_attn_kernel     per item: K/V of the block loaded once; each warpgroup takes
 //                              groups of 4 queries (64 rows = 4 x 16 heads), gathers their Q
@@ -17,8 +20,12 @@
 // An entry (query i of request r, KV head, slot j) is valid when its block id s is in range
 // (0 <= s < the request's block count, its page valid), not a repeat of an earlier slot of
 // the same list, and s * 128 < the query's causal key limit: the blocks the query-tile
-// kernel (attention_fwd.cu) attends for that query. Group 16 (16 query heads per KV head),
-// D 128, page size 128 (a block is a page), fp16/bf16, sm_90a.
+// kernel (attention_fwd.cu) attends for that query. A row window takes the entries of the
+// queries whose flattened row lies in [row_begin, row_end) (and i < max_q); its partials
+// are indexed by row - row_begin. Keys of a window: (request, query window of the request
+// counted from the first one the row window touches (< wins), KV head, block).
+// Group 16 (16 query heads per KV head), D 128, page size 128 (a block is a page),
+// fp16/bf16, sm_90a.
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
@@ -39,17 +46,18 @@ template <int C> struct ElemOf { typedef bf16_t type; };
 template <> struct ElemOf<0> { typedef half_t type; };
 typedef ElemOf<GATHER_DTYPE>::type Elem;
 constexpr int kD = 128, kBN = 128, kGroup = 16;
-// The launcher (gather_kernels.py) passes the window and the work-item cap.
+// The launcher (gather_launch.py) passes the window and the work-item cap.
 #ifndef GATHER_WIN
 #define GATHER_WIN 2048
 #endif
 #ifndef GATHER_CAP
 #define GATHER_CAP 512
 #endif
-// Queries per window: a key's queries (their Q rows: 32 MB at 2048 queries x 64 heads x 128
-// bf16) stay in L2 while the window's items run.
+// Queries per query window: a key's queries (their Q rows: 32 MB at 2048 queries x 64 heads x
+// 128 bf16) stay in L2 while the query window's items run.
 constexpr int kWin = GATHER_WIN;
 constexpr int kCap = GATHER_CAP;  // queries per work item
+constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
@@ -96,28 +104,42 @@ __device__ __forceinline__ int valid_block(const Req& q, const int* lists, long 
     return s;
 }
 
-__device__ __forceinline__ long long key_of(int r, int i, int kvh, int s, int wins, int hkv, int nb_max) {
-    return (((long long)r * wins + i / kWin) * hkv + kvh) * nb_max + s;
+// Queries [i0, i1) of the request lie in the row window (and below max_q).
+struct Span {
+    int i0, i1;
+};
+
+__device__ __forceinline__ Span span_of(const Req& q, int row_begin, int row_end, int max_q) {
+    if (q.Lq <= 0) return {0, 0};  // (q_start is in [0, total_q] otherwise)
+    return {max(0, row_begin - q.q_start), min(min(q.Lq, max_q), row_end - q.q_start)};
 }
 
-// Entry e (thread (blockIdx.x, threadIdx.x) of a 256-thread grid over max_q * hkv * width)
-// of request blockIdx.y: its key (-1 when invalid or past the request), token and slot.
+// Key of (request r, query i, KV head, block s) in a row window whose first query of r is i0:
+// the query window counts from i0's (< wins for the queries of one row window).
+__device__ __forceinline__ long long key_of(int r, int i, int i0, int kvh, int s, int wins, int hkv, int nb_max) {
+    return (((long long)r * wins + (i / kWin - i0 / kWin)) * hkv + kvh) * nb_max + s;
+}
+
+// Entry e (thread (blockIdx.x, threadIdx.x) of a 256-thread grid over the window's queries of
+// request blockIdx.y x hkv x width, from its first one): its key (-1 when invalid or past the
+// request's queries in the window), token and slot.
 struct Entry {
     long long key;
     int tok, slot;
 };
 
-__device__ __forceinline__ Entry entry_of(const Req& q, const int* lists, int hkv, int width, int causal,
-                                          int kv_extent, int wins, int nb_max) {
+__device__ __forceinline__ Entry entry_of(const Req& q, const Span& sp, const int* lists, int hkv, int width,
+                                          int causal, int kv_extent, int wins, int nb_max) {
     Entry x{-1, 0, 0};
     const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
     const int per_q = hkv * width;
-    if (e >= (long long)q.Lq * per_q) return x;
-    const int i = (int)(e / per_q), rem = (int)(e - (long long)i * per_q), kvh = rem / width, j = rem - kvh * width;
+    if (e >= (long long)(sp.i1 - sp.i0) * per_q) return x;
+    const int il = (int)(e / per_q), rem = (int)(e - (long long)il * per_q), kvh = rem / width, j = rem - kvh * width;
+    const int i = sp.i0 + il;
     x.tok = q.q_start + i;
     x.slot = j;
     const int s = valid_block(q, lists, ((long long)x.tok * hkv + kvh) * width, j, i, causal, kv_extent);
-    if (s >= 0) x.key = key_of(blockIdx.y, i, kvh, s, wins, hkv, nb_max);
+    if (s >= 0) x.key = key_of(blockIdx.y, i, sp.i0, kvh, s, wins, hkv, nb_max);
     return x;
 }
 
@@ -125,10 +147,7 @@ __device__ __forceinline__ Entry entry_of(const Req& q, const int* lists, int hk
     const int *__restrict__ block_lists, const int *__restrict__ cu_seqlens_q, const int *__restrict__ qo_lens, \
         const int *__restrict__ kv_lens, const int *__restrict__ qo_offset, const int *__restrict__ page_list,  \
         const int *__restrict__ page_indptr, int page_list_len, int kv_extent, int total_q, int hkv, int width,    \
-        int causal, int max_q, int wins, int nb_max
-
-#define GATHER_ENTRY() \
-    entry_of(GATHER_REQUEST(blockIdx.y), block_lists, hkv, width, causal, kv_extent, wins, nb_max)
+        int causal, int max_q, int wins, int nb_max, int row_begin, int row_end
 
 #define GATHER_REQUEST(r) \
     request_of(r, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list, page_indptr, page_list_len, total_q, nb_max)
@@ -137,68 +156,112 @@ __device__ __forceinline__ Entry entry_of(const Req& q, const int* lists, int hk
 
 using namespace gather;
 
-// Grid (ceil(max_q * hkv * width / 256), B): one thread per entry of request blockIdx.y.
-extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER_GEOMETRY_ARGS, int* counts) {
-    const Entry x = GATHER_ENTRY();
+// Grid (ceil(min(max_q, window rows) * hkv * width / 256), B): one thread per entry of the
+// window's queries of request blockIdx.y. key_range [2]: ~(first key) and the end key of the
+// window's requests (atomic maxima: zero means none; the scan reads and clears them).
+extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER_GEOMETRY_ARGS, int* counts,
+                                                                           unsigned* key_range) {
+    const Req q = GATHER_REQUEST(blockIdx.y);
+    const Span sp = span_of(q, row_begin, row_end, max_q);
+    if (blockIdx.x == 0 && threadIdx.x == 0 && sp.i1 > sp.i0) {
+        const long long first = (long long)blockIdx.y * wins * hkv * nb_max;
+        const long long end = first + (long long)((sp.i1 - 1) / kWin - sp.i0 / kWin + 1) * hkv * nb_max;
+        atomicMax(&key_range[0], ~(unsigned)first);
+        atomicMax(&key_range[1], (unsigned)end);
+    }
+    const Entry x = entry_of(q, sp, block_lists, hkv, width, causal, kv_extent, wins, nb_max);
     if (x.key >= 0) atomicAdd(&counts[x.key], 1);
 }
 
-// One CTA of 1024 threads, over tiles of 4096 keys (4 consecutive keys per thread, loads
-// coalesced). counts [n_keys] -> cursors (pair offsets), items [max_items][3] (key, first
-// pair, end pair), n_items[0] (n_items[1] = 0: the attention kernel's work counter); counts
-// are zeroed again. The host bounds hold for well-formed requests (no query in two
-// requests); past them nothing is stored.
-extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* counts, int* cursors, int* items,
-                                                                          int* n_items, int n_keys, int max_items,
-                                                                          int max_pairs) {
-    __shared__ int warp_sum[2][32], carry[2];
+// Items of a key with c pairs: c / kCap of kCap queries, then one of the rest. An item of at
+// least kBig queries is big: big items are stored from the front of items in key order, the
+// others from the back (the j-th at max_items - 1 - j), and the attention kernel takes the big
+// ones first, then the others in key order, so no long item starts near the end of a window.
+static_assert(0 < kBig && kBig <= kCap, "a full item is big");
+__device__ __forceinline__ int big_items(int c) { return c / kCap + (c % kCap >= kBig ? 1 : 0); }
+__device__ __forceinline__ int small_items(int c) {
+    const int rest = c % kCap;
+    return rest > 0 && rest < kBig ? 1 : 0;
+}
+
+// One CTA of 1024 threads, over tiles of 4096 keys of [first, end) (key_range; 4 consecutive
+// keys per thread, loads coalesced). counts [n_keys] -> cursors (pair offsets), items
+// [max_items][3] (key, first pair, end pair), n_items [3]: the item count, 0 (the attention
+// kernel's work counter), the big item count; the counts and key_range are zeroed again.
+// Keys outside the range have no entries (their counts stay zero, their cursors are not
+// read). The host bounds hold for well-formed requests (no query in two requests); past
+// them nothing is stored out of bounds.
+extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* counts, unsigned* key_range,
+                                                                          int* cursors, int* items, int* n_items,
+                                                                          int n_keys, int max_items, int max_pairs) {
+    __shared__ int warp_sum[3][32], carry[3];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid == 0) carry[0] = carry[1] = 0;
-    for (int base = 0; base < n_keys; base += 4096) {
+    const int first = (int)min(~key_range[0], (unsigned)n_keys), end = (int)min(key_range[1], (unsigned)n_keys);
+    if (tid == 0) carry[0] = carry[1] = carry[2] = 0;
+    for (int base = first; base < end; base += 4096) {
         const int k0 = base + 4 * tid;
-        int c[4], pairs = 0, its = 0;
+        int c[4], v[3] = {0, 0, 0};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            c[e] = k0 + e < n_keys ? counts[k0 + e] : 0;
-            pairs += c[e];
-            its += (c[e] + kCap - 1) / kCap;
+            c[e] = k0 + e < end ? counts[k0 + e] : 0;
+            v[0] += c[e];
+            v[1] += big_items(c[e]);
+            v[2] += small_items(c[e]);
         }
-        int ip = pairs, ii = its;
+        int incl[3] = {v[0], v[1], v[2]};
 #pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int x = __shfl_up_sync(0xffffffffu, ip, off), y = __shfl_up_sync(0xffffffffu, ii, off);
-            if (lane >= off) ip += x, ii += y;
-        }
-        if (lane == 31) warp_sum[0][warp] = ip, warp_sum[1][warp] = ii;
+        for (int off = 1; off < 32; off <<= 1)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) {
+                const int y = __shfl_up_sync(0xffffffffu, incl[x], off);
+                if (lane >= off) incl[x] += y;
+            }
+        if (lane == 31)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) warp_sum[x][warp] = incl[x];
         __syncthreads();
-        int pb = carry[0], ib = carry[1], ptot = 0, itot = 0;
-        for (int w = 0; w < 32; ++w) {
-            pb += w < warp ? warp_sum[0][w] : 0;
-            ib += w < warp ? warp_sum[1][w] : 0;
-            ptot += warp_sum[0][w];
-            itot += warp_sum[1][w];
+        int pos[3], tot[3];
+#pragma unroll
+        for (int x = 0; x < 3; ++x) {
+            pos[x] = carry[x] + incl[x] - v[x];
+            tot[x] = 0;
         }
-        int p = pb + ip - pairs, it = ib + ii - its;
+        for (int w = 0; w < 32; ++w)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) {
+                pos[x] += w < warp ? warp_sum[x][w] : 0;
+                tot[x] += warp_sum[x][w];
+            }
+        int p = pos[0], ib = pos[1], is = pos[2];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int k = k0 + e;
-            if (k >= n_keys) break;
+            if (k >= end) break;
             cursors[k] = p;
-            for (int a = 0; a < c[e] && it < max_items; a += kCap, ++it) {  // (pairs past max_pairs: none stored)
-                items[3 * it] = k;
-                items[3 * it + 1] = min(p + a, max_pairs);
-                items[3 * it + 2] = min(p + min(c[e], a + kCap), max_pairs);
+            for (int a = 0; a < c[e] && (ib < max_items || is < max_items); a += kCap) {
+                const int n = min(kCap, c[e] - a);
+                const int it = n >= kBig ? ib++ : max_items - 1 - is++;
+                if (it >= 0 && it < max_items) {  // (pairs past max_pairs: none stored)
+                    items[3 * it] = k;
+                    items[3 * it + 1] = min(p + a, max_pairs);
+                    items[3 * it + 2] = min(p + a + n, max_pairs);
+                }
             }
             p += c[e];
             counts[k] = 0;
         }
         __syncthreads();  // warp_sum and carry are read
-        if (tid == 0) carry[0] += ptot, carry[1] += itot;
+        if (tid == 0)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) carry[x] += tot[x];
     }
     __syncthreads();
     if (tid == 0) {
-        n_items[0] = min(carry[1], max_items);
+        const int total = min(carry[1] + carry[2], max_items);
+        n_items[0] = total;
         n_items[1] = 0;  // the attention kernel's work counter
+        n_items[2] = min(carry[1], total);
+        key_range[0] = key_range[1] = 0u;
     }
 }
 
@@ -207,7 +270,9 @@ extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* c
 extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATHER_GEOMETRY_ARGS, int* cursors,
                                                                             int* pair_tok, int* pair_slot,
                                                                             int max_pairs) {
-    const Entry x = GATHER_ENTRY();
+    const Req q = GATHER_REQUEST(blockIdx.y);
+    const Entry x = entry_of(q, span_of(q, row_begin, row_end, max_q), block_lists, hkv, width, causal, kv_extent,
+                             wins, nb_max);
     if (x.key < 0) return;
     const int pos = atomicAdd(&cursors[x.key], 1);
     if (pos >= max_pairs) return;
@@ -216,14 +281,15 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
 }
 
 // Grid: one CTA of 384 threads per SM (at most max_items), taking the n_items[0] work
-// items in order. Partials:
-// part_o [total_q, hkv, width, 16, 128] fp16 (O / l), part_lse [total_q, hkv, width, 16]
-// (log2 domain), written for valid entries only.
+// items in order (the n_items[2] big ones from the front of items, then the rest from the
+// back). Partials of the window's rows:
+// part_o [row_end - row_begin, hkv, width, 16, 128] fp16 (O / l),
+// part_lse [row_end - row_begin, hkv, width, 16] (log2 domain), written for valid entries only.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel(
     GATHER_GEOMETRY_ARGS, const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
     long long q_tok_stride, long long q_head_stride, long long k_page_stride, long long k_slot_stride,
     long long k_head_stride, long long v_page_stride, long long v_slot_stride, long long v_head_stride,
-    const int* __restrict__ items, const int* __restrict__ n_items, int* __restrict__ work_counter,
+    const int* __restrict__ items, const int* __restrict__ n_items, int* __restrict__ work_counter, int max_items,
     const int* __restrict__ pair_tok, const int* __restrict__ pair_slot, half_t* __restrict__ part_o,
     float* __restrict__ part_lse, float scale_log2) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -234,17 +300,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     __shared__ int next_item;
-    const int total_items = n_items[0];
-    // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan).
+    // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
+    // the n_items[2] big ones from the front of items, then the others from the back.
     // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
     // 16-byte chunk wtid % 16.
     const int qrow0 = wtid >> 4, qch = wtid & 15;
     for (;;) {
         __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
-        if (tid == 0) next_item = atomicAdd(work_counter, 1);
+        if (tid == 0) {
+            const int taken = atomicAdd(work_counter, 1), n_big = n_items[2];
+            next_item = taken >= n_items[0] ? -1 : taken < n_big ? taken : max_items - 1 - (taken - n_big);
+        }
         __syncthreads();
         const int item = next_item;
-        if (item >= total_items) break;
+        if (item < 0) break;
         const long long key = items[3 * item];
         const int begin = items[3 * item + 1], end = items[3 * item + 2];
         const int s = (int)(key % nb_max);
@@ -391,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
             // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
-            const long long base = (((long long)tok * hkv + kvh) * width + slot) * kGroup;
+            const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
             unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
             auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
     #pragma unroll
@@ -416,21 +485,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     }
 }
 
-// Grid (max_q, hkv, B), 128 threads: (head = tid / 8, 16 columns). out [total_q, Hq, 128]
+// Grid (min(max_q, window rows), hkv, B), 128 threads: (head = tid / 8, 16 columns), the
+// window's queries of request blockIdx.z from its first one. out [total_q, Hq, 128]
 // (strided), lse [total_q, Hq] natural log or null; queries with no valid entry get O = 0,
 // lse = -inf.
 extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
     GATHER_GEOMETRY_ARGS, const half_t* __restrict__ part_o, const float* __restrict__ part_lse, Elem* __restrict__ out,
     float* __restrict__ lse, long long out_tok_stride, long long out_head_stride) {
     __shared__ unsigned char slot_ok[kMaxWidth];
-    const int i = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+    const int kvh = blockIdx.y, r = blockIdx.z;
     const Req q = GATHER_REQUEST(r);
-    if (i >= q.Lq) return;
+    const Span sp = span_of(q, row_begin, row_end, max_q);
+    const int i = sp.i0 + blockIdx.x;
+    if (i >= sp.i1) return;
     const int tok = q.q_start + i;
     const int head = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
-    const long long row = ((long long)tok * hkv + kvh) * width;
+    const long long list_row = ((long long)tok * hkv + kvh) * width;
+    const long long row = ((long long)(tok - row_begin) * hkv + kvh) * width;  // of the window's partials
     for (int j = threadIdx.x; j < width; j += 128)
-        slot_ok[j] = valid_block(q, block_lists, row, j, i, causal, kv_extent) >= 0 ? 1 : 0;
+        slot_ok[j] = valid_block(q, block_lists, list_row, j, i, causal, kv_extent) >= 0 ? 1 : 0;
     __syncthreads();
     float M = kNegInf;
     for (int j = 0; j < width; ++j)

@@ -11,8 +11,8 @@
 //
 // Work split. V rows of the state evolve independently (the only per-token values shared
 // across V are q, k and the gate, all [K]), so the grid is N * HV * (V-splits) CTAs:
-//   * V-first storage [P, HV, V, K]: a CTA owns nwarps * 16 consecutive V rows (nwarps 1..8,
-//     chosen by the launcher to fill the GPU); 8 lanes cover one 128-wide row, each lane 16
+//   * V-first storage [P, HV, V, K]: a CTA owns nwarps * 16 consecutive V rows (nwarps 1, 2
+//     or 4, chosen by the launcher to fill the GPU); 8 lanes cover one 128-wide row, each lane 16
 //     columns as 16-byte chunks (a warp instruction touches four full 128-byte lines); each
 //     lane holds 4 rows (64 state floats: the register file, not overhead, holds the state).
 //   * K-first storage [P, HV, K, V]: a CTA owns 32 (fp32) or 64 (bf16) V columns, i.e. 128
@@ -21,12 +21,12 @@
 //     through shared memory (one barrier per token).
 //
 // Pipeline. The state slice is first staged into shared memory with 16-byte cp.async (L2
-// only), so its DRAM latency overlaps the prologue without holding registers: q/k L2 norm,
-// k.q, the gate exp(gk), v and beta of up to kMaxChunk tokens are computed once per CTA
-// into shared memory. Each lane then moves its own staged chunks into registers, runs the
-// tokens, and stores (streaming) the state where it goes. Between token chunks (sequences
-// longer than kMaxChunk) the registers go back to the stage, so the prologue never holds
-// the state in registers.
+// only; whole V-first slices on sm_90: one bulk copy), so its DRAM latency overlaps the
+// prologue without holding registers: q/k L2 norm, k.q, the gate exp(gk), v and beta of up
+// to kMaxChunk tokens are computed once per CTA into shared memory. Each lane then moves
+// its own staged chunks into registers, runs the tokens, and stores (streaming) the state
+// where it goes. Between token chunks (sequences longer than kMaxChunk) the registers go
+// back to the stage, so the prologue never holds the state in registers.
 //
 // Slots (CTA-uniform): the read slot is n, state_indices[n], state_indices[n, 0] or
 // state_indices[n, num_accepted_tokens[n] - 1]; a negative or out-of-pool read slot (or an
@@ -52,7 +52,7 @@ constexpr int kMaxChunk = 8;  // tokens prepared per prologue (the launcher's `t
 enum : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // Bit positions in the packed dtype word: q, k, v, a, b, dt_bias, out (2 bits each).
 enum : int { kDtQ = 0, kDtK = 2, kDtV = 4, kDtA = 6, kDtB = 8, kDtBias = 10, kDtOut = 12 };
-// Option flags (mirrored in mate_cupy/kda/decode_kernels.py).
+// Option flags (mirrored in mate_cupy/kda/decode_launch.py).
 enum : int {
     kVarlen = 1 << 0,
     kL2Norm = 1 << 1,
@@ -67,8 +67,7 @@ enum : int {
     kAccepted64 = 1 << 10,
     kCu64 = 1 << 11,
     kHasAccepted = 1 << 12,
-    kPrefetch = 1 << 13,  // V-first: CTAs loop over work units, the next unit's state copied in ahead
-    kBulk = 1 << 14,      // V-first, one unit per CTA, V % VS == 0, sm_90: the slice staged by one bulk copy
+    kBulk = 1 << 13,  // V-first, V % VS == 0, sm_90: the slice staged by one bulk copy
 };
 // Per-token slot codes held in shared memory (>= 0: store the state there).
 constexpr long long kNoStore = -1;
@@ -302,7 +301,7 @@ __device__ __forceinline__ long long token_slot(const Params& p, int n, int t) {
 //   slot    [tc] i64, padded to 16 bytes      kq [tc] f32, padded to 16 bytes
 //   q, k, e [tc][128] f32 each                v, b [tc][VS] f32 each
 //   red     K-first only: [2 parities][nwarps][2 (S_dec k, S_dec q)][VS] f32
-// The launcher computes the same total (decode_kernels.py: _smem_bytes).
+// The launcher computes the same total (decode_launch.py: smem_bytes).
 struct Smem {
     long long* slot;
     float* kq;
@@ -408,262 +407,221 @@ __device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int 
 
 // ------------------------------------------------------------------ V-first kernel
 
-template <typename StateT, int ROWS>
+template <typename StateT>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
     static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
     static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
-    static constexpr int kRows = ROWS;                  // rows per lane (16 * ROWS state floats)
-    static constexpr int kRowsPerWarp = 4 * kRows;      // 16 / 8
+    static constexpr int kRows = 4;                     // rows per lane (64 state floats)
+    static constexpr int kRowsPerWarp = 4 * kRows;      // 16
     // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
     // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
     static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
     static __device__ constexpr int row_offset(int r) { return r * 4 * kDim; }  // rows r*4 apart
 };
 
-// State [P, HV, V, K] (V-first). Work unit u in [0, N * HV * n_splits): sequence n, head hv,
-// rows [split * VS, +VS), VS = nwarps * 4 * ROWS. Lane: rows warp*4*ROWS + (lane>>3) + 4r.
-// Grid: one CTA per unit, or (flag kPrefetch) fewer CTAs that loop over units u = blockIdx.x,
-// + gridDim.x, ... with two stage buffers: the next unit's state is copied in while the
-// current one is computed and stored, so every SM keeps reads in flight between its stores.
-// Each lane only ever touches its own 16-byte chunks of a stage, so a stage is refilled
-// without a barrier. Flag kBulk (one unit per CTA, whole slices): thread 0 stages the
-// contiguous slice with one bulk copy completing on an mbarrier instead of per-lane cp.async.
-// Register budget: 128 per thread with 4 rows per lane, 96 with 2 (more CTAs per SM).
-template <typename StateT, int ROWS>
-__global__ void __launch_bounds__(256) __maxnreg__(ROWS == 4 ? 128 : 96)
-    kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
-    using C = VFirst<StateT, ROWS>;
+// State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
+// (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
+// VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices,
+// sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
+// instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
+template <typename StateT>
+__global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = VFirst<StateT>;
     __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
     const int g = lane & 7;
-    const int units = p.N * p.HV * p.n_splits;
-    const bool prefetch = (p.flags & kPrefetch) != 0;
-    const bool bulk = kBulkCopy && (p.flags & kBulk) != 0 && !prefetch;
+    const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
     if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
+
+    const int split = blockIdx.x % p.n_splits;
+    const int nh = blockIdx.x / p.n_splits;
+    const int hv = nh % p.HV, n = nh / p.HV;
+    const int h = hv / (p.HV / p.H);
+    const int v0 = split * VS;
+    const Seq s = sequence_of(p, n);
 
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
+    const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
     const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
     const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
     const int stage_elems = VS * kDim;
-    StateT* const stage0 = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
-    StateT* const stage1 = stage0 + (prefetch ? stage_elems : 0);
-    const Smem m = carve_smem((prefetch ? 2 : 1) * stage_elems * static_cast<int>(sizeof(StateT)), p.tc, VS);
-    const int oc = dtype_of(p.dtypes, kDtOut);
+    StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
+    bool row_ok[C::kRows];
+#pragma unroll
+    for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
 
-    // Unit u: its coordinates, sequence and state source; load issues its staged copy.
-    struct Unit {
-        int n, hv, v0;
-        Seq s;
-        long long slice;  // element offset of the slice within a slot
-        bool load;        // the initial state is read
-    };
-    auto unit_of = [&](int u) {
-        Unit x;
-        const int split = u % p.n_splits, nh = u / p.n_splits;
-        x.hv = nh % p.HV;
-        x.n = nh / p.HV;
-        x.v0 = split * VS;
-        x.s = sequence_of(p, x.n);
-        x.slice = x.hv * head_elems + static_cast<long long>(x.v0) * kDim;
-        x.load = !x.s.pad && (p.flags & kInitialState);
-        return x;
-    };
-    auto issue_load = [&](const Unit& x, StateT* stage) {
-        if (!x.load) return;
-        if (bulk) {  // stage base = the lane's stage minus its offset; the slice is contiguous
+    // Stage the initial slice (the stage base is the lane's stage minus its offset).
+    const bool load = !s.pad && (p.flags & kInitialState);
+    if (load) {
+        const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
+        if (bulk) {
             if (threadIdx.x == 0)
-                bulk_load(stage - lane_off, static_cast<const StateT*>(p.state) + x.s.slot * slot_elems + x.slice,
-                          static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
-            return;
-        }
-        const StateT* src = static_cast<const StateT*>(p.state) + x.s.slot * slot_elems + x.slice + lane_off;
-#pragma unroll
-        for (int r = 0; r < C::kRows; ++r) {
-            if (x.v0 + lrow0 + 4 * r >= p.V) continue;
-#pragma unroll
-            for (int j = 0; j < C::kChunks; ++j) {
-                const int o = C::row_offset(r) + C::chunk_offset(j);
-                cp_async_16(stage + o, src + o);
-            }
-        }
-    };
-
-    int u = blockIdx.x;
-    if (u >= units) return;
-    Unit cur = unit_of(u);
-    issue_load(cur, stage0);
-    cp_async_commit();
-    // cp.async groups: the current unit's, then one (possibly empty) per iteration for the
-    // next unit, so wait_group 1 always completes the current unit's copy. The next unit's
-    // coordinates are recomputed after the current one (its index loads hit the cache)
-    // rather than held in registers through the token loop.
-#pragma unroll 1
-    for (int it = 0; u < units; ++it) {
-        StateT* const stage = (it & 1) ? stage1 : stage0;
-        const int u_next = u + gridDim.x;
-        if (prefetch && u_next < units) issue_load(unit_of(u_next), (it & 1) ? stage0 : stage1);
-        cp_async_commit();
-
-        const Seq& s = cur.s;
-        const int n = cur.n, hv = cur.hv, v0 = cur.v0;
-        const int h = hv / (p.HV / p.H);
-        bool row_ok[C::kRows];
-#pragma unroll
-        for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
-        if (it > 0) __syncthreads();  // the previous unit's prologue values are consumed
-        if (s.pad) zero_outputs(p, s, hv, v0, VS);
-        const int len = s.pad ? 0 : s.len;
-        bool changed = false;
-        float S[C::kRows][C::kCols];
-        // Registers <- own staged chunks (zeros for rows past V and without an initial state).
-        auto stage_to_regs = [&](bool from_stage) {
-#pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    if (from_stage && row_ok[r]) {
-                        chunk_to_regs(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < C::kEPC; ++e) S[r][j * C::kEPC + e] = 0.f;
-                    }
-                }
-            }
-        };
-        for (int c0 = 0; c0 < len; c0 += p.tc) {
-            const int cn = min(p.tc, len - c0);
-            if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
-            prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
-            cp_async_wait<1>();
-            __syncthreads();
-            if (bulk && c0 == 0 && cur.load) mbarrier_wait(&bulk_bar, 0);
-            stage_to_regs(c0 > 0 || cur.load);
-            for (int t = 0; t < cn; ++t) {
-                const long long slot = m.slot[t];
-                const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
-                if (slot == kPadToken) {
-                    if (g == 0) {
-#pragma unroll
-                        for (int r = 0; r < C::kRows; ++r)
-                            if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
-                    }
-                    continue;
-                }
-                const float* qs = m.q + t * kDim + g * C::kEPC;
-                const float* ks = m.k + t * kDim + g * C::kEPC;
-                const float* es = m.e + t * kDim + g * C::kEPC;
-                float dk[C::kRows], dq[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
-                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-                        for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                float& x = S[r][j * C::kEPC + e4 + e];
-                                x *= ea[e];
-                                dk[r] = fmaf(x, ka[e], dk[r]);
-                                dq[r] = fmaf(x, qa[e], dq[r]);
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                        dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                        dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
-                    }
-                }
-                const float kq = m.kq[t];
-                float bu[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    const int i = t * VS + lrow0 + 4 * r;
-                    bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                    const float o = (dq[r] + bu[r] * kq) * p.scale;
-                    if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
-                }
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + C::chunk_offset(j) + e4);
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-                        for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                float& x = S[r][j * C::kEPC + e4 + e];
-                                x = Chunk<StateT>::round(fmaf(bu[r], ka[e], x));
-                            }
-                        }
-                    }
-                }
-                changed = true;
-                if (slot >= 0) {
-                    StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + cur.slice + lane_off;
-#pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-                        if (!row_ok[r]) continue;
-#pragma unroll
-                        for (int j = 0; j < C::kChunks; ++j)
-                            regs_to_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
-                    }
-                }
-            }
-            if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j)
-                        regs_to_chunk(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
-                }
-            }
-        }
-        if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
-            cp_async_wait<1>();
-            if (bulk && cur.load) {
-                __syncthreads();  // thread 0's barrier initialisation is visible
-                mbarrier_wait(&bulk_bar, 0);
-            }
-            stage_to_regs(cur.load);
-        }
-        // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
-        StateT* dsts[2] = {nullptr, nullptr};
-        if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
-            dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + cur.slice + lane_off;
-        if (p.final_state != nullptr)
-            dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + cur.slice + lane_off;
-#pragma unroll
-        for (int d = 0; d < 2; ++d) {
-            if (dsts[d] == nullptr) continue;
+                bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
+        } else {
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) {
                 if (!row_ok[r]) continue;
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j)
-                    regs_to_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                for (int j = 0; j < C::kChunks; ++j) {
+                    const int o = C::row_offset(r) + C::chunk_offset(j);
+                    cp_async_16(stage + o, src + lane_off + o);
+                }
             }
         }
-        if (!prefetch) break;  // one unit per CTA
-        u = u_next;
-        if (u < units) cur = unit_of(u);
+    }
+    cp_async_commit();
+
+    const Smem m = carve_smem(stage_elems * static_cast<int>(sizeof(StateT)), p.tc, VS);
+    const int oc = dtype_of(p.dtypes, kDtOut);
+    if (s.pad) zero_outputs(p, s, hv, v0, VS);
+    const int len = s.pad ? 0 : s.len;
+    bool changed = false;
+    float S[C::kRows][C::kCols];
+    // Registers <- own staged chunks (zeros for rows past V and without an initial state).
+    auto stage_to_regs = [&](bool from_stage) {
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                if (from_stage && row_ok[r]) {
+                    chunk_to_regs(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < C::kEPC; ++e) S[r][j * C::kEPC + e] = 0.f;
+                }
+            }
+        }
+    };
+    for (int c0 = 0; c0 < len; c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);
+        if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
+        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+        cp_async_wait<0>();
+        __syncthreads();
+        if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
+        stage_to_regs(c0 > 0 || load);
+        for (int t = 0; t < cn; ++t) {
+            const long long slot = m.slot[t];
+            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
+            if (slot == kPadToken) {
+                if (g == 0) {
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r)
+                        if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                }
+                continue;
+            }
+            const float* qs = m.q + t * kDim + g * C::kEPC;
+            const float* ks = m.k + t * kDim + g * C::kEPC;
+            const float* es = m.e + t * kDim + g * C::kEPC;
+            float dk[C::kRows], dq[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float& x = S[r][j * C::kEPC + e4 + e];
+                            x *= ea[e];
+                            dk[r] = fmaf(x, ka[e], dk[r]);
+                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                }
+            }
+            const float kq = m.kq[t];
+            float bu[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+                const int i = t * VS + lrow0 + 4 * r;
+                bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                const float o = (dq[r] + bu[r] * kq) * p.scale;
+                if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
+            }
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + C::chunk_offset(j) + e4);
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float& x = S[r][j * C::kEPC + e4 + e];
+                            x = Chunk<StateT>::round(fmaf(bu[r], ka[e], x));
+                        }
+                    }
+                }
+            }
+            changed = true;
+            if (slot >= 0) {
+                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+                    if (!row_ok[r]) continue;
+#pragma unroll
+                    for (int j = 0; j < C::kChunks; ++j)
+                        regs_to_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                }
+            }
+        }
+        if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j)
+                    regs_to_chunk(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+            }
+        }
+    }
+    if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
+        cp_async_wait<0>();
+        if (bulk && load) {
+            __syncthreads();  // thread 0's barrier initialisation is visible
+            mbarrier_wait(&bulk_bar, 0);
+        }
+        stage_to_regs(load);
+    }
+    // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
+    StateT* dsts[2] = {nullptr, nullptr};
+    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
+    if (p.final_state != nullptr)
+        dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        if (dsts[d] == nullptr) continue;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+            if (!row_ok[r]) continue;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j)
+                regs_to_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+        }
     }
 }
 

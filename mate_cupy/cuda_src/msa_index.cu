@@ -2,6 +2,8 @@
 //
 //   msa_block_max_score_kernel   max_score[i, h, t] = max_{admissible j in block t} q[i,h] . k[j, h/r]
 //   msa_topk_select_kernel       per (query, head) row: forced blocks + the best remaining blocks
+//                                (a warp or a CTA per row)
+//   msa_topk_stream_kernel       the same selection, one warp per row streaming its scores (K <= 32)
 //
 // Semantics: SPEC sections 3 and 4; decisions and layouts: docs/index_kernels.md.
 #include "common/dtype.cuh"
@@ -25,7 +27,9 @@ using namespace mate;
 //   otherwise        [0, begin) ++ sorted(best K of [begin, V - end)) ++ [V - end, V)
 //
 // Best K, exactly: a lower bound t0 of the K-th largest key is the K-th largest
-// of the per-thread maxima (they are K distinct elements). Keys >= t0 are
+// of the per-thread maxima, or with TOP2 of each thread's two largest keys (they
+// are distinct elements; TOP2 keeps the bound tight when 2 K > G, and warp rows,
+// chosen only for K > 16, always use it). Keys >= t0 are
 // compacted into shared memory (usually a few dozen) and one warp finds the
 // K-th largest key T by a bitwise search over them, then resolves ties at T by
 // a bitwise search over indices. If more than `cand_cap` keys pass t0 (heavy
@@ -185,6 +189,7 @@ msa_topk_select_kernel(const float* __restrict__ scores, int* __restrict__ out, 
                        int nt, int width, int num_valid_pages, int force_begin, int force_end,
                        const long long* __restrict__ query_positions, int cand_cap) {
     static_assert(NPT % VEC == 0, "NPT must be a multiple of VEC");
+    static_assert(NW > 1 || TOP2, "warp rows take the top-2 bound (the streaming kernel serves K <= 16)");
     constexpr int G = 32 * NW;
     constexpr int NV = NPT / VEC;
     using Smem = TopkSmem<NW, TOP2>;
@@ -236,10 +241,7 @@ msa_topk_select_kernel(const float* __restrict__ scores, int* __restrict__ out, 
         m1 = max(m1, key[i]);
     }
     u32 t0;
-    if constexpr (NW == 1 && !TOP2) {  // k <= 16: sort the 32 maxima, take the k-th largest
-        const u32 kth = __shfl_sync(kFullMask, warp_sort_ascending(m1, lane), (32 - k) & 31);
-        t0 = k <= 32 ? kth : 0u;  // (the launcher picks TOP2 for k > 16; 0 = no bound)
-    } else if constexpr (NW == 1) {
+    if constexpr (NW == 1) {
         t0 = kth_largest_key(k, [&](u32 c) {
             return __popc(__ballot_sync(kFullMask, m1 >= c)) + __popc(__ballot_sync(kFullMask, m2 >= c));
         });
@@ -723,14 +725,15 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 // every K tile (GQA packing). Per 128-key block each warp computes the scores of its 16
 // rows (f32 accumulate), masks inadmissible keys (causal, j >= kv_len, keys of invalid
 // pages) only on blocks where some row of the warp needs it, and reduces each row to
-// its max. K tiles stream through a STAGES-deep cp.async ring with one CTA barrier per
-// block. Two MMA paths:
-//   kMmaSync  each warp holds its 16 rows of Q in registers (mma.sync A fragments) and
-//             runs m16n8k16 MMAs on ldmatrix'd K fragments; tiles are stored [rows][D]
-//             with 16-byte chunks XOR-swizzled by row % 8 (conflict-free ldmatrix).
-//   kWgmma    (sm_90a) each warpgroup (4 warps, 64 rows) runs wgmma m64n128k16 with Q
-//             and K read from shared memory by descriptor; tiles are stored as
-//             128-byte-swizzled column blocks (common/attention_wgmma.cuh).
+// its max. K tiles stream through a cp.async ring with one CTA barrier per block. Two
+// MMA paths:
+//   kMmaSync  (3 K stages) each warp holds its 16 rows of Q in registers (mma.sync A
+//             fragments) and runs m16n8k16 MMAs on ldmatrix'd K fragments; tiles are
+//             stored [rows][D] with 16-byte chunks XOR-swizzled by row % 8
+//             (conflict-free ldmatrix).
+//   kWgmma    (sm_90a, 2 K stages) each warpgroup (4 warps, 64 rows) runs wgmma
+//             m64n128k16 with Q and K read from shared memory by descriptor; tiles are
+//             stored as 128-byte-swizzled column blocks (common/attention_wgmma.cuh).
 // Both leave each warp the same accumulator layout (rows g and g + 8, column
 // 8 i + 2 t + e of n-block i), so masking and the epilogue are shared. Row maxima are
 // staged in shared memory and stored kMsStash blocks at a time. Blocks past the tile's
@@ -739,18 +742,14 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 constexpr int kMsBlock = 128;  // keys per block
 constexpr int kMsStash = 16;   // blocks staged per store (64-byte row segments)
 
-enum MaxScoreMma { kMmaSync = 0, kWgmma = 1, kMmaSync32 = 2 };
+enum MaxScoreMma { kMmaSync = 0, kWgmma = 1 };
 
-template <typename T, int D, int NWARPS, int STAGES, int MMA>
+template <typename T, int D, int NWARPS, int MMA>
 struct MaxScoreTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
-    static_assert(STAGES == 2 || STAGES == 3, "two or three K stages");
     static_assert(MMA != kWgmma || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
-    static constexpr int WM = MMA == kMmaSync32 ? 32 : 16;  // rows per warp
-    static constexpr int M_TILES = WM / 16;                  // m16 tiles per warp
-    static constexpr int PASSES = WM / 16;                   // key passes per 128-key block (64 accumulators)
-    static constexpr int N8 = 16 / PASSES;                   // n8 tiles per pass
-    static constexpr int BM = WM * NWARPS;                   // packed (query, head) rows per CTA
+    static constexpr int STAGES = MMA == kWgmma ? 2 : 3;  // K tiles in flight
+    static constexpr int BM = 16 * NWARPS;                // packed (query, head) rows per CTA
     static_assert(BM <= 128, "the Q tile must fit a K stage");
     static constexpr int THREADS = 32 * NWARPS;
     static constexpr int CPR = D / 8;            // 16-byte chunks per row
@@ -759,16 +758,12 @@ struct MaxScoreTile {
     static constexpr int Q_BYTES = BM * D * (int)sizeof(T);
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
     // Q: wgmma reads it from shared memory for the whole kernel (after the stages).
-    // mma.sync (16 or 32 rows per warp) holds it in registers after the prologue: with 3
-    // stages it is staged in the last stage (first filled by the first loop iteration), with
-    // 2 in the stash area.
-    static constexpr int Q_OFFSET = MMA == kWgmma ? K_BYTES : (STAGES == 3 ? 2 * K_TILE_BYTES : K_BYTES);
+    // mma.sync holds it in registers after the prologue: it is staged in the last stage
+    // (first filled by the first loop iteration).
+    static constexpr int Q_OFFSET = MMA == kWgmma ? K_BYTES : (STAGES - 1) * K_TILE_BYTES;
     static constexpr int STASH_OFFSET = MMA == kWgmma ? K_BYTES + Q_BYTES : K_BYTES;
-    static constexpr int STASH_END = MMA == kWgmma || STAGES == 3
-                                         ? STASH_OFFSET + STASH_BYTES
-                                         : K_BYTES + (Q_BYTES > STASH_BYTES ? Q_BYTES : STASH_BYTES);
-    static constexpr int KVALID_OFFSET = STASH_END;                       // [STAGES][128] key flags
-    static constexpr int ALIGN_SLACK = MMA == kWgmma ? 1024 : 0;          // wgmma tiles: 1024-byte aligned
+    static constexpr int KVALID_OFFSET = STASH_OFFSET + STASH_BYTES;  // [STAGES][128] key flags
+    static constexpr int ALIGN_SLACK = MMA == kWgmma ? 1024 : 0;      // wgmma tiles: 1024-byte aligned
     static constexpr int SMEM_BYTES = KVALID_OFFSET + STAGES * kMsBlock + ALIGN_SLACK;
 };
 
@@ -783,7 +778,6 @@ __device__ __forceinline__ int ms_tile_offset(int row, int ch) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-#ifndef MATE_CUPY_EMU  // (the CPU emulator in tests/index_emu supplies these two)
 // 16-byte cp.async to a shared-space byte address; pred == false zero-fills.
 __device__ __forceinline__ void cp_async_16_at(u32 saddr, const void* gmem, bool pred) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0));
@@ -795,18 +789,17 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
 }
-#endif
 
 // q [total_q, Hq, D] (row strides q_stride_tok / q_stride_head, D contiguous).
 // K (kv_mode): 0 dense [total_k, Hkv, D], key j of request b at row cu_seqlens_k[b] + j;
 //   1 paged by page_table [batch, page_table_cols]; 2 paged by CSR kv_indices +
 //   kv_page_indptr [batch + 1]. Paged element offset of (page, slot, head):
 //   page * k_stride_outer + slot * k_stride_slot + head * k_stride_head (NHD or HND).
-//   k_extent: rows (dense) or pages (paged) of k; out-of-range ids are inadmissible keys.
+// k_extent: rows (dense) or pages (paged) of k; out-of-range ids are inadmissible keys.
 // max_score [total_q, Hq, nt] f32. Grid: (num_m_tiles * batch, Hkv, splits): split s owns
 // the output blocks [s * tiles_per_split, (s + 1) * tiles_per_split) (block maxima need
 // no merge, so short-query batches spread the key range over more CTAs).
-template <typename T, int D, int NWARPS, int STAGES, int MMA>
+template <typename T, int D, int NWARPS, int MMA>
 __global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
 msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
                            const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
@@ -818,9 +811,8 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
                            int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
                            int tiles_per_split) {
-    using Cfg = MaxScoreTile<T, D, NWARPS, STAGES, MMA>;
-    constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR;
-    constexpr int WM = Cfg::WM, MT = Cfg::M_TILES, PASSES = Cfg::PASSES, N8 = Cfg::N8;
+    using Cfg = MaxScoreTile<T, D, NWARPS, MMA>;
+    constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw;
     if constexpr (MMA == kWgmma) smem += (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -860,15 +852,15 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
     // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
     const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
 
-    // Lanes 0..WM-1: output offset of the warp's row warp * WM + lane (-1: not stored).
+    // Lanes 0..15: output offset of the warp's row 16 warp + lane (-1: not stored).
     long long out_off = -1;
-    if (lane < WM) {
+    if (lane < 16) {
         int qi;
-        const int p = warp * WM + lane;
+        const int p = warp * 16 + lane;
         if (row_valid(p, qi)) out_off = ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt;
     }
     auto fill_neg_inf_from = [&](int t_from) {
-        for (int rr = 0; rr < WM; ++rr) {
+        for (int rr = 0; rr < 16; ++rr) {
             const long long o = __shfl_sync(kFullMask, out_off, rr);
             if (o >= 0)
                 for (int c = t_from + lane; c < t_stop; c += 32) max_score[o + c] = neg_inf();
@@ -937,32 +929,23 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
 
     const int mi = lane >> 3;  // ldmatrix: the 8x8 matrix this lane addresses
     constexpr bool kSync = MMA != kWgmma;
-    u32 qf[kSync ? MT : 1][kSync ? D / 16 : 1][4];
+    u32 qf[kSync ? D / 16 : 1][4];
     if constexpr (kSync) {
         cp_async_wait<STAGES - 2>();  // the first group: Q and K tile t_begin
         __syncthreads();
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const int row = warp * WM + m * 16 + (mi & 1) * 8 + (lane & 7);
-                ldmatrix_x4_at(qf[m][kk],
-                               smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(row, 2 * kk + (mi >> 1))));
-            }
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
+            ldmatrix_x4_at(qf[kk],
+                           smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(row, 2 * kk + (mi >> 1))));
         }
         // (The loop's first barrier orders these reads before the Q area is reused.)
     }
-    // This thread's accumulator rows: warp * WM + 16 m + lane / 4 (+ 8), admissible below lim.
-    int lim[MT][2];
-    int lim_min = 0x7fffffff;
+    // This thread's accumulator rows: 16 warp + lane / 4 (+ 8), admissible below lim.
+    int lim[2];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            lim[m][h] = row_limit(warp * WM + m * 16 + (lane >> 2) + 8 * h);
-            lim_min = min(lim_min, lim[m][h]);
-        }
-    }
+    for (int h = 0; h < 2; ++h) lim[h] = row_limit(warp * 16 + (lane >> 2) + 8 * h);
+    const int lim_min = min(lim[0], lim[1]);
     // mma.sync B fragments: lane addresses K row np * 16 + (mi >> 1) * 8 + lane % 8, chunk
     // 2 kk + (mi & 1). With z = (mi & 1) ^ (lane % 8) the swizzled chunk is (2 kk) ^ z =
     // 8 (kk / 4) + ((2 (kk % 4)) ^ z): four per-thread byte offsets, the rest folds into constants.
@@ -983,111 +966,91 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         const unsigned char* kv = kvalid + stage * kMsBlock;
         const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
         const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min) || holes;
-        float mx[MT][2];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) mx[m][0] = mx[m][1] = neg_inf();
+        float mx[2] = {neg_inf(), neg_inf()};
 
+        float acc[16][4];  // the warp's 16 x 128 scores: n-block n8 = keys [8 n8, 8 n8 + 8)
+        if constexpr (kSync) {
 #pragma unroll
-        for (int pass = 0; pass < PASSES; ++pass) {  // keys [pass * 8 N8, (pass + 1) * 8 N8) of the block
-            float acc[MT][N8][4];
-            if constexpr (kSync) {
+            for (int n8 = 0; n8 < 16; ++n8) acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f;
+            const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES);
+            // Steps s = (kk, np): B fragments (16 keys x 16 values) of step s + 1 are loaded
+            // before the MMAs of step s (ldmatrix and mma are volatile asm: issue order is source order).
+            constexpr int NP = 8;
+            constexpr int STEPS = (D / 16) * NP;
+            auto b_addr = [&](int step) {
+                const int kk = step / NP, np = step % NP;
+                return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
+            };
+            u32 bf[2][4];
+            ldmatrix_x4_at(bf[0], b_addr(0));
 #pragma unroll
-                for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int n8 = 0; n8 < N8; ++n8) acc[m][n8][0] = acc[m][n8][1] = acc[m][n8][2] = acc[m][n8][3] = 0.f;
-                const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES + pass * N8 * 8 * D * (int)sizeof(T));
-                // Steps s = (kk, np): B fragments (16 keys x 16 values) of step s + 1 are loaded
-                // before the MMAs of step s (ldmatrix and mma are volatile asm: issue order is source order).
-                constexpr int NP = N8 / 2;
-                constexpr int STEPS = (D / 16) * NP;
-                auto b_addr = [&](int step) {
-                    const int kk = step / NP, np = step % NP;
-                    return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
-                };
-                u32 bf[2][4];
-                ldmatrix_x4_at(bf[0], b_addr(0));
-#pragma unroll
-                for (int step = 0; step < STEPS; ++step) {
-                    if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
-                    const int kk = step / NP, np = step % NP;
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        mma_16x8x16<T>(acc[m][2 * np], qf[m][kk], bf[step & 1]);
-                        mma_16x8x16<T>(acc[m][2 * np + 1], qf[m][kk], bf[step & 1] + 2);
-                    }
-                }
-            } else {
-                // S = Q K^T for this warpgroup's 64 rows: k-step ks reads 32 bytes of column block
-                // ks / 4 of the Q tile and of the K tile.
-                const int wg = warp >> 2;
-                const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
-                const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
-                attn::wg_fence();
-#pragma unroll
-                for (int ks = 0; ks < D / 16; ++ks) {
-                    const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
-                    const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
-                    if (ks == 0)
-                        attn::WgmmaSS<128, T>::first(&acc[0][0][0], attn::wg_desc_add(q_desc, qo),
-                                                     attn::wg_desc_add(k_desc, ko));
-                    else
-                        attn::WgmmaSS<128, T>::run(&acc[0][0][0], attn::wg_desc_add(q_desc, qo),
-                                                   attn::wg_desc_add(k_desc, ko), 1);
-                }
-                attn::wg_commit();
-                attn::wg_wait<0>();
-                attn::wg_fence_regs<64>(&acc[0][0][0]);
+            for (int step = 0; step < STEPS; ++step) {
+                if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
+                const int kk = step / NP, np = step % NP;
+                mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
+                mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
             }
+        } else {
+            // S = Q K^T for this warpgroup's 64 rows: k-step ks reads 32 bytes of column block
+            // ks / 4 of the Q tile and of the K tile.
+            const int wg = warp >> 2;
+            const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
+            const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
+            attn::wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
+                const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
+                if (ks == 0)
+                    attn::WgmmaSS<128, T>::first(&acc[0][0], attn::wg_desc_add(q_desc, qo),
+                                                 attn::wg_desc_add(k_desc, ko));
+                else
+                    attn::WgmmaSS<128, T>::run(&acc[0][0], attn::wg_desc_add(q_desc, qo),
+                                               attn::wg_desc_add(k_desc, ko), 1);
+            }
+            attn::wg_commit();
+            attn::wg_wait<0>();
+            attn::wg_fence_regs<64>(&acc[0][0]);
+        }
 
-            // Row maxima; masks only on blocks where some row of the warp needs them.
-            if (!edge) {
+        // Row maxima; masks only on blocks where some row of the warp needs them.
+        if (!edge) {
 #pragma unroll
-                for (int m = 0; m < MT; ++m)
+            for (int n8 = 0; n8 < 16; ++n8) {
+                mx[0] = fmaxf(mx[0], fmaxf(acc[n8][0], acc[n8][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(acc[n8][2], acc[n8][3]));
+            }
+        } else {
 #pragma unroll
-                    for (int n8 = 0; n8 < N8; ++n8) {
-                        mx[m][0] = fmaxf(mx[m][0], fmaxf(acc[m][n8][0], acc[m][n8][1]));
-                        mx[m][1] = fmaxf(mx[m][1], fmaxf(acc[m][n8][2], acc[m][n8][3]));
-                    }
-            } else {
+            for (int n8 = 0; n8 < 16; ++n8) {
 #pragma unroll
-                for (int n8 = 0; n8 < N8; ++n8) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int col = pass * N8 * 8 + n8 * 8 + 2 * (lane & 3) + e;
-                        const bool ok = kv[col] != 0;
-#pragma unroll
-                        for (int m = 0; m < MT; ++m) {
-                            if (ok && kbase + col < lim[m][0]) mx[m][0] = fmaxf(mx[m][0], acc[m][n8][e]);
-                            if (ok && kbase + col < lim[m][1]) mx[m][1] = fmaxf(mx[m][1], acc[m][n8][2 + e]);
-                        }
-                    }
+                for (int e = 0; e < 2; ++e) {
+                    const int col = n8 * 8 + 2 * (lane & 3) + e;
+                    const bool ok = kv[col] != 0;
+                    if (ok && kbase + col < lim[0]) mx[0] = fmaxf(mx[0], acc[n8][e]);
+                    if (ok && kbase + col < lim[1]) mx[1] = fmaxf(mx[1], acc[n8][2 + e]);
                 }
             }
         }
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(kFullMask, mx[m][h], 1));
-                mx[m][h] = fmaxf(mx[m][h], __shfl_xor_sync(kFullMask, mx[m][h], 2));
-            }
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+        }
 
         const int slot = n % kMsStash;
         if ((lane & 3) == 0) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    stash[(warp * WM + m * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[m][h];
+            for (int h = 0; h < 2; ++h) stash[(warp * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[h];
         }
-        if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's WM rows
+        if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's 16 rows
             __syncwarp();
             const int t_first = t - slot;
 #pragma unroll 4
-            for (int rr = 0; rr < WM; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
+            for (int rr = 0; rr < 16; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
                 const int rw = rr + (lane >> 4), c = lane & 15;
                 const long long o = __shfl_sync(kFullMask, out_off, rw);
-                if (o >= 0 && c <= slot) max_score[o + t_first + c] = stash[(warp * WM + rw) * (kMsStash + 1) + c];
+                if (o >= 0 && c <= slot) max_score[o + t_first + c] = stash[(warp * 16 + rw) * (kMsStash + 1) + c];
             }
             __syncwarp();
         }

@@ -3,13 +3,15 @@
 
 using namespace mate;
 
-// out[i] = cast(in[i]) for a contiguous array of n elements. Each thread handles
-// 8 elements with vector loads/stores (16 bytes for 16-bit types).
+// out[i] = cast(in[i] * scale) for contiguous arrays of n elements. Each thread handles 8
+// elements, with vector loads / stores when both arrays are aligned to 8 elements.
 template <typename Tin, typename Tout>
 __global__ void cast_kernel(const Tin* __restrict__ in, Tout* __restrict__ out, long long n, float scale) {
     constexpr int kVec = 8;
+    const bool aligned = ((unsigned long long)in % (sizeof(Tin) * kVec)) == 0 &&
+                         ((unsigned long long)out % (sizeof(Tout) * kVec)) == 0;
     long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * kVec;
-    if (i0 + kVec <= n) {
+    if (aligned && i0 + kVec <= n) {
         struct __align__(sizeof(Tin) * kVec) InVec { Tin v[kVec]; };
         struct __align__(sizeof(Tout) * kVec) OutVec { Tout v[kVec]; };
         InVec a = *reinterpret_cast<const InVec*>(in + i0);
@@ -18,24 +20,21 @@ __global__ void cast_kernel(const Tin* __restrict__ in, Tout* __restrict__ out, 
         for (int j = 0; j < kVec; ++j) b.v[j] = from_float<Tout>(to_float<Tin>(a.v[j]) * scale);
         *reinterpret_cast<OutVec*>(out + i0) = b;
     } else {
-        for (long long i = i0; i < n; ++i) out[i] = from_float<Tout>(to_float<Tin>(in[i]) * scale);
+        const long long i1 = min(i0 + kVec, n);
+        for (long long i = i0; i < i1; ++i) out[i] = from_float<Tout>(to_float<Tin>(in[i]) * scale);
     }
 }
 
-// page_table[b, j] = kv_indices[start_b + j] for j < ceil(kv_lens[b] / page_size), else 0,
-// with start_b the exclusive prefix sum of page counts. One block per request.
-__global__ void build_page_table_kernel(const int* __restrict__ kv_indices, const int* __restrict__ kv_lens,
-                                        int* __restrict__ page_table, int batch, int max_pages, int page_size) {
-    __shared__ long long partial[32];
+// page_table[b, j] = kv_indices[(page_start[b] + j) * kv_indices_stride] for
+// j < page_start[b + 1] - page_start[b], else 0. page_start [batch + 1] is the exclusive
+// prefix sum of the requests' page counts. One block per request.
+template <typename I>
+__global__ void build_page_table_kernel(const I* __restrict__ kv_indices, long long kv_indices_stride,
+                                        const long long* __restrict__ page_start, int* __restrict__ page_table,
+                                        int max_pages) {
     const int b = blockIdx.x;
-    long long acc = 0;
-    for (int i = threadIdx.x; i < b; i += blockDim.x) acc += (kv_lens[i] + page_size - 1) / page_size;
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
-    __syncthreads();
-    long long start = 0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) start += partial[w];
-    const int count = (kv_lens[b] + page_size - 1) / page_size;
+    const long long start = page_start[b];
+    const long long count = page_start[b + 1] - start;
     for (int j = threadIdx.x; j < max_pages; j += blockDim.x)
-        page_table[(long long)b * max_pages + j] = j < count ? kv_indices[start + j] : 0;
+        page_table[(long long)b * max_pages + j] = j < count ? (int)kv_indices[(start + j) * kv_indices_stride] : 0;
 }

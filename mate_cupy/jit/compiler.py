@@ -159,32 +159,62 @@ def get_module(spec: KernelSpec, device_id=None):
     return mod
 
 
-def get_kernel(spec: KernelSpec, kernel: str | None = None, device_id=None):
-    """Launchable ``cupy.RawKernel`` for ``kernel`` (default: the spec's first)."""
-    import cupy
+class Kernel:
+    """One loaded kernel function on one device: CuPy's ``RawKernel`` and its ``CUfunction``."""
 
+    __slots__ = ("raw", "ptr", "name", "_smem")
+
+    def __init__(self, raw, name: str):
+        self.raw, self.name = raw, name
+        self.ptr = int(raw.kernel.ptr)  # loads the function now, not at its first launch
+        self._smem = 48 * 1024
+
+    def reserve_shared_memory(self, nbytes: int) -> None:
+        """Opt into ``nbytes`` of dynamic shared memory (above the 48 KiB default)."""
+        if nbytes > self._smem:
+            self.raw.max_dynamic_shared_size_bytes = int(nbytes)
+            self._smem = int(nbytes)
+
+
+_get_device = None
+
+
+def _current_device() -> int:
+    global _get_device
+    if _get_device is None:
+        from cupy.cuda import runtime
+
+        _get_device = runtime.getDevice
+    return _get_device()
+
+
+def get_kernel(spec: KernelSpec, kernel: str | None = None, device_id=None) -> Kernel:
+    """The loaded :class:`Kernel` ``kernel`` (default: the spec's first) on the current device.
+
+    Compiles and loads the variant's module on first use (once per process and device).
+    Loading runs in CUDA's relaxed capture mode, so a first use inside a stream capture
+    (``torch.cuda.graph``) loads the module instead of invalidating the capture.
+    """
     kernel = spec.kernels[0] if kernel is None else kernel
     if device_id is None:
-        device_id = cupy.cuda.Device().id
-    key = (spec, kernel, device_id)
-    k = _kernels.get(key)
+        device_id = _current_device()
+    k = _kernels.get((spec, kernel, device_id))
     if k is None:
+        from ..runtime.device import capture_tolerant
+
+        key = (spec, kernel, device_id)
         if kernel not in spec.kernels:
             raise KeyError(f"{kernel} is not exported by {spec.name}")
-        k = get_module(spec, device_id).get_function(kernel)
+        with capture_tolerant():
+            k = Kernel(get_module(spec, device_id).get_function(kernel), kernel)
         _kernels[key] = k
     return k
 
 
-_smem_optin: dict = {}
-
-
-def launch(kernel, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
-    """Launch ``kernel``; dynamic shared memory above 48 KiB is opted into once per kernel."""
-    if shared_mem > 48 * 1024 and _smem_optin.get(id(kernel), 0) < shared_mem:
-        kernel.max_dynamic_shared_size_bytes = shared_mem
-        _smem_optin[id(kernel)] = shared_mem
-    kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
+def load(spec: KernelSpec, device_id=None) -> None:
+    """Compile and load every kernel of ``spec`` on the device (plans call this when prepared)."""
+    for name in spec.kernels:
+        get_kernel(spec, name, device_id)
 
 
 def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bool = False,

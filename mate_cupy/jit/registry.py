@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 # Modules whose import registers kernel variants.
 _OP_MODULES = (
-    "mate_cupy.util_kernels",
-    "mate_cupy.msa.attention_kernels",
-    "mate_cupy.msa.index_kernels",
-    "mate_cupy.kda.decode_kernels",
-    "mate_cupy.kda.chunk_kernels",
+    "mate_cupy.util_ops",
+    "mate_cupy.msa.attention_launch",
+    "mate_cupy.msa.index_launch",
+    "mate_cupy.kda.decode_launch",
+    "mate_cupy.kda.chunk_launch",
 )
 
 

@@ -1,33 +1,115 @@
-"""``chunk_kda``: argument checks, then the float64 reference (host) or the chunk kernel (CUDA).
+"""``chunk_kda``: one validation, then the float64 reference (host) or the chunk kernels (CUDA).
 
-The public function lives in :mod:`mate_cupy.kda_interface`; this module does the work.
-Checks follow the order and exception types of the API it reproduces, extended so that
-every shape the kernel relies on is checked (states, gate parameters, ``cu_seqlens``).
+The public function is :func:`mate_cupy.kda_interface.chunk_kda`. Its path::
+
+    validate(...)                      -> (Call, ChunkProblem, workspace or None); raises
+    host:  run_reference(call, problem)
+    CUDA:  select_config(problem, sm_count, cc) -> ChunkConfig (pure)
+           run_cuda(call, problem, config, workspace)
+               -> staging copies (only for arrays the problem marks), results,
+                  chunk_launch.launch_chunk (grids, packed arguments, launches)
 """
 from __future__ import annotations
 
-import sys
+import contextlib
+import operator
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 
-from .. import _launch_cache as lc
-from .._interop import FLOAT16, FLOAT32, Call, dtype_name
 from ..reference.kda import kda_recurrent, sequence_bounds
-from ..util_kernels import cast
-from .common import (
-    FLOAT_DTYPES,
-    HALF_DTYPES,
-    INDEX_DTYPES,
-    CudaOut,
-    cuda_contiguous,
-    cuda_float32,
-    load_launcher,
-    names,
-    with_batch,
-)
+from ..runtime.device import device_info
+from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, Call, dtype_name
+from ..runtime.workspace import as_workspace
+from . import chunk_launch as cl
+from .common import FLOAT_DTYPES, HALF_DTYPES, INDEX_DTYPES, names, with_batch
 
-HEAD_DIM = 128
+HEAD_DIM = cl.HEAD_DIM
+
+# Kernel limits (part of the contract on both paths): grid.y is the value head, grid.x the
+# chunk slot (prepare) or sequence x V slice (recurrence, up to 8 slices).
+MAX_V_HEADS = 65535
+MAX_GRID_X = 2 ** 31 - 1
+
+# Largest dynamic shared memory per block by compute capability (CUDA programming guide);
+# the recurrence kernel needs 145-173 KB. Capabilities not listed are not run.
+MAX_SMEM_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
+                      110: 232448, 120: 101376, 121: 101376}
+
+# Relative per-chunk latency of a recurrence CTA by warp count (one CTA per SM: the stage
+# buffers take 145-173 KB), fitted to the H200 sweep (bench/sweeps/perf_kda.py): every warp
+# does the same 232 MMAs per chunk at every width, so 1, 2 and 4 warps (one warp per SM
+# sub-partition) take about the same time per chunk, narrower CTAs only adding copy
+# instructions and L2 reads; 8 warps put two warps on each sub-partition (~1.6x).
+WARP_COST = {1: 1.05, 2: 0.87, 4: 1.0, 8: 1.6}
+
+# Alignment (bytes) the kernels need of the arrays they access with vector instructions.
+_ALIGN = {"q": 16, "k": 16, "v": 16, "g": 16, "output": 4}
+_STATE_ALIGN = {FLOAT32: 8, BFLOAT16: 4}
+
+
+def chunk_kda_workspace_bytes(batch: int, seqlen: int, num_v_heads: int, num_seqs: Optional[int] = None) -> int:
+    """Bytes of the CUDA workspace ``chunk_kda(..., workspace=)`` takes.
+
+    Dense (``num_seqs=None``): q ``[batch, seqlen, H, 128]``; the size is exact. Varlen
+    (``cu_seqlens`` of ``num_seqs`` sequences): ``batch=1`` and ``seqlen`` = S, the packed
+    token count (q ``[S, H, 128]`` or ``[1, S, H, 128]``); the size bounds every split of S
+    tokens into ``num_seqs`` sequences. The value grows with every argument, so a workspace
+    sized for the largest call serves every smaller one.
+
+    Raises ``TypeError`` for non-integers, ``ValueError`` for negative values or a varlen
+    ``batch`` other than 1.
+    """
+    vals = {}
+    for name, x in (("batch", batch), ("seqlen", seqlen), ("num_v_heads", num_v_heads), ("num_seqs", num_seqs)):
+        if x is None:
+            continue
+        try:
+            vals[name] = operator.index(x)
+        except TypeError:
+            raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
+        if vals[name] < 0:
+            raise ValueError(f"{name} must be non-negative, got {vals[name]}")
+    varlen = num_seqs is not None
+    if varlen and vals["batch"] != 1:
+        raise ValueError(f"batch must be 1 with num_seqs (varlen input), got {vals['batch']}")
+    return cl.workspace_layout(vals["batch"], vals["seqlen"], vals["num_v_heads"],
+                               vals.get("num_seqs", vals["batch"]), varlen)[2]
+
+
+@dataclass(frozen=True)
+class ChunkProblem:
+    """A validated ``chunk_kda`` call: shapes (batched 4-D form), dtypes, layouts, options."""
+
+    device: int  # -1: host inputs (float64 reference)
+    dtype: np.dtype  # q's dtype: k, v, g, beta and the output
+    batch: int  # B (1 with cu_seqlens)
+    seqlen: int  # T, or the packed token count S with cu_seqlens
+    num_heads: int  # H (q/k)
+    num_v_heads: int  # HV (v/g/beta/output/states)
+    num_seqs: int  # N: B, or len(cu_seqlens) - 1
+    varlen: bool
+    squeeze: bool  # q given [S, H, 128]: an allocated output is [S, HV, 128]
+    cu_seqlens_int64: bool
+    has_gate_params: bool  # A_log and dt_bias given
+    initial_state_dtype: Optional[np.dtype]  # None: zeros
+    state_dtype: np.dtype  # final state: final_state's, else initial_state's, else q's
+    output_final_state: bool
+    scale: float
+    lower_bound: float
+    use_qk_l2norm: bool
+    workspace_bytes: int  # CUDA scratch (chunk_kda_workspace_bytes)
+    staged: frozenset  # CUDA: arrays passed through a contiguous, aligned float32/own-dtype copy
+
+    @property
+    def v_shape(self) -> tuple:
+        return (self.batch, self.seqlen, self.num_v_heads, HEAD_DIM)
+
+    @property
+    def state_shape(self) -> tuple:
+        return (self.num_seqs, self.num_v_heads, HEAD_DIM, HEAD_DIM)
 
 
 def _shape4(arg, varlen: bool) -> tuple:
@@ -58,30 +140,37 @@ def _check_state_dtype(arg, q_dtype) -> None:
         )
 
 
-@dataclass(frozen=True)
-class ChunkArgs:
-    """Validated ``chunk_kda`` arguments (shapes in batched 4-D form)."""
-
-    varlen: bool
-    squeeze: bool  # q was given 3-D ([S, H, 128]): the allocated output is returned 3-D
-    B: int
-    T: int
-    H: int
-    HV: int
-    N: int  # sequences: B, or len(cu_seqlens) - 1
-    vshape: tuple  # [B, T, HV, 128]
-    state_shape: tuple  # [N, HV, 128, 128]
-    dtype: np.dtype  # q's dtype (inputs and output)
-    state_dtype: np.dtype  # final_state's, else initial_state's, else q's
-    output_final_state: bool
-    scale: float
-    lower_bound: float
-    use_qk_l2norm: bool
+def recurrence_widths(cc: int) -> tuple:
+    """Recurrence warp counts whose shared memory fits a block on compute capability ``cc``."""
+    limit = MAX_SMEM_PER_BLOCK.get(int(cc), 0)
+    return tuple(nw for nw in cl.RECURRENCE_WARPS if cl.recurrence_smem(nw) <= limit)
 
 
-def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
-             lower_bound, use_qk_l2norm_in_kernel, output, final_state):
-    """Check every argument; return ``(call, ChunkArgs)``. Raises before any launch."""
+def _staged(call: Call) -> frozenset:
+    """Arrays a CUDA call copies first: not contiguous, not aligned for the kernels' vector
+    accesses, or in a dtype the kernels do not read (fp16 states, non-float32 gate parameters)."""
+    out = set()
+    for name, arg in call.args.items():
+        if arg.size == 0:
+            continue  # nothing is read or written
+        if name in ("A_log", "dt_bias") and arg.dtype != FLOAT32:
+            out.add(name)
+        elif name in ("initial_state", "final_state") and arg.dtype == FLOAT16:
+            out.add(name)
+        else:
+            align = _STATE_ALIGN[arg.dtype] if name in ("initial_state", "final_state") else _ALIGN.get(name, 1)
+            if not arg.is_contiguous() or arg.ptr % align:
+                out.add(name)
+    return frozenset(out)
+
+
+def validate(*, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
+             lower_bound, use_qk_l2norm_in_kernel, output, final_state, workspace):
+    """Check every ``chunk_kda`` argument, host and CUDA alike; raises before any launch.
+
+    Returns ``(call, problem, workspace)``: the wrapped arrays, the :class:`ChunkProblem`
+    and the checked workspace (``.ptr``, ``.nbytes``) or None.
+    """
     output_final_state = bool(output_final_state)
     call = Call(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                 A_log=A_log, dt_bias=dt_bias, output=output,
@@ -102,6 +191,8 @@ def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         raise ValueError(f"g must have the same shape as v {vs}, got {gs}")
     B, T, H, K = qs
     HV = vs[2]
+    if H == 0:
+        raise ValueError(f"q must have at least one head, got shape {qa.shape}")
     if HV % H != 0:
         raise ValueError(f"the v/g head count must be a multiple of the q/k head count, got HV={HV}, H={H}")
     if tuple(bs) != vs[:3]:
@@ -155,162 +246,232 @@ def validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
                 f"{dtype_name(ia.dtype)} and {dtype_name(fa.dtype)}"
             )
 
-    return call, ChunkArgs(
-        varlen=varlen, squeeze=squeeze, B=B, T=T, H=H, HV=HV, N=N, vshape=vs, state_shape=state_shape,
-        dtype=qa.dtype,
-        state_dtype=fa.dtype if fa is not None else ia.dtype if ia is not None else qa.dtype,
-        output_final_state=output_final_state,
-        scale=HEAD_DIM ** -0.5 if scale is None else float(scale),
-        lower_bound=float(lower_bound),
-        use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
-    )
+    num_slots, _, ws_bytes = cl.workspace_layout(B, T, HV, N, varlen)
+    if HV > MAX_V_HEADS:
+        raise NotImplementedError(f"chunk_kda runs at most {MAX_V_HEADS} value heads, got HV={HV}")
+    if num_slots > MAX_GRID_X or N * (HEAD_DIM // 16) > MAX_GRID_X:
+        raise NotImplementedError(
+            f"chunk_kda runs at most {MAX_GRID_X} chunk slots of 64 tokens and {MAX_GRID_X // 8} sequences, "
+            f"got {num_slots} slots and N={N}"
+        )
 
-
-# Array arguments in signature order (replayed launches, see ``mate_cupy._launch_cache``).
-_ARRAYS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias", "output", "final_state")
-# Launcher knobs read from the environment at every launch: part of the signature.
-_ENV_KNOBS = lc.env_keys("MATE_CUPY_KDA_CHUNK_WARPS", "MATE_CUPY_KDA_CHUNK_PREPARE")
-_RECIPES = lc.new_cache()
-
-
-def chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias, lower_bound,
-          use_qk_l2norm_in_kernel, output, final_state):
-    """``chunk_kda``: a recorded launch sequence when this signature ran before, else
-    :func:`validate` + :func:`run` (recorded for the next call when the launcher notes its
-    launches and its per-call scratch, see ``mate_cupy._launch_cache``)."""
-    key = None
-    if lc.ENABLED:
-        opts = (scale, output_final_state, lower_bound, use_qk_l2norm_in_kernel) + lc.env_state(_ENV_KNOBS)
-        if lc.plain(opts):
-            sig, ptrs = lc.signature((q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, output,
-                                      final_state))
-            if sig is not None:
-                key = (opts, sig)
-                recipe = _RECIPES.get(key)
-                if recipe is not None:
-                    allocs = lc.replay(recipe, ptrs, q)
-                    out = output
-                    if out is None:
-                        out = allocs["out"]
-                        if cu_seqlens is not None and q.ndim == 3:
-                            out = out[0]
-                    if not output_final_state:
-                        return out
-                    return out, (final_state if final_state is not None else allocs["final"])
-    rec = lc.Recorder(_ARRAYS) if key is not None else None
-    with lc.recording(rec):
-        call, args = validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log,
-                              dt_bias, lower_bound, use_qk_l2norm_in_kernel, output, final_state)
-        if rec is not None:
-            for name in _ARRAYS:
-                rec.arg(name, call.data(name))
-        result = run(call, args, output, final_state if args.output_final_state else None)
-    if rec is not None and _launcher_records():
-        if args.N > 0 and args.HV > 0 and args.T > 0 and not rec.launches:
-            rec.ok = False  # work was launched, none of it noted
-        lc.store(_RECIPES, key, rec, call)
-    return result
-
-
-def _launcher_records() -> bool:
-    """Whether the chunk launcher launches through the recording ``_launch_cache.launch``."""
-    mod = sys.modules.get("mate_cupy.kda.chunk_kernels")
-    return mod is not None and getattr(mod, "launch", None) is lc.launch
-
-
-def run(call: Call, a: ChunkArgs, output, final_state):
-    """Compute and return ``output`` or ``(output, final_state)`` in the caller's framework."""
     if call.is_cuda:
-        out_arr, fs_arr = _run_cuda(call, a)
+        _, cc = device_info(call.device)
+        if not recurrence_widths(cc):
+            raise NotImplementedError(
+                f"chunk_kda's recurrence kernel needs {cl.recurrence_smem(1)} bytes of shared memory per block "
+                f"(compute capability 8.0, 8.7, 9.0, 10.x or 11.0); cuda:{call.device} has compute "
+                f"capability {cc // 10}.{cc % 10}"
+            )
+        ws = None if workspace is None else as_workspace(workspace, ws_bytes, call.device)
     else:
-        out_arr, fs_arr = _run_host(call, a)
-    out_obj = output if output is not None else call.export(out_arr)
-    if not a.output_final_state:
-        return out_obj
-    fs_obj = final_state if final_state is not None else call.export(fs_arr)
-    return out_obj, fs_obj
+        if varlen:
+            sequence_bounds(ca.data, T)  # ValueError on bad offsets (CUDA offsets are not read on the host)
+        if workspace is not None:
+            raise ValueError(f"workspace is CUDA scratch: host (cpu) inputs take none, got {type(workspace).__name__}")
+        ws = None
 
-
-def _batched(call: Call, a: ChunkArgs, name: str, packed_ndim: int):
-    """The data of ``name`` with a batch axis: packed varlen arrays get ``[None]`` (a view)."""
-    x = call.data(name)
-    y = with_batch(x, a.varlen and x.ndim == packed_ndim)
-    if y is not x:
-        lc.note_arg(name, y)  # same address as the argument
-    return y
-
-
-def _run_host(call: Call, a: ChunkArgs):
-    d = call.data
-    if a.varlen:
-        sequence_bounds(d("cu_seqlens"), a.T)  # ValueError on bad offsets, before any write
-    o, fs_ref = kda_recurrent(
-        *(_batched(call, a, n, 3) for n in ("q", "k", "v", "g")), _batched(call, a, "beta", 2),
-        scale=a.scale, initial_state=d("initial_state"), cu_seqlens=d("cu_seqlens"),
-        A_log=d("A_log"), dt_bias=d("dt_bias"), lower_bound=a.lower_bound, use_qk_l2norm=a.use_qk_l2norm,
+    state_dtype = fa.dtype if fa is not None else ia.dtype if ia is not None else qa.dtype
+    problem = ChunkProblem(
+        device=call.device, dtype=qa.dtype, batch=B, seqlen=T, num_heads=H, num_v_heads=HV, num_seqs=N,
+        varlen=varlen, squeeze=squeeze, cu_seqlens_int64=ca is not None and ca.dtype.itemsize == 8,
+        has_gate_params=A_log is not None, initial_state_dtype=None if ia is None else ia.dtype,
+        state_dtype=state_dtype, output_final_state=output_final_state,
+        scale=HEAD_DIM ** -0.5 if scale is None else float(scale), lower_bound=float(lower_bound),
+        use_qk_l2norm=bool(use_qk_l2norm_in_kernel), workspace_bytes=ws_bytes,
+        staged=_staged(call) if call.is_cuda else frozenset(),
     )
+    return call, problem, ws
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Launch shape of one CUDA ``chunk_kda`` call."""
+
+    recurrence_warps: int  # NW: one recurrence CTA per V slice of 16 NW state rows
+    num_slots: int  # workspace chunk slots (exact dense, upper bound varlen)
+    offsets_at: int  # byte offset of the varlen chunk-offsets table in the workspace
+    launch_offsets: bool
+    launch_prepare: bool
+    launch_recurrence: bool
+    prepare_grid: tuple  # (num_slots, HV)
+    recurrence_grid: tuple  # (N * 128 / (16 NW), HV)
+    recurrence_smem: int
+
+    @property
+    def launches_any(self) -> bool:
+        return self.launch_offsets or self.launch_prepare or self.launch_recurrence
+
+
+def recurrence_warps(num_units: int, sm_count: int, widths=cl.RECURRENCE_WARPS) -> int:
+    """Warps per recurrence CTA for ``num_units`` = sequences x value heads: the width in
+    ``widths`` minimising waves x relative chunk latency (:data:`WARP_COST`); ties go to the wider."""
+    best, best_cost = None, None
+    for nw in sorted(widths, reverse=True):
+        ctas = num_units * (8 // nw)
+        cost = -(-ctas // max(1, sm_count)) * WARP_COST[nw]
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = nw, cost
+    return best
+
+
+def chunk_config(problem: ChunkProblem, warps: int) -> ChunkConfig:
+    """The launch shape of ``problem`` with ``warps`` warps per recurrence CTA."""
+    p = problem
+    slots, offsets_at, _ = cl.workspace_layout(p.batch, p.seqlen, p.num_v_heads, p.num_seqs, p.varlen)
+    heads = p.num_v_heads > 0
+    return ChunkConfig(
+        recurrence_warps=warps, num_slots=slots, offsets_at=offsets_at,
+        launch_offsets=p.varlen and p.num_seqs > 0 and heads,
+        launch_prepare=slots > 0 and heads,
+        launch_recurrence=p.num_seqs > 0 and heads and (p.seqlen > 0 or p.output_final_state),
+        prepare_grid=(slots, p.num_v_heads),
+        recurrence_grid=(p.num_seqs * (HEAD_DIM // (16 * warps)), p.num_v_heads),
+        recurrence_smem=cl.recurrence_smem(warps),
+    )
+
+
+@lru_cache(maxsize=256)
+def select_config(problem: ChunkProblem, sm_count: int, cc: int) -> ChunkConfig:
+    """Pure: the launch shape for ``problem`` on a device of ``sm_count`` SMs and compute
+    capability ``cc`` (the recurrence width among those whose shared memory fits)."""
+    nw = recurrence_warps(problem.num_seqs * problem.num_v_heads, sm_count, recurrence_widths(cc))
+    return chunk_config(problem, nw)
+
+
+# ----------------------------------------------------------------------------- the two paths
+
+
+def chunk_kda(*, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
+              lower_bound, use_qk_l2norm_in_kernel, output, final_state, workspace):
+    """:func:`mate_cupy.kda_interface.chunk_kda` (every argument given)."""
+    call, problem, ws = validate(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output=output,
+        final_state=final_state, workspace=workspace)
+    if problem.device < 0:
+        out_new, fs_new = run_reference(call, problem)
+    else:
+        sm_count, cc = device_info(problem.device)
+        out_new, fs_new = run_cuda(call, problem, select_config(problem, sm_count, cc), ws)
+    out = output if output is not None else out_new
+    if not problem.output_final_state:
+        return out
+    return out, (final_state if final_state is not None else fs_new)
+
+
+def run_reference(call: Call, p: ChunkProblem):
+    """Host path: the float64 recurrence, rounded once into the output dtypes. Writes the
+    caller's ``output``/``final_state`` in place; returns the arrays it allocated
+    ``(output or None, final_state or None)`` in the caller's framework."""
+    d = call.data
+
+    def batched(name, packed_ndim):
+        x = d(name)
+        return with_batch(x, p.varlen and x.ndim == packed_ndim)
+
+    o, fs_ref = kda_recurrent(
+        *(batched(n, 3) for n in ("q", "k", "v", "g")), batched("beta", 2),
+        scale=p.scale, initial_state=d("initial_state"), cu_seqlens=d("cu_seqlens"),
+        A_log=d("A_log"), dt_bias=d("dt_bias"), lower_bound=p.lower_bound, use_qk_l2norm=p.use_qk_l2norm,
+    )
+    out_new = fs_new = None
     out = d("output")
     if out is not None:
-        out[...] = o.reshape(out.shape).astype(a.dtype)
+        out[...] = o.reshape(out.shape).astype(p.dtype)
     else:
-        out = o.astype(a.dtype)
-        if a.squeeze:
-            out = out[0]
-    fs = None
-    if a.output_final_state:
+        y = o.astype(p.dtype)
+        out_new = call.export(y[0] if p.squeeze else y)
+    if p.output_final_state:
         fs = d("final_state")
         if fs is not None:
-            fs[...] = fs_ref.astype(a.state_dtype)
+            fs[...] = fs_ref.astype(p.state_dtype)
         else:
-            fs = fs_ref.astype(a.state_dtype)
-    return out, fs
+            fs_new = call.export(fs_ref.astype(p.state_dtype))
+    return out_new, fs_new
 
 
-def _run_cuda(call: Call, a: ChunkArgs):
-    run_chunk = load_launcher("chunk_kernels", "run_chunk", "chunk_kda")
-    d = call.data
-    with call.launch_scope():
-        q, k, v, g = (cuda_contiguous(_batched(call, a, n, 3)) for n in ("q", "k", "v", "g"))
-        beta = cuda_contiguous(_batched(call, a, "beta", 2))
-        A_log = cuda_float32(call["A_log"])
-        dt_bias = cuda_float32(call["dt_bias"])
-        if dt_bias is not None:
-            flat = dt_bias.reshape(a.HV * HEAD_DIM)
-            if dt_bias is d("dt_bias"):
-                lc.note_arg("dt_bias", flat)  # a view of the argument, not a cast copy
-            dt_bias = flat
-        out_view = d("output")
-        if out_view is not None and out_view.ndim == 3:
-            out_view = out_view[None]
-            lc.note_arg("output", out_view)
-        out = CudaOut(call, out_view, a.vshape, a.dtype)
-        if out_view is None:
-            lc.note_alloc("out", out.buf)
-        fs = None
-        if a.output_final_state:
-            fs = CudaOut(call, d("final_state"), a.state_shape, a.state_dtype)
-            if d("final_state") is None:
-                lc.note_alloc("final", fs.buf)
-        init = cuda_contiguous(d("initial_state"))
-        fs_buf = None if fs is None else fs.buf
-        half_state = a.state_dtype == FLOAT16
-        if half_state:
-            lc.refuse()  # casts around the launches
-            # The kernel keeps float32/bfloat16 states; an fp16 state (fp16 q) is widened to
-            # float32 on the way in and rounded once on the way out, as SPEC 7 states.
-            init = None if init is None else cast(init, FLOAT32)
-            fs_buf = None if fs is None else call.empty(a.state_shape, FLOAT32)
-        run_chunk(
-            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
-            initial_state=init, final_state=fs_buf,
-            cu_seqlens=cuda_contiguous(d("cu_seqlens")),
-            out=out.buf, scale=a.scale, lower_bound=a.lower_bound, use_qk_l2norm=a.use_qk_l2norm,
-            stream=call.stream,
+def _copy_into(dst, src) -> None:
+    """``dst[...] = src`` on CuPy arrays of one shape: bit-exact for one dtype, else converted
+    (float16/float64 -> float32 exact or rounded to nearest even; float32 -> float16 rounded
+    to nearest even)."""
+    if dst.dtype == src.dtype:
+        u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dst.dtype.itemsize]
+        dst.view(u)[...] = src.view(u)
+    elif src.dtype == BFLOAT16:  # -> float32, exact: the bf16 bits are the float32's high half
+        bits = dst.view(np.uint32)
+        bits[...] = src.view(np.uint16)
+        bits <<= 16
+    else:
+        dst[...] = src
+
+
+def _staged_input(call: Call, p: ChunkProblem, name: str, dtype=None):
+    """The Arg the kernels read for ``name``: the caller's, or (when the problem stages it)
+    a contiguous copy in ``dtype`` (default the caller's) from the caller's framework."""
+    arg = call[name]
+    if arg is None or name not in p.staged:
+        return arg
+    tmp = call.new(name, arg.shape, arg.dtype if dtype is None else dtype)
+    _copy_into(tmp.data, arg.data)
+    return tmp
+
+
+def run_cuda(call: Call, p: ChunkProblem, config: ChunkConfig, workspace):
+    """CUDA path: stage what ``p.staged`` names, allocate missing results and (without
+    ``workspace``) the scratch through the caller's framework, launch on the caller's stream,
+    copy staged results back. Returns the arrays it allocated ``(output or None,
+    final_state or None)`` in the caller's framework. With contiguous aligned inputs, float32
+    gate parameters, float32/bfloat16 states, ``output``, ``final_state`` (when returned) and
+    ``workspace`` given, it allocates nothing; it never synchronises."""
+    staged = p.staged
+    with call.device_scope():
+        with call.stream if staged else contextlib.nullcontext():  # CuPy copies on the caller's stream
+            q, k, v, g, beta, cu = (_staged_input(call, p, n) for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+            A_log = _staged_input(call, p, "A_log", FLOAT32)
+            dt_bias = _staged_input(call, p, "dt_bias", FLOAT32)
+            init = _staged_input(call, p, "initial_state", FLOAT32 if p.initial_state_dtype == FLOAT16 else None)
+
+        out_new = None
+        out = call["output"]
+        if out is None:
+            out_new = call.new("output", (p.seqlen, p.num_v_heads, HEAD_DIM) if p.squeeze else p.v_shape, p.dtype)
+            out = out_new
+        elif "output" in staged:
+            out = call.new("output_staged", out.shape, p.dtype)
+
+        fs_new = fs = None
+        if p.output_final_state:
+            fs = call["final_state"]
+            if fs is None:
+                fs_new = fs = call.new("final_state", p.state_shape, p.state_dtype)
+            if p.state_dtype == FLOAT16:
+                fs = call.new("final_state_f32", p.state_shape, FLOAT32)
+            elif "final_state" in staged:
+                fs = call.new("final_state_staged", p.state_shape, p.state_dtype)
+
+        if workspace is None and config.launches_any:
+            workspace = call.new("workspace", (p.workspace_bytes,), np.uint8)
+        cl.launch_chunk(
+            p, config, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
+            initial_state=init, final_state=fs, out=out, workspace=workspace,
+            state_in_kind=cl.STATE_NONE if init is None else cl.STATE_KIND[init.dtype],
+            state_out_kind=cl.STATE_NONE if fs is None else cl.STATE_KIND[fs.dtype],
+            stream=call.stream_ptr,
         )
-        if half_state and fs is not None:
-            cast(fs_buf, FLOAT16, out=fs.buf)
-        out.finish()
-        if fs is not None:
-            fs.finish()
-    out_arr = out.buf[0] if a.squeeze else out.buf
-    return out_arr, None if fs is None else fs.buf
+
+        target_fs = call["final_state"] if fs_new is None else fs_new
+        copy_out = out is not call["output"] and out is not out_new
+        copy_fs = fs is not None and fs is not target_fs
+        if copy_out or copy_fs:
+            with call.stream:
+                if copy_out:
+                    _copy_into(call["output"].data, out.data)
+                if copy_fs:
+                    _copy_into(target_fs.data, fs.data)
+    return (None if out_new is None else out_new.obj), (None if fs_new is None else fs_new.obj)
+

@@ -8,7 +8,7 @@ import importlib
 
 import numpy as np
 
-from .._interop import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64, Arg, dtype_name
+from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64, Arg, dtype_name
 
 HALF_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
@@ -81,7 +81,7 @@ def cuda_float32(arg: Arg):
         return x
     if arg.dtype in (FLOAT64, FLOAT16):
         return x.astype(np.float32)
-    from ..util_kernels import cast
+    from ..util_ops import cast
 
     return cast(x, FLOAT32)
 

@@ -1,36 +1,124 @@
-"""Execution of MSA plans: operand checks, the decode+prefill split, dispatch per part.
+"""MSA calls: the one validation, the frozen problem, and its host or CUDA run.
 
-:func:`run_plan` is the one engine behind ``msa``, ``sparse_msa`` and
-``sparse_decode_atten_func``. It validates everything first (every part of a mixed
-plan, both passes), then runs: NumPy inputs through the float64 references
-(:mod:`mate_cupy.reference.msa`), CUDA inputs through the launchers
-(:mod:`mate_cupy.msa.kernels`).
+Every MSA op (``msa``, ``sparse_msa``, ``sparse_decode_atten_func``) is one :func:`run`:
+
+* :func:`validate` checks every condition of the call once, before anything runs, for
+  NumPy and CUDA inputs alike (the kernels' limits included), and returns a frozen
+  :class:`MsaProblem` (one :class:`PartProblem` per plan part: mixed plans have two) and
+  the call's operands (``Arg`` views; no CuPy array is built for CUDA inputs), with each
+  CUDA part's :func:`mate_cupy.msa.attention_launch.select_config` result (pure, cached)
+  and loaded kernels, remembered on the plan for the next call of the same shape.
+* then outputs that were not given are allocated in the caller's framework, and the
+  launchers run on the caller's stream (CUDA) or the float64 references
+  (:mod:`mate_cupy.reference.msa`) fill them (NumPy).
 
 Layouts: ``q [total_q, Hq, D]``; dense ``k, v [total_k, Hkv, D]``; paged ``k, v``
-``[num_pages, page_size, Hkv, D]`` (NHD) or ``[num_pages, Hkv, page_size, D]`` (HND),
-passed to the kernels as they are (no copy); ``out [total_q, Hq, D]`` (q's dtype,
-bfloat16 for fp8); ``lse [total_q, Hq]`` float32; ``max_score [total_q, Hq, NT]`` float32.
+``[num_pages, page_size, Hkv, D]`` (NHD) or ``[num_pages, Hkv, page_size, D]`` (HND), used
+as they are (no copy); ``out [total_q, Hq, D]`` (q's dtype, bfloat16 for fp8);
+``lse [total_q, Hq]`` float32; ``max_score [total_q, Hq, NT]`` float32.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 
-from .. import _launch_cache as lc
-from .._interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, INT32, Call, dtype_name
 from ..reference import msa as ref
-from . import kernels
-from .plan import SPARSE_BLOCK_SIZE, MsaPlan, MsaRuntimeMetadata, max_k_tiles, plan_page_width
+from ..runtime.device import device_info
+from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, INT32, Arg, Call, dtype_name, wrap
+from ..runtime.workspace import Workspace, as_workspace
+from . import attention_launch as al
+from . import index_launch
+from .plan import MsaPlan, max_k_tiles, plan_page_width
 from .runtime import Lengths, resolve_lengths
 
-__all__ = ["run_plan"]
+__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "prepare_workspace", "run", "validate"]
 
-FWD_DTYPES = (FLOAT16, BFLOAT16, FP8_E4M3)
-SPARSE_GQA_RATIOS = (8, 16)
+# The contract of the kernels, refused alike for host inputs.
+ATTENTION_DTYPES = (FLOAT16, BFLOAT16, FP8_E4M3)
+MAX_SCORE_DTYPES = (FLOAT16, BFLOAT16)
+HEAD_DIMS = (64, 128, 256)
 SPARSE_HEAD_DIM = 128
+SPARSE_GQA_RATIOS = (8, 16)
+SPARSE_MAX_SEQLEN_K = 1 << 25  # the block union of one CTA (every sparse tile holds more)
+MAX_BATCH = 65535  # grid y of the attention kernels
+MAX_KV_HEADS = 65535  # grid y of the max-score kernels
+INDEX_LIMIT = 2**31  # total_q * Hq, KV rows/pages, max_seqlen_q * group: int32 indices
+DTYPE_CODES = {FLOAT16: al.DTYPE_FP16, BFLOAT16: al.DTYPE_BF16, FP8_E4M3: al.DTYPE_E4M3}
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- the problem
+
+
+@dataclass(frozen=True)
+class PartProblem:
+    """One plan part of a call: the q rows it owns, its attention pass (None when the call
+    asks for no output), its page source (``"dense"``, ``"table"``, ``"csr"``) per pass."""
+
+    plan: MsaPlan
+    rows: tuple
+    attention: Optional[al.AttentionProblem]
+    attention_pages: str
+    max_score_pages: str
+
+
+@dataclass(frozen=True)
+class MsaProblem:
+    """A validated MSA call: dtypes, layout, scales, outputs and the parts.
+
+    ``kv_layout`` is ``"NHD"``/``"HND"`` for paged caches, ``""`` for dense K/V;
+    ``k_scale``/``v_scale`` are the effective scales (the call's for fp8 sparse, else 1);
+    ``scale_log2 = sm_scale * log2(e) * k_scale`` and ``v_scale`` are what the kernels take;
+    ``max_k_tiles`` the max-score width a call allocates.
+    """
+
+    fn: str
+    is_cuda: bool
+    device: int
+    dtype: np.dtype
+    out_dtype: np.dtype
+    head_dim: int
+    kv_layout: str
+    sm_scale: float
+    k_scale: float
+    v_scale: float
+    scale_log2: float
+    output_o: bool
+    output_maxscore: bool
+    want_lse: bool
+    check_input_valid: bool
+    max_k_tiles: int
+    parts: tuple
+
+
+class _PartOperands:
+    """Arrays of one part (row/page slices of the call's arrays for mixed plans)."""
+
+    __slots__ = ("q", "k", "v", "lens", "offsets", "att_pages", "ms_pages", "kbi")
+
+    def __init__(self, q, k, v, lens, offsets, att_pages, ms_pages, kbi):
+        self.q, self.k, self.v, self.lens, self.offsets = q, k, v, lens, offsets
+        self.att_pages, self.ms_pages, self.kbi = att_pages, ms_pages, kbi
+
+
+class _Operands:
+    """The call's arrays: ``Call``, outputs (None until allocated), parts, the parts' launches
+    (``(AttentionConfig, kernels)`` on CUDA), workspace."""
+
+    __slots__ = ("call", "out", "lse", "max_score", "parts", "configs", "workspace", "k_strides", "v_strides",
+                 "kv_extent", "q_strides")
+
+    def __init__(self, call):
+        self.call = call
+        self.out = self.lse = self.max_score = self.workspace = None
+        self.parts = self.configs = ()
+
+
+# A page source: (page_list, page_indptr, page_list_len); (None, None, 0) for dense K/V.
+_NO_PAGES = (None, None, 0)
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -43,156 +131,310 @@ def _as_array(obj):
     return obj
 
 
-def _host(a) -> Optional[np.ndarray]:
-    if a is None:
-        return None
-    if isinstance(a, np.ndarray):
-        return a
-    return a.get()  # CuPy: explicit device-to-host copy (checked mode / eager host data only)
-
-
-def _int32(call: Call, a):
-    """Backend int array -> contiguous int32 (no copy when it already is)."""
-    if a is None:
-        return None
-    if a.dtype == np.int32 and a.flags.c_contiguous:
-        return a
-    if call.is_cuda:
-        import cupy
-
-        with call.launch_scope():
-            return cupy.ascontiguousarray(a, dtype=cupy.int32)
-    return np.ascontiguousarray(a, dtype=np.int32)
-
-
 def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _kv_layout(call: Call, name: str, plan: MsaPlan) -> str:
-    """Detect the paged layout of ``name``: NHD ``[P, page, Hkv, D]`` or HND ``[P, Hkv, page, D]``."""
-    arg = call[name]
+def _rows(arg: Optional[Arg], start: int, stop: int) -> Optional[Arg]:
+    """Rows ``[start, stop)`` of ``arg`` as an ``Arg`` (a view: the address moves, nothing is built)."""
+    if arg is None or (start == 0 and stop == arg.shape[0]):
+        return arg
+    ptr = arg.ptr + start * arg.strides[0] * arg.dtype.itemsize if stop > start else arg.ptr
+    shape = (stop - start,) + tuple(arg.shape[1:])
+    if arg.is_cuda:
+        return Arg(arg.name, arg.obj, arg.dtype, arg.framework, arg.device, shape, arg.strides, ptr,
+                   make=lambda: arg.data[start:stop])
+    return Arg(arg.name, arg.obj, arg.dtype, arg.framework, arg.device, shape, arg.strides, ptr,
+               data=arg.data[start:stop])
+
+
+def _int32(call: Call, arg: Arg, name: str) -> Arg:
+    """``arg`` as a contiguous int32 array (a converted copy when it is not one already)."""
+    if arg.dtype == INT32 and arg.is_contiguous():
+        return arg
+    if call.is_cuda:
+        import cupy
+
+        with call.launch_scope():
+            data = cupy.ascontiguousarray(arg.data, dtype=cupy.int32)
+    else:
+        data = np.ascontiguousarray(arg.data, dtype=np.int32)
+    return wrap(name, data)
+
+
+def _host(arg: Optional[Arg]) -> Optional[np.ndarray]:
+    """Host copy of an index array (a device-to-host copy on CUDA: checked mode only)."""
+    if arg is None:
+        return None
+    data = arg.data
+    return data if isinstance(data, np.ndarray) else data.get()
+
+
+def _row_strides(arg: Arg) -> tuple:
+    """Strides in elements of an array the kernels read by 16-byte rows of its last dim."""
+    item = arg.dtype.itemsize
+    if arg.strides[-1] != 1 and arg.shape[-1] > 1:
+        raise ValueError(f"{arg.name}: the head dimension must be contiguous, got strides {arg.strides} (elements)")
+    for i, s in enumerate(arg.strides[:-1]):
+        if arg.shape[i] > 1 and (s * item) % 16:
+            raise ValueError(
+                f"{arg.name}: stride {s * item} bytes of dim {i} is not a multiple of 16 (strides {arg.strides})"
+            )
+    if arg.size and arg.ptr % 16:
+        raise ValueError(f"{arg.name}: the data must be 16-byte aligned, got address {arg.ptr:#x}")
+    return tuple(arg.strides)
+
+
+def _kv_layout(arg: Arg, plan: MsaPlan) -> str:
+    """NHD ``[P, page, Hkv, D]`` or HND ``[P, Hkv, page, D]`` (NHD when page_size == Hkv)."""
     if arg.ndim != 4:
-        raise ValueError(f"{name} must be a 4D paged tensor, got shape {arg.shape}")
+        raise ValueError(f"{arg.name} must be a 4D paged tensor, got shape {arg.shape}")
     _, a, b, _ = arg.shape
     if a == plan.page_size and b == plan.num_kv_heads:
-        return "NHD"  # also the choice when page_size == num_kv_heads
+        return "NHD"
     if a == plan.num_kv_heads and b == plan.page_size:
         return "HND"
     raise ValueError(
-        f"{name} must use [pages, page, H, D] (NHD) or [pages, H, page, D] (HND) layout with "
+        f"{arg.name} must use [pages, page, H, D] (NHD) or [pages, H, page, D] (HND) layout with "
         f"page={plan.page_size}, H={plan.num_kv_heads}, got shape {arg.shape}"
     )
 
 
-# ----------------------------------------------------------------------------- operands
-
-
-@dataclass
-class _Ctx:
-    """Checked, call-wide facts."""
-
-    call: Call
-    dtype: np.dtype
-    out_dtype: np.dtype
-    is_fp8: bool
-    kv_layout: Optional[str]
-    sm_scale: float
-    k_scale: float
-    v_scale: float
-    runtime_metadata: Any
-    check: bool
-
-
-@dataclass
-class _Part:
-    """Arrays of one plan of the call (row/page slices of the call's arrays for mixed plans)."""
-
-    plan: MsaPlan
-    q: Any
-    k: Any
-    v: Any
-    out: Any = None
-    lse: Any = None
-    max_score: Any = None
-    kv_indices: Any = None
-    page_table: Any = None
-    kv_block_indexes: Any = None
-    q_offset_override: Any = None
-
-
-def _check_qkv(call: Call, plans: list, sparse_attention: bool) -> tuple:
-    """q/k/v ranks, dtypes, head counts; returns ``(dtype, kv_layout)``."""
-    first = plans[0]
-    q, k, v = call["q"], call["k"], call["v"]
-    if q.ndim != 3:
-        raise ValueError(f"q must have shape [total_q, Hq, D], got {q.shape}")
-    if sparse_attention or call.is_cuda:
-        allowed = FWD_DTYPES
-    else:
-        allowed = FWD_DTYPES + (FLOAT32,)  # float32 runs on the host reference path only
-    if q.dtype not in allowed:
-        names = ", ".join(dtype_name(d) for d in allowed)
-        where_ = "" if sparse_attention or not call.is_cuda else " on CUDA"
-        raise TypeError(f"MSA forward supports {names}{where_}; got q dtype {dtype_name(q.dtype)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            "q, k, and v must share the same dtype, got "
-            f"{dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}"
-        )
-    if q.shape[1] != first.num_qo_heads:
-        raise ValueError(f"q head count {q.shape[1]} does not match plan.num_qo_heads {first.num_qo_heads}")
-    d = q.shape[2]
-    if first.mode == "dense":
-        layout = None
-        for name in ("k", "v"):
-            a = call[name]
-            if a.ndim != 3:
-                raise ValueError(f"{name} must have shape [total_k, Hkv, D] for a dense plan, got {a.shape}")
-            if a.shape[1] != first.num_kv_heads:
-                raise ValueError(
-                    f"{name} head count {a.shape[1]} does not match plan.num_kv_heads {first.num_kv_heads}"
-                )
-    else:
-        layout = _kv_layout(call, "k", first)
-        if _kv_layout(call, "v", first) != layout:
-            raise ValueError(f"k and v must use the same paged layout, got shapes {k.shape} and {v.shape}")
-    for name in ("k", "v"):
-        if call[name].shape[-1] != d:
-            raise ValueError(f"{name} head dim {call[name].shape[-1]} does not match q head dim {d}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    return q.dtype, layout
-
-
-def _check_output(call: Call, name: str, shape: tuple, dtype: np.dtype, layout: str):
-    arg = call[name]
+def _check_output(arg: Arg, shape: tuple, dtype, layout: str) -> None:
     if arg.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype_name(dtype)}, got {dtype_name(arg.dtype)}")
+        raise TypeError(f"{arg.name} must be {dtype_name(dtype)}, got {dtype_name(arg.dtype)}")
     if arg.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {arg.shape}")
+        raise ValueError(f"{arg.name} must have shape {layout} = {tuple(shape)}, got {arg.shape}")
     if not arg.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return arg.data
+        raise ValueError(f"{arg.name} must be contiguous")
 
 
-def _check_max_score_buffer(call: Call, total_q: int, hq: int, nt: int):
-    arg = call["max_score"]
-    if arg.dtype != FLOAT32:
-        raise TypeError(f"max_score must be float32, got {dtype_name(arg.dtype)}")
-    if arg.ndim != 3 or arg.shape[:2] != (total_q, hq) or arg.shape[2] < nt:
+def attention_problem(plan: MsaPlan, total_q: int, head_dim: int, dtype_code: int) -> al.AttentionProblem:
+    """The attention pass of ``plan`` for ``total_q`` query rows of ``head_dim`` and ``dtype_code``."""
+    pf = plan.prefill_plan
+    if plan.is_sparse:
+        kv_mode, page_size, width = al.KV_SPARSE, plan.page_size, plan.selected_block_count
+    elif plan.mode == "paged":
+        kv_mode, page_size, width = al.KV_PAGED, plan.page_size, 0
+    else:
+        kv_mode, page_size, width = al.KV_DENSE, 0, 0
+    return al.AttentionProblem(kv_mode, plan.batch_size, total_q, plan.num_qo_heads, plan.num_kv_heads, head_dim,
+                               dtype_code, pf.max_seqlen_q, pf.max_seqlen_k, page_size, width, plan.causal,
+                               plan.mode == "sparse_decode", plan.num_kv_splits, plan.prefill_tile == "gather")
+
+
+def _part_attention(plan: MsaPlan, total_q: int, head_dim: int, dtype_code: int, device: int) -> tuple:
+    """``(AttentionProblem, launch)`` of a plan part for this call, remembered on the plan for
+    the next call of the same shape and device. ``launch`` is ``(AttentionConfig, kernels)``
+    on CUDA (the kernels loaded on first use), None on the host."""
+    key = (total_q, head_dim, dtype_code, device)
+    last = plan.last_attention
+    if last is not None and last[0] == key:
+        return last[1], last[2]
+    problem = attention_problem(plan, total_q, head_dim, dtype_code)
+    launch = None
+    if device >= 0:
+        config = al.select_config(problem, *_sm_count(plan, device))
+        launch = (config, al.config_kernels(config, device))
+    plan.last_attention = (key, problem, launch)
+    return problem, launch
+
+
+def _sm_count(plan: MsaPlan, device: int) -> tuple:
+    sm, cc = device_info(device)
+    if plan.usable_sm_count is not None:
+        sm = min(sm, plan.usable_sm_count)
+    return sm, cc
+
+
+def _check_head_dim_and_dtype(fn: str, sparse: bool, head_dim: int, dtype, *, attention: bool,
+                              max_score: bool) -> None:
+    """The head dims and dtypes the kernels run (q's; k and v match it)."""
+    if attention and dtype not in ATTENTION_DTYPES:
+        raise TypeError(f"{fn}: MSA attention supports float16, bfloat16 and float8_e4m3fn; "
+                        f"got q dtype {dtype_name(dtype)}")
+    if max_score and dtype not in MAX_SCORE_DTYPES:
+        raise TypeError(f"{fn}: the MSA block max score supports float16 and bfloat16; got q dtype {dtype_name(dtype)}")
+    if attention and sparse and head_dim != SPARSE_HEAD_DIM:
+        raise ValueError(f"{fn}: sparse MSA needs head dim {SPARSE_HEAD_DIM}, got {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"{fn}: MSA kernels support head dims {HEAD_DIMS}, got {head_dim}")
+
+
+def attention_workspace_bytes(plan: MsaPlan, head_dim: int, dtype, device: int, total_q: int) -> int:
+    """Workspace bytes of ``plan``'s attention pass (``MsaPlan.workspace_bytes``)."""
+    _check_head_dim_and_dtype("workspace_bytes", plan.is_sparse, head_dim, dtype, attention=True, max_score=False)
+    sm, cc = _sm_count(plan, device)
+    return al.select_config(attention_problem(plan, total_q, head_dim, DTYPE_CODES[dtype]), sm, cc).workspace_bytes
+
+
+def prepare_workspace(plans: list, head_dim: int, dtype, device: int) -> None:
+    """Allocate the workspace of a plan info's parts (owned by the first) and load their kernels."""
+    bound = 0
+    for plan in plans:
+        _check_head_dim_and_dtype("upload", plan.is_sparse, head_dim, dtype, attention=True, max_score=False)
+        sm, cc = _sm_count(plan, device)
+        config = al.select_config(attention_problem(plan, plan.total_q, head_dim, DTYPE_CODES[dtype]), sm, cc)
+        bound = max(bound, config.workspace_bytes)
+        al.load_config(config, DTYPE_CODES[dtype], device)
+    owner = plans[0]
+    ws = owner.workspace
+    if bound and (ws is None or ws.device != device or ws.nbytes < bound):
+        owner.workspace = Workspace(bound, device)
+
+
+def _plan_workspace(prob: "MsaProblem", need: int, call: Call) -> Workspace:
+    """The plan-owned workspace of a call that passed none: reused, allocated on first need."""
+    owner = prob.parts[0].plan
+    ws = owner.workspace
+    if ws is not None and ws.device == call.device and ws.nbytes >= need:
+        return ws
+    bound = 0
+    for part in prob.parts:
+        plan = part.plan
+        sm, cc = _sm_count(plan, call.device)
+        cap = attention_problem(plan, plan.total_q, prob.head_dim, part.attention.dtype_code)
+        bound = max(bound, al.select_config(cap, sm, cc).workspace_bytes)
+    if need > bound:
         raise ValueError(
-            f"max_score must have shape [total_q, Hq, max_k_tiles] = ({total_q}, {hq}, {nt}) "
-            f"(a wider last dim is allowed), got {arg.shape}"
+            f"{prob.fn}: this call needs {need} bytes of workspace, more than the plan's bound of {bound} "
+            "(q has more rows than the plan's capacity); pass workspace= (a mate_cupy.Workspace or a "
+            "contiguous CUDA array)"
         )
-    if not arg.is_contiguous():
-        raise ValueError("max_score must be contiguous")
-    return arg.data
+    with call.launch_scope():
+        owner.workspace = Workspace(bound, call.device)
+    return owner.workspace
 
 
-def _check_block_indexes(call: Call, plan: MsaPlan, total_q: int):
-    """``kv_block_indexes [total_q, Hkv or Hq, W]`` int32 -> backend ``[total_q, Hkv, W]``."""
-    arg = call["kv_block_indexes"]
+# ----------------------------------------------------------------------------- per-part checks
+
+
+def _offsets(call: Call, plan: MsaPlan, lens: Lengths, override, runtime_metadata) -> Arg:
+    """The per-request offsets of this call: runtime/plan offsets, or ``q_offset_override``."""
+    if override is None:
+        return lens.qo_offset
+    if runtime_metadata is not None:
+        raise ValueError("q_offset_override cannot be combined with runtime_metadata.qo_offset")
+    batch = plan.batch_size
+    if isinstance(override, (int, np.integer)):
+        if call.is_cuda:
+            import cupy
+
+            with call.launch_scope():
+                return wrap("q_offset_override", cupy.full(batch, int(override), dtype=cupy.int32))
+        return wrap("q_offset_override", np.full(batch, int(override), dtype=np.int32))
+    return _int32(call, override, "q_offset_override")
+
+
+def _check_override(override: Arg, batch: int) -> None:
+    if override.dtype.kind not in "iu":
+        raise TypeError(f"q_offset_override must be an int or an integer array, got dtype {dtype_name(override.dtype)}")
+    if override.ndim != 1:
+        raise ValueError(f"qo_offset must be a 1D tensor, got shape {override.shape}")
+    if override.shape[0] != batch:
+        raise ValueError(f"qo_offset must have the same shape as qo_segment_lens, got {override.shape} vs ({batch},)")
+
+
+def _index_vector(call: Call, arg: Arg, name: str) -> Arg:
+    if arg.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {dtype_name(arg.dtype)}")
+    if arg.ndim != 1:
+        raise ValueError(f"{name} must be a 1D tensor, got shape {arg.shape}")
+    return arg if arg.dtype == INT32 and arg.strides == (1,) else _int32(call, arg, name)
+
+
+def _attention_pages(fn: str, call: Call, plan: MsaPlan, lens: Lengths, table: Optional[Arg],
+                     kv_indices: Optional[Arg]) -> tuple:
+    """Page source of the attention pass of a paged or sparse part (checked)."""
+    if lens.page_table is not None:
+        if table is not None:
+            raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
+        return lens.page_table, None, lens.page_table.shape[1]
+    if table is not None:
+        if table.dtype.kind not in "iu":
+            raise TypeError(f"page_table must be an integer array, got dtype {dtype_name(table.dtype)}")
+        if table.ndim != 2:
+            raise ValueError(f"page_table must be rank 2 [B, max_pages], got shape {table.shape}")
+        if table.shape[0] != plan.batch_size:
+            raise ValueError(f"page_table must have {plan.batch_size} rows (one per request), got {table.shape[0]}")
+        if table.dtype != INT32 or table.strides != (table.shape[1], 1):
+            table = _int32(call, table, "page_table")
+        return table, None, table.shape[1]
+    if kv_indices is None:
+        what = "sparse MSA forward" if plan.is_sparse else "paged MSA execution"
+        raise ValueError(f"{what} requires kv_indices or page_table")
+    what = "paged MSA forward" if plan.is_sparse else "paged MSA execution"
+    return _csr_pages(call, plan, lens, kv_indices, what=what, exact_count=not plan.is_sparse)
+
+
+def _csr_pages(call: Call, plan: MsaPlan, lens: Lengths, kv_indices: Arg, *, what: str,
+               exact_count: bool) -> tuple:
+    kv_indices = _index_vector(call, kv_indices, "kv_indices")
+    indptr = lens.kv_page_indptr
+    if indptr is None:
+        if plan.is_sparse or what.startswith("paged MSA maxscore"):
+            raise ValueError(f"{what} plan is missing kv_page_indptr (pass runtime_metadata.kv_page_indptr)")
+        # Paged attention with runtime lengths and no CSR offsets: derived here (allocates).
+        counts_to = plan.page_size
+        if call.is_cuda:
+            import cupy
+
+            with call.launch_scope():
+                counts = (lens.kv_lens.data.astype(cupy.int64) + counts_to - 1) // counts_to
+                data = cupy.zeros(plan.batch_size + 1, dtype=cupy.int32)
+                if plan.batch_size:
+                    data[1:] = cupy.cumsum(counts).astype(cupy.int32)
+        else:
+            counts = (lens.kv_lens.data.astype(np.int64) + counts_to - 1) // counts_to
+            data = np.zeros(plan.batch_size + 1, dtype=np.int32)
+            if plan.batch_size:
+                data[1:] = np.cumsum(counts)
+        indptr = wrap("kv_page_indptr", data)
+    # Count checks where the lengths are host data already (never a device read here).
+    n = kv_indices.shape[0]
+    if not lens.from_runtime:  # the plan's CSR offsets: the page counts of its kv_lens
+        total = needed = int(plan.kv_page_indptr[-1])
+    elif not call.is_cuda:
+        total = int(_ceil_div(lens.kv_lens.data.astype(np.int64), plan.page_size).sum())
+        needed = int(indptr.data[-1]) if plan.batch_size else 0
+    else:
+        total = needed = None
+    if total is not None:
+        if exact_count and n != total:
+            raise ValueError(f"kv_indices does not match the page count implied by kv_lens: {n} vs {total}")
+        if n < needed:
+            raise ValueError(f"kv_indices has {n} entries but kv_page_indptr addresses {needed}")
+    return kv_indices, indptr, kv_indices.shape[0]
+
+
+def _max_score_pages(fn: str, call: Call, plan: MsaPlan, lens: Lengths, table: Optional[Arg],
+                     kv_indices: Optional[Arg], runtime_metadata) -> tuple:
+    """Page source of the max-score pass of a paged or sparse part (checked)."""
+    if lens.page_table is not None:
+        if table is not None:
+            raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
+        return lens.page_table, None, lens.page_table.shape[1]
+    if table is not None:
+        if runtime_metadata is not None and runtime_metadata.kv_page_indptr is not None:
+            raise ValueError("2-D page_table cannot be combined with kv_page_indptr")
+        if table.dtype != INT32 or table.ndim != 2:
+            raise TypeError(
+                "runtime page_table must be a contiguous rank-2 int32 tensor [B, max_pages], got "
+                f"dtype={dtype_name(table.dtype)}, shape={table.shape}"
+            )
+        expected = (plan.batch_size, plan_page_width(plan))
+        if table.shape != expected:
+            raise ValueError(f"runtime page_table must have shape {expected}, got {table.shape}")
+        if not table.is_contiguous():
+            raise ValueError("runtime page_table must be contiguous")
+        return table, None, table.shape[1]
+    if kv_indices is None:
+        raise ValueError("paged MSA maxscore requires page_table or kv_indices")
+    return _csr_pages(call, plan, lens, kv_indices, what="paged MSA maxscore", exact_count=False)
+
+
+def _check_block_indexes(call: Call, arg: Arg, plan: MsaPlan, total_q: int) -> Arg:
+    """``kv_block_indexes [total_q, Hkv or Hq, W]`` int32 -> contiguous ``[total_q, Hkv, W]``."""
     hq, hkv = plan.num_qo_heads, plan.num_kv_heads
     if arg.dtype != INT32:
         raise TypeError(f"kv_block_indexes must be int32, got {dtype_name(arg.dtype)}")
@@ -201,149 +443,56 @@ def _check_block_indexes(call: Call, plan: MsaPlan, total_q: int):
     if arg.shape[0] != total_q:
         raise ValueError(f"kv_block_indexes total_q dimension mismatch: {arg.shape[0]} vs {total_q}")
     width = plan.selected_block_count
-    if plan.kv_block_num > 0 and arg.shape[2] != width:
+    if arg.shape[2] != width:
         raise ValueError(f"kv_block_indexes selected-block width mismatch: {arg.shape[2]} vs {width}")
-    data = arg.data
     if arg.shape[1] == hkv:
-        pass
-    elif arg.shape[1] == hq:
-        data = data[:, :: hq // hkv, :]
-    else:
+        return arg if arg.strides == (hkv * width, width, 1) else _int32(call, arg, "kv_block_indexes")
+    if arg.shape[1] != hq:
         raise ValueError(
             "kv_block_indexes head dimension must match num_kv_heads or num_qo_heads, "
             f"got {arg.shape[1]}, num_kv_heads={hkv}, num_qo_heads={hq}"
         )
-    return _int32(call, data)
+    # Per query head: head g * r stands for KV head g (a strided copy).
+    if call.is_cuda:
+        import cupy
 
-
-def _check_sparse_plan(ctx: _Ctx, plan: MsaPlan, q_shape: tuple) -> None:
-    """The sparse forward's limits (the seed's): one KV split, D = 128, Hq/Hkv in {8, 16}."""
-    if plan.num_kv_splits > 1:
-        raise ValueError(f"MSA forward currently requires num_kv_splits <= 1, got {plan.num_kv_splits}")
-    if q_shape[2] != SPARSE_HEAD_DIM:
-        raise ValueError(f"q must have shape [total_q, Hq, {SPARSE_HEAD_DIM}] for sparse MSA, got {q_shape}")
-    ratio = plan.num_qo_heads // plan.num_kv_heads
-    if ratio not in SPARSE_GQA_RATIOS:
-        raise ValueError(f"sparse MSA forward requires a Hq/Hkv ratio in {SPARSE_GQA_RATIOS}, got {ratio}")
-    if plan.page_size != SPARSE_BLOCK_SIZE or plan.sparse_block_size != SPARSE_BLOCK_SIZE:
-        raise ValueError(f"MSA forward currently requires page/block size {SPARSE_BLOCK_SIZE}")
-
-
-# ----------------------------------------------------------------------------- per-part pieces
-
-
-def _offsets(ctx: _Ctx, plan: MsaPlan, lens: Lengths, override):
-    """The per-request offsets of this call: runtime/plan offsets, or ``q_offset_override``."""
-    if override is None:
-        return lens.qo_offset
-    if ctx.runtime_metadata is not None:
-        raise ValueError("q_offset_override cannot be combined with runtime_metadata.qo_offset")
-    call, batch = ctx.call, plan.batch_size
-    if isinstance(override, (int, np.integer)):
-        if call.is_cuda:
-            import cupy
-
-            with call.launch_scope():
-                return cupy.full(batch, int(override), dtype=cupy.int32)
-        return np.full(batch, int(override), dtype=np.int32)
-    if override.dtype.kind not in "iu":
-        raise TypeError(f"q_offset_override must be an int or an integer array, got dtype {override.dtype}")
-    if override.ndim != 1:
-        raise ValueError(f"qo_offset must be a 1D tensor, got shape {tuple(override.shape)}")
-    if override.shape[0] != batch:
-        raise ValueError(
-            f"qo_offset must have the same shape as qo_segment_lens, got {tuple(override.shape)} vs ({batch},)"
-        )
-    return _int32(call, override)
-
-
-def _page_source(ctx: _Ctx, part: _Part, lens: Lengths, *, what: str, exact_count: bool):
-    """Page indirection for a paged/sparse part: ``(page_table, kv_indices, kv_page_indptr)``."""
-    call, plan = ctx.call, part.plan
-    table = part.page_table
-    if lens.page_table is not None:
-        if table is not None:
-            raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
-        return lens.page_table, None, None
-    if table is not None:
-        if table.dtype.kind not in "iu":
-            raise TypeError(f"page_table must be an integer array, got dtype {table.dtype}")
-        if table.ndim != 2:
-            raise ValueError(f"page_table must be rank 2 [B, max_pages], got shape {tuple(table.shape)}")
-        if table.shape[0] != plan.batch_size:
-            raise ValueError(f"page_table must have {plan.batch_size} rows (one per request), got {table.shape[0]}")
-        return _int32(call, table), None, None
-    kv_indices = part.kv_indices
-    if kv_indices is None:
-        raise ValueError(f"{what} requires kv_indices or page_table")
-    if kv_indices.dtype.kind not in "iu":
-        raise TypeError(f"kv_indices must be an integer array, got dtype {kv_indices.dtype}")
-    if kv_indices.ndim != 1:
-        raise ValueError(f"kv_indices must be a 1D tensor, got shape {tuple(kv_indices.shape)}")
-    kv_indices = _int32(call, kv_indices)
-    indptr = lens.kv_page_indptr
-    if indptr is None:
-        if plan.is_sparse or what.startswith("paged MSA maxscore"):
-            raise ValueError(f"{what} plan is missing kv_page_indptr (pass runtime_metadata.kv_page_indptr)")
-        # Paged attention with runtime lengths and no CSR offsets: derive them (allocates).
-        xp = call.xp
         with call.launch_scope():
-            counts = (lens.kv_lens.astype(xp.int64) + plan.page_size - 1) // plan.page_size
-            indptr = xp.zeros(plan.batch_size + 1, dtype=xp.int32)
-            if plan.batch_size:
-                indptr[1:] = xp.cumsum(counts).astype(xp.int32)
-    # Count checks where the lengths are host data already (never a device read here).
-    if not lens.from_runtime:
-        kv_host, indptr_host = plan.kv_lens, plan.kv_page_indptr
-    elif not call.is_cuda:
-        kv_host, indptr_host = lens.kv_lens, indptr
+            data = cupy.ascontiguousarray(arg.data[:, :: hq // hkv, :])
     else:
-        kv_host = indptr_host = None
-    if kv_host is not None:
-        n = int(kv_indices.shape[0])
-        if exact_count:
-            total = int(_ceil_div(np.asarray(kv_host, dtype=np.int64), plan.page_size).sum())
-            if n != total:
-                raise ValueError(f"kv_indices does not match the page count implied by kv_lens: {n} vs {total}")
-        needed = int(indptr_host[-1]) if plan.batch_size else 0
-        if n < needed:
-            raise ValueError(f"kv_indices has {n} entries but kv_page_indptr addresses {needed}")
-    return None, kv_indices, indptr
+        data = np.ascontiguousarray(arg.data[:, :: hq // hkv, :])
+    return wrap("kv_block_indexes", data)
 
 
-def _table_host(table, kv_indices, indptr) -> np.ndarray:
-    if table is not None:
-        return _host(table)
-    return ref.page_table_from_indptr(_host(kv_indices), _host(indptr))
-
-
-def _check_pages(ctx: _Ctx, part: _Part, lens: Lengths, table, kv_indices, indptr, kbi) -> None:
-    """``check_input_valid=True``: read indices to the host and refuse any invalid one."""
-    plan, call = part.plan, ctx.call
+def _check_pages(plan: MsaPlan, q: Arg, k: Arg, lens: Lengths, pages: tuple, kbi: Optional[Arg]) -> None:
+    """``check_input_valid=True``: read the indices to the host and refuse any invalid one."""
     qo, kv = _host(lens.qo_lens).astype(np.int64), _host(lens.kv_lens).astype(np.int64)
     cu_q = _host(lens.cu_seqlens_q).astype(np.int64)
     if np.any(qo < 0) or np.any(kv < 0):
         raise ValueError(f"lengths must be non-negative, got qo_lens={qo.tolist()}, kv_lens={kv.tolist()}")
-    total_q = part.q.shape[0]
+    total_q = q.shape[0]
     if np.any(cu_q[:-1] < 0) or np.any(cu_q[:-1] + qo > total_q):
         raise ValueError(f"cu_seqlens_q/qo_lens address rows outside q (total_q={total_q})")
     if plan.mode == "dense":
         cu_k = _host(lens.cu_seqlens_k).astype(np.int64)
-        if np.any(cu_k[:-1] < 0) or np.any(cu_k[:-1] + kv > part.k.shape[0]):
-            raise ValueError(f"cu_seqlens_k/kv_lens address rows outside k (total_k={part.k.shape[0]})")
+        if np.any(cu_k[:-1] < 0) or np.any(cu_k[:-1] + kv > k.shape[0]):
+            raise ValueError(f"cu_seqlens_k/kv_lens address rows outside k (total_k={k.shape[0]})")
         return
-    num_pages = int(part.k.shape[0])
-    if table is None:
+    page_list, indptr, _ = pages
+    num_pages = int(k.shape[0])
+    if indptr is not None:
         ptr = _host(indptr).astype(np.int64)
-        if np.any(np.diff(ptr) < 0) or ptr[0] < 0 or ptr[-1] > kv_indices.shape[0]:
-            raise ValueError(f"kv_page_indptr is not a valid CSR offset vector into {kv_indices.shape[0]} kv_indices")
-    tbl = _table_host(table, kv_indices, indptr)
+        n = page_list.shape[0]
+        if np.any(np.diff(ptr) < 0) or ptr[0] < 0 or ptr[-1] > n:
+            raise ValueError(f"kv_page_indptr is not a valid CSR offset vector into {n} kv_indices")
+        tbl = ref.page_table_from_indptr(_host(page_list), ptr)
+    else:
+        tbl = _host(page_list)
     need = _ceil_div(kv, plan.page_size)
     if tbl.shape[1] < int(need.max(initial=0)):
         raise ValueError(f"the page table has {tbl.shape[1]} columns but a request needs {int(need.max())} pages")
     sel = None if kbi is None else _host(kbi)
     for b in range(plan.batch_size):
-        if kbi is None:
+        if sel is None:
             used = np.arange(need[b])
         else:
             rows = sel[cu_q[b]:cu_q[b] + qo[b]]
@@ -358,348 +507,407 @@ def _check_pages(ctx: _Ctx, part: _Part, lens: Lengths, table, kv_indices, indpt
             if np.any(dup):
                 raise ValueError(f"kv_block_indexes of request {b} list block {int(srt[..., 1:][dup][0])} twice in a row")
             used = np.unique(rows[rows >= 0])
-        pages = tbl[b, used]
-        if np.any((pages < 0) | (pages >= num_pages)):
-            raise ValueError(f"request {b} uses page id {int(pages[(pages < 0) | (pages >= num_pages)][0])} "
+        ids = tbl[b, used]
+        if np.any((ids < 0) | (ids >= num_pages)):
+            raise ValueError(f"request {b} uses page id {int(ids[(ids < 0) | (ids >= num_pages)][0])} "
                              f"outside the cache of {num_pages} pages")
 
 
-# ----------------------------------------------------------------------------- jobs
+# ----------------------------------------------------------------------------- the validation
 
 
-def _prepare_attention(ctx: _Ctx, part: _Part) -> Callable[[], None]:
-    call, plan = ctx.call, part.plan
-    lens = resolve_lengths(plan, ctx.runtime_metadata, call)
-    offsets = _offsets(ctx, plan, lens, part.q_offset_override)
-    if plan.mode in ("dense", "paged") and (ctx.k_scale != 1.0 or ctx.v_scale != 1.0):
-        raise ValueError("k_scale/v_scale are currently supported only by sparse MSA")
-    table = kv_indices = indptr = kbi = None
-    if plan.mode == "paged":
-        table, kv_indices, indptr = _page_source(ctx, part, lens, what="paged MSA execution",
-                                                 exact_count=True)
-    elif plan.is_sparse:
-        if part.kv_indices is None and part.page_table is None and lens.page_table is None:
-            raise ValueError("sparse MSA forward requires kv_indices or page_table")
-        if part.kv_block_indexes is None:
-            raise ValueError("sparse MSA forward requires kv_block_indexes")
-        _check_sparse_plan(ctx, plan, part.q.shape)
-        table, kv_indices, indptr = _page_source(ctx, part, lens, what="paged MSA forward", exact_count=False)
-        kbi = part.kv_block_indexes
-    elif part.page_table is not None and lens.page_table is not None:
-        raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
-    if ctx.check:
-        _check_pages(ctx, part, lens, table, kv_indices, indptr, kbi)
-    scales = (ctx.k_scale, ctx.v_scale) if (plan.is_sparse and ctx.is_fp8) else (1.0, 1.0)
+def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=None, q_offset_override=None,
+             out=None, lse=None, max_score=None, page_table=None, sm_scale=None, k_scale=1.0, v_scale=1.0,
+             runtime_metadata=None, output_o=True, output_maxscore=False, want_lse=False, check_input_valid=False,
+             workspace=None) -> tuple:
+    """Check one MSA call; returns ``(MsaProblem, operands)``. Raises before anything runs.
 
-    if not call.is_cuda:
-        def run_host() -> None:
-            eff = lens.effective_kv_lens()
-            common = dict(qo_offset=offsets, causal=plan.causal, sm_scale=ctx.sm_scale, qo_lens=lens.qo_lens)
-            if plan.mode == "dense":
-                o, l = ref.dense_attention(part.q, part.k, part.v, lens.cu_seqlens_q, lens.cu_seqlens_k,
-                                           kv_lens=eff, **common)
-            else:
-                tbl = _table_host(table, kv_indices, indptr)
-                if plan.mode == "paged":
-                    o, l = ref.paged_attention(part.q, part.k, part.v, lens.cu_seqlens_q, eff, tbl,
-                                               kv_layout=ctx.kv_layout, **common)
-                else:
-                    o, l = ref.sparse_attention(part.q, part.k, part.v, lens.cu_seqlens_q, eff, tbl, kbi,
-                                                k_scale=scales[0], v_scale=scales[1], kv_layout=ctx.kv_layout,
-                                                **common)
-            part.out[...] = o.astype(ctx.out_dtype)
-            if part.lse is not None:
-                part.lse[...] = l.astype(np.float32)
-
-        return run_host
-
-    launch = kernels.attention_launcher()
-
-    def run_cuda() -> None:
-        with call.launch_scope():
-            launch(
-                part.q, part.k, part.v, part.out, part.lse,
-                cu_seqlens_q=lens.cu_seqlens_q, qo_lens=lens.qo_lens,
-                kv_lens=lens.kv_lens if lens.seqused_k is None else lens.seqused_k,
-                qo_offset=offsets,
-                cu_seqlens_k=lens.cu_seqlens_k if plan.mode == "dense" else None,
-                page_table=table, kv_indices=kv_indices, kv_page_indptr=indptr,
-                kv_layout=ctx.kv_layout or "NHD",
-                page_size=0 if plan.mode == "dense" else plan.page_size,
-                kv_block_indexes=kbi,
-                max_seqlen_q=plan.prefill_plan.max_seqlen_q, max_seqlen_k=plan.prefill_plan.max_seqlen_k,
-                causal=plan.causal, sm_scale=ctx.sm_scale, k_scale=scales[0], v_scale=scales[1],
-                is_fp8=ctx.is_fp8, num_kv_splits=plan.num_kv_splits,
-                sparse_decode=plan.mode == "sparse_decode", workspace=None, stream=call.stream,
-                prefill_tile=plan.prefill_tile,
-            )
-
-    return run_cuda
-
-
-def _prepare_max_score(ctx: _Ctx, part: _Part) -> Callable[[], None]:
-    call, plan = ctx.call, part.plan
-    lens = resolve_lengths(plan, ctx.runtime_metadata, call)
-    offsets = _offsets(ctx, plan, lens, part.q_offset_override)
-    table = kv_indices = indptr = None
-    if plan.mode != "dense":
-        if lens.page_table is not None:
-            if part.page_table is not None:
-                raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
-            table = lens.page_table
-        elif part.page_table is not None:
-            md = ctx.runtime_metadata
-            if md is not None and md.kv_page_indptr is not None:
-                raise ValueError("2-D page_table cannot be combined with kv_page_indptr")
-            table = _max_score_table(part)
-        else:
-            table, kv_indices, indptr = _page_source(ctx, part, lens, what="paged MSA maxscore",
-                                                     exact_count=False)
-    elif part.page_table is not None and lens.page_table is not None:
-        raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
-    if ctx.check:
-        _check_pages(ctx, part, lens, table, kv_indices, indptr, None)
-
-    if not call.is_cuda:
-        def run_host() -> None:
-            eff = lens.effective_kv_lens()
-            nt = part.max_score.shape[2]
-            common = dict(qo_offset=offsets, causal=plan.causal, max_k_tiles=nt, qo_lens=lens.qo_lens)
-            if plan.mode == "dense":
-                ms = ref.block_max_score(part.q, part.k, lens.cu_seqlens_q, lens.cu_seqlens_k, kv_lens=eff, **common)
-            else:
-                ms = ref.paged_block_max_score(part.q, part.k, lens.cu_seqlens_q, eff,
-                                               _table_host(table, kv_indices, indptr), kv_layout=ctx.kv_layout,
-                                               **common)
-            part.max_score[...] = ms.astype(np.float32)
-
-        return run_host
-
-    launch = kernels.max_score_launcher()
-
-    def run_cuda() -> None:
-        with call.launch_scope():
-            launch(
-                part.q, part.k, part.max_score,
-                cu_seqlens_q=lens.cu_seqlens_q, qo_lens=lens.qo_lens,
-                kv_lens=lens.kv_lens if lens.seqused_k is None else lens.seqused_k,
-                qo_offset=offsets,
-                cu_seqlens_k=lens.cu_seqlens_k if plan.mode == "dense" else None,
-                page_table=table, kv_indices=kv_indices, kv_page_indptr=indptr,
-                kv_layout=ctx.kv_layout or "NHD",
-                page_size=0 if plan.mode == "dense" else plan.page_size,
-                max_seqlen_q=plan.prefill_plan.max_seqlen_q, causal=plan.causal, stream=call.stream,
-            )
-
-    return run_cuda
-
-
-def _max_score_table(part: _Part):
-    """The ``page_table`` argument of a max-score pass: int32 ``[B, ceil(max_seqlen_k / page_size)]``."""
-    plan = part.plan
-    data = part.page_table
-    if data.dtype != np.int32 or data.ndim != 2:
-        raise TypeError(
-            "runtime page_table must be a contiguous rank-2 int32 tensor [B, max_pages], got "
-            f"dtype={data.dtype}, shape={tuple(data.shape)}"
-        )
-    expected = (plan.batch_size, plan_page_width(plan))
-    if tuple(data.shape) != expected:
-        raise ValueError(f"runtime page_table must have shape {expected}, got {tuple(data.shape)}")
-    if not data.flags.c_contiguous:
-        raise ValueError("runtime page_table must be contiguous")
-    return data
-
-
-# ----------------------------------------------------------------------------- the engine
-
-
-def _split_rows(a, n: int):
-    return (None, None) if a is None else (a[:n], a[n:])
-
-
-# Array arguments in signature order (replayed launches, see ``mate_cupy._launch_cache``).
-_ARRAYS = ("q", "k", "v", "out", "lse", "max_score", "kv_indices", "page_table", "kv_block_indexes",
-           "q_offset_override", "md.qo_lens", "md.kv_lens", "md.qo_offset", "md.cu_seqlens_q", "md.cu_seqlens_k",
-           "md.seqused_k", "md.page_table", "md.kv_page_indptr")
-_NO_METADATA = (None,) * 8
-# Launcher knobs read from the environment at every launch: part of the signature.
-_ENV_KNOBS = lc.env_keys("MATE_CUPY_ATTN_PREFILL_TILE", "MATE_CUPY_ATTN_SPARSE_TILE")
-_RECIPES = lc.new_cache()
-
-
-def run_plan(info: tuple, q, k, v, *, kv_indices=None, kv_block_indexes=None, q_offset_override=None, out=None,
-             lse=None, max_score=None, page_table=None, sm_scale=None, k_scale=1.0, v_scale=1.0,
-             runtime_metadata=None, output_o=True, output_maxscore=False, want_lse=False,
-             check_input_valid=False):
-    """Validate and run one MSA call; returns ``(out, lse, max_score)`` in the caller's framework.
-
-    ``info`` is an unpacked plan info ``(mixed, split, batch, plan, prefill_plan)``.
-    ``out``/``lse`` are produced when ``output_o`` (``lse`` when given or ``want_lse``),
-    ``max_score`` when ``output_maxscore``. Preallocated arrays are written in place and
-    returned as the same objects. A call whose signature ran before replays its recorded
-    launches (plans are keyed by identity: a plan is not changed after it is built).
+    ``info`` is an unpacked plan info ``(mixed, split, batch, plan, prefill_plan)``. ``out`` and
+    ``lse`` are used when ``output_o``, ``max_score`` when ``output_maxscore``; ``want_lse``
+    asks for an ``lse`` result without a preallocated one. (The common single-plan call is
+    kept to few Python-level calls: the per-call cost is part of the contract.)
     """
-    key = None
-    md = runtime_metadata
-    if lc.ENABLED and not check_input_valid and (md is None or type(md) is MsaRuntimeMetadata):
-        mixed, split, _, first, second = info
-        ov, ov_array = q_offset_override, None
-        if ov is not None and not isinstance(ov, (int, np.integer)):
-            ov, ov_array = "array", ov
-        opts = (id(first), id(second), mixed, split, sm_scale, k_scale, v_scale, output_o, output_maxscore,
-                want_lse, ov, md is None) + lc.env_state(_ENV_KNOBS)
-        if lc.plain(opts):
-            arrays = (q, k, v, out, lse, max_score, kv_indices, page_table, kv_block_indexes, ov_array) + (
-                _NO_METADATA if md is None else
-                (md.qo_lens, md.kv_lens, md.qo_offset, md.cu_seqlens_q, md.cu_seqlens_k, md.seqused_k,
-                 md.page_table, md.kv_page_indptr))
-            sig, ptrs = lc.signature(arrays)
-            if sig is not None:
-                key = (opts, sig)
-                recipe = _RECIPES.get(key)
-                if recipe is not None:
-                    allocs = lc.replay(recipe, ptrs, q)
-                    res_o = res_lse = res_ms = None
-                    if output_o:
-                        res_o = out if out is not None else allocs["out"]
-                        if lse is not None:
-                            res_lse = lse
-                        elif want_lse:
-                            res_lse = allocs["lse"]
-                    if output_maxscore:
-                        res_ms = max_score if max_score is not None else allocs["max_score"]
-                    return res_o, res_lse, res_ms
-    rec = lc.Recorder(_ARRAYS) if key is not None else None
-    with lc.recording(rec):
-        call, result = _run_plan_full(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
-                                      q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
-                                      page_table=page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                      runtime_metadata=runtime_metadata, output_o=output_o,
-                                      output_maxscore=output_maxscore, want_lse=want_lse,
-                                      check_input_valid=check_input_valid)
-    if rec is not None:
-        lc.store(_RECIPES, key, rec, call, keep=(info[3], info[4]))
-    return result
-
-
-def _run_plan_full(info: tuple, q, k, v, *, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
-                   page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
-                   check_input_valid):
-    """:func:`run_plan` without replay: returns ``(call, (out, lse, max_score))``."""
     mixed, split, _, first, second = info
-    plans = [first, second] if mixed else [first]
+    plans = (first, second) if mixed else (first,)
+    if mixed and runtime_metadata is not None:
+        raise NotImplementedError("runtime_metadata is not supported with mixed prefill/decode plans")
     call = Call(q=q, k=k, v=v)
-    for name, obj in (("out", out if output_o else None), ("lse", lse if output_o else None),
-                      ("max_score", max_score if output_maxscore else None),
-                      ("kv_indices", _as_array(kv_indices)), ("page_table", _as_array(page_table)),
-                      ("kv_block_indexes", _as_array(kv_block_indexes))):
-        call.add(name, obj)
+    add = call.add
+    out_a = add("out", out) if output_o and out is not None else None
+    lse_a = add("lse", lse) if output_o and lse is not None else None
+    ms_a = add("max_score", max_score) if output_maxscore and max_score is not None else None
+    seq = (list, tuple)  # Python sequences are host arrays
+    idx_a = None if kv_indices is None else add(
+        "kv_indices", np.asarray(kv_indices) if kv_indices.__class__ in seq else kv_indices)
+    table_a = None if page_table is None else add(
+        "page_table", np.asarray(page_table) if page_table.__class__ in seq else page_table)
+    kbi_a = None if kv_block_indexes is None else add(
+        "kv_block_indexes", np.asarray(kv_block_indexes) if kv_block_indexes.__class__ in seq else kv_block_indexes)
     override = q_offset_override
     if override is not None and not isinstance(override, (int, np.integer)):
-        override = call.add("q_offset_override", _as_array(override)).data
-    for name, arg in call.args.items():
-        lc.note_arg(name, arg.data)
+        override = add("q_offset_override", _as_array(override))
 
-    any_sparse = any(p.is_sparse for p in plans)
-    if kv_block_indexes is not None and not any_sparse and output_o:
-        raise ValueError(
-            f"kv_block_indexes needs a sparse plan (kv_block_num > 0), got plan mode {first.mode!r}"
+    any_sparse = first.is_sparse
+    if kbi_a is not None and not any_sparse and output_o:
+        raise ValueError(f"kv_block_indexes needs a sparse plan (kv_block_num > 0), got plan mode {first.mode!r}")
+    args = call.args
+    qa, ka, va = args["q"], args["k"], args["v"]
+    qshape = qa.shape
+    if len(qshape) != 3:
+        raise ValueError(f"q must have shape [total_q, Hq, D], got {qshape}")
+    total_q, hq, d = qshape
+    dtype = qa.dtype
+    if not ((not output_o or dtype in ATTENTION_DTYPES) and (not output_maxscore or dtype in MAX_SCORE_DTYPES)
+            and (not (output_o and any_sparse) or d == SPARSE_HEAD_DIM) and d in HEAD_DIMS):
+        _check_head_dim_and_dtype(fn, any_sparse, d, dtype, attention=output_o, max_score=output_maxscore)
+    if ka.dtype != dtype or va.dtype != dtype:
+        raise TypeError(
+            "q, k, and v must share the same dtype, got "
+            f"{dtype_name(dtype)}, {dtype_name(ka.dtype)}, {dtype_name(va.dtype)}"
         )
-    dtype, layout = _check_qkv(call, plans, sparse_attention=any_sparse and output_o)
-    qa = call["q"]
-    total_q, hq, d = qa.shape
+    if hq != first.num_qo_heads:
+        raise ValueError(f"q head count {hq} does not match plan.num_qo_heads {first.num_qo_heads}")
+    kshape = ka.shape
+    if first.mode == "dense":
+        layout = ""
+        for a in (ka, va):
+            if a.ndim != 3:
+                raise ValueError(f"{a.name} must have shape [total_k, Hkv, D] for a dense plan, got {a.shape}")
+            if a.shape[1] != first.num_kv_heads:
+                raise ValueError(f"{a.name} head count {a.shape[1]} does not match plan.num_kv_heads "
+                                 f"{first.num_kv_heads}")
+    else:
+        if len(kshape) == 4 and kshape[1] == first.page_size and kshape[2] == first.num_kv_heads:
+            layout = "NHD"
+        else:
+            layout = _kv_layout(ka, first)
+        if va.shape != kshape:
+            if _kv_layout(va, first) != layout:
+                raise ValueError(f"k and v must use the same paged layout, got shapes {kshape} and {va.shape}")
+    if kshape[-1] != d or va.shape[-1] != d:
+        a = ka if kshape[-1] != d else va
+        raise ValueError(f"{a.name} head dim {a.shape[-1]} does not match q head dim {d}")
+    if kshape != va.shape:
+        raise ValueError(f"k and v must have the same shape, got {kshape} and {va.shape}")
+    # Rows of 16-byte chunks: head dim contiguous, strides and data 16-byte aligned.
+    m = 16 // dtype.itemsize
+    qs, ks, vs = qa.strides, ka.strides, va.strides
+    if qs[2] != 1 or qs[0] % m or qs[1] % m or qa.ptr % 16:
+        qs = _row_strides(qa)
+    if ks[-1] != 1 or ks[0] % m or ks[1] % m or ks[-2] % m or ka.ptr % 16:
+        ks = _row_strides(ka)
+    if vs[-1] != 1 or vs[0] % m or vs[1] % m or vs[-2] % m or va.ptr % 16:
+        vs = _row_strides(va)
+    kv_extent = kshape[0]
+    if total_q * hq >= INDEX_LIMIT or kv_extent >= INDEX_LIMIT:
+        raise NotImplementedError(f"{fn}: total_q * Hq and the KV rows/pages must stay below 2**31, got "
+                                  f"{total_q * hq} and {kv_extent}")
+    for plan in plans:
+        if plan.batch_size > MAX_BATCH:
+            raise NotImplementedError(f"{fn}: at most {MAX_BATCH} requests per plan part, got {plan.batch_size}")
+        if output_maxscore:
+            rows = plan.prefill_plan.max_seqlen_q * (hq // plan.num_kv_heads)
+            if plan.num_kv_heads > MAX_KV_HEADS or rows >= INDEX_LIMIT or _ceil_div(rows, 16) * plan.batch_size \
+                    >= INDEX_LIMIT:
+                raise NotImplementedError(f"{fn}: the max score needs Hkv <= {MAX_KV_HEADS}, max_seqlen_q * Hq / "
+                                          "Hkv < 2**31 and ceil(max_seqlen_q * Hq / Hkv / 16) * B < 2**31")
+
+    # Scales (the kernels take sm_scale * log2(e), times k_scale for fp8).
     is_fp8 = dtype == FP8_E4M3
-    ctx = _Ctx(call=call, dtype=dtype, out_dtype=BFLOAT16 if is_fp8 else dtype, is_fp8=is_fp8, kv_layout=layout,
-               sm_scale=1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale),
-               k_scale=float(k_scale), v_scale=float(v_scale), runtime_metadata=runtime_metadata,
-               check=bool(check_input_valid))
+    sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    if output_o and (k_scale != 1.0 or v_scale != 1.0) and not any_sparse:
+        raise ValueError("k_scale/v_scale are currently supported only by sparse MSA")
+    fp8_scales = is_fp8 and any_sparse
+    if not fp8_scales:
+        k_scale = v_scale = 1.0
+    scale_log2 = sm * LOG2E * k_scale
+    if output_o and not (scale_log2 > 0.0 and scale_log2 != math.inf):
+        raise NotImplementedError(
+            f"{fn}: the attention kernels need a positive finite softmax scale, got sm_scale={sm}"
+            + (f", k_scale={k_scale}" if fp8_scales else ""))
+
     if runtime_metadata is None and not first.is_static:
-        expected_q = sum(int(np.asarray(p.qo_lens, dtype=np.int64).sum()) for p in plans)
+        expected_q = first.total_q + (second.total_q if mixed else 0)
         if total_q != expected_q:
             raise ValueError(f"q has {total_q} rows but the plan's qo lengths sum to {expected_q}")
         if first.mode == "dense":
-            expected_k = sum(p.prefill_plan.total_seqlen_k for p in plans)
-            if call["k"].shape[0] < expected_k:
-                raise ValueError(f"k has {call['k'].shape[0]} rows but the plan's kv lengths sum to {expected_k}")
+            expected_k = first.prefill_plan.total_seqlen_k + (second.prefill_plan.total_seqlen_k if mixed else 0)
+            if kv_extent < expected_k:
+                raise ValueError(f"k has {kv_extent} rows but the plan's kv lengths sum to {expected_k}")
 
-    # Outputs (validated, or allocated on q's device).
-    out_data = lse_data = ms_data = None
-    if output_o:
-        if out is not None:
-            out_data = _check_output(call, "out", qa.shape, ctx.out_dtype, "[total_q, Hq, D]")
-        else:
-            out_data = call.empty(qa.shape, ctx.out_dtype)
-            lc.note_alloc("out", out_data)
-        if lse is not None:
-            lse_data = _check_output(call, "lse", (total_q, hq), FLOAT32, "[total_q, Hq]")
-        elif want_lse:
-            lse_data = call.empty((total_q, hq), FLOAT32)
-            lc.note_alloc("lse", lse_data)
-    if output_maxscore:
-        nt = max(max_k_tiles(p) for p in plans)
-        if max_score is not None:
-            ms_data = _check_max_score_buffer(call, total_q, hq, nt)
-        else:
-            ms_data = call.empty((total_q, hq, nt), FLOAT32)
-            lc.note_alloc("max_score", ms_data)
+    out_dtype = BFLOAT16 if is_fp8 else dtype
+    nt = max(max_k_tiles(p) for p in plans) if output_maxscore else 0
+    if out_a is not None:
+        if out_a.dtype != out_dtype or out_a.shape != qshape or (out_a.strides != (hq * d, d, 1)
+                                                                and not out_a.is_contiguous()):
+            _check_output(out_a, qshape, out_dtype, "[total_q, Hq, D]")
+    if lse_a is not None:
+        if lse_a.dtype != FLOAT32 or lse_a.shape != (total_q, hq) or (lse_a.strides != (hq, 1)
+                                                                     and not lse_a.is_contiguous()):
+            _check_output(lse_a, (total_q, hq), FLOAT32, "[total_q, Hq]")
+    if ms_a is not None:
+        if ms_a.dtype != FLOAT32:
+            raise TypeError(f"max_score must be float32, got {dtype_name(ms_a.dtype)}")
+        if ms_a.ndim != 3 or ms_a.shape[:2] != (total_q, hq) or ms_a.shape[2] < nt:
+            raise ValueError(
+                f"max_score must have shape [total_q, Hq, max_k_tiles] = ({total_q}, {hq}, {nt}) "
+                f"(a wider last dim is allowed), got {ms_a.shape}"
+            )
+        if not ms_a.is_contiguous():
+            raise ValueError("max_score must be contiguous")
     kbi = None
-    if any_sparse and output_o and kv_block_indexes is not None:
-        kbi = _check_block_indexes(call, first, total_q)
+    if any_sparse and output_o and kbi_a is not None:
+        kbi = _check_block_indexes(call, kbi_a, first, total_q)
+    if override.__class__ is Arg:
+        _check_override(override, first.batch_size + (second.batch_size if mixed else 0))
 
     # Parts: one per plan; a mixed plan splits rows, KV rows (dense) or flat page ids (paged).
-    whole = _Part(plan=first, q=qa.data, k=call["k"].data, v=call["v"].data, out=out_data, lse=lse_data,
-                  max_score=ms_data, kv_indices=call.data("kv_indices"), page_table=call.data("page_table"),
-                  kv_block_indexes=kbi, q_offset_override=override)
-    if not mixed:
-        parts = [whole]
+    if mixed:
+        q_split = first.total_q
+        row_ranges = ((0, q_split), (q_split, total_q))
+        if first.mode == "dense":
+            kv_split = int(first.prefill_plan.total_seqlen_k)
+            kv_ranges = ((0, kv_split), (kv_split, kv_extent))
+        else:
+            kv_ranges = ((0, kv_extent), (0, kv_extent))  # one shared page pool
+        page_split = int(first.kv_page_indptr[-1]) if first.kv_page_indptr is not None and first.batch_size else 0
+        idx_parts = ((None, None) if idx_a is None
+                     else (_rows(idx_a, 0, page_split), _rows(idx_a, page_split, idx_a.shape[0])))
+        table_parts = ((None, None) if table_a is None
+                       else (_rows(table_a, 0, split), _rows(table_a, split, table_a.shape[0])))
+        ov_parts = ((_rows(override, 0, split), _rows(override, split, override.shape[0]))
+                    if override.__class__ is Arg else (override, override))
     else:
-        parts = _split_mixed(whole, first, second, split)
+        row_ranges, kv_ranges = ((0, total_q),), ((0, kv_extent),)
+        idx_parts, table_parts, ov_parts = (idx_a,), (table_a,), (override,)
 
-    jobs = []
-    for part in parts:
+    parts, operands, configs = [], [], []
+    for i, plan in enumerate(plans):
+        r0, r1 = row_ranges[i]
+        k0, k1 = kv_ranges[i]
+        vec = plan.device_vectors
+        if runtime_metadata is None and vec is not None and vec.device == call.device and vec.lengths is not None:
+            lens = vec.lengths  # an uploaded eager plan on its device
+        else:
+            lens = resolve_lengths(fn, plan, runtime_metadata, call)
+        offsets = lens.qo_offset if ov_parts[i] is None else _offsets(call, plan, lens, ov_parts[i],
+                                                                      runtime_metadata)
+        part_kbi = kbi if not mixed else _rows(kbi, r0, r1)
+        table_i, idx_i = table_parts[i], idx_parts[i]
+        att_pages = ms_pages = _NO_PAGES
+        att_src = ms_src = "dense"
+        attention = None
         if output_o:
-            jobs.append(_prepare_attention(ctx, part))
+            if plan.mode == "dense":
+                if table_i is not None and lens.page_table is not None:
+                    raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
+            else:
+                if plan.is_sparse:
+                    _check_sparse_part(fn, plan, lens, table_i, idx_i, part_kbi)
+                att_pages = _attention_pages(fn, call, plan, lens, table_i, idx_i)
+                att_src = "table" if att_pages[1] is None else "csr"
+            attention, launch = _part_attention(plan, r1 - r0, d, DTYPE_CODES[dtype], call.device)
+            configs.append(launch)
         if output_maxscore:
-            jobs.append(_prepare_max_score(ctx, part))
-    for job in jobs:
-        job()
+            if plan.mode == "dense":
+                if table_i is not None and lens.page_table is not None:
+                    raise ValueError("page_table argument and runtime_metadata.page_table are mutually exclusive")
+            else:
+                ms_pages = _max_score_pages(fn, call, plan, lens, table_i, idx_i, runtime_metadata)
+                ms_src = "table" if ms_pages[1] is None else "csr"
+        if mixed:
+            q_part, k_part, v_part = _rows(qa, r0, r1), _rows(ka, k0, k1), _rows(va, k0, k1)
+        else:
+            q_part, k_part, v_part = qa, ka, va
+        if check_input_valid:
+            if output_o:
+                _check_pages(plan, q_part, k_part, lens, att_pages, part_kbi if plan.is_sparse else None)
+            if output_maxscore and (not output_o or ms_pages is not att_pages):
+                _check_pages(plan, q_part, k_part, lens, ms_pages, None)
+        parts.append((plan, row_ranges[i], attention, att_src, ms_src))
+        operands.append(_PartOperands(q_part, k_part, v_part, lens, offsets, att_pages, ms_pages, part_kbi))
 
-    def give(obj, data, dt):
-        if data is None:
-            return None
-        return obj if obj is not None else call.export(data, dtype=dt)
-
-    return call, (give(out, out_data, ctx.out_dtype), give(lse, lse_data, FLOAT32), give(max_score, ms_data, FLOAT32))
-
-
-def _split_mixed(whole: _Part, first: MsaPlan, second: MsaPlan, split: int) -> list:
-    """Decode part (requests ``[0, split)``) and prefill part of a mixed plan."""
-    q_split = int(np.asarray(first.qo_lens, dtype=np.int64).sum())
-    override = whole.q_offset_override
-    if override is not None and not isinstance(override, (int, np.integer)):
-        batch = first.batch_size + second.batch_size
-        if override.ndim != 1 or override.shape[0] != batch:
-            raise ValueError(
-                f"qo_offset must have the same shape as qo_segment_lens, got {tuple(override.shape)} vs ({batch},)"
-            )
-        ov = (override[:split], override[split:])
+    key = (fn, call.device, dtype, qshape, layout, sm, k_scale, v_scale, bool(output_o), bool(output_maxscore),
+           bool(want_lse), bool(check_input_valid), nt, parts)
+    last = first.last_call
+    if last is not None and last[0] == key:
+        prob = last[1]
     else:
-        ov = (override, override)
-    if first.mode == "dense":
-        kv_split = int(np.asarray(first.kv_lens, dtype=np.int64).sum())
-        ks, vs = (whole.k[:kv_split], whole.k[kv_split:]), (whole.v[:kv_split], whole.v[kv_split:])
-        idx = (None, None)
+        prob = MsaProblem(
+            fn=fn, is_cuda=call.device >= 0, device=call.device, dtype=dtype, out_dtype=out_dtype, head_dim=d,
+            kv_layout=layout, sm_scale=sm, k_scale=k_scale, v_scale=v_scale, scale_log2=scale_log2,
+            output_o=bool(output_o), output_maxscore=bool(output_maxscore), want_lse=bool(want_lse),
+            check_input_valid=bool(check_input_valid), max_k_tiles=nt,
+            parts=tuple(PartProblem(*part) for part in parts))
+        first.last_call = (key, prob)
+    ops = _Operands(call)
+    ops.out, ops.lse, ops.max_score = out_a, lse_a, ms_a
+    ops.parts, ops.configs = operands, configs
+    ops.q_strides, ops.k_strides, ops.v_strides, ops.kv_extent = qs, ks, vs, kv_extent
+    ops.workspace = workspace
+    return prob, ops
+
+
+def _check_sparse_part(fn: str, plan: MsaPlan, lens: Lengths, table, idx, kbi) -> None:
+    """The sparse attention pass's own conditions."""
+    if idx is None and table is None and lens.page_table is None:
+        raise ValueError("sparse MSA forward requires kv_indices or page_table")
+    if kbi is None:
+        raise ValueError("sparse MSA forward requires kv_block_indexes")
+    if plan.num_kv_splits > 1:
+        raise ValueError(f"MSA forward currently requires num_kv_splits <= 1, got {plan.num_kv_splits}")
+    ratio = plan.num_qo_heads // plan.num_kv_heads
+    if ratio not in SPARSE_GQA_RATIOS:
+        raise ValueError(f"sparse MSA forward requires a Hq/Hkv ratio in {SPARSE_GQA_RATIOS}, got {ratio}")
+    if plan.prefill_plan.max_seqlen_k > SPARSE_MAX_SEQLEN_K:
+        raise NotImplementedError(f"{fn}: sparse attention supports max_seqlen_k up to {SPARSE_MAX_SEQLEN_K}, "
+                                  f"got {plan.prefill_plan.max_seqlen_k}")
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
+        page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
+        check_input_valid, workspace):
+    """Validate and run one MSA call (arguments as :func:`validate`, all given); returns
+    ``(out, lse, max_score)`` in the caller's framework. Preallocated arrays are written in
+    place and returned as the same objects.
+    """
+    prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
+                         page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore,
+                         want_lse, check_input_valid, workspace)
+    call = ops.call
+    if prob.output_o:
+        if ops.out is None:
+            ops.out = call.new("out", call.args["q"].shape, prob.out_dtype)
+        if ops.lse is None and prob.want_lse:
+            ops.lse = call.new("lse", call.args["q"].shape[:2], FLOAT32)
+    if prob.output_maxscore and ops.max_score is None:
+        total_q, hq = call.args["q"].shape[:2]
+        ops.max_score = call.new("max_score", (total_q, hq, prob.max_k_tiles), FLOAT32)
+    if prob.is_cuda:
+        _run_cuda(prob, ops)
     else:
-        ks, vs = (whole.k, whole.k), (whole.v, whole.v)  # one shared page pool
-        page_split = int(first.kv_page_indptr[-1]) if first.batch_size else 0
-        idx = _split_rows(whole.kv_indices, page_split)
-    qs = _split_rows(whole.q, q_split)
-    outs, lses, mss = (_split_rows(a, q_split) for a in (whole.out, whole.lse, whole.max_score))
-    kbis = _split_rows(whole.kv_block_indexes, q_split)
-    tables = _split_rows(whole.page_table, split)
-    return [
-        _Part(plan=p, q=qs[i], k=ks[i], v=vs[i], out=outs[i], lse=lses[i], max_score=mss[i], kv_indices=idx[i],
-              page_table=tables[i], kv_block_indexes=kbis[i], q_offset_override=ov[i])
-        for i, p in enumerate((first, second))
-    ]
+        _run_host(prob, ops)
+    out = ops.out.obj if prob.output_o else None
+    lse = ops.lse.obj if prob.output_o and ops.lse is not None else None
+    ms = ops.max_score.obj if prob.output_maxscore else None
+    return out, lse, ms
+
+
+_GET_DEVICE = []
+
+
+def _current_device():
+    """CuPy's runtime ``getDevice`` (bound on first use: importing mate_cupy does not import CuPy)."""
+    if not _GET_DEVICE:
+        from cupy.cuda import runtime
+
+        _GET_DEVICE.append(runtime.getDevice)
+    return _GET_DEVICE[0]
+
+
+def _run_cuda(prob: MsaProblem, ops: _Operands) -> None:
+    call = ops.call
+    stream, device = call.stream_ptr, call.device
+    ws_ptr = 0
+    if prob.output_o:
+        launches = ops.configs
+        need = launches[0][0].workspace_bytes if len(launches) == 1 else max(c.workspace_bytes for c, _ in launches)
+        if need:
+            ws = ops.workspace
+            if ws is None:
+                ws = _plan_workspace(prob, need, call)
+            elif ws.__class__ is not Workspace or ws.nbytes < need or ws.device != device:
+                ws = as_workspace(ws, need, device)
+            ws_ptr = ws.ptr
+        layout = prob.kv_layout
+        ks, vs = ops.k_strides, ops.v_strides
+        if layout == "":
+            k_strides, v_strides = (0, ks[0], ks[1]), (0, vs[0], vs[1])
+        elif layout == "NHD":
+            k_strides, v_strides = ks[:3], vs[:3]
+        else:
+            k_strides, v_strides = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        out, lse = ops.out, ops.lse
+        out_strides = out.strides
+    mixed = len(prob.parts) > 1
+    switch = (_GET_DEVICE[0] if _GET_DEVICE else _current_device())() != device
+    if switch:
+        scope = call.device_scope()
+        scope.__enter__()
+    try:
+        for i, part in enumerate(prob.parts):
+            pa = ops.parts[i]
+            r0, r1 = part.rows
+            lens = pa.lens
+            dense = part.plan.mode == "dense"
+            if prob.output_o:
+                config, kernels = ops.configs[i]
+                if mixed:
+                    out_p, lse_p = _rows(out, r0, r1), _rows(lse, r0, r1)
+                else:
+                    out_p, lse_p = out, lse
+                al.run_attention(
+                    part.attention, config, (pa.q, pa.k, pa.v, out_p, lse_p),
+                    (lens.cu_seqlens_q, lens.qo_lens, lens.kv_lens if lens.seqused_k is None else lens.seqused_k,
+                     pa.offsets, lens.cu_seqlens_k if dense else None), pa.att_pages + (pa.kbi,),
+                    (ops.q_strides, out_strides, k_strides, v_strides, pa.k.shape[0]),
+                    (prob.scale_log2, prob.v_scale), ws_ptr, device, stream, kernels)
+            if prob.output_maxscore:
+                table = indices = indptr = None
+                if part.max_score_pages == "table":
+                    table = pa.ms_pages[0]
+                elif part.max_score_pages == "csr":
+                    indices, indptr = pa.ms_pages[0], pa.ms_pages[1]
+                index_launch.run_max_score(
+                    pa.q, pa.k, _rows(ops.max_score, r0, r1), cu_seqlens_q=lens.cu_seqlens_q,
+                    qo_lens=lens.qo_lens, kv_lens=lens.keys_read, qo_offset=pa.offsets,
+                    cu_seqlens_k=lens.cu_seqlens_k if dense else None, page_table=table, kv_indices=indices,
+                    kv_page_indptr=indptr, kv_layout=prob.kv_layout or "NHD",
+                    page_size=0 if dense else part.plan.page_size,
+                    max_seqlen_q=part.plan.prefill_plan.max_seqlen_q, causal=part.plan.causal, stream=stream)
+    finally:
+        if switch:
+            scope.__exit__(None, None, None)
+
+
+def _table_host(pages: tuple) -> np.ndarray:
+    page_list, indptr, _ = pages
+    if indptr is None:
+        return page_list.data
+    return ref.page_table_from_indptr(page_list.data, indptr.data)
+
+
+def _run_host(prob: MsaProblem, ops: _Operands) -> None:
+    for part, pa in zip(prob.parts, ops.parts):
+        plan, lens = part.plan, pa.lens
+        r0, r1 = part.rows
+        q, k, v = pa.q.data, pa.k.data, pa.v.data
+        eff = lens.effective_kv_lens()
+        qo_lens, cu_q, offsets = lens.qo_lens.data, lens.cu_seqlens_q.data, pa.offsets.data
+        if prob.output_o:
+            common = dict(qo_offset=offsets, causal=plan.causal, sm_scale=prob.sm_scale, qo_lens=qo_lens)
+            if plan.mode == "dense":
+                o, l = ref.dense_attention(q, k, v, cu_q, lens.cu_seqlens_k.data, kv_lens=eff, **common)
+            elif plan.mode == "paged":
+                o, l = ref.paged_attention(q, k, v, cu_q, eff, _table_host(pa.att_pages), kv_layout=prob.kv_layout,
+                                           **common)
+            else:
+                o, l = ref.sparse_attention(q, k, v, cu_q, eff, _table_host(pa.att_pages), pa.kbi.data,
+                                            k_scale=prob.k_scale, v_scale=prob.v_scale, kv_layout=prob.kv_layout,
+                                            **common)
+            ops.out.data[r0:r1] = o.astype(prob.out_dtype)
+            if ops.lse is not None:
+                ops.lse.data[r0:r1] = l.astype(np.float32)
+        if prob.output_maxscore:
+            ms = ops.max_score.data[r0:r1]
+            common = dict(qo_offset=offsets, causal=plan.causal, max_k_tiles=ms.shape[2], qo_lens=qo_lens)
+            if plan.mode == "dense":
+                res = ref.block_max_score(q, k, cu_q, lens.cu_seqlens_k.data, kv_lens=eff, **common)
+            else:
+                res = ref.paged_block_max_score(q, k, cu_q, eff, _table_host(pa.ms_pages), kv_layout=prob.kv_layout,
+                                                **common)
+            ms[...] = res.astype(np.float32)

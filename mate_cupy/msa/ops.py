@@ -1,15 +1,18 @@
 """Public MSA attention ops: ``msa``, ``sparse_msa``, ``sparse_decode_atten_func``, ``sparse_msa_plan``.
 
-Argument names, defaults, keyword handling and refusals follow the seed API; the work
-is done by :func:`mate_cupy.msa.execute.run_plan`. Beyond the seed: sparse execution
-with mixed decode+prefill plans, max scores from sparse and mixed plans, and
-``output_o=False`` everywhere (see ``docs/semantics.md``).
+Argument names, defaults and return values follow the seed API; each op is one call of
+:func:`mate_cupy.msa.execute.run` (one validation, then the host references or the CUDA
+launchers). Beyond the seed: sparse execution with mixed decode+prefill plans, max scores
+from sparse and mixed plans, ``output_o=False`` everywhere, and a caller ``workspace``
+(see ``docs/semantics.md``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from .._logging import mate_api
-from .execute import run_plan
-from .plan import msa_plan_from_lengths, unpack_plan_info
+from .execute import run
+from .plan import SPARSE_BLOCK_SIZE, msa_plan_from_lengths, unpack_plan_info
 
 __all__ = ["NoOutputRequestedError", "msa", "sparse_decode_atten_func", "sparse_msa", "sparse_msa_plan"]
 
@@ -27,7 +30,7 @@ def _nothing_requested(fn: str):
     return NoOutputRequestedError(f"{fn} requires output_o=True or output_maxscore=True")
 
 
-def _pure_plan(fn: str, plan_info, mode: str):
+def _pure_plan(fn: str, plan_info, mode: str) -> tuple:
     """The unpacked ``plan_info`` of a single (not mixed) plan of ``mode``, else ValueError."""
     info = unpack_plan_info(plan_info)
     mixed, _, _, plan, extra = info
@@ -38,116 +41,104 @@ def _pure_plan(fn: str, plan_info, mode: str):
     return info
 
 
-def _unexpected(fn: str, kwargs: dict) -> None:
-    if kwargs:
-        raise TypeError(f"{fn} got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
-
-
-def _positional(fn: str, args: tuple):
-    if len(args) < 4:
-        raise TypeError(f"{fn} requires q, k, v, and plan_info")
-    if len(args) > 4:
-        raise TypeError(f"{fn} accepts at most q, k, v, plan_info as positional arguments")
-    return args
-
-
 @mate_api
 def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_override=None, out=None,
-        max_score=None, **kwargs):
+        max_score=None, *, sm_scale: Optional[float] = None, lse=None, k_scale: float = 1.0, v_scale: float = 1.0,
+        runtime_metadata=None, page_table=None, output_o: bool = True, output_maxscore: Optional[bool] = None,
+        check_input_valid: bool = False, workspace=None):
     """MiniMax Sparse Attention through a plan: dense, paged or block-sparse, plus block max scores.
 
-    q ``[total_q, Hq, D]``; dense plans: k, v ``[total_k, Hkv, D]``; paged and sparse plans:
-    k, v ``[num_pages, page_size, Hkv, D]`` (or ``[num_pages, Hkv, page_size, D]``) with
-    ``kv_indices`` (flat page ids, CSR by the plan's page counts) or ``page_table=[B, max_pages]``.
-    Sparse plans need ``kv_block_indexes [total_q, Hkv or Hq, W]`` int32.
-    Keywords: ``sm_scale`` (default ``D ** -0.5``), ``lse`` (preallocated float32
-    ``[total_q, Hq]``, filled in every mode), ``k_scale``/``v_scale`` (fp8 sparse only),
-    ``runtime_metadata`` (required by static plans), ``page_table``, ``output_o=True``,
-    ``output_maxscore`` (default: the plan's), ``check_input_valid=False``.
+    q ``[total_q, Hq, D]`` (fp16, bf16 or fp8; D 64, 128 or 256, 128 when sparse); dense plans:
+    k, v ``[total_k, Hkv, D]``; paged and sparse plans: k, v ``[num_pages, page_size, Hkv, D]``
+    (or ``[num_pages, Hkv, page_size, D]``) with ``kv_indices`` (flat page ids, CSR by the
+    plan's page counts) or ``page_table [B, max_pages]``. Sparse plans need
+    ``kv_block_indexes [total_q, Hkv or Hq, W]`` int32. ``q_offset_override``: an int or
+    ``[B]`` (eager plans). ``sm_scale`` (default ``D ** -0.5``); ``lse`` (preallocated float32
+    ``[total_q, Hq]``, filled in every mode); ``k_scale``/``v_scale`` (fp8 sparse only);
+    ``runtime_metadata`` (required by static plans); ``output_o``; ``output_maxscore``
+    (default: the plan's; a given ``max_score`` implies it); ``check_input_valid`` (read the
+    indices on the host and refuse invalid ones: a synchronisation on CUDA); ``workspace``
+    (a ``mate_cupy.Workspace`` or contiguous CUDA array of at least
+    ``plan.workspace_bytes(D, q.dtype)`` bytes; default: the plan's own).
 
     Returns ``(out, max_score)``: ``out [total_q, Hq, D]`` in q's dtype (bfloat16 for fp8) or
     None when ``output_o=False``; ``max_score [total_q, Hq, ceil(max_seqlen_k / 128)]``
     float32 or None.
     """
-    mixed, _, _, first, _ = info = unpack_plan_info(plan_info)
-    sm_scale = kwargs.pop("sm_scale", None)
-    lse = kwargs.pop("lse", None)
-    k_scale = float(kwargs.pop("k_scale", 1.0))
-    v_scale = float(kwargs.pop("v_scale", 1.0))
-    runtime_metadata = kwargs.pop("runtime_metadata", None)
-    page_table = kwargs.pop("page_table", None)
-    output_o = bool(kwargs.pop("output_o", True))
-    output_maxscore = bool(kwargs.pop("output_maxscore", first.output_maxscore)) or max_score is not None
-    check = bool(kwargs.pop("check_input_valid", False))
-    _unexpected("msa", kwargs)
+    info = unpack_plan_info(plan_info)
+    if output_maxscore is None:
+        output_maxscore = info[3].output_maxscore
+    output_maxscore = bool(output_maxscore) or max_score is not None
     if not output_o and not output_maxscore:
         raise _nothing_requested("msa")
-    if mixed and runtime_metadata is not None:
-        raise NotImplementedError("runtime_metadata is not supported with mixed prefill/decode plans")
-    out, _, ms = run_plan(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
-                          q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
-                          page_table=page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                          runtime_metadata=runtime_metadata, output_o=output_o, output_maxscore=output_maxscore,
-                          check_input_valid=check)
-    return out, ms
+    res_o, _, res_ms = run("msa", info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse,
+                           max_score, page_table, sm_scale, k_scale, v_scale, runtime_metadata, bool(output_o),
+                           output_maxscore, False, bool(check_input_valid), workspace)
+    return res_o, res_ms
 
 
 @mate_api
-def sparse_msa_plan(*args, **kwargs):
-    """Eager plan for a pure sparse-prefill batch (``sparse_kernel_mode='prefill'``, no split).
+def sparse_msa_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, num_kv_heads: Optional[int] = None, *,
+                    qo_offset=None, split_prefill_decode: bool = False, num_kv_splits: int = -1,
+                    page_size: int = -1, sparse_block_size: int = SPARSE_BLOCK_SIZE, output_maxscore: bool = False,
+                    kv_block_num: int = -1, force_begin_blocks: int = 0, force_end_blocks: int = 0,
+                    force_blocks_count_in_topk: bool = True, usable_SM_count: Optional[int] = None,  # noqa: N803
+                    causal: bool = True, sparse_kernel_mode: str = "prefill", use_fp8_kvcache: bool = False,
+                    device=None, stream=None, prefill_tile: Optional[str] = None):
+    """Eager plan for a pure sparse-prefill batch.
 
-    Same arguments as :func:`msa_plan_from_lengths` (``kv_block_num`` is required for a
-    sparse plan; ``page_size`` must be 128). Returns ``(False, 0, B, plan, None)``.
+    Arguments as :func:`~mate_cupy.msa.plan.msa_plan_from_lengths` (``kv_block_num`` is
+    required, ``page_size`` must be 128); the plan is always ``sparse_prefill``
+    (``sparse_kernel_mode`` is accepted and not used) and ``split_prefill_decode`` defaults
+    to False (True with a decode-sized first request is a ``ValueError``).
+    Returns ``(False, 0, B, plan, None)``.
     """
-    kwargs.setdefault("split_prefill_decode", False)
-    kwargs["sparse_kernel_mode"] = "prefill"
-    info = msa_plan_from_lengths(*args, **kwargs)
+    del sparse_kernel_mode
+    info = msa_plan_from_lengths(
+        qo_segment_lens, kv_segment_lens, num_qo_heads, num_kv_heads, qo_offset=qo_offset,
+        split_prefill_decode=split_prefill_decode, num_kv_splits=num_kv_splits, page_size=page_size,
+        sparse_block_size=sparse_block_size, output_maxscore=output_maxscore, kv_block_num=kv_block_num,
+        force_begin_blocks=force_begin_blocks, force_end_blocks=force_end_blocks,
+        force_blocks_count_in_topk=force_blocks_count_in_topk, usable_SM_count=usable_SM_count, causal=causal,
+        sparse_kernel_mode="prefill", use_fp8_kvcache=use_fp8_kvcache, device=device, stream=stream,
+        prefill_tile=prefill_tile)
     _pure_plan("sparse_msa_plan", info, "sparse_prefill")
     return info
 
 
 @mate_api
-def sparse_msa(*args, **kwargs):
-    """Block-sparse prefill attention: ``sparse_msa(q, k, v, plan_info, *, kv_block_indexes, ...)``.
+def sparse_msa(q, k, v, plan_info, *, out=None, lse=None, max_score=None, sm_scale: Optional[float] = None,
+               k_scale: float = 1.0, v_scale: float = 1.0, runtime_metadata=None, kv_indices=None,
+               output_maxscore: bool = False, output_o: bool = True, kv_block_indexes=None, q_offset_override=None,
+               check_input_valid: bool = False, workspace=None):
+    """Block-sparse prefill attention.
 
     ``plan_info`` from :func:`sparse_msa_plan` (or any ``sparse_prefill`` plan).
     q ``[total_q, Hq, 128]`` (Hq/Hkv 8 or 16), paged k, v with page size 128,
     ``kv_indices`` or ``runtime_metadata.page_table``, ``kv_block_indexes
-    [total_q, Hkv or Hq, W]`` int32 (-1 = unused). Keywords: ``out``, ``lse``,
-    ``max_score``, ``sm_scale``, ``k_scale``, ``v_scale`` (fp8), ``runtime_metadata``,
-    ``output_maxscore=False``, ``output_o=True``, ``q_offset_override``, ``check_input_valid``.
+    [total_q, Hkv or Hq, W]`` int32 (-1 = unused; required unless ``output_o=False``).
+    Other keywords as in :func:`msa` (``output_maxscore`` defaults to False here).
     Returns ``(out, max_score)`` (``max_score`` None unless requested).
     """
-    q, k, v, plan_info = _positional("sparse_msa", args)
-    out = kwargs.pop("out", None)
-    lse = kwargs.pop("lse", None)
-    max_score = kwargs.pop("max_score", None)
-    sm_scale = kwargs.pop("sm_scale", None)
-    k_scale = float(kwargs.pop("k_scale", 1.0))
-    v_scale = float(kwargs.pop("v_scale", 1.0))
-    runtime_metadata = kwargs.pop("runtime_metadata", None)
-    kv_indices = kwargs.pop("kv_indices", None)
-    output_maxscore = bool(kwargs.pop("output_maxscore", False)) or max_score is not None
-    output_o = bool(kwargs.pop("output_o", True))
-    kv_block_indexes = kwargs.pop("kv_block_indexes", None)
-    q_offset_override = kwargs.pop("q_offset_override", None)
-    check = bool(kwargs.pop("check_input_valid", False))
-    _unexpected("sparse_msa", kwargs)
+    output_maxscore = bool(output_maxscore) or max_score is not None
     if not output_o and not output_maxscore:
         raise _nothing_requested("sparse_msa")
     if output_o and kv_block_indexes is None:
         raise ValueError("sparse_msa requires kv_block_indexes")
     info = _pure_plan("sparse_msa", plan_info, "sparse_prefill")
-    out, _, ms = run_plan(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
-                          q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
-                          sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, runtime_metadata=runtime_metadata,
-                          output_o=output_o, output_maxscore=output_maxscore, check_input_valid=check)
-    return out, ms
+    res_o, _, res_ms = run("sparse_msa", info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse,
+                           max_score, None, sm_scale, k_scale, v_scale, runtime_metadata, bool(output_o),
+                           output_maxscore, False, bool(check_input_valid), workspace)
+    return res_o, res_ms
 
 
 @mate_api
-def sparse_decode_atten_func(*args, **kwargs):
-    """Block-sparse decode attention: ``sparse_decode_atten_func(q, k, v, plan_info, **kw)``.
+def sparse_decode_atten_func(q, k, v, plan_info, *, out=None, lse=None, max_score=None,
+                             sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                             runtime_metadata=None, kv_indices=None, page_table=None, kv_block_indexes=None,
+                             q_offset_override=None, output_maxscore: bool = False, output_o: bool = True,
+                             return_softmax_lse: bool = False, check_input_valid: bool = False, workspace=None):
+    """Block-sparse decode attention.
 
     ``plan_info``: a ``sparse_decode`` plan (``kv_block_num > 0``, ``max qo_len <= 32`` or
     ``sparse_kernel_mode='decode'``). Operands as in :func:`sparse_msa`, plus ``page_table``.
@@ -155,33 +146,15 @@ def sparse_decode_atten_func(*args, **kwargs):
     appended (``(out, max_score)`` or ``(out, lse, max_score)``) when ``output_maxscore``
     or ``max_score`` is given.
     """
-    q, k, v, plan_info = _positional("sparse_decode_atten_func", args)
-    out = kwargs.pop("out", None)
-    lse = kwargs.pop("lse", None)
-    max_score = kwargs.pop("max_score", None)
-    sm_scale = kwargs.pop("sm_scale", None)
-    k_scale = float(kwargs.pop("k_scale", 1.0))
-    v_scale = float(kwargs.pop("v_scale", 1.0))
-    runtime_metadata = kwargs.pop("runtime_metadata", None)
-    kv_indices = kwargs.pop("kv_indices", None)
-    page_table = kwargs.pop("page_table", None)
-    kv_block_indexes = kwargs.pop("kv_block_indexes", None)
-    q_offset_override = kwargs.pop("q_offset_override", None)
-    output_maxscore = bool(kwargs.pop("output_maxscore", False)) or max_score is not None
-    output_o = bool(kwargs.pop("output_o", True))
-    return_softmax_lse = bool(kwargs.pop("return_softmax_lse", False))
-    check = bool(kwargs.pop("check_input_valid", False))
-    _unexpected("sparse_decode_atten_func", kwargs)
+    output_maxscore = bool(output_maxscore) or max_score is not None
     if not output_o and not output_maxscore:
         raise _nothing_requested("sparse_decode_atten_func")
     info = _pure_plan("sparse_decode_atten_func", plan_info, "sparse_decode")
-    out, lse_out, ms = run_plan(info, q, k, v, kv_indices=kv_indices, kv_block_indexes=kv_block_indexes,
-                                q_offset_override=q_offset_override, out=out, lse=lse, max_score=max_score,
-                                page_table=page_table, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                runtime_metadata=runtime_metadata, output_o=output_o,
-                                output_maxscore=output_maxscore, want_lse=return_softmax_lse,
-                                check_input_valid=check)
-    result = (out, lse_out) if return_softmax_lse else (out,)
-    if output_maxscore:
-        result = result + (ms,)
-    return result[0] if len(result) == 1 else result
+    res_o, res_lse, res_ms = run(
+        "sparse_decode_atten_func", info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse,
+        max_score, page_table, sm_scale, k_scale, v_scale, runtime_metadata, bool(output_o), output_maxscore,
+        bool(return_softmax_lse), bool(check_input_valid), workspace)
+    if not return_softmax_lse and not output_maxscore:
+        return res_o
+    result = (res_o, res_lse) if return_softmax_lse else (res_o,)
+    return result + (res_ms,) if output_maxscore else result

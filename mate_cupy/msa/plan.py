@@ -1,28 +1,32 @@
 """MSA plans: dataclasses, the eager planner (concrete lengths) and the static planner.
 
-A plan fixes everything about an MSA call that does not depend on the arrays:
-the mode (``dense``, ``paged``, ``sparse_prefill``, ``sparse_decode``), head counts,
-page and block sizes, sparse selection width and the per-request lengths.
+A plan fixes everything about an MSA call that does not depend on the arrays: the mode
+(``dense``, ``paged``, ``sparse_prefill``, ``sparse_decode``), head counts, page and block
+sizes, the sparse selection width, the per-request lengths and the options.
 
-* :func:`msa_plan_from_lengths` (eager) reads the lengths once on the host and
-  stores them as host NumPy int32 arrays. Requests with ``qo_len > 128`` (``> 32`` when
-  sparse) start the prefill part; when decode requests precede them the batch is split
-  into ``(True, split, batch_size, decode_plan, prefill_plan)``.
-* :func:`msa_plan` (static, CUDA-graph safe) never sees lengths: it keeps capacities
-  only, and every call must supply :class:`MsaRuntimeMetadata`.
+* :func:`msa_plan_from_lengths` (eager) reads the lengths once on the host and stores
+  them as host NumPy int32 vectors. Requests with ``qo_len > 128`` (``> 32`` when sparse)
+  start the prefill part; when decode requests precede them the batch is split into
+  ``(True, split, batch_size, decode_plan, prefill_plan)``.
+* :func:`msa_plan` (static, CUDA-graph safe) never sees lengths: it keeps capacities only,
+  and every call supplies :class:`MsaRuntimeMetadata`.
 
-Eager plans executed on CUDA copy their vectors to the device once per device (cached
-on the plan); static plans never copy anything.
+Device side (FlashInfer's plan/run convention): an eager plan runs on CUDA once its vectors
+are on that device. They are uploaded when the plan is built if a device is known (CUDA
+lengths, or ``device=``), or by :meth:`MsaPlan.upload` / :func:`upload_plan`; a call never
+copies them. A plan also owns its scratch memory (:meth:`MsaPlan.workspace_bytes`), unless
+the call passes ``workspace=``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import numpy as np
 
-from .._interop import to_host
 from .._logging import mate_api
+from ..runtime.interop import as_dtype, to_host, wrap
 
 __all__ = [
     "MAX_K_TILES",
@@ -40,6 +44,7 @@ __all__ = [
     "prefill_qlen_threshold",
     "selected_block_count",
     "unpack_plan_info",
+    "upload_plan",
 ]
 
 MsaPlanMode = Literal["dense", "paged", "sparse_prefill", "sparse_decode"]
@@ -49,6 +54,8 @@ SPARSE_BLOCK_SIZE = 128
 SUPPORTED_SPARSE_TOPK = (4, 8, 16, 32, 64)
 SPARSE_TOPK_MAX_OUTPUT_BLOCKS = 64
 MAX_K_TILES = 12288  # sparse_topk_select needs max_k_tiles < MAX_K_TILES
+GATHER_TILE = "gather"  # the one named prefill tile (None: the query-tile kernels)
+_VECTORS = ("qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "kv_page_indptr")
 
 
 # ----------------------------------------------------------------------------- dataclasses
@@ -75,14 +82,44 @@ class MsaDecodePlan:
     scheduler_metadata: Optional[Any] = None
 
 
+class DeviceVectors:
+    """An eager plan's int32 vectors on one CUDA device: one buffer, an ``Arg`` view per vector.
+
+    Attributes ``qo_lens``, ``kv_lens``, ``qo_offset`` ``[B]``, ``cu_seqlens_q``,
+    ``cu_seqlens_k`` ``[B+1]``, ``kv_page_indptr`` ``[B+1]`` (None for dense plans).
+    """
+
+    __slots__ = ("device", "buffer", "lengths") + _VECTORS
+
+    def __init__(self, plan: "MsaPlan", device: int, stream) -> None:
+        import cupy
+
+        self.lengths = None  # the plan's runtime.Lengths on this device, made at first use
+        host = [plan.host_vector(name) for name in _VECTORS]
+        flat = np.concatenate([h for h in host if h is not None]).astype(np.int32)
+        self.device = device
+        self.buffer = cupy.empty(max(1, flat.shape[0]), dtype=cupy.int32)
+        if flat.shape[0]:
+            self.buffer[: flat.shape[0]].set(flat, stream=stream)
+        off = 0
+        for name, h in zip(_VECTORS, host):
+            if h is None:
+                setattr(self, name, None)
+                continue
+            setattr(self, name, wrap(name, self.buffer[off:off + h.shape[0]]))
+            off += h.shape[0]
+
+
 @dataclass(eq=False)
 class MsaPlan:
-    """One executable MSA plan.
+    """One executable MSA plan (one part of a plan info).
 
     ``qo_lens``, ``kv_lens``, ``qo_offset`` are host int32 ``[B]``; ``kv_page_indptr``
     host int32 ``[B+1]`` (pages of each request, paged modes) or None. For static plans
     (``is_static=True``) these vectors are zero placeholders: execution requires
-    :class:`MsaRuntimeMetadata`.
+    :class:`MsaRuntimeMetadata`. ``prefill_tile``: None (the query-tile kernels) or
+    ``"gather"`` (block-sparse prefill with per-token block lists, docs/attention.md).
+    ``usable_sm_count``: SMs the launch configuration plans for (None: the device's).
     """
 
     batch_size: int
@@ -107,13 +144,17 @@ class MsaPlan:
     prefill_plan: MsaPrefillPlan
     decode_plan: Optional[MsaDecodePlan] = None
     is_static: bool = False
-    # Prefill tile of the attention kernels (a mate_cupy option, docs/attention.md): None
-    # (the environment's, else the default) or a name of ``prefill_tile_names()``.
     prefill_tile: Optional[str] = None
-    # Device copies of the host vectors, per (device id, field name); eager plans only.
-    _device_cache: dict = field(default_factory=dict, init=False, repr=False)
+    usable_sm_count: Optional[int] = None
+    # Device copies of the vectors (eager plans, after upload) and the plan-owned workspace.
+    device_vectors: Optional[DeviceVectors] = field(default=None, init=False, repr=False)
+    workspace: Optional[Any] = field(default=None, init=False, repr=False)
+    # The last call's frozen problem, attention problem, configuration and loaded kernels (a
+    # call with the same shapes, dtypes, options and device reuses them instead of rebuilding).
+    last_attention: Optional[tuple] = field(default=None, init=False, repr=False)
+    last_call: Optional[tuple] = field(default=None, init=False, repr=False)
 
-    @property
+    @functools.cached_property
     def selected_block_count(self) -> int:
         """Width ``W`` of ``kv_block_indexes`` for sparse plans (``kv_block_num`` otherwise)."""
         if self.kv_block_num <= 0:
@@ -126,30 +167,46 @@ class MsaPlan:
     def is_sparse(self) -> bool:
         return self.mode in ("sparse_prefill", "sparse_decode")
 
+    @functools.cached_property
+    def total_q(self) -> int:
+        """Query rows of the plan: ``sum(qo_lens)`` (eager), ``batch_size * max_seqlen_q`` (static)."""
+        if self.is_static:
+            return self.batch_size * self.prefill_plan.max_seqlen_q
+        return int(self.prefill_plan.cu_seqlens_q[-1])
+
     def host_vector(self, name: str) -> Optional[np.ndarray]:
         """Host int32 vector by name: qo_lens, kv_lens, qo_offset, kv_page_indptr, cu_seqlens_q/k."""
         if name in ("cu_seqlens_q", "cu_seqlens_k"):
             return getattr(self.prefill_plan, name)
         return getattr(self, name)
 
-    def device_vector(self, name: str, device: int):
-        """Device copy of :meth:`host_vector`, made once per device and then reused.
+    def upload(self, device=None, stream=None, head_dim: Optional[int] = None, dtype=None) -> "MsaPlan":
+        """Prepare the plan on a CUDA device; returns the plan.
 
-        Call inside the caller's device/stream scope. The first call on a device copies
-        every vector of the plan and synchronises that stream once, so the copies are
-        complete for any stream that uses them later. Never used for static plans.
+        Copies an eager plan's vectors to ``device`` (None: the current CUDA device; an int,
+        ``"cuda[:N]"``, a torch/CuPy device) on ``stream`` (an address, a CuPy or torch
+        stream; None: the device's current CuPy stream, then synchronised, so the vectors
+        are ready for any stream; with a stream given the copies are only ordered on it).
+        With ``head_dim`` and ``dtype`` (q's dtype) it also allocates the plan's workspace
+        (:meth:`workspace_bytes`) and loads the kernels the plan will launch, so a first
+        call (or a graph capture) allocates and compiles nothing. Static plans copy nothing.
+        A plan lives on one device: uploading to another replaces the copies.
         """
-        key = (int(device), name)
-        if key not in self._device_cache:
-            import cupy
+        prepare([self], device, stream, head_dim, dtype)
+        return self
 
-            for field_name in ("qo_lens", "kv_lens", "qo_offset", "kv_page_indptr", "cu_seqlens_q", "cu_seqlens_k"):
-                host = self.host_vector(field_name)
-                self._device_cache[(int(device), field_name)] = (
-                    None if host is None else cupy.asarray(np.ascontiguousarray(host, dtype=np.int32))
-                )
-            cupy.cuda.get_current_stream().synchronize()
-        return self._device_cache[key]
+    def workspace_bytes(self, head_dim: int = 128, dtype="bfloat16", *, device=None,
+                        total_q: Optional[int] = None) -> int:
+        """Scratch bytes an attention call of this plan takes (split-KV partials, gather lists).
+
+        ``dtype``: q's dtype (NumPy/torch dtype or name); ``device``: the GPU whose SM count
+        and compute capability the configuration uses (default: the uploaded device, else
+        the current one); ``total_q``: q's rows (default :attr:`total_q`).
+        """
+        from .execute import attention_workspace_bytes
+
+        return attention_workspace_bytes(self, int(head_dim), as_dtype(dtype), _resolve_device(self, device),
+                                         self.total_q if total_q is None else int(total_q))
 
 
 # (has_mixed_prefill, split, batch_size, plan or decode part, None or prefill part)
@@ -178,6 +235,100 @@ class MsaRuntimeMetadata:
     kv_page_indptr: Optional[Any] = None
 
 
+# ----------------------------------------------------------------------------- devices and upload
+
+
+def device_index(device) -> Optional[int]:
+    """CUDA device ordinal of ``device`` (None: the current one); None for ``"cpu"``.
+
+    Accepts ints, ``"cuda"``, ``"cuda:N"``, ``"cpu"``, torch devices and CuPy devices.
+    """
+    if device is None:
+        import cupy
+
+        return int(cupy.cuda.Device().id)
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        return int(device)
+    kind = getattr(device, "type", None)
+    if kind is not None and not isinstance(device, str):  # torch.device
+        if kind == "cpu":
+            return None
+        if kind != "cuda":
+            raise ValueError(f"device must be a CUDA device or 'cpu', got {device!r}")
+        return device_index(device.index)
+    ident = getattr(device, "id", None)
+    if isinstance(ident, int):  # cupy.cuda.Device
+        return ident
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text == "cpu":
+            return None
+        if text == "cuda":
+            return device_index(None)
+        if text.startswith("cuda:") and text[5:].isdigit():
+            return int(text[5:])
+    raise ValueError(f"device must be None, an int, 'cpu', 'cuda' or 'cuda:N' (or a torch/CuPy device), "
+                     f"got {device!r}")
+
+
+def stream_address(stream) -> Optional[int]:
+    """The ``cudaStream_t`` address of ``stream``: an int, a CuPy stream, a torch stream, or None."""
+    if stream is None:
+        return None
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return int(stream)
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(f"stream must be None, an address, or a CuPy/torch CUDA stream, got {type(stream).__name__}")
+
+
+def _resolve_device(plan: MsaPlan, device) -> int:
+    if device is not None:
+        dev = device_index(device)
+        if dev is None:
+            raise ValueError("workspace_bytes needs a CUDA device (the configuration depends on it), got 'cpu'")
+        return dev
+    if plan.device_vectors is not None:
+        return plan.device_vectors.device
+    return device_index(None)
+
+
+def prepare(plans: list, device, stream, head_dim, dtype) -> None:
+    """Upload ``plans`` (the parts of one plan info) to ``device``; with ``head_dim`` and
+    ``dtype`` also size their workspace (owned by the first part) and load their kernels."""
+    import cupy
+
+    from ..runtime.interop import external_stream
+
+    dev = device_index(device)
+    if dev is None:
+        raise ValueError("upload needs a CUDA device, got 'cpu'")
+    ptr = stream_address(stream)
+    with cupy.cuda.Device(dev):
+        s = cupy.cuda.get_current_stream() if ptr is None else external_stream(ptr)
+        with s:
+            for plan in plans:
+                if not plan.is_static:
+                    plan.device_vectors = DeviceVectors(plan, dev, s)
+            if head_dim is not None and dtype is not None:
+                from .execute import prepare_workspace
+
+                prepare_workspace(plans, int(head_dim), as_dtype(dtype), dev)
+        if ptr is None:
+            s.synchronize()
+
+
+@mate_api
+def upload_plan(plan_info, device=None, stream=None, head_dim: Optional[int] = None, dtype=None):
+    """:meth:`MsaPlan.upload` for a plan or a planner's 5-tuple (both parts of a mixed plan,
+    whose workspace the first part owns); returns ``plan_info``."""
+    mixed, _, _, first, second = unpack_plan_info(plan_info)
+    prepare([first, second] if mixed else [first], device, stream, head_dim, dtype)
+    return plan_info
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -200,6 +351,14 @@ def _int32_vector(name: str, values) -> np.ndarray:
     if arr.dtype.kind not in "iub" and arr.dtype.kind != "f":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int32)
+
+
+def _cuda_device_of(values) -> Optional[int]:
+    """The CUDA device of an array argument, None for host arrays and lists."""
+    if isinstance(values, (np.ndarray, list, tuple, int, np.integer)) or values is None:
+        return None
+    arg = wrap("lengths", values)
+    return arg.device if arg.is_cuda else None
 
 
 def _cu_seqlens(lengths: np.ndarray) -> np.ndarray:
@@ -252,14 +411,8 @@ def selected_block_count(topk: int, force_begin_blocks: int, force_end_blocks: i
 
 
 def _resolve_mode(max_qo_len: int, page_size: int, kv_block_num: int, sparse_kernel_mode: str) -> str:
+    """The plan mode of checked options (:func:`_check_options`)."""
     if kv_block_num > 0:
-        if page_size <= 0:
-            raise ValueError("sparse MSA planning requires page_size > 0")
-        if sparse_kernel_mode not in ("auto", "prefill", "decode"):
-            raise ValueError(
-                "sparse_kernel_mode must be one of 'auto', 'prefill', or 'decode', "
-                f"got {sparse_kernel_mode!r}"
-            )
         if sparse_kernel_mode == "prefill":
             return "sparse_prefill"
         if sparse_kernel_mode == "decode":
@@ -268,8 +421,19 @@ def _resolve_mode(max_qo_len: int, page_size: int, kv_block_num: int, sparse_ker
     return "paged" if page_size > 0 else "dense"
 
 
-def _check_mode_geometry(mode: str, page_size: int, sparse_block_size: int, output_maxscore: bool) -> None:
-    if mode in ("sparse_prefill", "sparse_decode"):
+def _check_options(*, page_size: int, sparse_block_size: int, output_maxscore: bool, kv_block_num: int,
+                   force_begin_blocks: int, force_end_blocks: int, force_blocks_count_in_topk: bool,
+                   sparse_kernel_mode: str, prefill_tile, usable_sm_count) -> None:
+    """The plan options every planner shares, each checked once."""
+    if page_size > 0 and page_size & (page_size - 1):
+        raise NotImplementedError(f"page_size must be a power of two, got {page_size}")
+    if kv_block_num > 0:
+        if page_size <= 0:
+            raise ValueError("sparse MSA planning requires page_size > 0")
+        if sparse_kernel_mode not in ("auto", "prefill", "decode"):
+            raise ValueError(
+                f"sparse_kernel_mode must be one of 'auto', 'prefill', or 'decode', got {sparse_kernel_mode!r}"
+            )
         if page_size != sparse_block_size:
             raise ValueError(
                 "paged sparse MSA requires page_size == sparse_block_size, got "
@@ -277,44 +441,35 @@ def _check_mode_geometry(mode: str, page_size: int, sparse_block_size: int, outp
             )
         if sparse_block_size != SPARSE_BLOCK_SIZE:
             raise ValueError(
-                "sparse MSA planning currently requires sparse_block_size == "
-                f"{SPARSE_BLOCK_SIZE}, got {sparse_block_size}"
+                f"sparse MSA planning currently requires sparse_block_size == {SPARSE_BLOCK_SIZE}, "
+                f"got {sparse_block_size}"
             )
+        selected_block_count(kv_block_num, force_begin_blocks, force_end_blocks, force_blocks_count_in_topk)
+    elif force_begin_blocks or force_end_blocks:
+        raise ValueError("forced sparse blocks require kv_block_num to select sparse execution")
     if output_maxscore and page_size > 0 and page_size != SPARSE_BLOCK_SIZE:
         raise ValueError(
             "paged MSA maxscore requires page_size == maxscore/sparse block size == "
             f"{SPARSE_BLOCK_SIZE}, got {page_size}"
         )
+    if prefill_tile is not None and (not isinstance(prefill_tile, str) or prefill_tile != GATHER_TILE):
+        raise ValueError(f"prefill_tile must be None or {GATHER_TILE!r}, got {prefill_tile!r}")
+    if usable_sm_count is not None and (not isinstance(usable_sm_count, (int, np.integer))
+                                        or isinstance(usable_sm_count, bool) or usable_sm_count <= 0):
+        raise ValueError(f"usable_SM_count must be None or a positive int, got {usable_sm_count!r}")
 
 
-def _check_sparse_options(kv_block_num, force_begin_blocks, force_end_blocks, force_blocks_count_in_topk):
-    if kv_block_num > 0:
-        selected_block_count(kv_block_num, force_begin_blocks, force_end_blocks, force_blocks_count_in_topk)
-    elif force_begin_blocks or force_end_blocks:
-        raise ValueError("forced sparse blocks require kv_block_num to select sparse execution")
-
-
-def prefill_tile_names() -> tuple:
-    """Names a plan's ``prefill_tile`` accepts: the query tiles and ``"gather"``."""
-    from .attention_kernels import PREFILL_TILES
-    from .gather_kernels import GATHER_TILE
-
-    return tuple(PREFILL_TILES) + (GATHER_TILE,)
-
-
-def _check_prefill_tile(prefill_tile) -> Optional[str]:
-    if prefill_tile is None:
-        return None
-    names = prefill_tile_names()
-    if not isinstance(prefill_tile, str) or prefill_tile not in names:
-        raise ValueError(f"prefill_tile must be None or one of {', '.join(names)}; got {prefill_tile!r}")
-    return prefill_tile
+def _heads(num_qo_heads: int, num_kv_heads: int) -> None:
+    if num_qo_heads <= 0 or num_kv_heads <= 0:
+        raise ValueError(f"num_qo_heads and num_kv_heads must be positive, got {num_qo_heads} and {num_kv_heads}")
+    if num_qo_heads % num_kv_heads != 0:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
 
 
 def _build_single_plan(qo_lens, kv_lens, qo_offset, *, num_qo_heads, num_kv_heads, num_kv_splits, page_size,
                        sparse_block_size, output_maxscore, kv_block_num, force_begin_blocks, force_end_blocks,
                        force_blocks_count_in_topk, causal, sparse_kernel_mode, use_fp8_kvcache,
-                       prefill_tile) -> MsaPlan:
+                       prefill_tile, usable_sm_count) -> MsaPlan:
     prefill = MsaPrefillPlan(
         cu_seqlens_q=_cu_seqlens(qo_lens),
         cu_seqlens_k=_cu_seqlens(kv_lens),
@@ -323,7 +478,6 @@ def _build_single_plan(qo_lens, kv_lens, qo_offset, *, num_qo_heads, num_kv_head
         max_seqlen_k=int(kv_lens.max()) if kv_lens.shape[0] else 0,
     )
     mode = _resolve_mode(prefill.max_seqlen_q, page_size, kv_block_num, sparse_kernel_mode)
-    _check_mode_geometry(mode, page_size, sparse_block_size, output_maxscore)
     decode = None
     if mode in ("paged", "sparse_decode"):
         decode = MsaDecodePlan(cache_seqlens=kv_lens.copy(), page_size=page_size,
@@ -351,6 +505,7 @@ def _build_single_plan(qo_lens, kv_lens, qo_offset, *, num_qo_heads, num_kv_head
         prefill_plan=prefill,
         decode_plan=decode,
         prefill_tile=prefill_tile,
+        usable_sm_count=usable_sm_count,
     )
 
 
@@ -369,26 +524,35 @@ def unpack_plan_info(plan_info) -> tuple:
 
 
 @mate_api
-def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, *args, qo_offset=None,
-                          split_prefill_decode: bool = True, **kwargs) -> MsaPlanInfo:
+def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, num_kv_heads: Optional[int] = None,
+                          *, qo_offset=None, split_prefill_decode: bool = True, num_kv_splits: int = -1,
+                          page_size: int = -1, sparse_block_size: int = SPARSE_BLOCK_SIZE,
+                          output_maxscore: bool = False, kv_block_num: int = -1, force_begin_blocks: int = 0,
+                          force_end_blocks: int = 0, force_blocks_count_in_topk: bool = True,
+                          usable_SM_count: Optional[int] = None, causal: bool = True,  # noqa: N803
+                          sparse_kernel_mode: str = "auto", use_fp8_kvcache: bool = False, device=None,
+                          stream=None, prefill_tile: Optional[str] = None) -> MsaPlanInfo:
     """Build an eager execution plan from concrete sequence lengths (read once on the host).
 
-    ``qo_segment_lens``, ``kv_segment_lens``: ``[B]`` integer arrays (any framework, or
-    lists). Positional ``num_qo_heads`` and optional ``num_kv_heads`` (or keywords).
-    Keywords: ``num_kv_splits=-1``, ``page_size=-1`` (``> 0``: paged KV), ``sparse_block_size=128``,
-    ``output_maxscore=False``, ``kv_block_num=-1`` (``> 0``: sparse, the top-k),
-    ``force_begin_blocks=0``, ``force_end_blocks=0``, ``force_blocks_count_in_topk=True``,
-    ``causal=True``, ``sparse_kernel_mode='auto'``, ``use_fp8_kvcache=False`` (``usable_SM_count``,
-    ``device``, ``stream`` are accepted and ignored); ``prefill_tile=None`` (mate_cupy: the
-    attention kernels' prefill tile, e.g. ``"gather"`` for block lists chosen per query
-    token, see :func:`prefill_tile_names`; None takes ``MATE_CUPY_ATTN_PREFILL_TILE`` /
-    ``MATE_CUPY_ATTN_SPARSE_TILE``, else the default). ``qo_offset``: None (bottom-right),
-    an int, or ``[B]``.
+    ``qo_segment_lens``, ``kv_segment_lens``: ``[B]`` integer arrays (any framework, or lists).
+    ``num_kv_heads`` None or ``<= 0``: ``num_qo_heads``. ``qo_offset``: None (bottom-right,
+    ``kv_len - qo_len``), an int, or ``[B]``. ``num_kv_splits``: ``<= 0`` automatic split-KV,
+    ``1`` none, ``n`` forced. ``page_size``: ``> 0`` a paged cache (a power of two).
+    ``kv_block_num``: ``> 0`` block-sparse with that top-k (4, 8, 16, 32, 64); the forced
+    blocks and ``force_blocks_count_in_topk`` set the width ``W`` of ``kv_block_indexes``.
+    ``sparse_kernel_mode``: ``"auto"`` (prefill when a request has more than 32 queries),
+    ``"prefill"`` or ``"decode"``. ``usable_SM_count``: SMs the launch configuration plans
+    for (default: the device's). ``device``/``stream``: where to upload the plan's vectors
+    at once (CUDA lengths upload to their own device; ``"cpu"`` or None with host lengths:
+    upload later with :meth:`MsaPlan.upload`). ``prefill_tile``: None or ``"gather"``.
 
     Returns ``(False, 0, B, plan, None)``, or ``(True, split, B, decode_plan, prefill_plan)``
     when ``split_prefill_decode`` and requests ``[0, split)`` are decode-sized while request
     ``split`` is the first with ``qo_len > 128`` (``> 32`` when sparse).
     """
+    upload_to = device_index(device) if device is not None else _cuda_device_of(qo_segment_lens)
+    if upload_to is None and device is None:
+        upload_to = _cuda_device_of(kv_segment_lens)
     qo_lens = _int32_vector("qo_segment_lens", qo_segment_lens)
     kv_lens = _int32_vector("kv_segment_lens", kv_segment_lens)
     if qo_lens.shape != kv_lens.shape:
@@ -396,47 +560,18 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, *args, qo_offset=Non
             "qo_segment_lens and kv_segment_lens must have the same shape, got "
             f"{tuple(qo_lens.shape)} vs {tuple(kv_lens.shape)}"
         )
-    if len(args) > 2:
-        raise TypeError(
-            "the eager MSA planner accepts num_qo_heads and optional num_kv_heads as "
-            f"positional planner arguments, got {len(args)}"
-        )
-    if args:
-        num_qo_heads = int(args[0])
-    else:
-        if "num_qo_heads" not in kwargs:
-            raise TypeError(
-                "the eager MSA planner requires num_qo_heads as the first positional "
-                "argument or as a num_qo_heads keyword argument"
-            )
-        num_qo_heads = int(kwargs.pop("num_qo_heads"))
-    num_kv_heads = int(args[1]) if len(args) == 2 else int(kwargs.pop("num_kv_heads", num_qo_heads))
-    if num_qo_heads <= 0:
-        raise ValueError(f"num_qo_heads must be positive, got {num_qo_heads}")
-    if num_kv_heads <= 0:
-        num_kv_heads = num_qo_heads
-    if num_qo_heads % num_kv_heads != 0:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-
-    opts = dict(
-        num_kv_splits=int(kwargs.pop("num_kv_splits", -1)),
-        page_size=int(kwargs.pop("page_size", -1)),
-        sparse_block_size=int(kwargs.pop("sparse_block_size", SPARSE_BLOCK_SIZE)),
-        output_maxscore=bool(kwargs.pop("output_maxscore", False)),
-        kv_block_num=int(kwargs.pop("kv_block_num", -1)),
-        force_begin_blocks=int(kwargs.pop("force_begin_blocks", 0)),
-        force_end_blocks=int(kwargs.pop("force_end_blocks", 0)),
-        force_blocks_count_in_topk=bool(kwargs.pop("force_blocks_count_in_topk", True)),
-    )
-    kwargs.pop("usable_SM_count", None)
-    opts["causal"] = bool(kwargs.pop("causal", True))
-    opts["sparse_kernel_mode"] = str(kwargs.pop("sparse_kernel_mode", "auto"))
-    opts["use_fp8_kvcache"] = bool(kwargs.pop("use_fp8_kvcache", False))
-    opts["prefill_tile"] = _check_prefill_tile(kwargs.pop("prefill_tile", None))
-    kwargs.pop("device", None)
-    kwargs.pop("stream", None)
-    if kwargs:
-        raise TypeError(f"the eager MSA planner got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+    num_qo_heads = int(num_qo_heads)
+    num_kv_heads = num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
+    _heads(num_qo_heads, num_kv_heads)
+    opts = dict(num_kv_splits=int(num_kv_splits), page_size=int(page_size), sparse_block_size=int(sparse_block_size),
+                output_maxscore=bool(output_maxscore), kv_block_num=int(kv_block_num),
+                force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
+                force_blocks_count_in_topk=bool(force_blocks_count_in_topk), causal=bool(causal),
+                sparse_kernel_mode=str(sparse_kernel_mode), use_fp8_kvcache=bool(use_fp8_kvcache),
+                prefill_tile=prefill_tile, usable_sm_count=usable_SM_count)
+    _check_options(**{k: opts[k] for k in ("page_size", "sparse_block_size", "output_maxscore", "kv_block_num",
+                                           "force_begin_blocks", "force_end_blocks", "force_blocks_count_in_topk",
+                                           "sparse_kernel_mode", "prefill_tile", "usable_sm_count")})
     if np.any(qo_lens < 0) or np.any(kv_lens < 0):
         raise ValueError(
             f"sequence lengths must be non-negative, got qo_segment_lens={qo_lens.tolist()}, "
@@ -445,10 +580,7 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, *args, qo_offset=Non
     offsets = normalize_qo_offset(qo_lens, kv_lens, qo_offset)
 
     batch_size = int(qo_lens.shape[0])
-    sparse = opts["kv_block_num"] > 0
-    _check_sparse_options(opts["kv_block_num"], opts["force_begin_blocks"], opts["force_end_blocks"],
-                          opts["force_blocks_count_in_topk"])
-    threshold = prefill_qlen_threshold(sparse)
+    threshold = prefill_qlen_threshold(opts["kv_block_num"] > 0)
     split = 0
     if split_prefill_decode and batch_size > 0 and int(qo_lens.max()) > threshold:
         split = int(np.flatnonzero(qo_lens > threshold)[0])
@@ -456,9 +588,12 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, *args, qo_offset=Non
     if split > 0:
         decode = _build_single_plan(qo_lens[:split], kv_lens[:split], offsets[:split], **common)
         prefill = _build_single_plan(qo_lens[split:], kv_lens[split:], offsets[split:], **common)
-        return (True, split, batch_size, decode, prefill)
-    plan = _build_single_plan(qo_lens, kv_lens, offsets, **common)
-    return (False, 0, batch_size, plan, None)
+        info = (True, split, batch_size, decode, prefill)
+    else:
+        info = (False, 0, batch_size, _build_single_plan(qo_lens, kv_lens, offsets, **common), None)
+    if upload_to is not None:
+        prepare([p for p in info[3:] if p is not None], upload_to, stream, None, None)
+    return info
 
 
 @mate_api
@@ -474,8 +609,9 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
     ``ceil(max_seqlen_k / 128)``); ``total_seqlen_k`` (default ``max_seqlen_k``) is the
     physical K token capacity. The mode follows ``max_seqlen_q`` as in the eager planner.
     Per-request lengths and page indirection are given at run time through
-    :class:`MsaRuntimeMetadata`. ``prefill_tile`` as in :func:`msa_plan_from_lengths`.
-    Returns ``(False, 0, batch_size, plan, None)``.
+    :class:`MsaRuntimeMetadata`; other options as in :func:`msa_plan_from_lengths`. The
+    plan owns its workspace (:meth:`MsaPlan.upload` with ``head_dim``/``dtype`` allocates it
+    ahead of a capture). Returns ``(False, 0, batch_size, plan, None)``.
     """
     batch_size = int(batch_size)
     max_seqlen_q = int(max_seqlen_q)
@@ -483,17 +619,11 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
     total_seqlen_k = max_seqlen_k if total_seqlen_k is None else int(total_seqlen_k)
     num_qo_heads = int(num_qo_heads)
     num_kv_heads = num_qo_heads if num_kv_heads is None else int(num_kv_heads)
-    if num_qo_heads <= 0 or num_kv_heads <= 0:
-        raise ValueError(
-            f"num_qo_heads and num_kv_heads must be positive, got {num_qo_heads} and {num_kv_heads}"
-        )
-    if num_qo_heads % num_kv_heads != 0:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    _heads(num_qo_heads, num_kv_heads)
     page_size, sparse_block_size = int(page_size), int(sparse_block_size)
     kv_block_num, begin, end = int(kv_block_num), int(force_begin_blocks), int(force_end_blocks)
     count_in_topk, output_maxscore = bool(force_blocks_count_in_topk), bool(output_maxscore)
     sparse_kernel_mode = str(sparse_kernel_mode)
-    prefill_tile = _check_prefill_tile(prefill_tile)
     if batch_size < 0:
         raise ValueError(f"batch_size must be non-negative, got {batch_size}")
     if max_seqlen_q <= 0 or max_seqlen_k <= 0:
@@ -507,9 +637,11 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
         raise ValueError(
             f"static MSA total_seqlen_k must cover max_seqlen_k, got {total_seqlen_k} < {max_seqlen_k}"
         )
+    _check_options(page_size=page_size, sparse_block_size=sparse_block_size, output_maxscore=output_maxscore,
+                   kv_block_num=kv_block_num, force_begin_blocks=begin, force_end_blocks=end,
+                   force_blocks_count_in_topk=count_in_topk, sparse_kernel_mode=sparse_kernel_mode,
+                   prefill_tile=prefill_tile, usable_sm_count=None)
     mode = _resolve_mode(max_seqlen_q, page_size, kv_block_num, sparse_kernel_mode)
-    _check_mode_geometry(mode, page_size, sparse_block_size, output_maxscore)
-    _check_sparse_options(kv_block_num, begin, end, count_in_topk)
 
     zeros = np.zeros(batch_size, dtype=np.int32)
     prefill = MsaPrefillPlan(
@@ -559,4 +691,3 @@ def plan_page_width(plan: MsaPlan) -> int:
 def max_k_tiles(plan: MsaPlan) -> int:
     """Max-score width ``ceil(max_seqlen_k / 128)``."""
     return int(_ceil_div(plan.prefill_plan.max_seqlen_k, SPARSE_BLOCK_SIZE))
-

@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import ml_dtypes
 import numpy as np
 
-from .._interop import to_host
+from ..runtime.interop import to_host
 
 __all__ = [
     "kda_recurrent",
@@ -399,7 +399,7 @@ def kda_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlen
     Slots at or past the pool size (the read slot, and with ``[N, C]`` indices the slot of
     every token of a non-padding sequence) raise ``ValueError``.
     """
-    from .._interop import BFLOAT16, FLOAT32, as_dtype
+    from ..runtime.interop import BFLOAT16, FLOAT32, as_dtype
 
     use_qk_l2norm = True if use_qk_l2norm is None else bool(use_qk_l2norm)
     lower_bound = -5.0 if lower_bound is None else float(lower_bound)

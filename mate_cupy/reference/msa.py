@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .._interop import to_host
+from ..runtime.interop import to_host
 
 BLOCK = 128  # keys per max-score / sparse block
 _CHUNK_ELEMS = 1 << 22  # score elements per query chunk (bounds memory on long sequences)

@@ -2,23 +2,41 @@
 
 ``build(tmp_dir)`` compiles ``driver.cpp`` around ``cuda_src/msa_index.cu`` (every
 registered variant). ``Emulated(exe, tmp_dir)`` then runs a launcher of
-``mate_cupy.msa.index_kernels`` with NumPy arrays: the launcher validates and sizes the
-launch as on a GPU, each recorded launch runs in the emulator, and the arrays come back
-with what the kernel wrote.
+``mate_cupy.msa.index_launch`` on host arrays wrapped by :func:`wrap`: the launcher
+sizes and packs the launch as on a GPU (``launch``, ``get_kernel`` and ``device_info``
+of the module are swapped for recording stand-ins while it runs), each recorded launch
+runs in the emulator, and the arrays come back with what the kernel wrote.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from mate_cupy.msa import index_kernels as ik
+from mate_cupy.msa import index_launch as il
+from mate_cupy.runtime.interop import Arg
 
 HERE = Path(__file__).resolve().parent
-CUDA_SRC = Path(ik.__file__).resolve().parent.parent / "cuda_src"
+CUDA_SRC = Path(il.__file__).resolve().parent.parent / "cuda_src"
+# Inline-PTX helpers of msa_index.cu that the emulator (tests/cuda_emu/emu_cuda.h) supplies.
+EMULATED_FUNCTIONS = ("cp_async_16_at", "ldmatrix_x4_at")
+
+
+def _drop_function(src: str, name: str) -> str:
+    """``src`` without the definition of the device function ``name`` (signature to matching brace)."""
+    m = re.search(r"__device__ __forceinline__ void " + name + r"\(", src)
+    assert m, name
+    i = src.index("{", m.end())
+    depth = 0
+    for j in range(i, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[j], 0)
+        if depth == 0:
+            return src[: m.start()] + src[j + 1:]
+    raise AssertionError(f"unbalanced braces in {name}")
 
 
 def emulator_source() -> str:
@@ -31,14 +49,15 @@ def emulator_source() -> str:
         src = src.replace(inc, "")
     assert '#include "common/topk.cuh"' in src
     src = src.replace('#include "common/topk.cuh"', topk)
+    for name in EMULATED_FUNCTIONS:
+        src = _drop_function(src, name)
     decl = "extern __shared__ __align__(128) unsigned char smem_raw[];"
     assert src.count(decl) >= 1
-    src = src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();")
-    return "#define MATE_CUPY_EMU 1\n" + src
+    return src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();")
 
 
 def kernel_names() -> list:
-    specs = list(ik.TOPK_SPECS.values()) + list(ik.STREAM_SPECS.values()) + list(ik.MAX_SCORE_SPECS.values())
+    specs = list(il.TOPK_SPECS.values()) + list(il.STREAM_SPECS.values()) + list(il.MAX_SCORE_SPECS.values())
     return [k for s in specs for k in s.kernels]
 
 
@@ -63,85 +82,80 @@ def build(tmp_dir: Path, sanitize: bool | None = None) -> Path:
     return exe
 
 
-class _Data:
-    def __init__(self, ptr: int):
-        self.ptr = ptr
+class EmuArg(Arg):
+    """A host array described as a device array of cuda:0 (what the launchers read:
+    ``ptr``, ``shape``, element ``strides``, ``dtype``), keeping its base buffer and byte
+    offset for the emulator."""
 
-
-class EmuArray:
-    """A NumPy array dressed as a device array for the launchers (``.data.ptr``,
-    ``.flags``, ``.strides``, ...). Views keep their base buffer and byte offset."""
-
-    def __init__(self, a: np.ndarray):
+    def __init__(self, name: str, a: np.ndarray):
         base = a
         while isinstance(base.base, np.ndarray):
             base = base.base
         if not base.flags.c_contiguous:
             raise ValueError("the base buffer must be contiguous")
-        self.a = a
+        ptr = a.__array_interface__["data"][0]
+        super().__init__(name, a, a.dtype, "numpy", 0, a.shape, tuple(s // a.itemsize for s in a.strides), ptr,
+                         data=a)
         self.base = base
-        self.offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-        self.data = _Data(a.__array_interface__["data"][0])
-        self.dtype, self.shape, self.ndim, self.size = a.dtype, a.shape, a.ndim, a.size
-        self.strides, self.itemsize, self.flags = a.strides, a.itemsize, a.flags
-
-    def get(self) -> np.ndarray:
-        return self.a
+        self.offset = ptr - base.__array_interface__["data"][0]
 
 
-def wrap(a):
-    return None if a is None else EmuArray(np.asarray(a))
+def wrap(a, name: str = "array"):
+    return None if a is None else EmuArg(name, np.asarray(a))
 
 
 class Emulated:
-    """Context for running launchers in the emulator."""
+    """Context for running launchers in the emulator as on a device of ``sm_count`` SMs
+    and compute capability ``cc`` (the emulator runs wgmma, so 90 by default)."""
 
-    def __init__(self, exe: Path, work: Path, sm_count: int = 132):
-        self.exe, self.work, self.sm_count = Path(exe), Path(work), sm_count
+    def __init__(self, exe: Path, work: Path, sm_count: int = 132, cc: int = 90):
+        self.exe, self.work, self.sm_count, self.cc = Path(exe), Path(work), sm_count, cc
         self.launches: list = []
         self.runs = 0
 
     def __call__(self, launcher, *args, lazy_cp_async: bool = False, **kwargs):
         recorded = []
 
-        def fake_launch(kernel, grid, block, largs, *, shared_mem=0, stream=None):
-            recorded.append((kernel, tuple(grid), tuple(block), tuple(largs), int(shared_mem)))
+        def fake_launch(kernel, grid, block, params, values, *, shared_mem=0, stream=0):
+            recorded.append((kernel, tuple(grid), tuple(block), params, tuple(values), int(shared_mem)))
 
-        saved = ik.launch, ik.get_kernel, ik._sm_count
-        ik.launch = fake_launch
-        ik.get_kernel = lambda spec, kernel=None, device_id=None: spec.kernels[0] if kernel is None else kernel
-        ik._sm_count = lambda: self.sm_count
+        saved = il.launch, il.get_kernel, il.device_info
+        il.launch = fake_launch
+        il.get_kernel = lambda spec, kernel=None, device_id=None: spec.kernels[0] if kernel is None else kernel
+        il.device_info = lambda device=None: (self.sm_count, self.cc)
         try:
             launcher(*args, **kwargs)
         finally:
-            ik.launch, ik.get_kernel, ik._sm_count = saved
+            il.launch, il.get_kernel, il.device_info = saved
         for rec in recorded:
             self._run(*rec, lazy=lazy_cp_async)
         self.launches.extend(recorded)
         return recorded
 
-    def _run(self, name, grid, block, largs, smem, *, lazy):
+    def _run(self, name, grid, block, params, values, smem, *, lazy):
         d = self.work / f"launch{self.runs}"
         self.runs += 1
         d.mkdir(parents=True, exist_ok=True)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {block[0]} {smem} {int(lazy)}"]
+        params.pack(values)  # the values fit the parameter kinds
         bases: dict = {}
-        for a in largs:
-            if isinstance(a, EmuArray):
+        for kind, a in zip(params.kinds, values):
+            if kind == "ptr":
+                if a is None or (isinstance(a, int) and a == 0):
+                    lines.append("P0")
+                    continue
+                if not isinstance(a, EmuArg):
+                    raise TypeError(f"pointer argument of type {type(a)}")
                 key = id(a.base)
                 if key not in bases:
                     bases[key] = (len(bases), a.base)
                     a.base.tofile(d / f"a{bases[key][0]}.bin")
                 lines.append(f"A {bases[key][0]} {a.offset}")
-            elif isinstance(a, np.uintp) and int(a) == 0:
-                lines.append("P0")
-            elif isinstance(a, (np.integer, int)):
-                lines.append(f"I {int(a)}")
-            elif isinstance(a, (np.floating, float)):
+            elif kind == "f32":
                 lines.append(f"F {float(a)!r}")
             else:
-                raise TypeError(f"argument of type {type(a)}")
+                lines.append(f"I {int(a)}")
         (d / "launch.txt").write_text("\n".join(lines) + "\n")
         r = subprocess.run([str(self.exe), str(d)], capture_output=True, text=True, timeout=3600)
         if r.returncode != 0:

@@ -1,4 +1,5 @@
-// Host driver: runs the kda_chunk kernels in the emulator the way run_chunk launches them.
+// Host driver: runs the kda_chunk kernels in the emulator the way mate_cupy/kda/chunk_launch.py
+// launches them.
 // Usage: driver DIR (DIR/params.txt and raw input arrays in, out.bin/ht.bin/ws.bin out).
 #include "emu_kda.h"
 #include "kda_chunk_emu.inc"
@@ -30,7 +31,7 @@ void run_rec(EmuDim grid, const T* v, const unsigned char* ws, T* out, const voi
 
 template <typename T>
 int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, float scale, float lb, int ik, int okind,
-        int is64, int nw, int baseline) {
+        int is64, int nw) {
     const T* q = (const T*)load("q.bin"); const T* k = (const T*)load("k.bin");
     const T* v = (const T*)load("v.bin"); const T* g = (const T*)load("g.bin"); const T* beta = (const T*)load("beta.bin");
     const float* A_log = has_gate ? (const float*)load("A_log.bin") : nullptr;
@@ -53,16 +54,10 @@ int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, f
     }
     if (num_slots > 0 && HV > 0) {
         const EmuDim grid{(unsigned)num_slots, (unsigned)HV, 1};
-        if (baseline)
-            emu::launch(grid, 256, kBaseSmemBytes, [&] {
-                kda_chunk_prepare_baseline_kernel<T>(q, k, g, beta, A_log, dt_bias, cu, is64, offs, ws, N,
-                                                     varlen ? 0 : Tn, rows, H, HV, scale, lb, l2, has_gate);
-            });
-        else
-            emu::launch(grid, 256, kPrepSmemBytes, [&] {
-                kda_chunk_prepare_kernel<T>(q, k, g, beta, A_log, dt_bias, cu, is64, offs, ws, N, varlen ? 0 : Tn, rows,
-                                            H, HV, scale, lb, l2, has_gate);
-            });
+        emu::launch(grid, 256, kPrepSmemBytes, [&] {
+            kda_chunk_prepare_kernel<T>(q, k, g, beta, A_log, dt_bias, cu, is64, offs, ws, N, varlen ? 0 : Tn, rows, H,
+                                        HV, scale, lb, l2, has_gate);
+        });
     }
     save("ws.bin", ws, wsb);
     if (N > 0 && HV > 0 && !(Tn == 0 && !okind)) {
@@ -83,10 +78,9 @@ int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, f
 int main(int argc, char** argv) {
     DIR = argv[1];
     std::ifstream p(DIR + "/params.txt");
-    int B, Tn, H, HV, N, varlen, dtype, has_gate, l2, ik, ok, is64, nw, lazy, baseline = 0; float scale, lb;
+    int B, Tn, H, HV, N, varlen, dtype, has_gate, l2, ik, ok, is64, nw, lazy; float scale, lb;
     p >> B >> Tn >> H >> HV >> N >> varlen >> dtype >> has_gate >> l2 >> scale >> lb >> ik >> ok >> is64 >> nw >> lazy;
-    if (!(p >> baseline)) baseline = 0;  // optional: 1 runs kda_chunk_prepare_baseline_kernel
     emu::g_lazy_cp_async = lazy;
-    return dtype ? run<mate::bf16_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw, baseline)
-                 : run<mate::half_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw, baseline);
+    return dtype ? run<mate::bf16_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw)
+                 : run<mate::half_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw);
 }

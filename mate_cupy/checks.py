@@ -7,7 +7,7 @@ what was received. Conventions:
 * wrong shape, size, value, device or memory layout: ``ValueError``;
 * a valid request that this build does not run: ``NotImplementedError``.
 
-The checks take :class:`mate_cupy._interop.Arg` views (``call["q"]``) or plain
+The checks take :class:`mate_cupy.runtime.interop.Arg` views (``call["q"]``) or plain
 Python values; none of them reads device memory.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from ._interop import Arg, dtype_name
+from .runtime.interop import Arg, dtype_name
 
 
 def where(device: int) -> str:

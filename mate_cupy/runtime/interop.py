@@ -24,7 +24,7 @@ from typing import Any, Optional
 import ml_dtypes
 import numpy as np
 
-from . import _dlpack
+from . import dlpack as _dlpack
 
 FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -74,24 +74,32 @@ def is_array(obj) -> bool:
     return isinstance(obj, np.ndarray) or hasattr(obj, "__dlpack__")
 
 
-@dataclass
 class Arg:
-    """Backend-neutral view of one caller array."""
+    """Backend-neutral view of one caller array, described without copying.
 
-    name: str
-    obj: Any
-    data: Any  # numpy.ndarray or cupy.ndarray
-    dtype: np.dtype
-    framework: str
-    device: int  # -1 for host memory
+    ``shape``, ``dtype`` (logical: ``float8_e4m3fn`` stays fp8), ``device`` (-1 for host
+    memory), ``ptr`` (address of element 0) and ``strides`` (in elements) are read once
+    from the producer. ``data`` is the zero-copy backend array (NumPy on the host; CuPy on
+    CUDA, fp8 viewed as ``uint8``), built on first use: launchers that take addresses and
+    strides never build it.
+    """
+
+    __slots__ = ("name", "obj", "dtype", "framework", "device", "shape", "strides", "ptr", "_data", "_make")
+
+    def __init__(self, name, obj, dtype, framework, device, shape, strides, ptr, data=None, make=None):
+        self.name, self.obj, self.dtype, self.framework, self.device = name, obj, dtype, framework, device
+        self.shape, self.strides, self.ptr, self._data, self._make = shape, strides, ptr, data, make
 
     @property
-    def shape(self) -> tuple:
-        return tuple(self.data.shape)
+    def data(self):
+        d = self._data
+        if d is None:
+            d = self._data = _cupy_view(self) if self._make is None else self._make()
+        return d
 
     @property
     def ndim(self) -> int:
-        return self.data.ndim
+        return len(self.shape)
 
     @property
     def is_cuda(self) -> bool:
@@ -99,10 +107,25 @@ class Arg:
 
     @property
     def size(self) -> int:
-        return int(self.data.size)
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
 
     def is_contiguous(self) -> bool:
-        return bool(self.data.flags.c_contiguous)
+        """C-contiguous (dimensions of extent 1 may have any stride; empty arrays are)."""
+        if 0 in self.shape:
+            return True
+        acc = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and s != acc:
+                return False
+            acc *= n
+        return True
 
     def describe(self) -> str:
         where = "cpu" if self.device < 0 else f"cuda:{self.device}"
@@ -112,9 +135,6 @@ class Arg:
 def _torch_stream_ptr(device: int) -> int:
     import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
@@ -124,13 +144,24 @@ def _cupy_stream_ptr() -> int:
     return int(cupy.cuda.get_current_stream().ptr)
 
 
+def _numpy_arg(name: str, a: np.ndarray) -> Arg:
+    item = a.dtype.itemsize
+    return Arg(name, a, a.dtype, "numpy", -1, a.shape, tuple(s // item for s in a.strides),
+               a.__array_interface__["data"][0] if a.size else 0, data=a)
+
+
+_TORCH_TYPES: set = set()
+
+
 def wrap(name: str, obj) -> Arg:
     """Wrap one array (NumPy, CuPy, torch, JAX, any DLPack producer) zero-copy."""
+    if type(obj) in _TORCH_TYPES and obj.is_cuda and not obj.requires_grad:
+        return _wrap_torch_cuda(name, obj)
     fw = framework_of(obj)
     if fw == "numpy":
         if obj.dtype.kind == "V" and obj.dtype not in (BFLOAT16, FP8_E4M3):
             raise TypeError(f"{name}: unsupported NumPy dtype {obj.dtype}")
-        return Arg(name, obj, obj, obj.dtype, fw, -1)
+        return _numpy_arg(name, obj)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(
             f"{name} must be an array implementing DLPack (NumPy, CuPy, torch, JAX), "
@@ -138,8 +169,14 @@ def wrap(name: str, obj) -> Arg:
         )
     if fw == "cupy":
         dt = obj.dtype
-        return Arg(name, obj, obj, FP8_E4M3 if dt == FP8_E4M3 else dt, fw, int(obj.device.id))
+        item = dt.itemsize
+        return Arg(name, obj, dt, fw, int(obj.device.id), obj.shape, tuple(s // item for s in obj.strides),
+                   int(obj.data.ptr), data=obj)
     if fw == "torch":
+        import torch
+
+        if type(obj) in (torch.Tensor, torch.nn.Parameter):
+            _TORCH_TYPES.add(type(obj))
         if obj.requires_grad:
             obj = obj.detach()  # DLPack refuses tensors that require grad; the memory is the same
         if obj.is_cuda:
@@ -147,20 +184,23 @@ def wrap(name: str, obj) -> Arg:
     dev_type, dev_id = _dlpack.device_of(obj)
     if dev_type in _dlpack._HOST_DEVICE_TYPES:
         desc = _dlpack.describe(obj, stream=None)
-        return Arg(name, obj, _dlpack.numpy_view(desc, obj), desc.dtype, fw, -1)
+        return _host_arg(name, obj, fw, desc)
     if dev_type not in _dlpack._CUDA_DEVICE_TYPES:
         raise ValueError(f"{name}: unsupported device type {dev_type} (expected CPU or CUDA)")
-    # CUDA producer. torch: we launch on torch's current stream, so no
-    # cross-stream sync is requested (-1). Others: sync to CuPy's current stream.
-    if fw == "torch":
-        stream = -1
-    else:
-        import cupy
+    # A CUDA producer other than torch and CuPy: its capsule is synchronised to CuPy's
+    # current stream of that device, on which the call launches.
+    import cupy
 
-        with cupy.cuda.Device(dev_id):
-            stream = _cupy_stream_ptr()
+    with cupy.cuda.Device(dev_id):
+        stream = _cupy_stream_ptr()
     desc = _dlpack.describe(obj, stream=stream)
-    return Arg(name, obj, _dlpack.cupy_view(desc, obj), desc.dtype, fw, desc.device_id)
+    return Arg(name, obj, desc.dtype, fw, desc.device_id, desc.shape, desc.strides, desc.ptr,
+               make=lambda: _dlpack.cupy_view(desc, obj))
+
+
+def _host_arg(name: str, obj, fw: str, desc) -> Arg:
+    data = _dlpack.numpy_view(desc, obj)
+    return Arg(name, obj, desc.dtype, fw, -1, desc.shape, desc.strides, desc.ptr, data=data)
 
 
 _TORCH_DTYPES: dict = {}
@@ -179,41 +219,37 @@ def _torch_dtype_map() -> dict:
     return _TORCH_DTYPES
 
 
-_cupy_mod = None
-
-
-def _cupy():
-    global _cupy_mod
-    if _cupy_mod is None:
-        import cupy
-
-        _cupy_mod = cupy
-    return _cupy_mod
-
-
 def _wrap_torch_cuda(name: str, t) -> Arg:
-    """Fast path for torch CUDA tensors: the same zero-copy view the DLPack capsule gives,
-    built from the tensor's attributes (a few microseconds instead of tens)."""
+    """torch CUDA tensors: the facts the DLPack capsule would give, read from the tensor's
+    public attributes (a few microseconds instead of tens); the CuPy view is built lazily."""
     dtype = (_TORCH_DTYPES or _torch_dtype_map()).get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name}: unsupported torch dtype {t.dtype}")
-    cp = _cupy()
-    dev = t.device.index
+    return Arg(name, t, dtype, "torch", t.get_device(), tuple(t.shape), t.stride(), t.data_ptr())
+
+
+def _cupy_view(arg: "Arg"):
+    """The zero-copy CuPy view of a torch CUDA tensor's ``Arg`` (fp8 as uint8)."""
+    import cupy as cp
+
+    t, dtype, shape, strides, dev = arg.obj, arg.dtype, arg.shape, arg.strides, arg.device
     item = dtype.itemsize
     view_dtype = _U8 if dtype is FP8_E4M3 else dtype
-    shape = tuple(t.shape)
-    if t.is_contiguous():
-        span, strides = t.numel() * item, None
-    else:
-        st = t.stride()
-        span = 0 if 0 in shape else (sum((n - 1) * s for n, s in zip(shape, st)) + 1) * item
-        strides = tuple(s * item for s in st)
+    span = 0 if 0 in shape else (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * item
     mem = cp.cuda.UnownedMemory(t.data_ptr(), span or 1, t, dev)
-    data = cp.ndarray(shape, dtype=view_dtype, memptr=cp.cuda.MemoryPointer(mem, 0), strides=strides)
-    return Arg(name, t, data, dtype, "torch", dev)
+    return cp.ndarray(shape, dtype=view_dtype, memptr=cp.cuda.MemoryPointer(mem, 0),
+                      strides=tuple(s * item for s in strides))
 
 
 _U8 = np.dtype(np.uint8)
+_FROM_DTYPE: dict = {}
+
+
+def _torch_from_dtype() -> dict:
+    """NumPy/ml_dtypes dtype -> torch dtype."""
+    if not _FROM_DTYPE:
+        _FROM_DTYPE.update({v: k for k, v in _torch_dtype_map().items()})
+    return _FROM_DTYPE
 
 
 class _StreamHandle:
@@ -226,23 +262,13 @@ class _StreamHandle:
         return (0, self._ptr)
 
 
-_stream_cache: dict = {}
-
-
 def external_stream(ptr: int):
-    """A CuPy stream object wrapping a raw ``cudaStream_t`` (cached per pointer)."""
+    """A CuPy stream object wrapping a raw ``cudaStream_t`` (for CuPy work on a torch stream)."""
     import cupy
 
-    s = _stream_cache.get(ptr)
-    if s is None:
-        if ptr == 0:
-            s = cupy.cuda.Stream.null
-        else:
-            s = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        if len(_stream_cache) > 64:
-            _stream_cache.clear()
-        _stream_cache[ptr] = s
-    return s
+    if ptr == 0:
+        return cupy.cuda.Stream.null
+    return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
 
 
 class Call:
@@ -259,6 +285,7 @@ class Call:
         self.device: Optional[int] = None
         self._first: Optional[str] = None
         self._stream = None
+        self._stream_ptr = None
         for name, obj in arrays.items():
             self.add(name, obj)
 
@@ -301,13 +328,52 @@ class Call:
         return np
 
     @property
+    def stream_ptr(self) -> int:
+        """Address of the caller's current CUDA stream (torch's for torch inputs, else CuPy's)."""
+        ptr = self._stream_ptr
+        if ptr is None:
+            if self.framework == "torch":
+                ptr = _torch_stream_ptr(self.device)
+            else:
+                import cupy
+
+                with cupy.cuda.Device(self.device):
+                    ptr = _cupy_stream_ptr()
+            self._stream_ptr = ptr
+        return ptr
+
+    def new(self, name: str, shape, dtype) -> Arg:
+        """A new uninitialised result array on this call's device, in the caller's framework
+        where it can allocate (torch: ``torch.empty``, so graph captures use torch's pool;
+        otherwise CuPy's pool on the caller's stream; host: NumPy). ``Arg.obj`` is what the
+        op returns."""
+        dtype = as_dtype(dtype)
+        shape = tuple(int(x) for x in shape)
+        if self.is_cuda and self.framework == "torch":
+            import torch
+
+            inv = _torch_from_dtype()
+            t = torch.empty(shape, dtype=inv[dtype], device=torch.device("cuda", self.device))
+            return _wrap_torch_cuda(name, t)
+        if self.is_cuda:
+            data = self.empty(shape, dtype)
+            arg = Arg(name, None, dtype, "cupy", self.device, shape,
+                      tuple(s // data.itemsize for s in data.strides), int(data.data.ptr), data=data)
+            arg.obj = self.export(data, dtype=dtype)
+            return arg
+        a = np.empty(shape, dtype=dtype)
+        arg = _numpy_arg(name, a)
+        arg.obj = self.export(a, dtype=dtype)
+        return arg
+
+    @property
     def stream(self):
         """Caller's current stream as a CuPy stream (a context manager); host: no-op."""
         if not self.is_cuda:
             return contextlib.nullcontext()
         if self._stream is None:
             if self.framework == "torch":
-                self._stream = external_stream(_torch_stream_ptr(self.device))
+                self._stream = external_stream(self.stream_ptr)
             else:
                 import cupy
 

@@ -1,0 +1,114 @@
+"""Kernel launches through the CUDA driver with typed, packed parameters.
+
+A :class:`KernelParams` is a kernel's parameter list, ``(("q", "ptr"), ("total_q", "i32"),
+...)`` in declaration order (the CPU tests check each list against its ``.cu`` signature).
+:func:`launch` packs one call's values into a C buffer with one ``struct`` call and hands
+``cuLaunchKernel`` pointers into it: no per-argument conversion objects, no allocation on
+the device, and nothing cached across calls beyond the per-thread packing buffer of each
+parameter list.
+
+Pointer values are integers (addresses), ``None`` (a null pointer), or any object with an
+integer ``ptr`` attribute (:class:`mate_cupy.runtime.interop.Arg`); CuPy arrays are
+accepted too (``.data.ptr``).
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+__all__ = ["KernelParams", "address", "launch"]
+
+_FORMAT = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "f32": "f"}
+_SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
+
+
+def address(x) -> int:
+    """The device address a pointer parameter takes from ``x`` (0 for None)."""
+    if x is None:
+        return 0
+    if isinstance(x, int):
+        return x
+    p = getattr(x, "ptr", None)
+    if isinstance(p, int):
+        return p
+    return int(x.data.ptr)  # a CuPy array
+
+
+class KernelParams:
+    """The parameter list of one kernel: ``((name, kind), ...)``, kind in ptr/i32/u32/i64/f32."""
+
+    __slots__ = ("params", "names", "kinds", "_struct", "_offsets", "_ptr_pos", "_tls")
+
+    def __init__(self, params):
+        self.params = tuple((str(n), str(k)) for n, k in params)
+        self.names = tuple(n for n, _ in self.params)
+        self.kinds = tuple(k for _, k in self.params)
+        fmt, offsets, off = "<", [], 0
+        for kind in self.kinds:
+            size = _SIZE[kind]
+            pad = -off % size
+            fmt += "x" * pad
+            off += pad
+            offsets.append(off)
+            fmt += _FORMAT[kind]
+            off += size
+        self._struct = struct.Struct(fmt)
+        self._offsets = tuple(offsets)
+        self._ptr_pos = tuple(i for i, k in enumerate(self.kinds) if k == "ptr")
+        self._tls = threading.local()
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def _buffers(self):
+        tls = self._tls
+        bufs = getattr(tls, "bufs", None)
+        if bufs is None:
+            data = ctypes.create_string_buffer(max(1, self._struct.size))
+            base = ctypes.addressof(data)
+            table = (ctypes.c_void_p * max(1, len(self._offsets)))(*[base + o for o in self._offsets])
+            bufs = tls.bufs = (data, table, ctypes.addressof(table))
+        return bufs
+
+    def pack(self, values) -> bytes:
+        """The packed parameter bytes of ``values`` (in parameter order): for tests."""
+        return self._struct.pack(*self._normalise(values))
+
+    def _normalise(self, values) -> list:
+        vals = list(values)
+        if len(vals) != len(self.kinds):
+            raise TypeError(f"kernel takes {len(self.kinds)} parameters ({', '.join(self.names)}), got {len(vals)}")
+        for i in self._ptr_pos:
+            v = vals[i]
+            if not isinstance(v, int):
+                vals[i] = address(v)
+        return vals
+
+    def fill(self, values) -> int:
+        """Pack ``values`` into this thread's buffer; returns the ``void**`` table address."""
+        data, _, table_addr = self._buffers()
+        self._struct.pack_into(data, 0, *self._normalise(values))
+        return table_addr
+
+
+_launch_kernel = None
+
+
+def launch(kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, stream: int = 0) -> None:
+    """Launch ``kernel`` (a :class:`mate_cupy.jit.compiler.Kernel`) on the stream address ``stream``.
+
+    ``grid`` and ``block`` are 1-3 integers; ``values`` follow ``params``. Dynamic shared
+    memory above 48 KiB is opted into once per kernel and size.
+    """
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy.cuda import driver
+
+        _launch_kernel = driver.launchKernel
+    if shared_mem > 48 * 1024:
+        kernel.reserve_shared_memory(shared_mem)
+    g = tuple(grid) + (1, 1)
+    b = tuple(block) + (1, 1)
+    table = params.fill(values)
+    _launch_kernel(kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), int(stream), table, 0)

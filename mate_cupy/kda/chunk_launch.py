@@ -1,0 +1,138 @@
+"""Launchers of the KDA chunked prefill kernels (``cuda_src/kda_chunk.cu``).
+
+One ``chunk_kda`` call launches, on the caller's stream, in this order:
+
+1. ``kda_chunk_offsets_kernel`` (varlen only, one block): the first chunk slot of every
+   sequence, an int32 ``[N + 1]`` table in the workspace.
+2. ``kda_chunk_prepare_kernel<T>``: one CTA per (64-token chunk slot, value head), fully
+   parallel; writes one ``SLOT_BYTES`` workspace slot per (chunk, value head).
+3. ``kda_chunk_recurrence_kernel<T, NW>``: one CTA per (sequence, value head, V slice of
+   ``16 * NW`` state rows), sequential over the chunks, state in float32 registers.
+
+Workspace layout (bytes): ``num_slots * HV`` slots of ``SLOT_BYTES``, slot
+``slot * HV + hv``; then, for varlen, the int32 offsets table. ``T`` is the input dtype
+(``half_t`` or ``bf16_t``). Nothing here checks arguments: :func:`mate_cupy.kda.chunk.validate`
+has, and :func:`mate_cupy.kda.chunk.select_config` chose the launch shape.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..jit import KernelParams, address, get_kernel, launch, register
+from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32
+
+CHUNK = 64  # tokens per chunk
+HEAD_DIM = 128  # K = V
+SLOT_BYTES = 66048  # Qs, Kt, Kb [64, 128] + T, Aqk [64, 64] in the input dtype, egl [128] float32
+PREPARE_THREADS = 256
+PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 16  # 75,024 bytes (kPrepSmemBytes)
+OFFSETS_THREADS = 1024
+RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
+
+# state_in_kind / state_out_kind of the recurrence kernel
+STATE_NONE, STATE_FLOAT32, STATE_BFLOAT16 = 0, 1, 2
+STATE_KIND = {FLOAT32: STATE_FLOAT32, BFLOAT16: STATE_BFLOAT16}
+
+_CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
+OFFSETS_KERNEL = "kda_chunk_offsets_kernel"
+PREPARE_KERNEL = {dt: f"kda_chunk_prepare_kernel<{ct}>" for dt, ct in _CTYPE.items()}
+RECURRENCE_KERNEL = {(dt, nw): f"kda_chunk_recurrence_kernel<{ct}, {nw}>"
+                     for dt, ct in _CTYPE.items() for nw in RECURRENCE_WARPS}
+
+# NVRTC modules: per input dtype one with the offsets and prepare kernels, and one per
+# recurrence width, so a first call compiles only the two it launches.
+PREPARE_SPECS = {dt: register("kda_chunk.cu", (OFFSETS_KERNEL, PREPARE_KERNEL[dt])) for dt in _CTYPE}
+RECURRENCE_SPECS = {key: register("kda_chunk.cu", (name,)) for key, name in RECURRENCE_KERNEL.items()}
+
+OFFSETS_PARAMS = KernelParams((
+    ("cu_seqlens", "ptr"), ("cu_is_64", "i32"), ("num_seqs", "i32"), ("total_rows", "i64"), ("offsets", "ptr"),
+))
+PREPARE_PARAMS = KernelParams((
+    ("q", "ptr"), ("k", "ptr"), ("g", "ptr"), ("beta", "ptr"), ("A_log", "ptr"), ("dt_bias", "ptr"),
+    ("cu_seqlens", "ptr"), ("cu_is_64", "i32"), ("chunk_offsets", "ptr"), ("ws", "ptr"), ("num_seqs", "i32"),
+    ("seq_len_dense", "i64"), ("total_rows", "i64"), ("H", "i32"), ("HV", "i32"), ("scale", "f32"),
+    ("lower_bound", "f32"), ("use_l2norm", "i32"), ("has_gate", "i32"),
+))
+RECURRENCE_PARAMS = KernelParams((
+    ("v", "ptr"), ("ws", "ptr"), ("out", "ptr"), ("state_in", "ptr"), ("state_in_kind", "i32"),
+    ("state_out", "ptr"), ("state_out_kind", "i32"), ("cu_seqlens", "ptr"), ("cu_is_64", "i32"),
+    ("chunk_offsets", "ptr"), ("num_slots", "i32"), ("seq_len_dense", "i64"), ("total_rows", "i64"),
+    ("HV", "i32"),
+))
+
+
+def recurrence_smem(warps: int) -> int:
+    """Dynamic shared memory of the recurrence kernel with ``warps`` warps (two pipeline stages)."""
+    bv = 16 * warps
+    stage = 3 * 64 * 136 * 2 + 2 * 64 * 72 * 2 + HEAD_DIM * 4 + 64 * (bv + 8) * 2
+    return 2 * stage
+
+
+def num_chunk_slots(batch: int, seqlen: int, num_seqs: int, varlen: bool) -> int:
+    """Workspace chunk slots: exact for dense input, an upper bound for varlen.
+
+    Varlen: ``sum ceil(len_n / 64) <= (S + 63 N) // 64`` for any N lengths summing to S;
+    no sequences, no slots (rows outside every sequence are not read).
+    """
+    if num_seqs == 0:
+        return 0
+    if varlen:
+        return (seqlen + (CHUNK - 1) * num_seqs) // CHUNK
+    return batch * ((seqlen + CHUNK - 1) // CHUNK)
+
+
+def workspace_layout(batch: int, seqlen: int, num_v_heads: int, num_seqs: int, varlen: bool) -> tuple:
+    """``(num_slots, offsets_at, total_bytes)``: slot count, byte offset of the varlen
+    chunk-offsets table (256-byte aligned: ``SLOT_BYTES`` is a multiple of 256) and bytes in all."""
+    slots = num_chunk_slots(batch, seqlen, num_seqs, varlen)
+    offsets_at = slots * num_v_heads * SLOT_BYTES
+    return slots, offsets_at, offsets_at + (4 * (num_seqs + 1) if varlen else 0)
+
+
+@lru_cache(maxsize=None)
+def prepare_kernel(dtype, device: int):
+    """The offsets and prepare kernels of ``dtype`` on ``device``; the prepare kernel's
+    shared-memory carveout is set to the maximum when it is loaded (three 75 KB CTAs per SM
+    on sm_90 need it)."""
+    spec = PREPARE_SPECS[dtype]
+    prep = get_kernel(spec, PREPARE_KERNEL[dtype], device)
+    prep.raw.preferred_shared_memory_carveout = 100
+    return get_kernel(spec, OFFSETS_KERNEL, device), prep
+
+
+def launch_chunk(problem, config, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
+                 out, workspace, state_in_kind: int, state_out_kind: int, stream: int) -> None:
+    """Launch the kernels ``config`` (a :class:`mate_cupy.kda.chunk.ChunkConfig`) names for
+    ``problem`` (a :class:`mate_cupy.kda.chunk.ChunkProblem`) on the stream address ``stream``.
+
+    Arrays are device pointers (ints, ``Arg``s or None), every one contiguous and aligned as
+    the kernels need: q, k ``[B, T, H, 128]``, v, g, out ``[B, T, HV, 128]`` (16-byte
+    aligned inputs, 4-byte aligned out), beta ``[B, T, HV]``, A_log ``[HV]`` and dt_bias
+    ``[HV * 128]`` float32 or None, cu_seqlens ``[N + 1]`` or None, states
+    ``[N, HV, 128, 128]`` of ``state_*_kind`` (float32 8-byte, bfloat16 4-byte aligned) or
+    None, ``workspace`` of ``problem.workspace_bytes``.
+    """
+    p, c = problem, config
+    if not c.launches_any:
+        return
+    ws = address(workspace)
+    cu64 = int(p.cu_seqlens_int64)
+    offsets = ws + c.offsets_at if p.varlen else 0
+    seq_len_dense = 0 if p.varlen else p.seqlen
+    total_rows = p.batch * p.seqlen
+    if c.launch_offsets:
+        launch(prepare_kernel(p.dtype, p.device)[0], (1,), (OFFSETS_THREADS,), OFFSETS_PARAMS,
+               (cu_seqlens, cu64, p.num_seqs, total_rows, offsets), stream=stream)
+    if c.launch_prepare:
+        launch(prepare_kernel(p.dtype, p.device)[1], c.prepare_grid, (PREPARE_THREADS,), PREPARE_PARAMS,
+               (q, k, g, beta, A_log, dt_bias, cu_seqlens, cu64, offsets, ws, p.num_seqs, seq_len_dense,
+                total_rows, p.num_heads, p.num_v_heads, p.scale, p.lower_bound, int(p.use_qk_l2norm),
+                int(p.has_gate_params)),
+               shared_mem=PREPARE_SMEM, stream=stream)
+    if c.launch_recurrence:
+        nw = c.recurrence_warps
+        kern = get_kernel(RECURRENCE_SPECS[(p.dtype, nw)], RECURRENCE_KERNEL[(p.dtype, nw)], p.device)
+        launch(kern, c.recurrence_grid, (32 * nw,), RECURRENCE_PARAMS,
+               (v, ws, out, initial_state, state_in_kind, final_state, state_out_kind, cu_seqlens, cu64, offsets,
+                c.num_slots, seq_len_dense, total_rows, p.num_v_heads),
+               shared_mem=c.recurrence_smem, stream=stream)

@@ -1,0 +1,330 @@
+"""Variants, configuration and launchers of the MSA index kernels (``cuda_src/msa_index.cu``).
+
+* :func:`run_max_score`: per-128-key-block max of raw ``q . k`` (SPEC section 3) for the
+  MSA engine's ``output_maxscore`` pass. The caller validates (see its docstring);
+  :func:`select_max_score_config` picks the kernel.
+* :func:`launch_topk`: exact top-k block selection (SPEC section 4) for
+  ``sparse_topk_select`` (``mate_cupy.msa.topk``), which validates into a
+  :class:`~mate_cupy.msa.topk.TopkProblem`; :func:`select_topk_config` picks the kernel.
+
+Launchers take :class:`~mate_cupy.runtime.interop.Arg` views (or addresses) and a stream
+address, launch through :func:`mate_cupy.jit.launch`, never synchronise and never
+allocate. Every variant the choices can pick is registered at import (``compile_all``
+builds them without a GPU) and none other. Design: ``docs/index_kernels.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from ..jit import KernelParams, get_kernel, launch, register
+from ..runtime.device import device_info
+from ..runtime.interop import BFLOAT16, FLOAT16
+
+if TYPE_CHECKING:
+    from ..runtime.interop import Arg
+    from .topk import TopkProblem
+
+__all__ = [
+    "MAX_SCORE_CONFIGS", "MaxScoreConfig", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
+    "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
+]
+
+SOURCE = "msa_index.cu"
+BLOCK = 128                 # keys per max-score block
+MAX_SCORE_HEAD_DIMS = (64, 128, 256)
+_CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
+_MS_STASH = 16              # kMsStash
+
+# ----------------------------------------------------------------------------- kernel parameters
+
+MAX_SCORE_PARAMS = KernelParams((
+    ("q", "ptr"), ("kc", "ptr"), ("max_score", "ptr"), ("cu_seqlens_q", "ptr"), ("qo_lens", "ptr"),
+    ("kv_lens", "ptr"), ("qo_offset", "ptr"), ("cu_seqlens_k", "ptr"), ("page_table", "ptr"),
+    ("kv_indices", "ptr"), ("kv_page_indptr", "ptr"), ("kv_mode", "i32"), ("q_stride_tok", "i64"),
+    ("q_stride_head", "i64"), ("k_stride_outer", "i64"), ("k_stride_slot", "i64"), ("k_stride_head", "i64"),
+    ("total_q", "i64"), ("k_extent", "i64"), ("page_shift", "i32"), ("page_table_cols", "i32"),
+    ("num_kv_indices", "i64"), ("batch", "i32"), ("num_m_tiles", "i32"), ("num_heads_q", "i32"),
+    ("num_heads_kv", "i32"), ("nt", "i32"), ("causal", "i32"), ("tiles_per_split", "i32"),
+))
+_TOPK_COMMON = (
+    ("scores", "ptr"), ("out", "ptr"), ("num_rows", "i64"), ("num_heads", "i32"), ("nt", "i32"), ("width", "i32"),
+    ("num_valid_pages", "i32"), ("force_begin", "i32"), ("force_end", "i32"), ("query_positions", "ptr"),
+)
+TOPK_PARAMS = KernelParams(_TOPK_COMMON + (("cand_cap", "i32"),))   # msa_topk_select_kernel
+STREAM_PARAMS = KernelParams(_TOPK_COMMON)                          # msa_topk_stream_kernel
+
+# ----------------------------------------------------------------------------- max score
+
+
+@dataclass(frozen=True)
+class MaxScoreConfig:
+    """One ``msa_block_max_score_kernel`` variant.
+
+    ``mma``: ``"mma_sync"`` (each warp holds 16 rows of Q in registers; three K stages) or
+    ``"wgmma"`` (sm_90a warpgroup MMA, Q and K from shared memory; two K stages).
+    ``num_warps``: warps per CTA; a CTA owns ``16 * num_warps`` packed (query, head) rows.
+    """
+
+    mma: str
+    num_warps: int
+
+    @property
+    def stages(self) -> int:
+        return 2 if self.mma == "wgmma" else 3
+
+    @property
+    def rows_per_cta(self) -> int:
+        return 16 * self.num_warps
+
+
+MAX_SCORE_CONFIGS = (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8), MaxScoreConfig("wgmma", 8))
+_MMA_CODE = {"mma_sync": 0, "wgmma": 1}   # enum MaxScoreMma
+
+
+def _max_score_name(dtype, d: int, cfg: MaxScoreConfig) -> str:
+    return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.num_warps}, {_MMA_CODE[cfg.mma]}>"
+
+
+MAX_SCORE_SPECS = {
+    (dt, d, cfg): register(SOURCE, _max_score_name(dt, d, cfg), min_sm=90 if cfg.mma == "wgmma" else 80)
+    for dt in (FLOAT16, BFLOAT16)
+    for d in MAX_SCORE_HEAD_DIMS
+    for cfg in MAX_SCORE_CONFIGS
+}
+
+
+def select_max_score_config(rows: int, compute_capability: int) -> MaxScoreConfig:
+    """The kernel for requests of up to ``rows = max_seqlen_q * Hq / Hkv`` packed rows.
+
+    4 warps of mma.sync when ``rows <= 64`` (decode-like batches: 64-row CTAs); else 8
+    warps of wgmma on sm_90 (H200: 1.45 ms against 2.08 ms for 8 warps of mma.sync at
+    S8192 Hq64 Hkv8 D128), 8 warps of mma.sync elsewhere."""
+    if rows <= 64:
+        return MAX_SCORE_CONFIGS[0]
+    return MAX_SCORE_CONFIGS[2] if compute_capability == 90 else MAX_SCORE_CONFIGS[1]
+
+
+def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
+    """Dynamic shared memory of a max-score variant (mirrors ``MaxScoreTile``)."""
+    bm = config.rows_per_cta
+    k_bytes = config.stages * BLOCK * d * elem_bytes
+    stash = bm * (_MS_STASH + 1) * 4
+    end = k_bytes + (bm * d * elem_bytes if config.mma == "wgmma" else 0) + stash
+    return end + config.stages * BLOCK + (1024 if config.mma == "wgmma" else 0)
+
+
+def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> tuple:
+    """``(splits, tiles_per_split)``: spread the ``nt`` output blocks of each (rows, head)
+    tile over several CTAs when ``ctas`` alone cannot fill the GPU (decode-like batches).
+    Block maxima need no merge, so a split only narrows a CTA's block range."""
+    target = 4 * sm_count
+    splits = 1
+    if 0 < ctas < target:
+        splits = max(1, min(-(-target // ctas), nt // min_tiles, 65535))
+    per = -(-nt // splits)
+    return -(-nt // per), per
+
+
+def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens: Arg, kv_lens: Arg,
+                  qo_offset: Arg, cu_seqlens_k: Optional[Arg] = None, page_table: Optional[Arg] = None,
+                  kv_indices: Optional[Arg] = None, kv_page_indptr: Optional[Arg] = None, kv_layout: str = "NHD",
+                  page_size: int = 0, max_seqlen_q: int, causal: bool, stream: int,
+                  config: Optional[MaxScoreConfig] = None) -> None:
+    """``max_score[i, h, t] = max`` of ``q[i, h] . k[j, h // r]`` over the admissible keys ``j`` of block ``t``.
+
+    Signature::
+
+        run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens: Arg,
+                      kv_lens: Arg, qo_offset: Arg, cu_seqlens_k: Arg | None = None,
+                      page_table: Arg | None = None, kv_indices: Arg | None = None,
+                      kv_page_indptr: Arg | None = None, kv_layout: str = "NHD",
+                      page_size: int = 0, max_seqlen_q: int, causal: bool, stream: int,
+                      config: MaxScoreConfig | None = None) -> None
+
+    Arrays are :class:`~mate_cupy.runtime.interop.Arg` views (``.ptr``, ``.shape``,
+    ``.strides`` in elements, logical ``.dtype``); ``stream`` is a ``cudaStream_t``
+    address. Keys: dense ``k [total_k, Hkv, D]`` when ``page_size == 0`` (request ``b``'s
+    key ``j`` is row ``cu_seqlens_k[b] + j``), else paged ``[P, page_size, Hkv, D]`` (NHD)
+    or ``[P, Hkv, page_size, D]`` (HND) through ``page_table`` (used when given) or
+    ``kv_indices`` + ``kv_page_indptr``. Every element of the rows of each request's
+    ``qo_lens[b]`` queries is written: ``-inf`` where a block has no admissible key and for
+    ``t >= ceil(kv_len / 128)``; other rows are not touched. Keys of page ids outside
+    ``[0, P)``, past the table width or outside the CSR range, and dense rows outside
+    ``k``, are not admissible. ``config`` overrides :func:`select_max_score_config` (one
+    of :data:`MAX_SCORE_CONFIGS`; the tests run each).
+
+    The caller guarantees (nothing here checks it):
+
+    * the current CUDA device is the arrays' device and ``stream`` belongs to it;
+    * ``q``: ``[total_q, Hq, D]``, float16 or bfloat16, ``D`` in {64, 128, 256},
+      ``q.strides[2] == 1``, ``q.strides[0]`` and ``q.strides[1]`` multiples of 8, ``q.ptr``
+      16-byte aligned;
+    * ``k``: ``q``'s dtype, the rank and shape above for its mode with head dim ``D``,
+      ``k.strides[-1] == 1``, the other strides multiples of 8, ``k.ptr`` 16-byte aligned;
+    * ``Hkv >= 1`` divides ``Hq``, ``Hkv <= 65535``;
+    * ``max_score``: float32 ``[total_q, Hq, NT]`` C-contiguous (``NT >= 0``);
+    * int32 contiguous vectors ``qo_lens``, ``kv_lens``, ``qo_offset`` ``[B]`` (``B`` is
+      ``qo_lens.shape[0]``), ``cu_seqlens_q [B + 1]``; dense: ``cu_seqlens_k`` int32
+      ``[B + 1]``;
+    * paged: ``page_size`` a power of two, ``kv_layout`` ``"NHD"`` or ``"HND"``, and either
+      ``page_table`` int32 C-contiguous ``[>= B, max_pages]`` or ``kv_indices`` int32
+      contiguous 1-D with ``kv_page_indptr`` int32 ``[B + 1]``;
+    * ``max_seqlen_q >= qo_lens[b]`` for every request (queries past it may be left unwritten);
+    * ``max_seqlen_q * Hq / Hkv < 2**31`` and ``ceil(max_seqlen_q * Hq / Hkv / 16) * B < 2**31``.
+    """
+    total_q, hq, d = q.shape
+    nt = max_score.shape[2]
+    batch = qo_lens.shape[0]
+    ks = k.strides
+    page_shift = pt_cols = n_idx = 0
+    if page_size <= 0:
+        kv_mode, hkv = 0, k.shape[1]
+        k_outer, k_slot, k_head, k_extent = ks[0], 0, ks[1], k.shape[0]
+        page_table = kv_indices = kv_page_indptr = None
+    else:
+        page_shift = int(page_size).bit_length() - 1
+        if kv_layout == "NHD":
+            hkv, k_outer, k_slot, k_head = k.shape[2], ks[0], ks[1], ks[2]
+        else:
+            hkv, k_outer, k_slot, k_head = k.shape[1], ks[0], ks[2], ks[1]
+        k_extent = k.shape[0]
+        cu_seqlens_k = None
+        if page_table is not None:
+            kv_mode, pt_cols = 1, page_table.shape[1]
+            kv_indices = kv_page_indptr = None
+        else:
+            kv_mode, n_idx = 2, kv_indices.shape[0]
+    r = hq // hkv
+    rows = int(max_seqlen_q) * r
+    if batch == 0 or rows <= 0 or total_q == 0 or nt == 0:
+        return
+    sm_count, cc = device_info(q.device)
+    cfg = select_max_score_config(rows, cc) if config is None else config
+    m_tiles = -(-rows // cfg.rows_per_cta)
+    splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, sm_count)
+    kernel = get_kernel(MAX_SCORE_SPECS[(q.dtype, d, cfg)])
+    qs = q.strides
+    launch(kernel, (m_tiles * batch, hkv, splits), (32 * cfg.num_warps,), MAX_SCORE_PARAMS,
+           (q, k, max_score, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k, page_table, kv_indices,
+            kv_page_indptr, kv_mode, qs[0], qs[1], k_outer, k_slot, k_head, total_q, k_extent, page_shift, pt_cols,
+            n_idx, batch, m_tiles, hq, hkv, nt, 1 if causal else 0, tiles_per_split),
+           shared_mem=max_score_smem_bytes(d, cfg, q.dtype.itemsize), stream=stream)
+
+
+# ----------------------------------------------------------------------------- top-k select
+
+_TOPK_ROWS_PER_WARP_CTA = 8    # kTopkRowsPerWarpCta
+_TOPK_WARP_CANDIDATES = 256    # kTopkWarpCandidates
+_TOPK_CTA_CANDIDATES = 2048    # kTopkCtaCandidates
+_TOPK_CTA_WARPS = (2, 4, 8, 12)
+_TOPK_CTA_NPT = 32
+STREAM_NPT = (8, 16, 32)
+STREAM_MAX_SLOTS = 16          # the choice's limit; the streaming kernel itself is exact for K <= 32
+STREAM_KERNEL_MAX_SLOTS = 32
+STREAM_MIN_ROWS = 1024         # rows of more than 1024 scores: below this many rows a CTA per row wins
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """One top-k kernel launch shape.
+
+    ``kernel``: ``"stream"`` (``msa_topk_stream_kernel``: a warp per row reads its row in
+    chunks of ``32 * scores_per_thread``; ``K <= 32`` free slots) or ``"block"``
+    (``msa_topk_select_kernel``: ``warps_per_row == 1``, a warp per row, 8 rows per CTA,
+    ``NT <= 32 * scores_per_thread``; else a CTA of ``warps_per_row`` warps per row).
+    ``vector_width`` 4: 16-byte loads (``NT % 4 == 0`` and 16-byte aligned scores).
+    ``top2`` (block): the lower bound takes each thread's two largest keys (always for
+    warp rows). ``candidate_capacity`` (block): candidates kept in shared memory before
+    the register path (256 for warp rows, 2048 for CTA rows; 0 forces the register
+    path). Streaming configs have ``warps_per_row == 1``, ``top2 False``,
+    ``candidate_capacity 0``.
+    """
+
+    kernel: str
+    scores_per_thread: int
+    vector_width: int
+    warps_per_row: int
+    top2: bool
+    candidate_capacity: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        if self.kernel == "stream":
+            return 4 if self.scores_per_thread > 16 else 8   # StreamRows<NPT>::kPerCta
+        return _TOPK_ROWS_PER_WARP_CTA if self.warps_per_row == 1 else 1
+
+
+def _block_variants():
+    out = [(1, npt, True) for npt in (8, 32)]
+    for nw in _TOPK_CTA_WARPS:
+        out += [(nw, _TOPK_CTA_NPT, top2) for top2 in ((False, True) if 2 * 64 > 32 * nw else (False,))]
+    return out
+
+
+TOPK_SPECS = {
+    (nw, npt, vec, top2): register(SOURCE, f"msa_topk_select_kernel<{nw}, {npt}, {vec}, {'true' if top2 else 'false'}>")
+    for nw, npt, top2 in _block_variants()
+    for vec in (1, 4)
+}
+STREAM_SPECS = {(npt, vec): register(SOURCE, f"msa_topk_stream_kernel<{npt}, {vec}>")
+                for npt in STREAM_NPT for vec in (1, 4)}
+
+
+def stream_topk_config(problem: TopkProblem) -> TopkConfig:
+    """The streaming kernel for ``problem``: one chunk of NPT 32 when ``256 < NT <= 1024``
+    (24 warps per SM), chunks of 512 (NPT 16: 64 registers, 32 warps per SM) for
+    ``256 < NT <= 512`` and longer rows, NPT 8 below."""
+    nt = problem.max_k_tiles
+    npt = 8 if nt <= 256 else (32 if 512 < nt <= 1024 else 16)
+    return TopkConfig("stream", npt, 4 if problem.scores_aligned else 1, 1, False, 0)
+
+
+def block_topk_config(problem: TopkProblem) -> TopkConfig:
+    """The warp / CTA kernel for ``problem``: a warp per row (NPT 8 up to NT 256, 32 up to
+    1024), else the fewest CTA warps of {2, 4, 8, 12} holding the row at 32 scores per
+    thread; top-2 bound when ``2 K`` exceeds the group; full candidate capacity."""
+    nt = problem.max_k_tiles
+    if nt <= 1024:
+        nw, npt, top2 = 1, 8 if nt <= 256 else 32, True
+    else:
+        need = -(-nt // (32 * _TOPK_CTA_NPT))
+        nw = next(w for w in _TOPK_CTA_WARPS if w >= need)
+        npt, top2 = _TOPK_CTA_NPT, 2 * problem.free_slots > 32 * nw
+    return TopkConfig("block", npt, 4 if problem.scores_aligned else 1, nw, top2,
+                      _TOPK_WARP_CANDIDATES if nw == 1 else _TOPK_CTA_CANDIDATES)
+
+
+def select_topk_config(problem: TopkProblem) -> TopkConfig:
+    """The kernel for ``problem`` (device-independent): streaming for ``K <= 16`` free
+    slots when ``NT <= 1024`` or there are at least ``STREAM_MIN_ROWS`` rows, else the
+    warp / CTA kernel. Rows whose valid blocks all fit (``V_i <= W``) are written by
+    either kernel without reading scores."""
+    if problem.free_slots <= STREAM_MAX_SLOTS and (problem.max_k_tiles <= 1024 or problem.rows >= STREAM_MIN_ROWS):
+        return stream_topk_config(problem)
+    return block_topk_config(problem)
+
+
+def launch_topk(problem: TopkProblem, config: TopkConfig, max_score, out, query_positions, stream: int) -> None:
+    """Select into ``out`` on ``stream`` (an address) with the kernel ``config`` names.
+
+    ``max_score`` (float32 ``[total_q, Hq, NT]`` C-contiguous), ``out`` (int32
+    ``[total_q, Hq, W]`` C-contiguous) and ``query_positions`` (int64 ``[total_q]`` or
+    None) are :class:`~mate_cupy.runtime.interop.Arg` views or addresses as
+    :func:`~mate_cupy.msa.topk.validate_topk` accepted them for ``problem``; the current
+    device is theirs. A ``"stream"`` config needs ``problem.free_slots <= 32``.
+    """
+    rows = problem.rows
+    if rows == 0:
+        return
+    values = (max_score, out, rows, problem.num_qo_heads, problem.max_k_tiles, problem.width,
+              problem.num_valid_pages, problem.force_begin_blocks, problem.force_end_blocks, query_positions)
+    rpc = config.rows_per_cta
+    if config.kernel == "stream":
+        kernel = get_kernel(STREAM_SPECS[(config.scores_per_thread, config.vector_width)])
+        launch(kernel, (-(-rows // rpc),), (32 * rpc,), STREAM_PARAMS, values, stream=stream)
+        return
+    kernel = get_kernel(TOPK_SPECS[(config.warps_per_row, config.scores_per_thread, config.vector_width,
+                                    config.top2)])
+    block = 32 * (rpc if config.warps_per_row == 1 else config.warps_per_row)
+    launch(kernel, (-(-rows // rpc),), (block,), TOPK_PARAMS, values + (config.candidate_capacity,), stream=stream)

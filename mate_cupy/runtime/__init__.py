@@ -1,0 +1,1 @@
+"""Runtime: DLPack interop and streams, device properties, workspaces."""

@@ -1,0 +1,45 @@
+"""Kernel parameter packing (mate_cupy.jit.launch) on the host: layout and conversions."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from mate_cupy.jit.launch import KernelParams, address
+
+
+class _HasPtr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def test_pack_aligns_each_parameter_to_its_size():
+    p = KernelParams((("a", "ptr"), ("n", "i32"), ("b", "ptr"), ("x", "f32"), ("y", "i64"), ("u", "u32")))
+    raw = p.pack((0x1000, np.int32(-3), None, 1.5, 2**40, 7))
+    assert len(raw) == 8 + 4 + 4 + 8 + 4 + 4 + 8 + 4
+    a, n, b, x, y, u = struct.unpack("<Qi4xQf4xqI", raw)
+    assert (a, n, b, x, y, u) == (0x1000, -3, 0, 1.5, 2**40, 7)
+
+
+def test_pointer_values_accept_addresses_none_and_ptr_objects():
+    assert address(None) == 0 and address(123) == 123 and address(_HasPtr(456)) == 456
+    p = KernelParams((("a", "ptr"), ("b", "ptr")))
+    assert struct.unpack("<QQ", p.pack((_HasPtr(8), None))) == (8, 0)
+
+
+def test_wrong_parameter_count_names_the_parameters():
+    p = KernelParams((("a", "ptr"), ("n", "i32")))
+    with pytest.raises(TypeError, match=r"takes 2 parameters \(a, n\), got 1"):
+        p.pack((1,))
+
+
+def test_fill_returns_a_table_of_pointers_into_the_packed_buffer():
+    import ctypes
+
+    p = KernelParams((("a", "ptr"), ("n", "i32"), ("x", "f32")))
+    table = p.fill((0xABC, 5, 2.0))
+    ptrs = (ctypes.c_void_p * 3).from_address(table)
+    assert ctypes.c_uint64.from_address(ptrs[0]).value == 0xABC
+    assert ctypes.c_int32.from_address(ptrs[1]).value == 5
+    assert ctypes.c_float.from_address(ptrs[2]).value == 2.0
