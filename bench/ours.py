@@ -28,14 +28,21 @@ def _lens(values):
     return torch.tensor(list(values), dtype=torch.int32)
 
 
+def _upload_to() -> dict:
+    """Eager plans are uploaded when built, to torch's current CUDA device (none on the CPU smoke run)."""
+    import torch
+
+    return {"device": torch.cuda.current_device()} if torch.cuda.is_available() else {}
+
+
 def eager_plan(qo_lens, kv_lens, hq: int, hkv: int, **kw):
     """Plan from concrete lengths (host int32 tensors), e.g. ``page_size=64`` or sparse options."""
     fn = _lookup("msa_plan_from_lengths", "_msa_plan_from_lengths")
-    return fn(_lens(qo_lens), _lens(kv_lens), hq, hkv, **kw)
+    return fn(_lens(qo_lens), _lens(kv_lens), hq, hkv, **_upload_to(), **kw)
 
 
 def sparse_plan(qo_lens, kv_lens, hq: int, hkv: int, **kw):
-    return _lookup("sparse_msa_plan")(_lens(qo_lens), _lens(kv_lens), hq, hkv, **kw)
+    return _lookup("sparse_msa_plan")(_lens(qo_lens), _lens(kv_lens), hq, hkv, **_upload_to(), **kw)
 
 
 def static_paged_plan(batch: int, max_q: int, max_k: int, hq: int, hkv: int, *, total_k: int, page_size: int,

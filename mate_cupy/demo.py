@@ -52,7 +52,8 @@ def _msa_demo(xp, rng, where: str) -> None:
     q = rng.standard_normal((int(qo.sum()), hq, d)).astype(bf16)
     k = rng.standard_normal((int(kv.sum()), hkv, d)).astype(bf16)
     v = rng.standard_normal((int(kv.sum()), hkv, d)).astype(bf16)
-    plan = mc.msa_plan_from_lengths(qo, kv, hq, hkv, split_prefill_decode=False, output_maxscore=True)
+    plan = mc.msa_plan_from_lengths(qo, kv, hq, hkv, split_prefill_decode=False, output_maxscore=True,
+                                    device=None if xp is None else xp.cuda.Device().id)  # uploaded when built
     args = [q, k, v] if xp is None else [xp.asarray(a) for a in (q, k, v)]
     (out, max_score), ms = _timed(lambda: mc.msa(*args, plan))
     sel, ms2 = _timed(lambda: mc.sparse_topk_select(max_score, 4, force_begin_blocks=1, force_end_blocks=1))

@@ -1,6 +1,6 @@
 """KDA (Kimi Delta Attention) internals.
 
-``chunk.py`` / ``decode.py``: argument checks and dispatch of ``chunk_kda`` /
-``gated_delta_rule_decode`` (public in :mod:`mate_cupy.kda_interface`); ``common.py``:
-shared helpers; ``chunk_kernels.py`` / ``decode_kernels.py``: the CUDA launchers.
+``chunk.py`` / ``decode.py``: the one validation and the configuration of ``chunk_kda`` /
+``gated_delta_rule_decode`` (public in :mod:`mate_cupy.kda_interface`); ``chunk_launch.py``
+/ ``decode_launch.py``: their CUDA launchers; ``common.py``: shared helpers.
 """

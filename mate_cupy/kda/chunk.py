@@ -39,7 +39,7 @@ MAX_SMEM_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448
                       110: 232448, 120: 101376, 121: 101376}
 
 # Relative per-chunk latency of a recurrence CTA by warp count (one CTA per SM: the stage
-# buffers take 145-173 KB), fitted to the H200 sweep (bench/sweeps/perf_kda.py): every warp
+# buffers take 145-173 KB), fitted to H200 timings of each width at H16/H32/H64/H96 and varlen 8x1024: every warp
 # does the same 232 MMAs per chunk at every width, so 1, 2 and 4 warps (one warp per SM
 # sub-partition) take about the same time per chunk, narrower CTAs only adding copy
 # instructions and L2 reads; 8 warps put two warps on each sub-partition (~1.6x).

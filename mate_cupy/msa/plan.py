@@ -361,6 +361,21 @@ def _cuda_device_of(values) -> Optional[int]:
     return arg.device if arg.is_cuda else None
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+def _current_cuda_device() -> Optional[int]:
+    """CuPy's current device when this process sees a GPU, else None (host-only plans)."""
+    return device_index(None) if _cuda_present() else None
+
+
 def _cu_seqlens(lengths: np.ndarray) -> np.ndarray:
     cu = np.zeros(lengths.shape[0] + 1, dtype=np.int32)
     if lengths.shape[0]:
@@ -542,17 +557,23 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
     blocks and ``force_blocks_count_in_topk`` set the width ``W`` of ``kv_block_indexes``.
     ``sparse_kernel_mode``: ``"auto"`` (prefill when a request has more than 32 queries),
     ``"prefill"`` or ``"decode"``. ``usable_SM_count``: SMs the launch configuration plans
-    for (default: the device's). ``device``/``stream``: where to upload the plan's vectors
-    at once (CUDA lengths upload to their own device; ``"cpu"`` or None with host lengths:
-    upload later with :meth:`MsaPlan.upload`). ``prefill_tile``: None or ``"gather"``.
+    for (default: the device's). ``device``/``stream``: where the plan's vectors are uploaded
+    when it is built: None uploads to the lengths' device when they are CUDA arrays, else to
+    CuPy's current device when the process sees a GPU (no GPU: a host-only plan);
+    ``"cpu"`` keeps the plan on the host (upload later with :meth:`MsaPlan.upload`). ``prefill_tile``: None or ``"gather"``.
 
     Returns ``(False, 0, B, plan, None)``, or ``(True, split, B, decode_plan, prefill_plan)``
     when ``split_prefill_decode`` and requests ``[0, split)`` are decode-sized while request
     ``split`` is the first with ``qo_len > 128`` (``> 32`` when sparse).
     """
-    upload_to = device_index(device) if device is not None else _cuda_device_of(qo_segment_lens)
-    if upload_to is None and device is None:
-        upload_to = _cuda_device_of(kv_segment_lens)
+    if device is not None:
+        upload_to = device_index(device)
+    else:
+        upload_to = _cuda_device_of(qo_segment_lens)
+        if upload_to is None:
+            upload_to = _cuda_device_of(kv_segment_lens)
+        if upload_to is None:
+            upload_to = _current_cuda_device()
     qo_lens = _int32_vector("qo_segment_lens", qo_segment_lens)
     kv_lens = _int32_vector("kv_segment_lens", kv_segment_lens)
     if qo_lens.shape != kv_lens.shape:
