@@ -45,3 +45,40 @@ def poison_like(xp, shape, dtype):
     else:
         a.fill(np.nan)
     return a
+
+
+def kernel_params(source, kernel: str, macros=()) -> list:
+    """``(name, kind)`` of each parameter of ``kernel`` as declared in the ``.cu`` file ``source``.
+
+    ``macros`` names ``#define``d parameter lists used in the declaration (expanded first).
+    Kinds as in :class:`mate_cupy.jit.KernelParams`: ptr, i64, u32, i32, f32.
+    """
+    import re
+    from pathlib import Path
+
+    text = Path(source).read_text()
+    m = re.search(r"\b" + re.escape(kernel) + r"\s*\(([^;{]*?)\)\s*\{", text, re.S)
+    assert m, f"{kernel} not declared in {source}"
+    decls = m.group(1)
+    for name in macros:
+        body = re.search(r"#define " + name + r"\b(.*?)\n\n", text, re.S)
+        assert body, f"macro {name} not defined in {source}"
+        decls = decls.replace(name, body.group(1).replace("\\\n", " "))
+    params = []
+    for decl in decls.split(","):
+        decl = " ".join(decl.replace("__restrict__", "").replace("const ", "").split())
+        name = decl.split()[-1].lstrip("*")
+        if "*" in decl:
+            kind = "ptr"
+        elif decl.startswith("long long"):
+            kind = "i64"
+        elif decl.startswith("unsigned"):
+            kind = "u32"
+        elif decl.startswith("int"):
+            kind = "i32"
+        elif decl.startswith("float"):
+            kind = "f32"
+        else:
+            raise AssertionError(f"{kernel}: parameter type of {decl!r}")
+        params.append((name, kind))
+    return params

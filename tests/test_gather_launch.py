@@ -8,13 +8,13 @@ random request layouts.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mate_cupy.msa import gather_launch as gl
+from helpers import kernel_params
 
 SRC = Path(gl.__file__).resolve().parent.parent / "cuda_src" / gl.SOURCE
 GIB = 1 << 30
@@ -26,28 +26,7 @@ M3 = dict(num_heads_kv=4, width=16)
 
 def _c_params(kernel: str) -> list:
     """(name, kind) of each parameter of ``kernel`` in attention_gather.cu (the geometry macro expanded)."""
-    text = SRC.read_text()
-    geo = re.search(r"#define GATHER_GEOMETRY_ARGS(.*?)\n\n", text, re.S).group(1).replace("\\\n", " ")
-    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", text, re.S)
-    assert m, kernel
-    params = []
-    for decl in m.group(1).replace("GATHER_GEOMETRY_ARGS", geo).split(","):
-        decl = " ".join(decl.replace("__restrict__", "").replace("const ", "").split())
-        name = decl.split()[-1].lstrip("*")
-        if "*" in decl:
-            kind = "ptr"
-        elif decl.startswith("long long"):
-            kind = "i64"
-        elif decl.startswith("int "):
-            kind = "i32"
-        elif decl.startswith("unsigned "):
-            kind = "u32"
-        elif decl.startswith("float "):
-            kind = "f32"
-        else:
-            raise AssertionError(decl)
-        params.append((name, kind))
-    return params
+    return kernel_params(SRC, kernel, macros=("GATHER_GEOMETRY_ARGS",))
 
 
 @pytest.mark.parametrize("kernel", gl.KERNELS)

@@ -12,12 +12,11 @@ replays it with new runtime lengths.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import rel_err, to_f64
+from helpers import kernel_params, rel_err, to_f64
 from msa_cases import BF16, FP8, make_problem, random_selection
 
 from mate_cupy.msa import attention_launch as al
@@ -34,30 +33,9 @@ SRC = Path(al.__file__).resolve().parent.parent / "cuda_src" / al.SOURCE
 # ============================================================================ CPU: launcher vs source
 
 
-def _c_params(kernel: str, src: Path = SRC, macros: dict = {}) -> list:
-    """(name, kind) of each parameter of ``kernel`` in ``src``, ``macros`` expanded first."""
-    text = src.read_text()
-    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", text, re.S)
-    assert m, kernel
-    decls = m.group(1)
-    for name, body in macros.items():
-        decls = decls.replace(name, body)
-    params = []
-    for decl in decls.split(","):
-        decl = " ".join(decl.replace("__restrict__", "").replace("const ", "").split())
-        name = decl.split()[-1].lstrip("*")
-        if "*" in decl:
-            kind = "ptr"
-        elif decl.startswith("long long"):
-            kind = "i64"
-        elif decl.startswith(("int", "unsigned")):
-            kind = "i32"
-        elif decl.startswith("float"):
-            kind = "f32"
-        else:
-            raise AssertionError(decl)
-        params.append((name, kind))
-    return params
+def _c_params(kernel: str) -> list:
+    """(name, kind) of each parameter of ``kernel`` in attention_fwd.cu."""
+    return kernel_params(SRC, kernel)
 
 
 @pytest.mark.parametrize("kernel,params", [("msa_attention_fwd_kernel", al.FWD_PARAMS),

@@ -24,6 +24,7 @@ from mate_cupy.msa import index_launch as il
 from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 from mate_cupy.runtime.interop import wrap
+from helpers import kernel_params
 
 BLOCK = 128
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
@@ -264,24 +265,7 @@ SRC = Path(il.__file__).resolve().parent.parent / "cuda_src" / il.SOURCE
 
 def c_params(kernel: str, src: Path = SRC) -> list:
     """(name, kind) of each parameter of ``kernel`` as declared in ``src``."""
-    m = re.search(r"\b" + kernel + r"\s*\((.*?)\)\s*\{", src.read_text(), re.S)
-    assert m, kernel
-    params = []
-    for decl in m.group(1).split(","):
-        decl = " ".join(decl.replace("__restrict__", "").split())
-        name = decl.split()[-1].lstrip("*")
-        if "*" in decl:
-            kind = "ptr"
-        elif decl.startswith("long long"):
-            kind = "i64"
-        elif decl.startswith("int"):
-            kind = "i32"
-        elif decl.startswith("float"):
-            kind = "f32"
-        else:
-            raise AssertionError(decl)
-        params.append((name, kind))
-    return params
+    return kernel_params(src, kernel)
 
 
 @pytest.mark.parametrize("kernel,params", [("msa_block_max_score_kernel", il.MAX_SCORE_PARAMS),

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import to_f64
+from helpers import kernel_params, to_f64
 from mate_cupy.kda import chunk as ch
 from mate_cupy.jit import address
 from mate_cupy.kda import chunk_launch as cl
@@ -266,17 +266,7 @@ def test_model_elementwise_diagonal_matches_fast_path(rng):
 
 def c_params(kernel: str) -> list:
     """``(name, kind)`` of each parameter of the ``__global__`` kernel ``kernel`` in kda_chunk.cu."""
-    m = re.search(r"__global__ void (?:__launch_bounds__\([^)]*\) )?" + kernel + r"\((.*?)\)\s*\{", SRC.read_text(),
-                  re.S)
-    assert m, kernel
-    params = []
-    for decl in m.group(1).split(","):
-        decl = " ".join(decl.replace("__restrict__", "").split())
-        name = decl.split()[-1].lstrip("*")
-        kind = ("ptr" if "*" in decl else "i64" if decl.startswith("long long ") else
-                "i32" if decl.startswith("int ") else "f32" if decl.startswith("float ") else decl)
-        params.append((name, kind))
-    return params
+    return kernel_params(SRC, kernel)
 
 
 @pytest.mark.parametrize("kernel, params", [("kda_chunk_offsets_kernel", cl.OFFSETS_PARAMS),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from pathlib import Path
 
 import ml_dtypes
@@ -23,6 +22,7 @@ import pytest
 from mate_cupy import gated_delta_rule_decode
 from mate_cupy.reference.kda import kda_decode, kda_recurrent
 from test_kda_reference import rel
+from helpers import kernel_params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -862,26 +862,8 @@ def _source_params(kernel: str) -> list:
     """(name, kind) of each parameter of ``kernel`` in kda_decode.cu."""
     from mate_cupy.kda import decode_launch as dl
 
-    text = (Path(dl.__file__).resolve().parent.parent / "cuda_src" / dl.SOURCE).read_text()
-    sig = re.search(r"\b" + kernel + r"\s*\(\s*KDA_DECODE_KERNEL_ARGS\s*\)\s*\{", text)
-    assert sig, f"{kernel} is not declared with KDA_DECODE_KERNEL_ARGS"
-    body = re.search(r"#define KDA_DECODE_KERNEL_ARGS(.*?)\n\n", text, re.S).group(1).replace("\\\n", " ")
-    params = []
-    for decl in body.split(","):
-        decl = " ".join(decl.split())
-        name = decl.split()[-1].lstrip("*")
-        if "*" in decl:
-            kind = "ptr"
-        elif decl.startswith("long long"):
-            kind = "i64"
-        elif decl.startswith("int"):
-            kind = "i32"
-        elif decl.startswith("float"):
-            kind = "f32"
-        else:
-            raise AssertionError(decl)
-        params.append((name, kind))
-    return params
+    src = Path(dl.__file__).resolve().parent.parent / "cuda_src" / dl.SOURCE
+    return kernel_params(src, kernel, macros=("KDA_DECODE_KERNEL_ARGS",))
 
 
 def test_kernel_params_match_the_source():

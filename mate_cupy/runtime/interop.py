@@ -18,8 +18,7 @@ may be mixed, and results follow the first array's framework.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
