@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from helpers import assert_rel, rel_err, to_f64
 from msa_cases import BF16, make_problem, random_selection
+from test_gpu_attention import _corrupt
+from test_msa_gpu import dev, poisoned
 
 import mate_cupy as mc
 from mate_cupy.msa import gather_launch as gl
@@ -24,43 +26,6 @@ pytestmark = pytest.mark.gpu
 F16 = np.dtype(np.float16)
 TOL = {BF16: 1e-2, F16: 5e-3}
 LSE_TOL = 1e-4
-
-
-def dev(x):
-    import cupy
-
-    x = np.asarray(x)
-    try:
-        return cupy.asarray(x)
-    except Exception:
-        if x.dtype != BF16:
-            raise
-        return mc.cast(cupy.asarray(x.astype(np.float32)), "bfloat16")  # exact: bf16 -> f32 -> bf16
-
-
-def poisoned(shape, dtype):
-    import cupy
-
-    a = cupy.empty(shape, dtype=dtype)
-    a.fill(np.nan)
-    return a
-
-
-def _corrupt(rng, sel, p):
-    """-1 holes, ids past the request's blocks, far out of range and negative (no repeats)."""
-    sel = sel.copy()
-    for row in range(sel.shape[0]):
-        b = int(np.searchsorted(p.cu_q, row, side="right") - 1)
-        nb = -(-int(p.kv[b]) // 128)
-        for h in range(sel.shape[1]):
-            free = np.flatnonzero(sel[row, h] < 0)
-            if free.size and rng.random() < 0.5:
-                sel[row, h, free[0]] = nb + int(rng.integers(0, 3))
-            if free.size > 1 and rng.random() < 0.3:
-                sel[row, h, free[1]] = 1 << 30
-            if free.size > 2 and rng.random() < 0.3:
-                sel[row, h, free[2]] = -7
-    return sel
 
 
 def _spy(monkeypatch):
