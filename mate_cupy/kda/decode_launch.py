@@ -113,26 +113,17 @@ def vfirst_warps(n_heads: int, V: int, sm_count: int) -> int:
     return 1
 
 
+# Boolean problem fields and the kernel flag each one sets.
+_BOOL_FLAGS = (("varlen", F_VARLEN), ("use_qk_l2norm", F_L2NORM), ("use_gate_in_kernel", F_GATE_IN_KERNEL),
+               ("use_lower_bound", F_LOWER_BOUND), ("apply_beta_sigmoid", F_BETA_SIGMOID),
+               ("allow_neg_eigval", F_NEG_EIGVAL), ("use_initial_state", F_INITIAL_STATE),
+               ("inplace_final_state", F_INPLACE), ("beta_per_channel", F_BETA_PER_CHANNEL))
+
+
 def _option_flags(p) -> int:
-    f = F_VARLEN if p.varlen else 0
+    f = sum(flag for field, flag in _BOOL_FLAGS if getattr(p, field))
     if p.cu_seqlens_dtype == INT64:
         f |= F_CU64
-    if p.use_qk_l2norm:
-        f |= F_L2NORM
-    if p.use_gate_in_kernel:
-        f |= F_GATE_IN_KERNEL
-    if p.use_lower_bound:
-        f |= F_LOWER_BOUND
-    if p.apply_beta_sigmoid:
-        f |= F_BETA_SIGMOID
-    if p.allow_neg_eigval:
-        f |= F_NEG_EIGVAL
-    if p.use_initial_state:
-        f |= F_INITIAL_STATE
-    if p.inplace_final_state:
-        f |= F_INPLACE
-    if p.beta_per_channel:
-        f |= F_BETA_PER_CHANNEL
     if p.index_dtype == INT64:
         f |= F_IDX64
     if p.accepted_dtype is not None:
