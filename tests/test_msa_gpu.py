@@ -285,14 +285,16 @@ def test_host_index_array_with_cuda_q_is_refused(rng):
 
 def test_eager_plan_must_be_uploaded(rng):
     p = make_problem(rng, [3, 40], [100, 40], 8, 1, 128)
-    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1)  # host lengths, no device: nothing uploaded
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, device="cpu")  # a host-only plan: nothing uploaded
     q, k, v = dev(p.q), dev(p.k), dev(p.v)
     with pytest.raises(ValueError, match="upload"):
         mc.msa(q, k, v, info)
     assert mc.upload_plan(info) is info and info[3].device_vectors.device == 0
     out, _ = mc.msa(q, k, v, info)
     check(out, None, dense_ref(p), BF16, "uploaded later")
-    mixed = mc.msa_plan_from_lengths([1, 200], [50, 200], 8, 1)
+    built = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1)  # device None on a GPU machine: uploaded when built
+    assert built[3].device_vectors is not None
+    mixed = mc.msa_plan_from_lengths([1, 200], [50, 200], 8, 1, device="cpu")
     assert mixed[0] and mixed[3].device_vectors is None and mixed[4].device_vectors is None
     mc.upload_plan(mixed)
     assert mixed[3].device_vectors is not None and mixed[4].device_vectors is not None

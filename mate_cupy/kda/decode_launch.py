@@ -186,7 +186,7 @@ def run(call, problem):
     if p.store_final_state and not p.inplace_final_state:
         final = call.new("final_state", p.final_shape, p.state_dtype)
         ptrs["final_state"] = final.ptr
-    write_back = _stage(call, p, ptrs) if p.staged else ()
+    staged, write_back = _stage(call, p, ptrs) if p.staged else ((), ())
     if cfg.grid:
         with call.device_scope():
             launch(get_kernel(cfg.spec, None, p.device), (cfg.grid,), (cfg.threads,), PARAMS,
@@ -195,6 +195,7 @@ def run(call, problem):
         with call.launch_scope():
             for dst, src in write_back:
                 cuda_copy_into(dst, src)
+    del staged  # the copies stay allocated until the launch and the copy-back are enqueued
     if p.inplace_final_state:
         return out.obj, call["state"].obj
     return out.obj, None if final is None else final.obj
@@ -220,11 +221,13 @@ def kernel_values(problem, config: DecodeConfig, ptrs: dict) -> tuple:
     )
 
 
-def _stage(call, p, ptrs: dict) -> list:
+def _stage(call, p, ptrs: dict) -> tuple[list, list]:
     """Contiguous copies of the arrays named in ``p.staged`` (their addresses replace the
-    caller's in ``ptrs``); returns the ``(caller array, copy)`` pairs to copy back after the
-    launch: a staged output, and a staged pool written in place."""
-    write_back = []
+    caller's in ``ptrs``). Returns ``(copies, write_back)``: every copy, which the caller
+    keeps alive until the launch is enqueued (a copy freed earlier would hand its memory to
+    the next one), and the ``(caller array, copy)`` pairs to copy back after the launch: a
+    staged output, and a staged pool written in place."""
+    copies, write_back = [], []
     with call.launch_scope():
         for name in p.staged:
             arg = call[name]
@@ -233,6 +236,7 @@ def _stage(call, p, ptrs: dict) -> list:
             else:
                 tmp = cuda_contiguous(arg.data)
             ptrs[name] = int(tmp.data.ptr)
+            copies.append(tmp)
             if name == "output" or (name == "state" and p.inplace_final_state):
                 write_back.append((arg.data, tmp))
-    return write_back
+    return copies, write_back
