@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.timing import graph_replay_us  # noqa: E402
 
 
+
 def _cases(torch, mc):
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -104,10 +105,39 @@ def _cases(torch, mc):
     return cases
 
 
+def _host_us(torch, fn, calls: int, repeats: int = 5) -> float:
+    """Host microseconds per call: the least of ``repeats`` timings of ``calls`` back-to-back
+    calls, each while the GPU is kept busy (launches never wait for it)."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda._sleep(int(5e8))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def _python_us(torch, fn, calls: int) -> float:
+    """Host microseconds per call with the driver launches replaced by a no-op: the
+    Python layer's share of :func:`_host_us` (the difference is ``cuLaunchKernel``)."""
+    import importlib
+
+    launch_mod = importlib.import_module("mate_cupy.jit.launch")  # the module (``jit.launch`` is its function)
+
+    saved = launch_mod._launch_kernel  # bound by the warm-up calls
+    launch_mod._launch_kernel = lambda *a: None
+    try:
+        return _host_us(torch, fn, calls, repeats=3)
+    finally:
+        launch_mod._launch_kernel = saved
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("outdir")
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     os.makedirs(args.outdir, exist_ok=True)
     import torch
@@ -122,12 +152,8 @@ def main() -> int:
                 fn()
             torch.cuda.synchronize()
             # Host time: keep the GPU busy so launches never wait for it.
-            torch.cuda._sleep(int(2e9))
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            host_us = (time.perf_counter() - t0) / args.calls * 1e6
-            torch.cuda.synchronize()
+            host_us = _host_us(torch, fn, args.calls)
+            python_us = _python_us(torch, fn, args.calls)
             # GPU time per call: CUDA graph replay.
             graph_us = graph_replay_us(torch, fn, replays=50, err_chars=160)
             pr = cProfile.Profile()
@@ -140,7 +166,8 @@ def main() -> int:
             st = pstats.Stats(pr, stream=prof_text)
             prof_text.write(f"\n===== {name}: {host_us:.1f} us/call host\n")
             st.sort_stats("tottime").print_stats(25)
-            rows.append({"op": name, "host_us_per_call": host_us, "graph_gpu_us": graph_us})
+            rows.append({"op": name, "host_us_per_call": host_us, "python_us_per_call": python_us,
+                         "graph_gpu_us": graph_us})
         except Exception as e:
             rows.append({"op": name, "error": f"{type(e).__name__}: {e}"[:300]})
     with open(os.path.join(args.outdir, "host_profile.txt"), "w") as f:

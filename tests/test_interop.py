@@ -131,3 +131,57 @@ def test_call_new_allocates_in_the_callers_framework():
     out = call.new("out", (2, 3), BFLOAT16)
     assert isinstance(out.obj, np.ndarray) and out.obj.dtype == BFLOAT16 and out.shape == (2, 3)
     assert out.data is out.obj and out.ptr == out.obj.ctypes.data
+
+
+class _FakeStream:
+    def __init__(self, ptr):
+        self.cuda_stream = ptr
+
+
+def _fake_torch(raw):
+    """A stand-in ``torch`` module: public ``cuda.current_stream`` gives stream 0x1000 + device;
+    ``_C._cuda_getCurrentRawStream`` is ``raw`` (absent when None)."""
+    import types
+
+    cuda = types.SimpleNamespace(current_stream=lambda device=None: _FakeStream(0x1000 + (device or 0)),
+                                 current_device=lambda: 0)
+    c = types.SimpleNamespace() if raw is None else types.SimpleNamespace(_cuda_getCurrentRawStream=raw)
+    return types.SimpleNamespace(cuda=cuda, _C=c)
+
+
+@pytest.mark.parametrize("raw, uses_raw", [
+    (lambda device: 0x1000 + device, True),     # agrees with the public API: the fast private function
+    (lambda device: 0x2000, False),             # disagrees: the public API
+    (None, False),                              # absent: the public API
+    (lambda device: 1 / 0, False),              # raises: the public API
+], ids=["agrees", "disagrees", "absent", "raises"])
+def test_torch_stream_getter_prefers_a_verified_raw_function(monkeypatch, raw, uses_raw):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(raw))
+    monkeypatch.setattr(_interop, "_TORCH_RAW_STREAM", [])
+    assert _interop._torch_stream_ptr(3) == 0x1003  # the current stream's handle, either way
+    assert (_interop._TORCH_RAW_STREAM[0] is raw) == uses_raw
+    assert _interop._torch_stream_ptr(2) == 0x1002
+
+
+def test_call_signature_names_what_validation_reads(rng):
+    a = rng.standard_normal((4, 6)).astype(np.float32)
+    c1, c2 = Call(q=a, k=a[:, ::2]), Call(q=a.copy(), k=a[:, ::2].copy())
+    s1, s2 = c1.signature(), c2.signature()
+    assert s1[0] == -1 and [x[0] for x in s1[1:]] == ["q", "k"]
+    assert s1[1][1:4] == (np.dtype(np.float32), (4, 6), (6, 1)) and s1[2][2:4] == ((4, 3), (6, 2))
+    assert s2[2][3] == (3, 1)  # the contiguous copy differs in strides
+    assert s1 != s2 and Call(q=a, k=a[:, ::2]).signature() == s1
+
+
+def test_bounded_memo_drops_the_oldest():
+    from mate_cupy.runtime.memo import BoundedMemo
+
+    m = BoundedMemo(2)
+    m.put("a", 1)
+    m.put("b", 2)
+    m.put("a", 3)  # an update does not evict
+    assert len(m) == 2 and m.get("a") == 3
+    m.put("c", 4)
+    assert m.get("a") is None and m.get("b") == 2 and m.get("c") == 4 and len(m) == 2

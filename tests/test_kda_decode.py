@@ -882,3 +882,40 @@ def test_decode_variants_registered():
     assert decode == sorted(f"kda_decode::kda_decode_{layout}_kernel<{t}>" for layout in ("vfirst", "kfirst")
                             for t in ("float", "__nv_bfloat16"))
     assert set(dl.SPECS) == {(dt, v) for dt in (F32, BF16) for v in (True, False)}
+
+
+def test_cuda_problems_are_reused_only_for_equal_signatures(rng, monkeypatch):
+    """CUDA calls (host arrays posing as device 0 here) reuse the problem of an earlier call
+    with equal array metadata and options; anything validation reads that differs gives
+    a fresh check, and a refused call is refused every time."""
+    from mate_cupy.kda import decode
+    from mate_cupy.runtime import interop
+
+    real_wrap = interop.wrap
+
+    def on_device0(name, obj):
+        arg = real_wrap(name, obj)
+        arg.device = 0
+        return arg
+
+    monkeypatch.setattr(interop, "wrap", on_device0)
+    monkeypatch.setattr(decode, "_PROBLEMS", decode.BoundedMemo(8))
+    x = _base(rng)
+    opts = dict(scale=None, output=None, use_qk_l2norm=None, lower_bound=None, use_gate_in_kernel=None,
+                use_lower_bound=None, apply_beta_sigmoid=None, allow_neg_eigval=None, use_initial_state=None,
+                state_v_first=None, is_varlen=None, store_final_state=False, inplace_final_state=False,
+                state_dtype=None, state_indices=None)
+    opts = {n: v for n, v in opts.items() if n not in x}
+    _, p1 = decode.validate(**x, **opts)
+    _, p2 = decode.validate(**{n: None if a is None else a.copy() for n, a in x.items()}, **opts)
+    assert p1.device == 0 and p2 is p1 and len(decode._PROBLEMS) == 1
+    _, p3 = decode.validate(**x, **{**opts, "scale": 0.5})
+    assert p3 is not p1 and p3.scale == 0.5
+    q_strided = np.repeat(x["q"], 2, axis=-1)[..., ::2]  # same values, every other element
+    _, p4 = decode.validate(**{**x, "q": q_strided}, **opts)
+    assert p4 is not p1 and "q" in p4.staged and "q" not in p1.staged
+    bad = {**x, "A_log": x["A_log"].astype(np.float16)}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="A_log"):
+            decode.validate(**bad, **opts)
+    assert len(decode._PROBLEMS) == 3

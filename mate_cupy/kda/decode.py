@@ -16,7 +16,6 @@ and the kernel treats an out-of-range slot as padding.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from ..reference.kda import kda_decode
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, dtype_name
+from ..runtime.memo import BoundedMemo
 from . import decode_launch
 from .common import HALF_DTYPES, INDEX_DTYPES, names
 from .decode_launch import K_DIM, MIN_V_SLICE, STATE_CHUNK_BYTES
@@ -107,15 +107,38 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
              inplace_final_state, state_dtype):
     """Check every argument of ``gated_delta_rule_decode`` (its arguments, as keywords; None
     for an option means its default); return ``(call, DecodeProblem)``. Raises before
-    anything runs."""
-    v_first = True if state_v_first is None else bool(state_v_first)
+    anything runs. A CUDA call whose array metadata and options equal an earlier call's
+    reuses that call's problem (:mod:`mate_cupy.runtime.memo`)."""
     varlen = (cu_seqlens is not None) if is_varlen is None else bool(is_varlen)
-    initial = True if use_initial_state is None else bool(use_initial_state)
-    inplace = bool(inplace_final_state)
-
     call = Call(q=q, k=k, v=v, a=a, b=b, state=state, A_log=A_log, dt_bias=dt_bias,
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens if varlen else None,
                 state_indices=state_indices, output=output)
+    options = (scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid,
+               allow_neg_eigval, use_initial_state, state_v_first, varlen, store_final_state, inplace_final_state,
+               state_dtype)
+    if call.device is None or call.device < 0:
+        return call, _check(call, *options)
+    key = (call.signature(), options)
+    try:
+        problem = _PROBLEMS.get(key)
+    except TypeError:  # an unhashable option (say, a 0-d array as scale): nothing to reuse
+        return call, _check(call, *options)
+    if problem is None:
+        problem = _check(call, *options)
+        _PROBLEMS.put(key, problem)
+    return call, problem
+
+
+_PROBLEMS = BoundedMemo(256)
+
+
+def _check(call, scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid,
+           allow_neg_eigval, use_initial_state, state_v_first, varlen, store_final_state, inplace_final_state,
+           state_dtype) -> "DecodeProblem":
+    """The checks of :func:`validate` on the wrapped arrays of ``call``: its problem, or an exception."""
+    v_first = True if state_v_first is None else bool(state_v_first)
+    initial = True if use_initial_state is None else bool(use_initial_state)
+    inplace = bool(inplace_final_state)
     args = call.args
     st = args.get("state")
     sdt = _resolve_state_dtype(state_dtype, st)
@@ -266,7 +289,7 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
     if call.device >= 0:
         token_strides, staged = _cuda_layout(args, T, H, HV, V, initial or inplace)
 
-    return call, _problem((  # DecodeProblem's fields, in order
+    return DecodeProblem(  # the fields in order
         call.device, B, T, H, K, HV, V, N, qdt, aa.dtype, ba.dtype, None if da is None else da.dtype,
         qdt if oa is None else oa.dtype, sdt, v_first, pool_size, la is not None, per_channel, varlen,
         None if ca is None else ca.dtype, slot_columns, None if sa is None else sa.dtype,
@@ -276,14 +299,7 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
         bool(use_lower_bound), bool(apply_beta_sigmoid), bool(allow_neg_eigval), initial, inplace,
         bool(store_final_state), K ** -0.5 if scale is None else float(scale),
         -5.0 if lower_bound is None else float(lower_bound), token_strides, staged,
-    ))
-
-
-@functools.lru_cache(maxsize=1024)
-def _problem(fields: tuple) -> DecodeProblem:
-    """The problem of ``fields`` (:class:`DecodeProblem`'s, in order). Equal calls share one
-    object: a steady-state call hashes a tuple instead of building a frozen dataclass."""
-    return DecodeProblem(*fields)
+    )
 
 
 def _cuda_layout(args: dict, T: int, H: int, HV: int, V: int, uses_pool: bool) -> tuple:
