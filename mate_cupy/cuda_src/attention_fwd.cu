@@ -27,6 +27,9 @@
 // memory (column-block tiles, attention_wgmma.cuh), O += P V takes P from
 // registers; masking, softmax and the epilogue are the same code.
 //
+// This file is the mainloop; masking (attention/mask.cuh) and the epilogue and split-KV
+// combine (attention/epilogue.cuh) are role headers.
+//
 // Compile-time specialisation (macros): ATT_HEAD_DIM, ATT_DTYPE (0 fp16,
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
 // ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
@@ -42,6 +45,8 @@
 #include "common/request_rows.cuh"
 #include "common/block_union.cuh"
 #include "common/attention_wgmma.cuh"
+#include "attention/mask.cuh"
+#include "attention/epilogue.cuh"
 
 using namespace mate;
 using namespace mate::attn;
@@ -119,8 +124,8 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // Shared memory: [Q tile][region: K/V stages | epilogue | sparse scratch][page flags][sparse lists]
 constexpr int kQBytes = kM * kRowBytes;
 constexpr int kStageBytes = 2 * kBN * kRowBytes;
-constexpr int kEpiStride = kD + 8;  // floats per staged output row (bank-conflict padding)
-constexpr int kEpiBytes = kWN * kM * kEpiStride * 4 + 3 * kWN * kM * 4;
+typedef AttentionEpilogue<kD, kM, kMT, kWN, kThreads, kFp8> Epilogue;
+constexpr int kEpiBytes = Epilogue::kSmemBytes;
 constexpr int kRegionBytes = round_up(cmax(kStages * kStageBytes, kEpiBytes), 128);
 constexpr int kFlagBytes = round_up(kStages * kBN, 128);
 constexpr int kSmemFixed = kQBytes + kRegionBytes + kFlagBytes;
@@ -189,8 +194,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     // ---- this thread's rows ----
     // Local query index ql = qi - qi_first of row (mt, h), one byte each (0xff: padding row).
     // A row attends keys j < row_limit(ql).
-    const int lim_base = (int)max(-(1LL << 30), min(1LL << 30, qoff + qi_first + 1));
-    auto row_limit = [&](int ql) -> int { return causal ? min(Lk, max(0, lim_base + ql)) : Lk; };
+    const RowLimits row_limit{(int)max(-(1LL << 30), min(1LL << 30, qoff + qi_first + 1)), Lk, causal != 0};
     u32 row_qls0 = 0;
     int lim_lo = 0x7fffffff, lim_hi = 0;
 #pragma unroll
@@ -526,27 +530,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
                 for (int n8 = 0; n8 < kNT; ++n8) S[mt][n8][0] = S[mt][n8][1] = S[mt][n8][2] = S[mt][n8][3] = 0.f;
         } else {
-        if (need_mask) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int i = 2 * mt + h;
-                    const int ql = (row_qls >> (8 * i)) & 0xff;
-                    const int lim = (ql != 0xff && ((member >> i) & 1u)) ? row_limit(ql) : 0;
-#pragma unroll
-                    for (int n8 = 0; n8 < kNT; ++n8) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int j = kw0 + n8 * 8 + 2 * t4 + e;
-                            bool ok = j < lim;
-                            if (tile_bad) ok = ok && sFlags[stage * kBN + (j - kstart)] != 0;
-                            if (!ok) S[mt][n8][2 * h + e] = kNegInf;
-                        }
-                    }
-                }
-            }
-        }
+        if (need_mask)
+            mask_scores<kMT, kNT>(S, row_qls, member, row_limit, kw0, t4, tile_bad ? sFlags + stage * kBN : nullptr,
+                                  kstart);
 
         // ---- online softmax ----
 #pragma unroll
@@ -637,107 +623,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     }
 
     // ---- epilogue: merge the key-split warps, normalise, store ----
-    cp_async_wait<0>();
-    __syncthreads();
-    float* eO = reinterpret_cast<float*>(sR);  // [kWN][kM][kEpiStride]
-    float* eM = eO + kWN * kM * kEpiStride;    // [kWN][kM] row max (log2 domain)
-    float* eL = eM + kWN * kM;                 // [kWN][kM] row sum
-    float* eF = eL + kWN * kM;                 // [kWN][kM] per-warp factor
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = m_base + mt * 16 + h * 8 + g;
-            const float l = quad_sum(l_run[mt][h]);
-            if (t4 == 0) {
-                eM[wn * kM + r] = m_run[mt][h] * scale_log2;  // log2 domain (-inf stays -inf)
-                eL[wn * kM + r] = l;
-            }
-            float* dst = eO + (wn * kM + r) * kEpiStride;
-            if constexpr (!kFp8) {
-#pragma unroll
-                for (int d = 0; d < kDT; ++d)
-                    *reinterpret_cast<float2*>(dst + d * 8 + 2 * t4) =
-                        make_float2(O[mt][d][2 * h], O[mt][d][2 * h + 1]);
-            } else {
-                // n-tile 2c holds the even dims 16c + 4t + {0, 2}, n-tile 2c+1 the odd ones.
-#pragma unroll
-                for (int c = 0; c < kD / 16; ++c)
-                    *reinterpret_cast<float4*>(dst + c * 16 + 4 * t4) =
-                        make_float4(O[mt][2 * c][2 * h], O[mt][2 * c + 1][2 * h], O[mt][2 * c][2 * h + 1],
-                                    O[mt][2 * c + 1][2 * h + 1]);
-            }
-        }
-    }
-    __syncthreads();
-    const long long split_rows = (long long)total_q * num_heads_q;
-    if (tid < kM) {
-        const int r = tid;
-        float mx = kNegInf;
-#pragma unroll
-        for (int w = 0; w < kWN; ++w) mx = fmaxf(mx, eM[w * kM + r]);
-        float f[kWN];
-        float L = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWN; ++w) {
-            f[w] = (mx == kNegInf) ? 0.f : fast_exp2(eM[w * kM + r] - mx);
-            L += eL[w * kM + r] * f[w];
-        }
-        const float inv = L > 0.f ? out_scale / (kPScale * L) : 0.f;
-#pragma unroll
-        for (int w = 0; w < kWN; ++w) eF[w * kM + r] = f[w] * inv;
-        const int P = row0 + r;
-        if (P < rows_total) {
-            const int qi = P / group, h = P - qi * group;
-            const long long ridx = (long long)(q_start + qi) * num_heads_q + kvh * group + h;
-            const float row_lse = L > 0.f ? (mx + __log2f(L)) * 0.69314718055994531f : kNegInf;
-            if (ws_lse != nullptr) {
-                ws_lse[split * split_rows + ridx] = row_lse;
-            } else if (lse != nullptr) {
-                lse[ridx] = row_lse;
-            }
-        }
-    }
-    __syncthreads();
-    constexpr int kC8 = kD / 8;
-    for (int it = tid; it < kM * kC8; it += kThreads) {
-        const int r = it / kC8, c8 = it - r * kC8;
-        const int P = row0 + r;
-        if (P >= rows_total) continue;
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWN; ++w) {
-            const float fw = eF[w * kM + r];
-            const float* src = eO + (w * kM + r) * kEpiStride + c8 * 8;
-            const float4 x0 = *reinterpret_cast<const float4*>(src);
-            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-            acc[0] += fw * x0.x;
-            acc[1] += fw * x0.y;
-            acc[2] += fw * x0.z;
-            acc[3] += fw * x0.w;
-            acc[4] += fw * x1.x;
-            acc[5] += fw * x1.y;
-            acc[6] += fw * x1.z;
-            acc[7] += fw * x1.w;
-        }
-        const int qi = P / group, h = P - qi * group;
-        const int tok = q_start + qi, head = kvh * group + h;
-        if (ws_o != nullptr) {
-            float* dst = ws_o + ((split * split_rows + (long long)tok * num_heads_q + head) * kD + c8 * 8);
-            *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-            *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-        } else {
-            vec16 pk;
-            pk.w[0] = pack2<OutT>(acc[0], acc[1]);
-            pk.w[1] = pack2<OutT>(acc[2], acc[3]);
-            pk.w[2] = pack2<OutT>(acc[4], acc[5]);
-            pk.w[3] = pack2<OutT>(acc[6], acc[7]);
-            *reinterpret_cast<vec16*>(out + (long long)tok * out_tok_stride + (long long)head * out_head_stride +
-                                      c8 * 8) = pk;
-        }
-    }
+    Epilogue::store(
+        O, m_run, l_run, sR, tid, m_base, g, t4, wn, row0, rows_total, group, q_start, kvh, num_heads_q, total_q,
+        split, out, lse, ws_o, ws_lse, out_tok_stride, out_head_stride, scale_log2, out_scale);
 }
 
 // Combine split-KV partials: one warp per (query, head) row of request blockIdx.y.
@@ -747,45 +635,7 @@ extern "C" __global__ void __launch_bounds__(128) msa_attention_merge_kernel(
     const float* __restrict__ ws_o, const float* __restrict__ ws_lse, OutT* __restrict__ out,
     float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens, int total_q,
     int num_heads_q, int num_splits, long long out_tok_stride, long long out_head_stride) {
-    constexpr int kPer = kD / 32;  // values per lane: 2, 4 or 8
-    const int lane = threadIdx.x & 31;
-    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int b = blockIdx.y;
-    const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
-    const int q_start = qr.start, Lq = qr.len;
-    if (row >= (long long)Lq * num_heads_q) return;
-    const long long ridx = (long long)q_start * num_heads_q + row;
-    const int tok = (int)(ridx / num_heads_q), head = (int)(ridx - (long long)tok * num_heads_q);
-    const long long split_rows = (long long)total_q * num_heads_q;
-
-    float mx = kNegInf;
-    for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, ws_lse[s * split_rows + ridx]);
-    mx = warp_max(mx);
-    float acc[kPer];
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
-    float row_lse = kNegInf;
-    if (mx != kNegInf) {
-        float sum = 0.f;
-        for (int s = lane; s < num_splits; s += 32) sum += __expf(ws_lse[s * split_rows + ridx] - mx);
-        sum = warp_sum(sum);
-        const float inv = 1.f / sum;
-        for (int s = 0; s < num_splits; ++s) {
-            const float ls = ws_lse[s * split_rows + ridx];
-            if (ls == kNegInf) continue;
-            const float w = __expf(ls - mx) * inv;
-            const float* src = ws_o + (s * split_rows + ridx) * kD + lane * kPer;
-#pragma unroll
-            for (int e = 0; e < kPer; e += 2) {
-                const float2 x = *reinterpret_cast<const float2*>(src + e);
-                acc[e] += w * x.x;
-                acc[e + 1] += w * x.y;
-            }
-        }
-        row_lse = mx + __logf(sum);
-    }
-    OutT* dst = out + (long long)tok * out_tok_stride + (long long)head * out_head_stride + lane * kPer;
-#pragma unroll
-    for (int e = 0; e < kPer; e += 2) *reinterpret_cast<u32*>(dst + e) = pack2<OutT>(acc[e], acc[e + 1]);
-    if (lse != nullptr && lane == 0) lse[ridx] = row_lse;
+    merge_split_rows<kD>(ws_o, ws_lse, out, lse, cu_seqlens_q, qo_lens, total_q, num_heads_q, num_splits,
+                         out_tok_stride, out_head_stride);
 }
+
