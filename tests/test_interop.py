@@ -185,3 +185,18 @@ def test_bounded_memo_drops_the_oldest():
     assert len(m) == 2 and m.get("a") == 3
     m.put("c", 4)
     assert m.get("a") is None and m.get("b") == 2 and m.get("c") == 4 and len(m) == 2
+
+
+def test_jax_host_results_hold_the_written_values(rng):
+    """JAX copies host arrays on import, so results allocated for JAX inputs are exported
+    after the op writes them (eager calls on JAX CPU arrays equal the NumPy calls)."""
+    jnp = pytest.importorskip("jax.numpy")
+    import mate_cupy as mc
+
+    scores = rng.standard_normal((6, 4, 64)).astype(np.float32)
+    want = mc.sparse_topk_select(scores, 8)
+    got = mc.sparse_topk_select(jnp.asarray(scores), 8)
+    assert type(got).__module__.startswith("jax") and np.array_equal(np.asarray(got), want)
+    x = rng.standard_normal((5, 7)).astype(np.float32)
+    assert np.array_equal(np.asarray(mc.cast(jnp.asarray(x), "bfloat16")).astype(np.float32),
+                          mc.cast(x, "bfloat16").astype(np.float32))

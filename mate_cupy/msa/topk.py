@@ -126,16 +126,15 @@ def sparse_topk_select(max_score, topk: int, num_valid_pages: Optional[int] = No
     out = call["output"]
     if out is None:
         out = call.new("output", (problem.total_q, problem.num_qo_heads, problem.width), INT32)
-    result = output if output is not None else out.obj
     if problem.total_q == 0:
-        return result
+        return output if output is not None else out.obj
     qp = call["query_positions"]
     if not call.is_cuda:
         out.data[...] = ref.topk_select(call["max_score"].data, problem.topk, problem.num_valid_pages,
                                         problem.force_begin_blocks, problem.force_end_blocks,
                                         problem.force_blocks_count_in_topk, None if qp is None else qp.data)
-        return result
+        return output if output is not None else out.obj  # read after the write (JAX copies)
     with call.device_scope():
         index_launch.launch_topk(problem, index_launch.select_topk_config(problem), call["max_score"], out, qp,
                                  call.stream_ptr)
-    return result
+    return output if output is not None else out.obj

@@ -159,6 +159,21 @@ def _torch_stream_getter():
     return getter
 
 
+class _ExportedWhenRead(Arg):
+    """A host result for a framework whose import copies (JAX): ``obj`` exports the
+    filled array when read (ops read it once, to return it). ``_make`` holds the Call."""
+
+    __slots__ = ()
+
+    @property
+    def obj(self):
+        return self._make.export(self._data, dtype=self.dtype)
+
+    @obj.setter
+    def obj(self, value):  # set by Arg.__init__ (None); the result is the exported array
+        pass
+
+
 def _torch_stream_ptr(device: int) -> int:
     getter = _TORCH_RAW_STREAM[0] if _TORCH_RAW_STREAM else _torch_stream_getter()
     return int(getter(device))
@@ -416,6 +431,10 @@ class Call:
             arg.obj = self.export(data, dtype=dtype)
             return arg
         a = np.empty(shape, dtype=dtype)
+        if self.framework == "jax":  # JAX copies host arrays: export once the op has written it
+            item = a.dtype.itemsize
+            return _ExportedWhenRead(name, None, dtype, "numpy", -1, shape, tuple(x // item for x in a.strides),
+                                     a.__array_interface__["data"][0] if a.size else 0, data=a, make=self)
         arg = _numpy_arg(name, a)
         arg.obj = self.export(a, dtype=dtype)
         return arg

@@ -1,0 +1,700 @@
+"""Every public op under ``jax.jit``, through XLA's typed FFI (``jax.ffi``).
+
+Each op is one FFI target, ``mate_cupy_<op>``, registered for the platforms ``"CUDA"`` and
+``"cpu"``. The handler is a Python ``ctypes`` callback: it reads XLA's call frame
+(``xla/ffi/api/c_api.h``: buffers, attributes, the stream), exposes each buffer as a
+DLPack array, and runs the public mate_cupy function on it with the results' buffers as
+its ``out=`` arguments:
+
+* CUDA: the kernels launch on XLA's stream (CuPy's current stream is set to it for the
+  call), on the device XLA runs the computation on;
+* cpu: the buffers are host memory, and the float64 references run and store into them.
+
+Static parameters (flags, scales, sizes) are FFI attributes; device metadata (lengths,
+page tables, slots) are operands; the KDA decode state pool updated in place is an
+operand aliased to a result (``input_output_aliases``). MSA plans are passed as integer
+handles into a registry of weak references: a plan stays usable by a compiled function
+for as long as the caller keeps the plan alive (``docs/frameworks.md``, JAX).
+
+Importing this module imports JAX and registers the targets; ``import mate_cupy`` does
+neither.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import weakref
+from typing import Callable, Optional
+
+try:
+    import jax
+    import jax.ffi
+except ImportError as exc:  # pragma: no cover - exercised only without JAX
+    raise ImportError(
+        "mate_cupy.integrations.jax_ffi needs JAX: pip install jax (CPU) or 'jax[cuda13]' (GPU)"
+    ) from exc
+
+import numpy as np
+
+from .. import kda_interface, msa_interface, util_ops
+from ..kda.chunk import chunk_kda_workspace_bytes
+from ..msa.ops import NoOutputRequestedError
+from ..msa.plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, selected_block_count, unpack_plan_info
+from ..runtime import dlpack as _dl
+from ..runtime.interop import BFLOAT16, FLOAT32, FP8_E4M3, INT32, as_dtype, external_stream, wrap
+
+__all__ = [
+    "XlaBuffer",
+    "cast",
+    "chunk_kda",
+    "gated_delta_rule_decode",
+    "msa",
+    "sparse_decode_atten_func",
+    "sparse_msa",
+    "sparse_topk_select",
+    "target_name",
+]
+
+# ----------------------------------------------------------------------------- XLA FFI C API (c_api.h)
+
+_EXTENSION_METADATA = 1
+_STAGE_EXECUTE = 3
+_ERR_INVALID_ARGUMENT = 3
+_ERR_UNIMPLEMENTED = 12
+_ERR_INTERNAL = 13
+_ATTR_SCALAR = 3
+_ATTR_STRING = 4
+# The API version a handler reports in the metadata handshake (the oldest typed-FFI
+# version whose call frame carries everything this handler reads).
+_HANDLER_API_VERSION = (0, 1)
+
+
+class _ExtensionBase(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("type", ctypes.c_int), ("next", ctypes.c_void_p)]
+
+
+class _ApiVersion(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("major_version", ctypes.c_int), ("minor_version", ctypes.c_int)]
+
+
+class _Metadata(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("api_version", _ApiVersion), ("traits", ctypes.c_uint32)]
+
+
+class _MetadataExtension(ctypes.Structure):
+    _fields_ = [("extension_base", _ExtensionBase), ("metadata", ctypes.POINTER(_Metadata))]
+
+
+class _Buffer(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p), ("dtype", ctypes.c_int),
+                ("data", ctypes.c_void_p), ("rank", ctypes.c_int64), ("dims", ctypes.POINTER(ctypes.c_int64))]
+
+
+class _BufferList(ctypes.Structure):
+    """``XLA_FFI_Args`` and ``XLA_FFI_Rets`` (same layout; every entry is a buffer here)."""
+
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p), ("size", ctypes.c_int64),
+                ("types", ctypes.POINTER(ctypes.c_int)), ("items", ctypes.POINTER(ctypes.POINTER(_Buffer)))]
+
+
+class _ByteSpan(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Scalar(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int), ("value", ctypes.c_void_p)]
+
+
+class _Attrs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p), ("size", ctypes.c_int64),
+                ("types", ctypes.POINTER(ctypes.c_int)), ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))),
+                ("attrs", ctypes.POINTER(ctypes.c_void_p))]
+
+
+class _Api(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("api_version", _ApiVersion), ("internal_api", ctypes.c_void_p)] + [
+        (name, ctypes.c_void_p) for name in (
+            "error_create", "error_get_message", "error_destroy", "handler_register", "stream_get",
+            "type_register", "execution_context_get", "state_set", "state_get", "device_memory_allocate",
+            "device_memory_free", "thread_pool_schedule", "thread_pool_num_threads", "future_create",
+            "future_set_available", "future_set_error", "run_id_get", "device_ordinal_get")]
+
+
+class _CallFrame(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.POINTER(_ExtensionBase)),
+                ("api", ctypes.POINTER(_Api)), ("ctx", ctypes.c_void_p), ("stage", ctypes.c_int),
+                ("args", _BufferList), ("rets", _BufferList), ("attrs", _Attrs), ("future", ctypes.c_void_p)]
+
+
+class _ErrorCreateArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p),
+                ("message", ctypes.c_char_p), ("errc", ctypes.c_int)]
+
+
+class _StreamGetArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p), ("ctx", ctypes.c_void_p),
+                ("stream", ctypes.c_void_p)]
+
+
+class _DeviceOrdinalGetArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p), ("ctx", ctypes.c_void_p),
+                ("device_ordinal", ctypes.c_int32)]
+
+
+_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
+_ERROR_CREATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorCreateArgs))
+_STREAM_GET = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_StreamGetArgs))
+_DEVICE_ORDINAL_GET = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_DeviceOrdinalGetArgs))
+
+# XLA_FFI_DataType -> (DLPack type code, bits)
+_DL_TYPES = {
+    1: (6, 8), 2: (0, 8), 3: (0, 16), 4: (0, 32), 5: (0, 64), 6: (1, 8), 7: (1, 16), 8: (1, 32), 9: (1, 64),
+    10: (2, 16), 11: (2, 32), 12: (2, 64), 16: (4, 16), 20: (10, 8),
+}
+# XLA_FFI_DataType of a scalar attribute -> ctypes type
+_SCALAR_TYPES = {1: ctypes.c_bool, 4: ctypes.c_int32, 5: ctypes.c_int64, 11: ctypes.c_float, 12: ctypes.c_double}
+
+
+def _text(span: _ByteSpan) -> str:
+    return ctypes.string_at(span.ptr, span.len).decode() if span.len else ""
+
+
+def _decode_attrs(attrs: _Attrs) -> dict:
+    """The call's attributes: scalars as Python ints/floats/bools, strings as ``str``."""
+    out = {}
+    for i in range(attrs.size):
+        name, kind, ptr = _text(attrs.names[i].contents), attrs.types[i], attrs.attrs[i]
+        if kind == _ATTR_STRING:
+            out[name] = _text(_ByteSpan.from_address(ptr))
+        elif kind == _ATTR_SCALAR:
+            scalar = _Scalar.from_address(ptr)
+            ctype = _SCALAR_TYPES.get(scalar.dtype)
+            if ctype is None:
+                raise TypeError(f"attribute {name!r}: unsupported scalar type {scalar.dtype}")
+            out[name] = ctype.from_address(scalar.value).value
+        else:
+            raise TypeError(f"attribute {name!r}: unsupported attribute kind {kind}")
+    return out
+
+
+# A private prototype: ``ctypes.pythonapi.PyCapsule_New`` is shared, and others set its argtypes.
+_CAPSULE_NEW = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_CAPSULE_NAME = b"dltensor"
+
+
+class XlaBuffer:
+    """One XLA buffer as a DLPack producer (row-major, no copy), valid during the handler call.
+
+    ``__dlpack__`` returns a capsule over a ``DLManagedTensor`` this object owns; consumers
+    that only read the capsule (mate_cupy's reader) leave it unconsumed.
+    """
+
+    __slots__ = ("_tensor", "_dims", "_device")
+
+    def __init__(self, buf: _Buffer, device: tuple) -> None:
+        code_bits = _DL_TYPES.get(buf.dtype)
+        if code_bits is None:
+            raise TypeError(f"unsupported XLA buffer dtype {buf.dtype}")
+        rank = int(buf.rank)
+        self._dims = (ctypes.c_int64 * max(rank, 1))(*(buf.dims[i] for i in range(rank)))
+        self._device = device
+        t = _dl._DLManagedTensor()
+        t.dl_tensor.data = buf.data
+        t.dl_tensor.device.device_type, t.dl_tensor.device.device_id = device
+        t.dl_tensor.ndim = rank
+        t.dl_tensor.dtype.code, t.dl_tensor.dtype.bits, t.dl_tensor.dtype.lanes = code_bits[0], code_bits[1], 1
+        t.dl_tensor.shape = self._dims
+        self._tensor = t
+
+    def __dlpack_device__(self) -> tuple:
+        return self._device
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        del stream, max_version, dl_device, copy
+        return _CAPSULE_NEW(ctypes.addressof(self._tensor), _CAPSULE_NAME, None)
+
+
+def _buffers(items: _BufferList, names: list, device: tuple, what: str) -> dict:
+    if items.size != len(names):
+        raise ValueError(f"expected {len(names)} {what} ({', '.join(names)}), XLA passed {items.size}")
+    return {name: XlaBuffer(items.items[i].contents, device) for i, name in enumerate(names)}
+
+
+def _stream(frame: _CallFrame) -> int:
+    api = frame.api.contents
+    args = _StreamGetArgs(ctypes.sizeof(_StreamGetArgs), None, frame.ctx, None)
+    _check(_STREAM_GET(api.stream_get)(ctypes.byref(args)), "XLA_FFI_Stream_Get")
+    return int(args.stream or 0)
+
+
+def _device_ordinal(frame: _CallFrame) -> int:
+    api = frame.api.contents
+    if api.struct_size < _Api.device_ordinal_get.offset + ctypes.sizeof(ctypes.c_void_p):
+        raise RuntimeError("this XLA's FFI API has no XLA_FFI_DeviceOrdinal_Get; JAX >= 0.5 is needed")
+    args = _DeviceOrdinalGetArgs(ctypes.sizeof(_DeviceOrdinalGetArgs), None, frame.ctx, 0)
+    _check(_DEVICE_ORDINAL_GET(api.device_ordinal_get)(ctypes.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
+    return int(args.device_ordinal)
+
+
+def _check(error, what: str) -> None:
+    if error:  # an XLA_FFI_Error*: hand it back to XLA unchanged
+        raise _XlaError(error, what)
+
+
+class _XlaError(Exception):
+    """An error XLA's API returned, passed back to XLA as it is."""
+
+    def __init__(self, error: int, what: str) -> None:
+        super().__init__(f"{what} failed")
+        self.error = error
+
+
+def _error(frame: _CallFrame, op: str, exc: BaseException) -> int:
+    if isinstance(exc, _XlaError):
+        return exc.error
+    if isinstance(exc, NotImplementedError):
+        code = _ERR_UNIMPLEMENTED
+    elif isinstance(exc, (ValueError, TypeError, KeyError)):
+        code = _ERR_INVALID_ARGUMENT
+    else:
+        code = _ERR_INTERNAL
+    message = f"mate_cupy.{op}: {type(exc).__name__}: {exc}".encode()
+    args = _ErrorCreateArgs(ctypes.sizeof(_ErrorCreateArgs), None, message, code)
+    return _ERROR_CREATE(frame.api.contents.error_create)(ctypes.byref(args))
+
+
+# ----------------------------------------------------------------------------- targets
+
+_LOCK = threading.Lock()  # XLA may call handlers from several threads; plans cache per-call state
+_Runner = Callable[[dict, dict, dict, bool], None]
+_CALLBACKS: list = []  # the ctypes callbacks must outlive every compiled use
+
+
+def target_name(op: str) -> str:
+    """The FFI target name of ``op`` (``"mate_cupy_msa"``, ...)."""
+    return f"mate_cupy_{op}"
+
+
+def _handle(op: str, runner: _Runner, cuda: bool, frame_ptr) -> Optional[int]:
+    frame = frame_ptr.contents
+    ext = frame.extension_start
+    if ext and ext.contents.type == _EXTENSION_METADATA:  # registration-time handshake
+        md = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)).contents.metadata.contents
+        md.api_version.major_version, md.api_version.minor_version = _HANDLER_API_VERSION
+        md.traits = 0  # not command-buffer compatible: the handler runs at every execution
+        return None
+    if frame.stage != _STAGE_EXECUTE:
+        return None
+    try:
+        attrs = _decode_attrs(frame.attrs)
+        operands = [n for n in attrs.pop("operands").split(",") if n]
+        results = [n for n in attrs.pop("results").split(",") if n]
+        with _LOCK:
+            if not cuda:
+                device = (_dl.KDL_CPU, 0)
+                runner(_buffers(frame.args, operands, device, "operands"),
+                       _buffers(frame.rets, results, device, "results"), attrs, False)
+                return None
+            import cupy
+
+            ordinal = _device_ordinal(frame)
+            device = (_dl.KDL_CUDA, ordinal)
+            args = _buffers(frame.args, operands, device, "operands")
+            rets = _buffers(frame.rets, results, device, "results")
+            with cupy.cuda.Device(ordinal), external_stream(_stream(frame)):
+                runner(args, rets, attrs, True)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to XLA as an error
+        return _error(frame, op, exc)
+
+
+def _register(op: str, runner: _Runner) -> None:
+    for platform, cuda in (("cpu", False), ("CUDA", True)):
+        callback = _HANDLER(lambda frame, c=cuda: _handle(op, runner, c, frame))
+        _CALLBACKS.append(callback)
+        capsule = jax.ffi.pycapsule(ctypes.cast(callback, ctypes.c_void_p).value)
+        jax.ffi.register_ffi_target(target_name(op), capsule, platform=platform)
+
+
+def _attr(value):
+    """A Python attribute value as the typed FFI scalar/string it is passed as."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        return np.int64(value)
+    return np.float64(value)
+
+
+def _call(op: str, operands: dict, results: list, attrs: dict, aliases: Optional[dict] = None) -> list:
+    """Stage one ``ffi_call`` of ``op``: ``operands`` name -> array or None (left out),
+    ``results`` ``[(name, shape, dtype)]``, ``attrs`` name -> value (None left out),
+    ``aliases`` operand name -> result name. Returns the results in order."""
+    names = [n for n, x in operands.items() if x is not None]
+    out_names = [r[0] for r in results]
+    io = {names.index(i): out_names.index(o) for i, o in (aliases or {}).items()}
+    fn = jax.ffi.ffi_call(target_name(op), [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in results],
+                          input_output_aliases=io or None, vmap_method="sequential")
+    encoded = {k: _attr(v) for k, v in attrs.items() if v is not None}
+    return list(fn(*(operands[n] for n in names), operands=",".join(names), results=",".join(out_names),
+                   **encoded))
+
+
+def _flag(attrs: dict, name: str) -> Optional[bool]:
+    value = attrs.get(name)
+    return None if value is None else bool(value)
+
+
+def _copy_result(dst: XlaBuffer, src, cuda: bool) -> None:
+    """Store a new array the op returned into XLA's result buffer (same shape and dtype)."""
+    d, s = wrap("result", dst), wrap("result", src)
+    if not cuda:
+        d.data[...] = s.data
+        return
+    import cupy
+
+    c = cupy.ascontiguousarray(s.data)
+    cupy.cuda.runtime.memcpyAsync(d.ptr, c.data.ptr, d.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                  cupy.cuda.get_current_stream().ptr)
+
+
+# ----------------------------------------------------------------------------- cast and top-k
+
+
+def _run_cast(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
+    util_ops.cast(args["x"], attrs["dtype"], attrs["scale"], out=rets["out"])
+
+
+def cast(x, dtype, scale: float = 1.0):
+    """:func:`mate_cupy.cast` under ``jax.jit``: ``dtype(x * scale)`` of the same shape.
+
+    ``x``: float32/float16/bfloat16/float8_e4m3fn; ``dtype`` one of those (name, NumPy or
+    JAX dtype). Returns a new JAX array.
+    """
+    dst = as_dtype(dtype)
+    return _call("cast", {"x": x}, [("out", x.shape, dst)], {"dtype": dst.name, "scale": float(scale)})[0]
+
+
+def _run_topk(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
+    msa_interface.sparse_topk_select(
+        args["max_score"], attrs["topk"], attrs.get("num_valid_pages"), output=rets["output"],
+        force_begin_blocks=attrs["force_begin_blocks"], force_end_blocks=attrs["force_end_blocks"],
+        force_blocks_count_in_topk=bool(attrs["force_blocks_count_in_topk"]),
+        query_positions=args.get("query_positions"))
+
+
+def sparse_topk_select(max_score, topk: int, num_valid_pages: Optional[int] = None, force_begin_blocks: int = 0,
+                       force_end_blocks: int = 0, force_blocks_count_in_topk: bool = True, query_positions=None):
+    """:func:`mate_cupy.sparse_topk_select` under ``jax.jit``.
+
+    ``max_score [total_q, Hq, NT]`` float32; ``query_positions`` int64 ``[total_q]`` or None
+    (int64 arrays need ``jax_enable_x64``). Returns int32 ``[total_q, Hq, W]``.
+    """
+    if len(max_score.shape) != 3:
+        raise ValueError(f"max_score must have shape [total_q, num_qo_heads, max_k_tiles], got {max_score.shape}")
+    width = selected_block_count(int(topk), int(force_begin_blocks), int(force_end_blocks),
+                                 bool(force_blocks_count_in_topk))
+    return _call("sparse_topk_select", {"max_score": max_score, "query_positions": query_positions},
+                 [("output", (*max_score.shape[:2], width), INT32)],
+                 {"topk": int(topk), "num_valid_pages": num_valid_pages, "force_begin_blocks": force_begin_blocks,
+                  "force_end_blocks": force_end_blocks, "force_blocks_count_in_topk": force_blocks_count_in_topk})[0]
+
+
+# ----------------------------------------------------------------------------- MSA plans
+
+_PLAN_HANDLES: "weakref.WeakKeyDictionary[MsaPlan, int]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakValueDictionary[int, MsaPlan]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+_MD_FIELDS = ("qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table",
+              "kv_page_indptr")
+
+
+def _plan_handle(plan: MsaPlan) -> int:
+    """The registry handle of ``plan`` (one per plan object, never reused)."""
+    with _LOCK:
+        handle = _PLAN_HANDLES.get(plan)
+        if handle is None:
+            handle = next(_NEXT_HANDLE)
+            _PLAN_HANDLES[plan] = handle
+            _PLANS[handle] = plan
+        return handle
+
+
+def _plan_attrs(info: tuple) -> dict:
+    mixed, split, batch, first, second = info
+    return {"plan_mixed": bool(mixed), "plan_split": int(split), "plan_batch": int(batch),
+            "plan": _plan_handle(first), "plan_prefill": _plan_handle(second) if second is not None else 0}
+
+
+def _lookup_plan(handle: int) -> MsaPlan:
+    plan = _PLANS.get(handle)
+    if plan is None:
+        raise ValueError(f"MSA plan handle {handle} refers to a plan that has been freed: keep the plan object "
+                         "alive for as long as a function compiled with it runs")
+    return plan
+
+
+def _plan_info(attrs: dict) -> tuple:
+    second = attrs["plan_prefill"]
+    return (bool(attrs["plan_mixed"]), attrs["plan_split"], attrs["plan_batch"], _lookup_plan(attrs["plan"]),
+            _lookup_plan(second) if second else None)
+
+
+def _static_offset(q_offset_override) -> bool:
+    """None or an int (an attribute); anything else is a ``[B]`` operand."""
+    return q_offset_override is None or (isinstance(q_offset_override, (int, np.integer))
+                                         and not isinstance(q_offset_override, bool))
+
+
+def _msa_operands(q, k, v, kv_indices, kv_block_indexes, q_offset_override, page_table, runtime_metadata) -> dict:
+    ops = {"q": q, "k": k, "v": v, "kv_indices": kv_indices, "kv_block_indexes": kv_block_indexes,
+           "page_table": page_table,
+           "q_offset_override": None if _static_offset(q_offset_override) else q_offset_override}
+    if runtime_metadata is not None:
+        if not isinstance(runtime_metadata, MsaRuntimeMetadata):
+            raise TypeError(f"runtime_metadata must be a MsaRuntimeMetadata, got {type(runtime_metadata).__name__}")
+        ops.update({f"md_{f}": getattr(runtime_metadata, f) for f in _MD_FIELDS})
+    return ops
+
+
+def _msa_results(info: tuple, q, output_o: bool, output_maxscore: bool, want_lse: bool) -> list:
+    if len(q.shape) != 3:
+        raise ValueError(f"q must have shape [total_q, Hq, D], got {q.shape}")
+    total_q, hq = q.shape[:2]
+    res = []
+    if output_o:
+        res.append(("out", q.shape, BFLOAT16 if np.dtype(q.dtype) == FP8_E4M3 else q.dtype))
+        if want_lse:
+            res.append(("lse", (total_q, hq), FLOAT32))
+    if output_maxscore:
+        nt = max(max_k_tiles(p) for p in info[3:] if p is not None)
+        res.append(("max_score", (total_q, hq, nt), FLOAT32))
+    return res
+
+
+def _msa_attrs(fn: str, info: tuple, q_offset_override, sm_scale, k_scale, v_scale, output_o: bool,
+               output_maxscore: bool) -> dict:
+    return {"fn": fn, **_plan_attrs(info), "sm_scale": sm_scale, "k_scale": float(k_scale),
+            "v_scale": float(v_scale), "output_o": bool(output_o), "output_maxscore": bool(output_maxscore),
+            "q_offset": q_offset_override if _static_offset(q_offset_override) else None}
+
+
+def _run_msa(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
+    md = None
+    if "md_qo_lens" in args:
+        md = MsaRuntimeMetadata(**{f: args.get(f"md_{f}") for f in _MD_FIELDS})
+    offset = args.get("q_offset_override", attrs.get("q_offset"))
+    common = dict(out=rets.get("out"), lse=rets.get("lse"), max_score=rets.get("max_score"),
+                  sm_scale=attrs.get("sm_scale"), k_scale=attrs["k_scale"], v_scale=attrs["v_scale"],
+                  runtime_metadata=md, output_o=bool(attrs["output_o"]),
+                  output_maxscore=bool(attrs["output_maxscore"]), kv_block_indexes=args.get("kv_block_indexes"),
+                  q_offset_override=offset, kv_indices=args.get("kv_indices"))
+    info, fn = _plan_info(attrs), attrs["fn"]
+    q, k, v = args["q"], args["k"], args["v"]
+    if fn == "msa":
+        msa_interface.msa(q, k, v, info, page_table=args.get("page_table"), **common)
+    elif fn == "sparse_msa":
+        msa_interface.sparse_msa(q, k, v, info, **common)
+    else:
+        msa_interface.sparse_decode_atten_func(q, k, v, info, page_table=args.get("page_table"),
+                                               return_softmax_lse="lse" in rets, **common)
+
+
+def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_override=None, *,
+        sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0, runtime_metadata=None,
+        page_table=None, output_o: bool = True, output_maxscore: Optional[bool] = None, return_lse: bool = False):
+    """:func:`mate_cupy.msa` under ``jax.jit``.
+
+    Arrays as in :func:`mate_cupy.msa` (``q [total_q, Hq, D]``, dense or paged k/v, int32
+    ``kv_indices``/``page_table``/``kv_block_indexes``); ``plan_info`` an eager or static
+    plan (uploaded to the GPU for CUDA arrays), held by handle; ``runtime_metadata`` a
+    :class:`~mate_cupy.MsaRuntimeMetadata` of JAX arrays; ``q_offset_override`` an int
+    (an attribute) or ``[B]`` int32 array (an operand). Returns ``(out, max_score)``
+    (``out [total_q, Hq, D]`` in q's dtype, bfloat16 for fp8, or None with
+    ``output_o=False``; ``max_score [total_q, Hq, ceil(max_seqlen_k / 128)]`` float32 or
+    None), plus ``lse [total_q, Hq]`` float32 last with ``return_lse=True``.
+    """
+    info = unpack_plan_info(plan_info)
+    ms = info[3].output_maxscore if output_maxscore is None else bool(output_maxscore)
+    if not output_o and not ms:
+        raise NoOutputRequestedError("msa requires output_o=True or output_maxscore=True")
+    res = _call("msa", _msa_operands(q, k, v, kv_indices, kv_block_indexes, q_offset_override, page_table,
+                                     runtime_metadata),
+                _msa_results(info, q, output_o, ms, return_lse),
+                _msa_attrs("msa", info, q_offset_override, sm_scale, k_scale, v_scale, output_o, ms))
+    out = res.pop(0) if output_o else None
+    lse = res.pop(0) if output_o and return_lse else None
+    max_score = res.pop(0) if ms else None
+    return (out, max_score, lse) if return_lse else (out, max_score)
+
+
+def sparse_msa(q, k, v, plan_info, *, sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+               runtime_metadata=None, kv_indices=None, output_maxscore: bool = False, output_o: bool = True,
+               kv_block_indexes=None, q_offset_override=None, return_lse: bool = False):
+    """:func:`mate_cupy.sparse_msa` under ``jax.jit`` (a ``sparse_prefill`` plan).
+
+    Arrays and options as in :func:`msa`; ``kv_block_indexes [total_q, Hkv or Hq, W]``
+    int32 is required unless ``output_o=False``. Returns ``(out, max_score)``, plus ``lse``
+    last with ``return_lse=True``.
+    """
+    info = unpack_plan_info(plan_info)
+    if not output_o and not output_maxscore:
+        raise NoOutputRequestedError("sparse_msa requires output_o=True or output_maxscore=True")
+    if output_o and kv_block_indexes is None:
+        raise ValueError("sparse_msa requires kv_block_indexes")
+    res = _call("sparse_msa", _msa_operands(q, k, v, kv_indices, kv_block_indexes, q_offset_override, None,
+                                            runtime_metadata),
+                _msa_results(info, q, output_o, output_maxscore, return_lse),
+                _msa_attrs("sparse_msa", info, q_offset_override, sm_scale, k_scale, v_scale, output_o,
+                           output_maxscore))
+    out = res.pop(0) if output_o else None
+    lse = res.pop(0) if output_o and return_lse else None
+    max_score = res.pop(0) if output_maxscore else None
+    return (out, max_score, lse) if return_lse else (out, max_score)
+
+
+def sparse_decode_atten_func(q, k, v, plan_info, *, sm_scale: Optional[float] = None, k_scale: float = 1.0,
+                             v_scale: float = 1.0, runtime_metadata=None, kv_indices=None, page_table=None,
+                             kv_block_indexes=None, q_offset_override=None, output_maxscore: bool = False,
+                             output_o: bool = True, return_softmax_lse: bool = False):
+    """:func:`mate_cupy.sparse_decode_atten_func` under ``jax.jit`` (a ``sparse_decode`` plan).
+
+    Arrays and options as in :func:`msa`. Returns what the eager function returns:
+    ``out``; ``(out, lse)`` with ``return_softmax_lse``; the max score appended when
+    ``output_maxscore``.
+    """
+    info = unpack_plan_info(plan_info)
+    if not output_o and not output_maxscore:
+        raise NoOutputRequestedError("sparse_decode_atten_func requires output_o=True or output_maxscore=True")
+    res = _call("sparse_decode_atten_func",
+                _msa_operands(q, k, v, kv_indices, kv_block_indexes, q_offset_override, page_table,
+                              runtime_metadata),
+                _msa_results(info, q, output_o, output_maxscore, return_softmax_lse),
+                _msa_attrs("sparse_decode_atten_func", info, q_offset_override, sm_scale, k_scale, v_scale,
+                           output_o, output_maxscore))
+    out = res.pop(0) if output_o else None
+    lse = res.pop(0) if output_o and return_softmax_lse else None
+    if not return_softmax_lse and not output_maxscore:
+        return out
+    result = (out, lse) if return_softmax_lse else (out,)
+    return result + (res.pop(0),) if output_maxscore else result
+
+
+# ----------------------------------------------------------------------------- KDA
+
+
+def _run_chunk(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
+    kda_interface.chunk_kda(
+        args["q"], args["k"], args["v"], args["g"], args["beta"], scale=attrs.get("scale"),
+        initial_state=args.get("initial_state"), output_final_state="final_state" in rets,
+        cu_seqlens=args.get("cu_seqlens"), A_log=args.get("A_log"), dt_bias=args.get("dt_bias"),
+        lower_bound=attrs["lower_bound"], use_qk_l2norm_in_kernel=bool(attrs["use_qk_l2norm_in_kernel"]),
+        output=rets["output"], final_state=rets.get("final_state"), workspace=rets["workspace"] if cuda else None)
+
+
+def chunk_kda(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
+              cu_seqlens=None, A_log=None, dt_bias=None, lower_bound: float = -5.0,  # noqa: N803
+              use_qk_l2norm_in_kernel: bool = True, final_state_dtype=None):
+    """:func:`mate_cupy.chunk_kda` under ``jax.jit``.
+
+    Shapes and dtypes as in :func:`mate_cupy.chunk_kda` (q, k ``[B, T, H, 128]`` or varlen
+    ``[S, H, 128]``/``[1, S, H, 128]`` with ``cu_seqlens [N+1]``). ``final_state_dtype``:
+    float32 or q's dtype (default ``initial_state``'s, else q's). The kernels' scratch is
+    an extra XLA result (``chunk_kda_workspace_bytes`` bytes) dropped on return. Returns
+    ``output`` (v's shape, q's dtype) or ``(output, final_state [N, HV, 128, 128])``.
+    """
+    if len(q.shape) not in (3, 4) or len(v.shape) not in (3, 4):
+        raise ValueError(f"q and v must have shape [B, T, H, 128] or [S, H, 128], got q {q.shape}, v {v.shape}")
+    hv = int(v.shape[-2])
+    if cu_seqlens is not None:
+        n = int(cu_seqlens.shape[0]) - 1
+        ws = chunk_kda_workspace_bytes(1, int(q.shape[-3]), hv, max(n, 0))
+    else:
+        n = int(q.shape[0])
+        ws = chunk_kda_workspace_bytes(n, int(q.shape[1]), hv)
+    results = [("output", v.shape, q.dtype), ("workspace", (max(ws, 1),), np.uint8)]
+    if output_final_state:
+        sdt = as_dtype(final_state_dtype) if final_state_dtype is not None else np.dtype(
+            (initial_state if initial_state is not None else q).dtype)
+        results.append(("final_state", (n, hv, 128, 128), sdt))
+    res = _call("chunk_kda", {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+                              "cu_seqlens": cu_seqlens, "A_log": A_log, "dt_bias": dt_bias}, results,
+                {"scale": scale, "lower_bound": float(lower_bound),
+                 "use_qk_l2norm_in_kernel": bool(use_qk_l2norm_in_kernel)})
+    return (res[0], res[2]) if output_final_state else res[0]
+
+
+_DECODE_FLAGS = ("use_qk_l2norm", "use_gate_in_kernel", "use_lower_bound", "apply_beta_sigmoid", "allow_neg_eigval",
+                 "use_initial_state", "state_v_first", "is_varlen")
+
+
+def _run_decode(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
+    inplace = "state" in rets  # aliased to the state operand: the same buffer
+    _, final = kda_interface.gated_delta_rule_decode(
+        args["q"], args["k"], args["v"], args.get("state"), args.get("A_log"), args["a"], args.get("dt_bias"),
+        args.get("num_accepted_tokens"), args.get("cu_seqlens"), args["b"], state_indices=args.get("state_indices"),
+        scale=attrs.get("scale"), output=rets["output"], lower_bound=attrs.get("lower_bound"),
+        store_final_state="final_state" in rets, inplace_final_state=inplace, state_dtype=attrs.get("state_dtype"),
+        **{f: _flag(attrs, f) for f in _DECODE_FLAGS})
+    if "final_state" in rets:
+        _copy_result(rets["final_state"], final, cuda)
+
+
+def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,  # noqa: N803
+                            state_indices=None, scale: Optional[float] = None, use_qk_l2norm: Optional[bool] = None,
+                            lower_bound: Optional[float] = None, use_gate_in_kernel: Optional[bool] = None,
+                            use_lower_bound: Optional[bool] = None, apply_beta_sigmoid: Optional[bool] = None,
+                            allow_neg_eigval: Optional[bool] = None, use_initial_state: Optional[bool] = None,
+                            state_v_first: Optional[bool] = None, is_varlen: Optional[bool] = None,
+                            store_final_state: bool = False, inplace_final_state: bool = False, state_dtype=None,
+                            output_dtype=None):
+    """:func:`mate_cupy.gated_delta_rule_decode` under ``jax.jit``.
+
+    Arrays and options as in :func:`mate_cupy.gated_delta_rule_decode` (q, k ``[B, T, H,
+    128]``, v ``[B, T, HV, V]``, state pool ``[P, HV, V, K]`` or K-first; slots, offsets and
+    accepted counts as operands). ``output_dtype``: float16/bfloat16/float32 (default q's).
+    With ``inplace_final_state`` the pool is an operand aliased to a result: the call
+    returns the updated pool as a new JAX array over the same buffer when the caller
+    donates ``state`` (``jax.jit(..., donate_argnums=...)``; otherwise XLA copies it first).
+
+    Returns ``(output [B, T, HV, V], final_state)``: the updated pool when in place, a new
+    ``[N, HV, V, K]`` (K-first ``[N, HV, K, V]``) state with ``store_final_state``, else None.
+    """
+    if len(q.shape) != 4 or len(v.shape) != 4:
+        raise ValueError(f"q and v must have shape [B, T, H, D], got q {q.shape}, v {v.shape}")
+    results = [("output", v.shape, as_dtype(output_dtype) if output_dtype is not None else q.dtype)]
+    aliases = {}
+    if inplace_final_state:
+        if state is None:
+            raise ValueError("gated_delta_rule_decode with inplace_final_state=True requires a state pool")
+        results.append(("state", state.shape, state.dtype))
+        aliases["state"] = "state"
+    elif store_final_state:
+        varlen = cu_seqlens is not None if is_varlen is None else bool(is_varlen)
+        if varlen and cu_seqlens is None:
+            raise ValueError("gated_delta_rule_decode with is_varlen=True requires cu_seqlens")
+        n = int(cu_seqlens.shape[0]) - 1 if varlen else int(q.shape[0])
+        hv, vd, kd = int(v.shape[2]), int(v.shape[3]), int(q.shape[3])
+        tail = (hv, vd, kd) if state_v_first is None or state_v_first else (hv, kd, vd)
+        sdt = as_dtype(state_dtype) if state_dtype is not None else (
+            np.dtype(state.dtype) if state is not None else FLOAT32)
+        results.append(("final_state", (n, *tail), sdt))
+    attrs = {"scale": scale, "lower_bound": lower_bound,
+             "state_dtype": None if state_dtype is None else as_dtype(state_dtype).name,
+             **{f: val for f, val in zip(_DECODE_FLAGS, (use_qk_l2norm, use_gate_in_kernel, use_lower_bound,
+                                                            apply_beta_sigmoid, allow_neg_eigval, use_initial_state,
+                                                            state_v_first, is_varlen))}}
+    res = _call("gated_delta_rule_decode",
+                {"q": q, "k": k, "v": v, "state": state, "A_log": A_log, "a": a, "dt_bias": dt_bias,
+                 "num_accepted_tokens": num_accepted_tokens, "cu_seqlens": cu_seqlens, "b": b,
+                 "state_indices": state_indices}, results, attrs, aliases)
+    return res[0], (res[1] if len(res) > 1 else None)
+
+
+for _op, _runner in (("cast", _run_cast), ("sparse_topk_select", _run_topk), ("msa", _run_msa),
+                     ("sparse_msa", _run_msa), ("sparse_decode_atten_func", _run_msa), ("chunk_kda", _run_chunk),
+                     ("gated_delta_rule_decode", _run_decode)):
+    _register(_op, _runner)
