@@ -158,17 +158,17 @@ _MSA_MUTATES = ("out", "lse", "max_score", "workspace")
 
 
 @torch.library.custom_op("mate_cupy::msa", mutates_args=_MSA_MUTATES)
-def _msa_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor] = None,
-            kv_block_indexes: Optional[Tensor] = None, q_offset_override: Optional[Tensor] = None,
-            q_offset_value: Optional[int] = None, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
-            max_score: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
-            rt_qo_lens: Optional[Tensor] = None, rt_kv_lens: Optional[Tensor] = None,
-            rt_qo_offset: Optional[Tensor] = None, rt_cu_seqlens_q: Optional[Tensor] = None,
-            rt_cu_seqlens_k: Optional[Tensor] = None, rt_seqused_k: Optional[Tensor] = None,
-            rt_page_table: Optional[Tensor] = None, rt_kv_page_indptr: Optional[Tensor] = None,
-            sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0, output_o: bool = True,
-            output_maxscore: bool = False, max_score_width: int = 0, check_input_valid: bool = False,
-            workspace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def _msa_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor],
+            kv_block_indexes: Optional[Tensor], q_offset_override: Optional[Tensor],
+            q_offset_value: Optional[int], out: Optional[Tensor], lse: Optional[Tensor],
+            max_score: Optional[Tensor], page_table: Optional[Tensor],
+            rt_qo_lens: Optional[Tensor], rt_kv_lens: Optional[Tensor],
+            rt_qo_offset: Optional[Tensor], rt_cu_seqlens_q: Optional[Tensor],
+            rt_cu_seqlens_k: Optional[Tensor], rt_seqused_k: Optional[Tensor],
+            rt_page_table: Optional[Tensor], rt_kv_page_indptr: Optional[Tensor],
+            sm_scale: Optional[float], k_scale: float, v_scale: float, output_o: bool,
+            output_maxscore: bool, max_score_width: int, check_input_valid: bool,
+            workspace: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """:func:`mate_cupy.msa`; returns ``(out, max_score)`` as allocated (``max_score
     [total_q, Hq, max_score_width]`` float32 when requested and not given)."""
     ms = _new_max_score(q, max_score_width) if output_maxscore and max_score is None else max_score
@@ -213,17 +213,17 @@ def msa(q: Tensor, k: Tensor, v: Tensor, plan_info, kv_indices: Optional[Tensor]
 
 
 @torch.library.custom_op("mate_cupy::sparse_msa", mutates_args=_MSA_MUTATES)
-def _sparse_msa_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor] = None,
-                   kv_block_indexes: Optional[Tensor] = None, q_offset_override: Optional[Tensor] = None,
-                   q_offset_value: Optional[int] = None, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
-                   max_score: Optional[Tensor] = None, rt_qo_lens: Optional[Tensor] = None,
-                   rt_kv_lens: Optional[Tensor] = None, rt_qo_offset: Optional[Tensor] = None,
-                   rt_cu_seqlens_q: Optional[Tensor] = None, rt_cu_seqlens_k: Optional[Tensor] = None,
-                   rt_seqused_k: Optional[Tensor] = None, rt_page_table: Optional[Tensor] = None,
-                   rt_kv_page_indptr: Optional[Tensor] = None, sm_scale: Optional[float] = None,
-                   k_scale: float = 1.0, v_scale: float = 1.0, output_o: bool = True, output_maxscore: bool = False,
-                   max_score_width: int = 0, check_input_valid: bool = False,
-                   workspace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def _sparse_msa_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor],
+                   kv_block_indexes: Optional[Tensor], q_offset_override: Optional[Tensor],
+                   q_offset_value: Optional[int], out: Optional[Tensor], lse: Optional[Tensor],
+                   max_score: Optional[Tensor], rt_qo_lens: Optional[Tensor],
+                   rt_kv_lens: Optional[Tensor], rt_qo_offset: Optional[Tensor],
+                   rt_cu_seqlens_q: Optional[Tensor], rt_cu_seqlens_k: Optional[Tensor],
+                   rt_seqused_k: Optional[Tensor], rt_page_table: Optional[Tensor],
+                   rt_kv_page_indptr: Optional[Tensor], sm_scale: Optional[float],
+                   k_scale: float, v_scale: float, output_o: bool, output_maxscore: bool,
+                   max_score_width: int, check_input_valid: bool,
+                   workspace: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """:func:`mate_cupy.sparse_msa`; returns ``(out, max_score)`` as allocated."""
     ms = _new_max_score(q, max_score_width) if output_maxscore and max_score is None else max_score
     res_o, _ = _sparse_msa(
@@ -267,19 +267,19 @@ def sparse_msa(q: Tensor, k: Tensor, v: Tensor, plan_info, *, out: Optional[Tens
 
 
 @torch.library.custom_op("mate_cupy::sparse_decode_atten_func", mutates_args=_MSA_MUTATES)
-def _sparse_decode_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor] = None,
-                      kv_block_indexes: Optional[Tensor] = None, q_offset_override: Optional[Tensor] = None,
-                      q_offset_value: Optional[int] = None, out: Optional[Tensor] = None,
-                      lse: Optional[Tensor] = None, max_score: Optional[Tensor] = None,
-                      page_table: Optional[Tensor] = None, rt_qo_lens: Optional[Tensor] = None,
-                      rt_kv_lens: Optional[Tensor] = None, rt_qo_offset: Optional[Tensor] = None,
-                      rt_cu_seqlens_q: Optional[Tensor] = None, rt_cu_seqlens_k: Optional[Tensor] = None,
-                      rt_seqused_k: Optional[Tensor] = None, rt_page_table: Optional[Tensor] = None,
-                      rt_kv_page_indptr: Optional[Tensor] = None, sm_scale: Optional[float] = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0, output_o: bool = True,
-                      output_maxscore: bool = False, max_score_width: int = 0, return_softmax_lse: bool = False,
-                      check_input_valid: bool = False,
-                      workspace: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def _sparse_decode_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor],
+                      kv_block_indexes: Optional[Tensor], q_offset_override: Optional[Tensor],
+                      q_offset_value: Optional[int], out: Optional[Tensor],
+                      lse: Optional[Tensor], max_score: Optional[Tensor],
+                      page_table: Optional[Tensor], rt_qo_lens: Optional[Tensor],
+                      rt_kv_lens: Optional[Tensor], rt_qo_offset: Optional[Tensor],
+                      rt_cu_seqlens_q: Optional[Tensor], rt_cu_seqlens_k: Optional[Tensor],
+                      rt_seqused_k: Optional[Tensor], rt_page_table: Optional[Tensor],
+                      rt_kv_page_indptr: Optional[Tensor], sm_scale: Optional[float],
+                      k_scale: float, v_scale: float, output_o: bool,
+                      output_maxscore: bool, max_score_width: int, return_softmax_lse: bool,
+                      check_input_valid: bool,
+                      workspace: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`mate_cupy.sparse_decode_atten_func`; returns ``(out, lse, max_score)`` as allocated
     (``lse [total_q, Hq]`` float32 when ``return_softmax_lse`` and not given)."""
     ms = _new_max_score(q, max_score_width) if output_maxscore and max_score is None else max_score
@@ -338,9 +338,9 @@ def sparse_decode_atten_func(q: Tensor, k: Tensor, v: Tensor, plan_info, *, out:
 
 
 @torch.library.custom_op("mate_cupy::sparse_topk_select", mutates_args=("output",))
-def _topk_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int] = None, output: Optional[Tensor] = None,
-             force_begin_blocks: int = 0, force_end_blocks: int = 0, force_blocks_count_in_topk: bool = True,
-             query_positions: Optional[Tensor] = None) -> Tensor:
+def _topk_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int], output: Optional[Tensor],
+             force_begin_blocks: int, force_end_blocks: int, force_blocks_count_in_topk: bool,
+             query_positions: Optional[Tensor]) -> Tensor:
     """:func:`mate_cupy.sparse_topk_select`; returns the int32 ``[total_q, Hq, W]`` selection it
     allocated (zero elements when ``output`` is given)."""
     res = _topk(max_score, topk, num_valid_pages, output, force_begin_blocks, force_end_blocks,
@@ -389,7 +389,7 @@ def build_page_table_from_flat_kv_indices(kv_indices: Tensor, kv_lens: Tensor, p
 
 
 @torch.library.custom_op("mate_cupy::cast", mutates_args=("out",))
-def _cast_op(x: Tensor, dtype: torch.dtype, scale: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
+def _cast_op(x: Tensor, dtype: torch.dtype, scale: float, out: Optional[Tensor]) -> Tensor:
     """:func:`mate_cupy.cast`; returns the result it allocated (zero elements when ``out`` is given)."""
     res = _cast(x, dtype, scale, out)
     return res if out is None else _none(x)
@@ -410,12 +410,12 @@ def cast(x: Tensor, dtype: torch.dtype, scale: float = 1.0, out: Optional[Tensor
 
 
 @torch.library.custom_op("mate_cupy::chunk_kda", mutates_args=("output", "final_state", "workspace"))
-def _chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
-                  initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-                  cu_seqlens: Optional[Tensor] = None, A_log: Optional[Tensor] = None,  # noqa: N803
-                  dt_bias: Optional[Tensor] = None, lower_bound: float = -5.0, use_qk_l2norm_in_kernel: bool = True,
-                  output: Optional[Tensor] = None, final_state: Optional[Tensor] = None,
-                  workspace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def _chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                  initial_state: Optional[Tensor], output_final_state: bool,
+                  cu_seqlens: Optional[Tensor], A_log: Optional[Tensor],  # noqa: N803
+                  dt_bias: Optional[Tensor], lower_bound: float, use_qk_l2norm_in_kernel: bool,
+                  output: Optional[Tensor], final_state: Optional[Tensor],
+                  workspace: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """:func:`mate_cupy.chunk_kda`; returns ``(output, final_state)`` as allocated."""
     res = _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, A_log, dt_bias,
                      lower_bound, use_qk_l2norm_in_kernel, output, final_state, workspace)
@@ -467,13 +467,13 @@ def _decode_fake_output(q, v, output):
 @torch.library.custom_op("mate_cupy::gated_delta_rule_decode", mutates_args=("output",))
 def _decode_op(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], A_log: Optional[Tensor],  # noqa: N803
                a: Tensor, dt_bias: Optional[Tensor], num_accepted_tokens: Optional[Tensor],
-               cu_seqlens: Optional[Tensor], b: Tensor, state_indices: Optional[Tensor] = None,
-               scale: Optional[float] = None, output: Optional[Tensor] = None, use_qk_l2norm: Optional[bool] = None,
-               lower_bound: Optional[float] = None, use_gate_in_kernel: Optional[bool] = None,
-               use_lower_bound: Optional[bool] = None, apply_beta_sigmoid: Optional[bool] = None,
-               allow_neg_eigval: Optional[bool] = None, use_initial_state: Optional[bool] = None,
-               state_v_first: Optional[bool] = None, is_varlen: Optional[bool] = None,
-               store_final_state: bool = False, state_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+               cu_seqlens: Optional[Tensor], b: Tensor, state_indices: Optional[Tensor],
+               scale: Optional[float], output: Optional[Tensor], use_qk_l2norm: Optional[bool],
+               lower_bound: Optional[float], use_gate_in_kernel: Optional[bool],
+               use_lower_bound: Optional[bool], apply_beta_sigmoid: Optional[bool],
+               allow_neg_eigval: Optional[bool], use_initial_state: Optional[bool],
+               state_v_first: Optional[bool], is_varlen: Optional[bool],
+               store_final_state: bool, state_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
     """:func:`mate_cupy.gated_delta_rule_decode` with ``inplace_final_state=False`` (``state`` is
     only read); returns ``(output, final_state)`` as allocated."""
     o, fs = _decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices, scale,
@@ -503,14 +503,14 @@ def _decode_fake(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seql
 @torch.library.custom_op("mate_cupy::gated_delta_rule_decode_inplace", mutates_args=("state", "output"))
 def _decode_inplace_op(q: Tensor, k: Tensor, v: Tensor, state: Tensor, A_log: Optional[Tensor],  # noqa: N803
                        a: Tensor, dt_bias: Optional[Tensor], num_accepted_tokens: Optional[Tensor],
-                       cu_seqlens: Optional[Tensor], b: Tensor, state_indices: Optional[Tensor] = None,
-                       scale: Optional[float] = None, output: Optional[Tensor] = None,
-                       use_qk_l2norm: Optional[bool] = None, lower_bound: Optional[float] = None,
-                       use_gate_in_kernel: Optional[bool] = None, use_lower_bound: Optional[bool] = None,
-                       apply_beta_sigmoid: Optional[bool] = None, allow_neg_eigval: Optional[bool] = None,
-                       use_initial_state: Optional[bool] = None, state_v_first: Optional[bool] = None,
-                       is_varlen: Optional[bool] = None, store_final_state: bool = False,
-                       state_dtype: Optional[torch.dtype] = None) -> Tensor:
+                       cu_seqlens: Optional[Tensor], b: Tensor, state_indices: Optional[Tensor],
+                       scale: Optional[float], output: Optional[Tensor],
+                       use_qk_l2norm: Optional[bool], lower_bound: Optional[float],
+                       use_gate_in_kernel: Optional[bool], use_lower_bound: Optional[bool],
+                       apply_beta_sigmoid: Optional[bool], allow_neg_eigval: Optional[bool],
+                       use_initial_state: Optional[bool], state_v_first: Optional[bool],
+                       is_varlen: Optional[bool], store_final_state: bool,
+                       state_dtype: Optional[torch.dtype]) -> Tensor:
     """:func:`mate_cupy.gated_delta_rule_decode` with ``inplace_final_state=True``: writes the
     ``state`` pool; returns the output it allocated."""
     o, _ = _decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b, state_indices, scale,
