@@ -379,3 +379,15 @@ def test_each_plan_object_keeps_its_handle_under_compile(rng):
     for info in plans + plans[:1]:
         same(fn(q, k, v, info), mc.msa(p.q, p.k, p.v, info)[0])
     assert len({tops.register_plan(info) for info in plans}) == 3
+
+
+def test_a_copied_plan_gets_its_own_handle():
+    import copy
+
+    import mate_cupy as mc
+    from mate_cupy.integrations import torch_ops
+
+    plan = mc.msa_plan_from_lengths([3, 5], [7, 9], 4, 2, device="cpu")
+    h = torch_ops.register_plan(plan)
+    dup = plan[:3] + (copy.copy(plan[3]), plan[4])  # the part object copied, its handle attribute too
+    assert torch_ops._plan(dup)[0] != h and torch_ops._plan(plan)[0] == h

@@ -85,8 +85,8 @@ def register_plan(plan_info) -> int:
 def _register(mixed: bool, split: int, batch: int, first, second) -> int:
     attr = _handle_attr(mixed)
     handle = first.__dict__.get(attr)
-    if handle is not None and handle in _PLANS:
-        return handle
+    if handle is not None and handle in _PLANS and _PLANS[handle][3]() is first:
+        return handle  # (a copy of a registered plan carries the attribute, not the entry)
     if len(_PLANS) >= MAX_LIVE_PLANS:
         raise RuntimeError(f"more than {MAX_LIVE_PLANS} MSA plans registered for torch ops are alive")
     handle = next(_HANDLES)
@@ -107,7 +107,15 @@ def _plan_info(handle: int) -> tuple:
 def _plan(plan_info) -> tuple:
     """``(handle, parts)`` of a plan info (under Dynamo the handle is a constant of the traced plan)."""
     mixed, split, batch, first, second = unpack_plan_info(plan_info)
-    handle = _register(bool(mixed), int(split), int(batch), first, second if mixed else None)
+    # A registered plan carries its handle: a plain attribute read, which Dynamo folds into a
+    # constant without tracing the registration.
+    handle = getattr(first, _handle_attr(bool(mixed)), None)
+    if handle is not None and not torch.compiler.is_compiling():
+        entry = _PLANS.get(handle)
+        if entry is None or entry[3]() is not first:  # a copy of a registered plan: register it anew
+            handle = None
+    if handle is None:
+        handle = _register(bool(mixed), int(split), int(batch), first, second if mixed else None)
     return handle, ((first, second) if mixed else (first,))
 
 
