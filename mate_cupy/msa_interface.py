@@ -18,7 +18,7 @@ from .msa.plan import (
     msa_plan_from_lengths,
     upload_plan,
 )
-from .msa.topk import sparse_topk_select
+from .msa.topk import plan_query_positions, sparse_topk_select
 from .runtime.workspace import Workspace
 
 # The seed's name for the eager planner.
@@ -35,6 +35,7 @@ __all__ = [
     "msa",
     "msa_plan",
     "msa_plan_from_lengths",
+    "plan_query_positions",
     "sparse_decode_atten_func",
     "sparse_msa",
     "sparse_msa_plan",

@@ -553,3 +553,24 @@ def test_cuda_device_support(rng, cuda_standins, monkeypatch, cc, refused):
             ch.validate(**validate_args(x))
     else:
         ch.validate(**validate_args(x))
+
+
+def test_head_first_looking_input_warns(rng):
+    """[B, T, H, K] with fewer tokens than heads (the shape head-first input takes) warns, as
+    flash-linear-attention does; varlen input and T >= H do not."""
+    import warnings
+
+    from mate_cupy import chunk_kda
+
+    def inputs(T, H):
+        q = rng.standard_normal((1, T, H, 128)).astype(np.float16)
+        g = -np.abs(rng.standard_normal((1, T, H, 128))).astype(np.float16) * 0.1
+        return dict(q=q, k=q.copy(), v=q.copy(), g=g, beta=rng.standard_normal((1, T, H)).astype(np.float16))
+
+    with pytest.warns(UserWarning, match=r"head-first \[B, H, T, K\]"):
+        chunk_kda(**inputs(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunk_kda(**inputs(4, 4))
+        x = inputs(2, 4)
+        chunk_kda(**{n: a[0] for n, a in x.items()}, cu_seqlens=np.array([0, 2], np.int32))

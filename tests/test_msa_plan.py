@@ -452,3 +452,18 @@ def test_workspace_and_upload_are_exported():
     assert mc.Workspace is Workspace and "Workspace" in msa_interface.__all__
     assert mc.upload_plan is msa_interface.upload_plan and "upload_plan" in msa_interface.__all__
     assert callable(mc.MsaPlan.upload) and callable(mc.MsaPlan.workspace_bytes)
+
+
+def test_lengths_must_be_whole_numbers():
+    import mate_cupy as mc
+
+    plan = mc.msa_plan_from_lengths(np.array([3.0, 5.0]), np.array([7.0, 9.0]), 4, 1, device="cpu")
+    assert plan[3].qo_lens.tolist() == [3, 5] and plan[3].kv_lens.tolist() == [7, 9]
+    with pytest.raises(ValueError, match=r"qo_segment_lens must hold whole numbers, got 2\.5 at index 1"):
+        mc.msa_plan_from_lengths([3.0, 2.5], [7, 9], 4, 1, device="cpu")
+    with pytest.raises(ValueError, match="whole numbers"):
+        mc.msa_plan_from_lengths([3, 5], np.array([7.0, np.nan]), 4, 1, device="cpu")
+    with pytest.raises(ValueError, match="fit in int32"):
+        mc.msa_plan_from_lengths(np.array([3, 2**31]), [7, 9], 4, 1, device="cpu")
+    with pytest.raises(TypeError, match="must hold integers"):
+        mc.msa_plan_from_lengths(np.array(["3", "5"]), [7, 9], 4, 1, device="cpu")

@@ -233,3 +233,42 @@ def test_topk_problem_is_the_same_for_host_and_cuda_inputs():
     assert (host.device, cuda.device) == (-1, 0)
     assert dataclasses.replace(host, device=0) == cuda
     assert (host.width, host.free_slots, host.rows, host.num_valid_pages) == (11, 8, 6, 30)
+
+
+# ----------------------------------------------------------------------------- positions from a plan
+
+
+def _causal_prefill_scores(rng, qo, kv, hq=4, hkv=1, d=128):
+    total_q, total_k = sum(qo), sum(kv)
+    q = rng.standard_normal((total_q, hq, d)).astype(np.float32)
+    k = rng.standard_normal((total_k, hkv, d)).astype(np.float32)
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(qo)]), np.concatenate([[0], np.cumsum(kv)])
+    return R.block_max_score(q, k, cu_q, cu_k, causal=True, max_k_tiles=-(-max(kv) // 128)).astype(np.float32)
+
+
+def test_plan_positions_keep_a_causal_prefill_off_masked_blocks(rng):
+    qo, kv = [300, 40], [300, 700]  # a prefill from scratch, then a chunk continuing at key 660
+    plan = mc.msa_plan_from_lengths(qo, kv, 4, 1, device="cpu")
+    scores = _causal_prefill_scores(rng, qo, kv)
+    pos = mc.plan_query_positions(plan)
+    assert pos.dtype == np.int64 and pos.tolist() == list(range(300)) + list(range(660, 700))
+    sel = mc.sparse_topk_select(scores, 4, force_begin_blocks=1, force_end_blocks=1, plan_info=plan)
+    assert np.array_equal(sel, mc.sparse_topk_select(scores, 4, force_begin_blocks=1, force_end_blocks=1,
+                                                     query_positions=pos))
+    own_block = (pos // 128)[:, None, None]
+    assert np.all((sel == -1) | (sel <= own_block))       # never a block past the query's position
+    assert np.all((sel == own_block).any(axis=-1))        # the local block is the forced end block
+    blind = mc.sparse_topk_select(scores, 4, force_begin_blocks=1, force_end_blocks=1)
+    assert np.any(blind > own_block)  # without positions, early queries are handed masked blocks
+
+
+def test_plan_positions_refusals():
+    static = mc.msa_plan(2, 1, 256, 4, total_seqlen_k=512, num_kv_heads=1)
+    scores = np.zeros((2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="static plan"):
+        mc.sparse_topk_select(scores, 4, plan_info=static)
+    eager = mc.msa_plan_from_lengths([1, 1], [100, 500], 4, 1, device="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        mc.sparse_topk_select(scores, 4, plan_info=eager, query_positions=np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="query_positions"):
+        mc.sparse_topk_select(np.zeros((3, 4, 4), np.float32), 4, plan_info=eager)  # rows != the plan's

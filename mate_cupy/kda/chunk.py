@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -197,6 +198,11 @@ def validate(*, q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
         raise ValueError(f"the v/g head count must be a multiple of the q/k head count, got HV={HV}, H={H}")
     if tuple(bs) != vs[:3]:
         raise ValueError(f"beta must have shape [B, T, HV] = {vs[:3]}, got {ba.shape}")
+    if not varlen and 0 < T < H:
+        warnings.warn(
+            f"chunk_kda: q has shape {tuple(qa.shape)}, read as [B, T, H, K] with T={T} tokens and H={H} "
+            f"heads; fewer tokens than heads often means head-first [B, H, T, K] input, which this layout "
+            "reads wrongly (transpose to [B, T, H, K])", UserWarning, stacklevel=4)
     if qa.dtype not in HALF_DTYPES:
         raise TypeError(f"chunk_kda supports q of dtype {names(HALF_DTYPES)}, got {dtype_name(qa.dtype)}")
     for a in (ka, va, ga, ba):

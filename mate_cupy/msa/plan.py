@@ -348,8 +348,14 @@ def _int32_vector(name: str, values) -> np.ndarray:
     arr = np.asarray(to_host(values, name))
     if arr.ndim != 1:
         raise ValueError(f"{name} must be a 1D tensor, got shape {tuple(arr.shape)}")
-    if arr.dtype.kind not in "iub" and arr.dtype.kind != "f":
+    if arr.dtype.kind not in "iubf":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "f":  # accepted when every value is a whole number, never truncated
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if np.any(bad):
+            raise ValueError(f"{name} must hold whole numbers, got {float(arr[bad][0])} at index {int(np.argmax(bad))}")
+    if arr.size and (arr.min() < -2**31 or arr.max() > 2**31 - 1):
+        raise ValueError(f"{name} values must fit in int32, got a range of [{arr.min()}, {arr.max()}]")
     return arr.astype(np.int32)
 
 

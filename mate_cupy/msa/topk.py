@@ -1,4 +1,4 @@
-"""``sparse_topk_select``: per query and head, the 128-key blocks to attend (SPEC section 4).
+"""``sparse_topk_select``: per query and head, the 128-key blocks to attend.
 
 Path: :func:`validate_topk` -> :class:`TopkProblem` -> the float64 reference (host
 arrays) or :func:`~mate_cupy.msa.index_launch.select_topk_config` ->
@@ -16,9 +16,9 @@ from ..checks import check_contiguous, check_dtype
 from ..reference import msa as ref
 from ..runtime.interop import FLOAT32, INT32, INT64, Arg, Call
 from . import index_launch
-from .plan import MAX_K_TILES, selected_block_count
+from .plan import MAX_K_TILES, selected_block_count, unpack_plan_info
 
-__all__ = ["TopkProblem", "sparse_topk_select", "validate_topk"]
+__all__ = ["TopkProblem", "plan_query_positions", "sparse_topk_select", "validate_topk"]
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,57 @@ def _as_array(obj):
     return np.asarray(obj) if isinstance(obj, (list, tuple)) else obj
 
 
+def plan_query_positions(plan_info) -> np.ndarray:
+    """The key position each query row of an eager plan may attend up to: host int64
+    ``[total_q]``, rows in the plan's order (a mixed plan's first part, then its second).
+
+    Causal parts: ``min(qo_offset[b] + i, kv_lens[b] - 1)`` for query ``i`` of request
+    ``b``; non-causal parts: ``kv_lens[b] - 1``. With these as ``query_positions``, every
+    row's valid blocks are the blocks it can attend (none for a request without keys).
+    Static plans carry no lengths (``ValueError``).
+    """
+    mixed, _, _, first, second = unpack_plan_info(plan_info)
+    pieces = []
+    for plan in (first, second) if mixed else (first,):
+        if plan.is_static:
+            raise ValueError("plan_info is a static plan: its lengths are runtime data, so the query positions "
+                             "cannot be derived; pass query_positions (int64 [total_q]) instead")
+        qo = np.asarray(plan.qo_lens, dtype=np.int64)
+        kv = np.asarray(plan.kv_lens, dtype=np.int64)
+        off = np.asarray(plan.qo_offset, dtype=np.int64)
+        req = np.repeat(np.arange(qo.shape[0]), qo)
+        first_row = np.concatenate([[0], np.cumsum(qo)[:-1]]) if qo.shape[0] else qo
+        last_key = kv[req] - 1
+        if plan.causal:
+            i = np.arange(req.shape[0]) - first_row[req]
+            pieces.append(np.minimum(off[req] + i, last_key))
+        else:
+            pieces.append(last_key)
+    return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+
+
+def _positions_of(plan_info, call: Call):
+    """:func:`plan_query_positions` on ``call``'s device, kept on the plan's first part (an
+    eager plan's lengths never change), one array per device."""
+    first = unpack_plan_info(plan_info)[3]
+    cache = first.__dict__.setdefault("_topk_query_positions", {})
+    key = (bool(unpack_plan_info(plan_info)[0]), call.device)
+    pos = cache.get(key)
+    if pos is None:
+        pos = plan_query_positions(plan_info)
+        if call.is_cuda:
+            import cupy
+
+            with call.launch_scope():
+                pos = cupy.asarray(pos)
+        cache[key] = pos
+    return pos
+
+
 @mate_api
 def sparse_topk_select(max_score, topk: int, num_valid_pages: Optional[int] = None, output=None,
                        force_begin_blocks: int = 0, force_end_blocks: int = 0,
-                       force_blocks_count_in_topk: bool = True, query_positions=None):
+                       force_blocks_count_in_topk: bool = True, query_positions=None, plan_info=None):
     """Select the blocks each query attends from its block max scores.
 
     ``max_score [total_q, Hq, NT]`` float32 contiguous (``0 < NT < 12288``); ``topk`` in
@@ -116,11 +163,22 @@ def sparse_topk_select(max_score, topk: int, num_valid_pages: Optional[int] = No
     number). Width ``W = topk`` when ``force_blocks_count_in_topk`` (then ``begin + end
     <= topk``) else ``topk + begin + end``; ``W <= 64``.
 
+    ``plan_info``: an eager plan of the call whose scores these are; the positions are then
+    derived from its lengths (:func:`plan_query_positions`), so a causal prefill never
+    selects blocks past a query's position, and the forced end blocks are each query's
+    last attendable blocks. Without it or ``query_positions`` every row has the same ``V``
+    valid blocks. Give one of the two, not both (``ValueError``).
+
     Returns int32 ``[total_q, Hq, W]`` in ``max_score``'s framework (``output``, int32
     contiguous, written in place and returned when given): chosen block ids ascending,
     then ``-1``. CUDA arrays run on the caller's current stream.
     """
-    call = Call(max_score=max_score, output=_as_array(output), query_positions=_as_array(query_positions))
+    call = Call(max_score=max_score, output=_as_array(output))
+    if plan_info is not None:
+        if query_positions is not None:
+            raise ValueError("give query_positions or plan_info, not both")
+        query_positions = _positions_of(plan_info, call)
+    call.add("query_positions", _as_array(query_positions))
     problem = validate_topk(call["max_score"], topk, num_valid_pages, call["output"], force_begin_blocks,
                             force_end_blocks, force_blocks_count_in_topk, call["query_positions"])
     out = call["output"]
