@@ -340,28 +340,25 @@ class Call:
         self._first: Optional[str] = None
         self._stream = None
         self._stream_ptr = None
-        args = self.args
-        dtypes = _TORCH_DTYPES
         for name, obj in arrays.items():
-            if obj is None:
-                continue
-            # torch CUDA tensors (the serving hot path) inline; everything else through add().
-            # (Raw addresses need no DLPack export, so requires_grad does not matter here.)
-            if type(obj) in _TORCH_TYPES:
-                dev = obj.get_device()  # -1 on the host
-                dtype = dtypes.get(obj.dtype)
-                if dev >= 0 and dtype is not None and (dev == self.device or self.device is None):
-                    if self.device is None:
-                        self.device, self.framework, self._first = dev, "torch", name
-                    args[name] = Arg(name, obj, dtype, "torch", dev, tuple(obj.shape), obj.stride(),
-                                     obj.data_ptr())
-                    continue
-            self.add(name, obj)
+            if obj is not None:
+                self.add(name, obj)
 
     def add(self, name: str, obj) -> Optional[Arg]:
         """Wrap one more array (or None) into the call; checks the device."""
         if obj is None:
             return None
+        # torch CUDA tensors (the serving hot path) inline; everything else through wrap().
+        # (Raw addresses need no DLPack export, so requires_grad does not matter here.)
+        if type(obj) in _TORCH_TYPES:
+            dev = obj.get_device()  # -1 on the host
+            dtype = _TORCH_DTYPES.get(obj.dtype)
+            if dev >= 0 and dtype is not None and (dev == self.device or self.device is None):
+                if self.device is None:
+                    self.device, self.framework, self._first = dev, "torch", name
+                arg = self.args[name] = Arg(name, obj, dtype, "torch", dev, tuple(obj.shape), obj.stride(),
+                                            obj.data_ptr())
+                return arg
         arg = wrap(name, obj)
         if self.device is None:
             self.device, self.framework, self._first = arg.device, arg.framework, name
