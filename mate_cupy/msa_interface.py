@@ -21,7 +21,7 @@ from .msa.plan import (
 from .msa.topk import plan_query_positions, sparse_topk_select
 from .runtime.workspace import Workspace
 
-# The seed's name for the eager planner.
+# The eager planner under the underscored name some callers import.
 _msa_plan_from_lengths = msa_plan_from_lengths
 
 __all__ = [

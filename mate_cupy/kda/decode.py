@@ -3,7 +3,7 @@ reference (host arrays, :func:`run`) or the decode kernel (CUDA arrays,
 :func:`mate_cupy.kda.decode_launch.run`).
 
 Every condition is checked once, in :func:`validate`, before anything runs. The checks
-follow the order and exception types of the seed API, plus the ones a kernel needs:
+follow the documented order and exception types (docs/api.md), plus the ones a kernel needs:
 ``b`` shape, k/v/a/b dtypes, ``cu_seqlens`` dtype, varlen batch of 1,
 ``num_accepted_tokens`` dtype, and the kernels' contract, refused on both paths with
 ``NotImplementedError``: K = 128, a K-first V that is a whole number of 16-byte state

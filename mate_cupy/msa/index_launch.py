@@ -1,9 +1,9 @@
 """Variants, configuration and launchers of the MSA index kernels (``cuda_src/msa_index.cu``).
 
-* :func:`run_max_score`: per-128-key-block max of raw ``q . k`` (SPEC section 3) for the
+* :func:`run_max_score`: per-128-key-block max of raw ``q . k`` (docs/semantics.md, section 3) for the
   MSA engine's ``output_maxscore`` pass. The caller validates (see its docstring);
   :func:`select_max_score_config` picks the kernel.
-* :func:`launch_topk`: exact top-k block selection (SPEC section 4) for
+* :func:`launch_topk`: exact top-k block selection (docs/semantics.md, section 4) for
   ``sparse_topk_select`` (``mate_cupy.msa.topk``), which validates into a
   :class:`~mate_cupy.msa.topk.TopkProblem`; :func:`select_topk_config` picks the kernel.
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from ..jit import KernelParams, get_kernel, launch, register
+from ..jit.registry import SM90A
 from ..runtime.device import device_info
 from ..runtime.interop import BFLOAT16, FLOAT16
 
@@ -87,7 +88,8 @@ def _max_score_name(dtype, d: int, cfg: MaxScoreConfig) -> str:
 
 
 MAX_SCORE_SPECS = {
-    (dt, d, cfg): register(SOURCE, _max_score_name(dt, d, cfg), min_sm=90 if cfg.mma == "wgmma" else 80)
+    (dt, d, cfg): register(SOURCE, _max_score_name(dt, d, cfg),
+                            only_arch=SM90A if cfg.mma == "wgmma" else "")
     for dt in (FLOAT16, BFLOAT16)
     for d in MAX_SCORE_HEAD_DIMS
     for cfg in MAX_SCORE_CONFIGS

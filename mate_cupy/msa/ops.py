@@ -1,8 +1,8 @@
 """Public MSA attention ops: ``msa``, ``sparse_msa``, ``sparse_decode_atten_func``, ``sparse_msa_plan``.
 
-Argument names, defaults and return values follow the seed API; each op is one call of
+Argument names, defaults and return values are those of docs/api.md; each op is one call of
 :func:`mate_cupy.msa.execute.run` (one validation, then the host references or the CUDA
-launchers). Beyond the seed: sparse execution with mixed decode+prefill plans, max scores
+launchers). They also run sparse execution with mixed decode+prefill plans, max scores
 from sparse and mixed plans, ``output_o=False`` everywhere, and a caller ``workspace``
 (see ``docs/semantics.md``).
 """
@@ -20,9 +20,9 @@ __all__ = ["NoOutputRequestedError", "msa", "sparse_decode_atten_func", "sparse_
 class NoOutputRequestedError(ValueError, NotImplementedError):
     """``output_o=False`` without a max-score request: nothing to compute.
 
-    A ``ValueError`` (what ``msa`` raises for it in the seed API) that is also a
-    ``NotImplementedError`` (what the seed's ``sparse_msa``/``sparse_decode_atten_func``
-    raise for any ``output_o=False``), so callers written against either keep working.
+    Both a ``ValueError`` (the type ``msa`` raises for it) and a
+    ``NotImplementedError`` (the type ``sparse_msa``/``sparse_decode_atten_func`` raise for
+    any ``output_o=False``), so callers catching either keep working.
     """
 
 

@@ -50,7 +50,7 @@ __all__ = [
 MsaPlanMode = Literal["dense", "paged", "sparse_prefill", "sparse_decode"]
 
 SPARSE_BLOCK_SIZE = 128
-# The seed supports 4, 8 and 16; 32 and 64 are an extension (the output width stays <= 64).
+# Top-k sizes the selection kernel takes (the output width stays <= 64).
 SUPPORTED_SPARSE_TOPK = (4, 8, 16, 32, 64)
 SPARSE_TOPK_MAX_OUTPUT_BLOCKS = 64
 MAX_K_TILES = 12288  # sparse_topk_select needs max_k_tiles < MAX_K_TILES

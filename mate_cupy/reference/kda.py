@@ -2,10 +2,10 @@
 
 Three functions, all float64, all on host arrays (any DLPack array is read to the host):
 
-* :func:`kda_recurrent`: the definition (SPEC section 7), token by token.
+* :func:`kda_recurrent`: the definition (docs/semantics.md, section 7), token by token.
 * :func:`kda_chunked`: the same result in chunked WY/UT form (chunk 64), written as the
   blueprint of the CUDA chunk kernel; agrees with :func:`kda_recurrent` to rounding.
-* :func:`kda_decode`: the serving step of ``gated_delta_rule_decode`` (SPEC section 8)
+* :func:`kda_decode`: the serving step of ``gated_delta_rule_decode`` (docs/semantics.md, section 8)
   with state pools, slot indices, padding, speculative decoding and bf16 state rounding.
 
 Layouts. ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, gate ``g``/``a`` ``[B, T, HV, K]``,
@@ -132,7 +132,7 @@ def _expand_heads(x: np.ndarray, HV: int) -> np.ndarray:
 
 
 def kda_chunk_gate(g: np.ndarray, A_log=None, dt_bias=None, lower_bound: float = -5.0) -> np.ndarray:
-    """Per-channel log decay of ``chunk_kda`` (SPEC 7), ``g [..., HV, K]``.
+    """Per-channel log decay of ``chunk_kda`` (docs/semantics.md, section 7), ``g [..., HV, K]``.
 
     With ``A_log [HV]`` and ``dt_bias [HV, K]`` (or ``[HV*K]``):
     ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``; without them ``g`` itself.
@@ -150,7 +150,7 @@ def kda_chunk_gate(g: np.ndarray, A_log=None, dt_bias=None, lower_bound: float =
 
 def kda_decode_gate(a: np.ndarray, A_log=None, dt_bias=None, *, use_gate_in_kernel: bool = True,
                     use_lower_bound: bool = False, lower_bound: float = -5.0) -> np.ndarray:
-    """Per-channel log decay of ``gated_delta_rule_decode`` (SPEC 8), ``a [..., HV, K]``.
+    """Per-channel log decay of ``gated_delta_rule_decode`` (docs/semantics.md, section 8), ``a [..., HV, K]``.
 
     ``x = a + dt_bias`` (no bias when None), ``A = A_log[hv]`` (0 when None);
     ``lower_bound * sigmoid(exp(A) * x)`` with ``use_lower_bound``, else
@@ -237,7 +237,7 @@ class _ChunkInputs:
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, A_log=None,
                   dt_bias=None, lower_bound: float = -5.0, use_qk_l2norm: bool = True, *,
                   beta_sigmoid: bool = True):
-    """Token-by-token float64 reference of ``chunk_kda`` (the definition, SPEC 7).
+    """Token-by-token float64 reference of ``chunk_kda`` (the definition, docs/semantics.md section 7).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` (raw gate input when
     ``A_log``/``dt_bias`` are given, else the log-space decay); beta ``[B, T, HV]`` logits.
@@ -319,7 +319,7 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=Non
     may be shorter). For a chunk entering with state ``S0 [V, K]`` (notation: rows are
     tokens, ``K_c [C, K]``, ``Q_c``, ``V_c [C, V]``, ``beta [C]``, products ``*`` per element):
 
-    1. Gate and in-chunk cumulative decay: ``gk_i`` (SPEC 7), ``G_i = sum_{s<=i} gk_s``.
+    1. Gate and in-chunk cumulative decay: ``gk_i`` (docs/semantics.md, section 7), ``G_i = sum_{s<=i} gk_s``.
     2. Strictly lower ``A_kk[i, j] = beta_i * sum_k k_i[k] k_j[k] exp(G_i[k] - G_j[k])``
        and lower (with diagonal) ``A_qk[i, j] = sum_k q_i[k] k_j[k] exp(G_i[k] - G_j[k])``.
     3. UT transform: ``T = (I + A_kk)^-1`` (unit lower triangular, forward substitution).
@@ -372,7 +372,7 @@ def kda_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlen
                use_gate_in_kernel=None, use_lower_bound=None, apply_beta_sigmoid=None,
                allow_neg_eigval=None, use_initial_state=None, state_v_first=None, is_varlen=None,
                store_final_state: bool = False, inplace_final_state: bool = False, state_dtype=None):
-    """Float64 reference of ``gated_delta_rule_decode`` (SPEC 8, 8a).
+    """Float64 reference of ``gated_delta_rule_decode`` (docs/semantics.md, section 8).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; a ``[B, T, HV, K]``; b ``[B, T, HV]`` or
     ``[B, T, HV, V]``; varlen: ``B == 1`` and ``cu_seqlens [N+1]``. state: pool
@@ -383,7 +383,7 @@ def kda_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlen
     ``state_dtype`` (default: state's dtype, else float32) decides the rounding: a
     bfloat16 state is rounded after every token (outputs use the unrounded state).
 
-    Slots (SPEC 8a): the initial state of sequence ``n`` comes from slot ``n`` (no
+    Slots (docs/semantics.md, section 8): the initial state of sequence ``n`` comes from slot ``n`` (no
     indices), ``state_indices[n]`` (``[N]``), ``state_indices[n, num_accepted_tokens[n]-1]``
     (speculative) or ``state_indices[n, 0]`` (``[N, C]``). A negative read slot makes the
     sequence padding (zero output, no state read or written, zero final state). With
