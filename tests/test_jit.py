@@ -76,7 +76,7 @@ def test_spec_names_spell_choices():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_100", "sm_120"])
 def test_every_registered_variant_compiles(arch):
     specs = registered()
     assert any(s.source == "util.cu" for s in specs)
@@ -86,9 +86,127 @@ def test_every_registered_variant_compiles(arch):
     compiled = [r for r in results if "skipped" not in r]
     assert len(compiled) >= 1
     for r in results:
+        spec = next(s for s in specs if s.name == r["name"] and s.kernels == r["kernels"])
+        assert ("skipped" in r) == (not spec.builds_for(arch))
         if "skipped" in r:
-            spec = next(s for s in specs if s.name == r["name"] and s.kernels == r["kernels"])
-            assert spec.min_sm > 80 and arch == "sm_80"
+            assert arch != "sm_90a" and (spec.min_sm > 80 or spec.only_arch == "sm_90a")
+
+
+# ----------------------------------------------------------------------------- targets and dispatch
+
+
+def _is_wgmma(spec) -> bool:
+    d = dict(spec.defines)
+    return (d.get("ATT_WGMMA") == "1" or spec.source == "attention_gather.cu"
+            or any(k.startswith("msa_block_max_score_kernel") and k.endswith(", 1>") for k in spec.kernels))
+
+
+def test_hopper_only_variants_build_for_sm90a_alone():
+    specs = registered()
+    hopper = [s for s in specs if _is_wgmma(s)]
+    assert len(hopper) == 22 and len(specs) == 127
+    for s in specs:
+        if _is_wgmma(s):
+            assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90
+            assert s.builds_for("sm_90a")
+            assert not any(s.builds_for(a) for a in ("sm_80", "sm_89", "sm_90", "sm_100", "sm_100a", "sm_120"))
+        else:
+            assert s.only_arch == "" and s.requirement == f"sm_{s.min_sm} or newer"
+            assert all(s.builds_for(a) for a in ("sm_89", "sm_90a", "sm_100", "sm_103", "sm_120", "sm_121"))
+            assert s.builds_for("sm_80") == (s.min_sm <= 80)
+
+
+@pytest.mark.parametrize("text,arch", [("sm_100", "sm_100"), ("sm_90a", "sm_90a"), ("90", "sm_90a"),
+                                       ("9.0", "sm_90a"), ("10.0", "sm_100"), ("sm_120", "sm_120"),
+                                       ("12.0", "sm_120"), ("sm_80", "sm_80"), ("SM_86", "sm_86")])
+def test_normalize_arch(text, arch):
+    from mate_cupy.jit import normalize_arch
+
+    assert normalize_arch(text) == arch
+
+
+@pytest.mark.parametrize("text,match", [("sm_75", "sm_75 is not supported.*sm_80 or newer"),
+                                        ("7.0", "sm_70 is not supported"), ("sm_86a", "start at sm_90"),
+                                        ("hopper", "unknown target"), ("sm_999", "unknown to this NVRTC")])
+def test_normalize_arch_refuses(text, match):
+    from mate_cupy.jit import UnsupportedArchError, normalize_arch
+
+    with pytest.raises(UnsupportedArchError, match=match):
+        normalize_arch(text)
+
+
+CCS = (80, 86, 89, 90, 100, 103, 120, 121)
+
+
+def _attention_configs(cc):
+    """(config, dtype_code) over the attention configuration space on compute capability ``cc``."""
+    from mate_cupy.msa import attention_launch as al
+    from mate_cupy.msa import execute
+
+    for kv in (al.KV_DENSE, al.KV_PAGED, al.KV_SPARSE):
+        sparse = kv == al.KV_SPARSE
+        for d in ((execute.SPARSE_HEAD_DIM,) if sparse else execute.HEAD_DIMS):
+            for code in execute.DTYPE_CODES.values():
+                if code == al.DTYPE_E4M3 and cc < 89:
+                    continue  # fp8 needs sm_89 (refused by the validation)
+                for group in (execute.SPARSE_GQA_RATIOS if sparse else (1, 8, 16)):
+                    for max_q in (1, 64, 8192):
+                        for causal in (True, False):
+                            for sparse_decode in ((False, True) if sparse else (False,)):
+                                for gather in ((False, True) if sparse else (False,)):
+                                    p = al.AttentionProblem(
+                                        kv_mode=kv, batch=1, total_q=max_q, num_heads_q=8 * group, num_heads_kv=8,
+                                        head_dim=d, dtype_code=code, max_seqlen_q=max_q, max_seqlen_k=8192,
+                                        page_size=128 if kv != al.KV_DENSE else 0, list_width=16 if sparse else 0,
+                                        causal=causal, sparse_decode=sparse_decode, num_kv_splits=-1, gather=gather)
+                                    yield al.select_config(p, 132, cc), code
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_dispatch_picks_only_variants_the_gpu_builds(cc):
+    """Each GPU's configuration picks only variants its arch builds: no wgmma/TMA tile, gather
+    kernel or wgmma max score anywhere but compute capability 9.0 (sm_90a)."""
+    from mate_cupy.jit import arch_for_capability
+    from mate_cupy.msa import attention_launch as al
+    from mate_cupy.msa import index_launch as il
+    from mate_cupy.runtime.interop import BFLOAT16, FLOAT16
+
+    arch = arch_for_capability(cc)
+    tiles = set()
+    for cfg, code in _attention_configs(cc):
+        tiles.add(cfg.tile)
+        for spec in al.config_specs(cfg, code):
+            assert spec.builds_for(arch), (cc, cfg.tile, spec.name)
+    assert ({"wg3n64s3", "wg2n128s3r", "wg2n128s2", "gather"} <= tiles) == (cc == 90)
+    if cc != 90:
+        assert tiles <= {"decode", "prefill"}
+    for rows in (1, 64, 65, 8192, 1 << 20):
+        cfg = il.select_max_score_config(rows, cc)
+        assert (cfg.mma == "wgmma") == (cc == 90 and rows > 64)
+        for dt in (FLOAT16, BFLOAT16):
+            for d in il.MAX_SCORE_HEAD_DIMS:
+                assert il.MAX_SCORE_SPECS[(dt, d, cfg)].builds_for(arch)
+
+
+@pytest.mark.parametrize("cc,arch", [(100, "sm_100"), (120, "sm_120")])
+def test_blackwell_dispatch_compiles(cc, arch):
+    """The variants a Blackwell GPU picks for a long causal prefill (attention and max score)
+    build with NVRTC for its arch."""
+    from mate_cupy.jit import arch_for_capability
+    from mate_cupy.msa import attention_launch as al
+    from mate_cupy.msa import index_launch as il
+    from mate_cupy.runtime.interop import BFLOAT16
+
+    assert arch_for_capability(cc) == arch
+    p = al.AttentionProblem(kv_mode=al.KV_DENSE, batch=1, total_q=8192, num_heads_q=64, num_heads_kv=8,
+                            head_dim=128, dtype_code=al.DTYPE_BF16, max_seqlen_q=8192, max_seqlen_k=8192,
+                            page_size=0, list_width=0, causal=True, sparse_decode=False, num_kv_splits=-1,
+                            gather=False)
+    cfg = al.select_config(p, 148, cc)
+    assert cfg.tile == "prefill"
+    ms = il.MAX_SCORE_SPECS[(BFLOAT16, 128, il.select_max_score_config(8192 * 8, cc))]
+    for spec in (cfg.spec, ms):
+        assert compile_variant(spec, arch)["cubin_bytes"] > 0
 
 
 def test_cubin_dir_saves_cubin_and_lowered_names(src_dir, tmp_path_factory):

@@ -1,20 +1,23 @@
 """NVRTC kernel loader: sources, variant registry, compilation, loading and launch."""
 from .compiler import (
+    MIN_SM,
     Kernel,
     KernelCompileError,
+    UnsupportedArchError,
     arch_for_capability,
     compile_all,
     compile_variant,
     device_arch,
     get_kernel,
     load,
+    normalize_arch,
 )
 from .launch import KernelParams, address, launch
-from .registry import KernelSpec, register, registered
+from .registry import SM90A, KernelSpec, arch_capability, register, registered
 from .sources import expand_source, source_text
 
 __all__ = [
-    "Kernel", "KernelCompileError", "KernelParams", "KernelSpec", "address", "arch_for_capability", "compile_all",
-    "compile_variant", "device_arch", "expand_source", "get_kernel", "launch", "load", "register", "registered",
-    "source_text",
+    "MIN_SM", "SM90A", "Kernel", "KernelCompileError", "KernelParams", "KernelSpec", "UnsupportedArchError", "address",
+    "arch_capability", "arch_for_capability", "compile_all", "compile_variant", "device_arch", "expand_source",
+    "get_kernel", "launch", "load", "normalize_arch", "register", "registered", "source_text",
 ]

@@ -15,10 +15,12 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from .registry import KernelSpec, registered
+from .registry import SM90A, KernelSpec, arch_capability, registered
 from .sources import source_text
 
 CXX_STD = "--std=c++17"
+#: The oldest target mate_cupy's kernels build for (bf16 mma.sync, cp.async, ldmatrix: Ampere).
+MIN_SM = 80
 
 
 class KernelCompileError(RuntimeError):
@@ -33,9 +35,60 @@ class KernelCompileError(RuntimeError):
 
 
 def arch_for_capability(cc: str) -> str:
-    """'90' -> 'sm_90a' (wgmma needs the arch-specific target); others 'sm_XY'."""
+    """'90' -> 'sm_90a' (wgmma needs the arch-specific target); others 'sm_XY' ('100' -> 'sm_100')."""
     cc = str(cc).replace(".", "")
-    return "sm_90a" if cc == "90" else f"sm_{cc}"
+    return SM90A if cc == "90" else f"sm_{cc}"
+
+
+class UnsupportedArchError(ValueError):
+    """A compile target mate_cupy cannot build for (below sm_80, or unknown to NVRTC)."""
+
+
+def nvrtc_archs() -> tuple:
+    """Compute capabilities this NVRTC compiles for (e.g. ``(75, 80, ..., 120, 121)``), () if unknown."""
+    try:
+        from cupy.cuda import nvrtc
+
+        return tuple(int(a) for a in nvrtc.getSupportedArchs())
+    except Exception:  # pragma: no cover - an NVRTC without the query
+        return ()
+
+
+def normalize_arch(arch) -> str:
+    """A compile target from ``"sm_100"``, ``"sm_90a"``, ``"sm_100f"``, ``"90"`` or ``"9.0"``.
+
+    A bare compute capability maps as :func:`arch_for_capability` does (``"90"`` -> ``"sm_90a"``).
+    Raises :class:`UnsupportedArchError` for a malformed name, a target below sm_80 (the
+    kernels use Ampere's bf16 ``mma.sync`` and ``cp.async``) or one this NVRTC does not know.
+    """
+    import re
+
+    text = str(arch).strip().lower()
+    m = re.fullmatch(r"(?:sm_)?(\d+)(?:\.(\d))?([af]?)", text)
+    if m is None or (m.group(2) is not None and m.group(3)):
+        raise UnsupportedArchError(
+            f"unknown target {arch!r}: give an arch such as sm_80, sm_90a, sm_100 or sm_120 "
+            f"(or a compute capability such as 9.0)")
+    if m.group(2) is not None:  # "9.0"
+        cc = int(m.group(1)) * 10 + int(m.group(2))
+        suffix = ""
+        name = arch_for_capability(str(cc))
+    else:
+        cc, suffix = int(m.group(1)), m.group(3)
+        bare = not text.startswith("sm_")
+        name = arch_for_capability(str(cc)) if bare and not suffix else f"sm_{cc}{suffix}"
+    if cc < MIN_SM:
+        raise UnsupportedArchError(
+            f"{name} is not supported: mate_cupy's kernels need sm_{MIN_SM} or newer (Ampere and later: "
+            f"bf16 mma.sync, cp.async); on older GPUs use the NumPy reference path (host arrays)")
+    if suffix and cc < 90:
+        raise UnsupportedArchError(f"{name}: arch-specific ('a') and family ('f') targets start at sm_90; use sm_{cc}")
+    known = nvrtc_archs()
+    if known and cc not in known:
+        raise UnsupportedArchError(
+            f"{name} is unknown to this NVRTC {'.'.join(map(str, _nvrtc_version()))} "
+            f"(it compiles for {', '.join(f'sm_{a}' for a in known if a >= MIN_SM)})")
+    return name
 
 
 def device_arch(device_id=None) -> str:
@@ -148,6 +201,9 @@ def get_module(spec: KernelSpec, device_id=None):
     key = (src, opts, arch, spec.kernels)
     mod = _modules.get(key)
     if mod is None:
+        if not spec.builds_for(arch):
+            raise RuntimeError(f"{spec.name} needs {spec.requirement} and cannot run on this {arch} GPU "
+                               f"(the launch configuration must not pick it there)")
         mod = _load_prebuilt(spec, arch)
         if mod is None:
             mod = cupy.RawModule(code=src, options=opts, name_expressions=list(spec.kernels))
@@ -264,15 +320,13 @@ def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bo
             "cubin_bytes": len(cubin), "log": log}
 
 
-def arch_sm(arch: str) -> int:
-    """'sm_90a' -> 90."""
-    return int("".join(c for c in arch.split("_", 1)[-1] if c.isdigit()))
+arch_sm = arch_capability  # 'sm_90a' -> 90 (older name)
 
 
 def _compile_one(args):
     spec, arch, cubin_dir = args
-    if spec.min_sm > arch_sm(arch):
-        return {"name": spec.name, "kernels": spec.kernels, "skipped": f"needs sm_{spec.min_sm}+"}
+    if not spec.builds_for(arch):
+        return {"name": spec.name, "kernels": spec.kernels, "skipped": f"needs {spec.requirement}"}
     try:
         return compile_variant(spec, arch, cubin_dir=cubin_dir)
     except KernelCompileError as e:
@@ -283,7 +337,9 @@ def compile_all(arch: str = "sm_90a", *, jobs: int | None = None, progress=None,
                 cubin_dir=None) -> list:
     """Compile every registered variant for ``arch`` without a GPU.
 
-    ``progress(done, total, result)`` is called after each variant. Returns
+    Variants that do not build for ``arch`` (:meth:`KernelSpec.builds_for`: fp8 below
+    sm_89, the sm_90a-only wgmma/TMA variants on every other target) come back with
+    ``"skipped"``. ``progress(done, total, result)`` is called after each variant. Returns
     the per-variant results; failures carry ``"error"`` instead of raising.
     """
     specs = registered() if specs is None else list(specs)

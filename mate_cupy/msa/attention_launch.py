@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..jit import KernelParams, get_kernel, launch, load, register
-from ..jit.registry import KernelSpec
+from ..jit.registry import SM90A, KernelSpec
 from . import gather_launch
 
 SOURCE = "attention_fwd.cu"
@@ -154,7 +154,7 @@ def _reachable():
 def _register(d: int, code: int, tile: str, kv: int) -> KernelSpec:
     shape = tile_shape(tile, d, code)
     min_sm = 90 if shape.wgmma else (89 if code == DTYPE_E4M3 else 80)
-    return register(SOURCE, KERNELS, min_sm=min_sm, ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m,
+    return register(SOURCE, KERNELS, min_sm=min_sm, only_arch=SM90A if shape.wgmma else "", ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m,
                     ATT_MTILES=shape.mtiles, ATT_WARPS_N=shape.warps_n, ATT_BLOCK_N=shape.block_n,
                     ATT_STAGES=shape.stages, ATT_KV=kv, ATT_MIN_BLOCKS=shape.min_blocks,
                     ATT_WGMMA=int(shape.wgmma), ATT_WG_ROT=int(shape.rotated),

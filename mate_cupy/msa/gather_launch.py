@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..jit import KernelParams, address, get_kernel, launch, register
+from ..jit.registry import SM90A
 
 GATHER_TILE = "gather"
 SOURCE = "attention_gather.cu"
@@ -27,7 +28,7 @@ KERNELS = ("msa_gather_count_kernel", "msa_gather_scan_kernel", "msa_gather_scat
 WIN = 2048  # queries per query window of a request (kWin)
 CAP = 512  # queries per work item (kCap)
 #: dtype code (0 fp16, 1 bf16) -> registered variant
-SPECS = {code: register(SOURCE, KERNELS, min_sm=90, GATHER_DTYPE=code, GATHER_WIN=WIN, GATHER_CAP=CAP)
+SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GATHER_WIN=WIN, GATHER_CAP=CAP)
          for code in (0, 1)}
 WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
