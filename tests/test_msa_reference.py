@@ -384,3 +384,72 @@ def test_page_table_from_csr_and_indptr():
         R.page_table_from_csr(np.array([7, 8, 9, 4]), np.array([20, 0, 1]), 16)
     t2 = R.page_table_from_indptr(np.array([7, 8, 9, 4]), np.array([0, 2, 2, 3]))
     np.testing.assert_array_equal(t2, [[7, 8], [-1, -1], [9, -1]])
+
+
+# ----------------------------------------------------------------------------- block softmax mass
+
+
+def brute_block_mass(q, k, cu_q, cu_k, offsets, causal, scale, n_tiles):
+    """Per query, head and key: one masked softmax over the request's keys, summed per block."""
+    total_q, hq, _ = q.shape
+    r = hq // k.shape[1]
+    mass = np.zeros((total_q, hq, n_tiles))
+    for b in range(len(cu_q) - 1):
+        for i in range(cu_q[b + 1] - cu_q[b]):
+            pos = offsets[b] + i
+            for h in range(hq):
+                js = [j for j in range(cu_k[b + 1] - cu_k[b]) if not causal or j <= pos]
+                if not js:
+                    continue
+                s = np.array([q[cu_q[b] + i, h] @ k[cu_k[b] + j, h // r] * scale for j in js])
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                for j, pj in zip(js, p):
+                    mass[cu_q[b] + i, h, j // BLOCK] += pj
+    return mass
+
+
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (8, 1), (4, 2)], ids=["gqa1", "gqa8", "gqa2-2kv"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_block_softmax_mass_brute_force(rng, hq, hkv, causal):
+    qo, kv = [3, 0, 5, 2], [300, 9, 140, 0]
+    q, k, _, cu_q, cu_k = make_batch(rng, qo, kv, hq, hkv, 8)
+    q = q * 2.0  # peaked softmax: the blocks differ
+    offs = np.array([297, 9, 130, -1])
+    mass = R.block_softmax_mass(q, k, cu_q, cu_k, qo_offset=offs, causal=causal, sm_scale=0.7)
+    assert mass.shape == (sum(qo), hq, 3) and mass.dtype == np.float64
+    np.testing.assert_allclose(mass, brute_block_mass(q, k, cu_q, cu_k, offs, causal, 0.7, 3), rtol=1e-12, atol=1e-15)
+
+
+def test_block_softmax_mass_rows_sum_to_one_and_causal_zeros(rng):
+    qo, kv = [260, 4], [600, 3]
+    q, k, _, cu_q, cu_k = make_batch(rng, qo, kv, 8, 1, 16, dtype=ml_dtypes.bfloat16)
+    mass = R.block_softmax_mass(q, k, cu_q, cu_k)  # bottom-right aligned: offsets 340, -1
+    assert mass.shape == (264, 8, 5)
+    pos = np.concatenate([340 + np.arange(260), -1 + np.arange(4)])
+    attends = pos >= 0
+    np.testing.assert_allclose(mass[attends].sum(-1), 1.0, rtol=0, atol=1e-12)
+    assert np.all(mass[~attends] == 0)  # position -1: no admissible key
+    assert np.all(mass >= 0)
+    future = np.arange(5)[None, :] > (pos[:260] // BLOCK)[:, None]  # [260, 5]: blocks past the position
+    assert future.any() and np.all(mass[:260].transpose(0, 2, 1)[future] == 0)
+    assert np.all(mass[:260, :, :(340 // BLOCK) + 1] > 0)  # every visible block has mass
+    assert np.all(mass[260:, :, 1:] == 0)  # request 1 has one block of 3 keys
+    wide = R.block_softmax_mass(q, k, cu_q, cu_k, max_k_tiles=7)
+    np.testing.assert_array_equal(wide[..., :5], mass)
+    assert np.all(wide[..., 5:] == 0)
+    full = R.block_softmax_mass(q, k, cu_q, cu_k, causal=False)
+    np.testing.assert_allclose(full.sum(-1), 1.0, rtol=0, atol=1e-12)
+    assert np.all(full[:260] > 0)
+
+
+def test_block_softmax_mass_is_recall_of_a_selection(rng):
+    q, k, v, cu_q, cu_k = make_batch(rng, [200], [520], 8, 1, 16)
+    mass = R.block_softmax_mass(q, k, cu_q, cu_k, sm_scale=0.5)
+    ms = R.block_max_score(q, k, cu_q, cu_k)
+    sel = R.topk_select(ms, 4, query_positions=320 + np.arange(200))
+    recall = np.where(sel >= 0, np.take_along_axis(mass, np.maximum(sel, 0), axis=-1), 0).sum(-1)
+    assert np.all((recall > 0) & (recall <= 1 + 1e-12))
+    every = R.topk_select(ms, 8, query_positions=320 + np.arange(200))  # 5 blocks: all of them
+    recall_all = np.where(every >= 0, np.take_along_axis(mass, np.maximum(every, 0), axis=-1), 0).sum(-1)
+    np.testing.assert_allclose(recall_all, 1.0, rtol=0, atol=1e-12)

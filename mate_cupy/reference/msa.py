@@ -40,6 +40,7 @@ _CHUNK_ELEMS = 1 << 22  # score elements per query chunk (bounds memory on long 
 __all__ = [
     "BLOCK",
     "block_max_score",
+    "block_softmax_mass",
     "dense_attention",
     "page_table_from_csr",
     "page_table_from_indptr",
@@ -379,6 +380,75 @@ def block_max_score(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset=None, causal=Tru
     return res
 
 
+def _block_mass(q, k, pos, causal, scale, n_tiles):
+    """Softmax probability summed per 128-key block: ``[Lq, Hq, n_tiles]`` (0 where empty)."""
+    lq, hq, d = q.shape
+    lk, hkv = k.shape[0], k.shape[1]
+    res = np.zeros((lq, hq, n_tiles))
+    if lq == 0 or lk == 0:
+        return res
+    r = hq // hkv
+    nb = _ceil_div(lk, BLOCK)
+    if nb > n_tiles:
+        raise ValueError(f"max_k_tiles={n_tiles} is smaller than the {nb} blocks of {lk} keys")
+    kt = np.zeros((hkv, d, nb * BLOCK))
+    kt[:, :, :lk] = k.transpose(1, 2, 0)
+    j = np.arange(nb * BLOCK)
+    step = max(1, _CHUNK_ELEMS // max(1, hq * nb * BLOCK))
+    for c0 in range(0, lq, step):
+        c1 = min(lq, c0 + step)
+        n = c1 - c0
+        s = _scores(q, kt, c0, c1, hkv, r) * scale  # [Hkv, n, r, nb * 128]
+        live = np.broadcast_to(j < lk, (n, nb * BLOCK))
+        if causal:
+            live = live & (j[None, :] <= pos[c0:c1, None])
+        s = np.where(live[None, :, None, :], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(np.subtract(s, m, out=s), out=s)  # 0 for keys that are not admissible
+        blk = e.reshape(hkv, n, r, nb, BLOCK).sum(axis=-1)  # [Hkv, n, r, nb]
+        den = blk.sum(axis=-1, keepdims=True)
+        blk = np.where(den > 0, blk / np.where(den > 0, den, 1.0), 0.0)  # no admissible key: 0
+        res[c0:c1, :, :nb] = blk.transpose(1, 0, 2, 3).reshape(n, hq, nb)
+    return res
+
+
+def block_softmax_mass(q, k, cu_seqlens_q, cu_seqlens_k, *, causal=True, sm_scale=None, qo_offset=None,
+                       kv_lens=None, qo_lens=None, max_k_tiles=None):
+    """Share of each query's dense softmax mass in each 128-key block, dense K.
+
+    The attention of :func:`dense_attention` (same masks: bottom-right aligned causal
+    positions, ``qo_offset``, ``kv_lens``; ``sm_scale`` default ``D ** -0.5``), with the
+    probabilities of block ``t`` (keys ``128 t .. 128 t + 127`` of the request) summed:
+    ``mass[i, h, t] = sum_{j in block t} softmax_j(q_i . k_j * sm_scale)``. A row sums to 1
+    when the query attends any key and is 0 otherwise; blocks with no admissible key, and
+    tiles past a request's blocks, are 0. The recall of a block selection
+    ``sel [total_q, Hq, W]`` (e.g. from ``sparse_topk_select``) is
+    ``sum_w mass[i, h, sel[i, h, w]]`` over its valid ids.
+
+    q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]`` (``Hq % Hkv == 0``), any float dtype
+    (computed in float64); ``cu_seqlens_q``/``cu_seqlens_k`` ``[B+1]``. Returns float64
+    ``[total_q, Hq, NT]``, ``NT = max_k_tiles`` (default ``ceil(max kv_len / 128)``, the
+    width of the max score).
+    """
+    q, k = _f64(q, "q"), _f64(k, "k")
+    total_q, hq, d = q.shape
+    _heads(q, k, "k", 1)
+    starts, qlens = _rows(cu_seqlens_q, qo_lens, total_q)
+    cuk = _vector(cu_seqlens_k, "cu_seqlens_k", starts.shape[0] + 1)
+    klens = np.diff(cuk) if kv_lens is None else _vector(kv_lens, "kv_lens", starts.shape[0])
+    if np.any(klens < 0) or np.any(cuk[:-1] < 0) or np.any(cuk[:-1] + klens > k.shape[0]):
+        raise ValueError(f"key rows out of range: cu_seqlens_k={cuk.tolist()}, total_k={k.shape[0]}")
+    offs = _offsets(qo_offset, qlens, klens)
+    scale = _resolve_scale(sm_scale, d)
+    nt = int(_ceil_div(int(klens.max(initial=0)), BLOCK)) if max_k_tiles is None else int(max_k_tiles)
+    res = np.zeros((total_q, hq, nt))
+    for b in range(starts.shape[0]):
+        s0, n, k0, nk = starts[b], qlens[b], cuk[b], klens[b]
+        res[s0:s0 + n] = _block_mass(q[s0:s0 + n], k[k0:k0 + nk], offs[b] + np.arange(n), causal, scale, nt)
+    return res
+
+
 def paged_block_max_score(q, k_cache, cu_seqlens_q, kv_lens, page_table, qo_offset=None, causal=True,
                           max_k_tiles=None, kv_layout="NHD", *, qo_lens=None):
     """:func:`block_max_score` over a paged cache (any page size; invalid pages inadmissible)."""
@@ -418,7 +488,8 @@ def topk_select(max_score, topk, num_valid_pages=None, force_begin_blocks=0, for
     number, -inf included). ``W = topk`` if ``force_blocks_count_in_topk`` else
     ``topk + begin + end``. Returns int32 ``[total_q, Hq, W]``: ids ascending, then -1.
     """
-    ms = np.asarray(to_host(max_score, "max_score")).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # NaN scores are valid input (they rank last)
+        ms = np.asarray(to_host(max_score, "max_score")).astype(np.float64)
     if ms.ndim != 3:
         raise ValueError(f"max_score must have shape [total_q, Hq, NT], got {ms.shape}")
     total_q, hq, nt = ms.shape
