@@ -1,9 +1,10 @@
 """``torch.library`` custom ops: mate_cupy under ``torch.compile`` and CUDA graphs.
 
 Importing this module registers the ops ``torch.ops.mate_cupy.<name>``: ``msa``,
-``sparse_msa``, ``sparse_decode_atten_func``, ``sparse_topk_select``, ``chunk_kda``,
-``gated_delta_rule_decode``, ``gated_delta_rule_decode_inplace`` (writes the state pool),
-``cast`` and ``build_page_table_from_flat_kv_indices``. Each calls the public function of
+``sparse_msa``, ``sparse_decode_atten_func``, ``sparse_topk_select`` and
+``sparse_topk_select_out`` (writes ``output``), ``chunk_kda``, ``gated_delta_rule_decode``,
+``gated_delta_rule_decode_inplace`` (writes the state pool), ``cast`` and ``cast_out``
+(writes ``out``), and ``build_page_table_from_flat_kv_indices``. Each calls the public function of
 the same name (CUDA tensors run the kernels on torch's current stream, CPU tensors the
 float64 references) and has a fake implementation giving its output shapes and dtypes.
 
@@ -12,7 +13,9 @@ Schema conventions (``docs/frameworks.md``):
 * Outputs the caller preallocates (``out``, ``lse``, ``max_score``, ``output``,
   ``final_state``) and a ``workspace`` are optional arguments the op mutates; outputs it
   allocates are returned. A returned zero-element tensor (q's dtype) stands for an output
-  the op did not allocate (given by the caller, or not requested).
+  the op did not allocate (given by the caller, or not requested). Single-result ops
+  come as a functional op and an ``_out`` op that returns nothing, so no op both mutates
+  an argument and returns a lone tensor.
 * An MSA plan is passed as an int handle (:func:`register_plan`) plus, for static plans,
   the :class:`~mate_cupy.MsaRuntimeMetadata` tensors as tensor arguments (``rt_*``), so
   CUDA-graph replays read the metadata of each call.
@@ -37,7 +40,7 @@ from ..msa.ops import msa as _msa
 from ..msa.ops import sparse_decode_atten_func as _sparse_decode
 from ..msa.ops import sparse_msa as _sparse_msa
 from ..msa.page_table import build_page_table_from_flat_kv_indices as _page_table
-from ..msa.plan import MsaRuntimeMetadata, max_k_tiles, selected_block_count, unpack_plan_info
+from ..msa.plan import MsaRuntimeMetadata, add_plan_hook, max_k_tiles, selected_block_count, unpack_plan_info
 from ..msa.topk import sparse_topk_select as _topk
 from ..util_ops import cast as _cast
 
@@ -94,6 +97,11 @@ def _register(mixed: bool, split: int, batch: int, first, second) -> int:
     weakref.finalize(first, _PLANS.pop, handle, None)
     setattr(first, attr, handle)
     return handle
+
+
+# Plans built from now on are registered when built: under torch.compile their handle is
+# then a plain attribute read (no registration traced; older Dynamo cannot trace it).
+add_plan_hook(register_plan)
 
 
 def _plan_info(handle: int) -> tuple:
@@ -345,33 +353,47 @@ def sparse_decode_atten_func(q: Tensor, k: Tensor, v: Tensor, plan_info, *, out:
 # ----------------------------------------------------------------------------- MSA helpers
 
 
-@torch.library.custom_op("mate_cupy::sparse_topk_select", mutates_args=("output",))
-def _topk_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int], output: Optional[Tensor],
-             force_begin_blocks: int, force_end_blocks: int, force_blocks_count_in_topk: bool,
-             query_positions: Optional[Tensor]) -> Tensor:
-    """:func:`mate_cupy.sparse_topk_select`; returns the int32 ``[total_q, Hq, W]`` selection it
-    allocated (zero elements when ``output`` is given)."""
-    res = _topk(max_score, topk, num_valid_pages, output, force_begin_blocks, force_end_blocks,
-                force_blocks_count_in_topk, query_positions)
-    return res if output is None else _none(max_score)
+@torch.library.custom_op("mate_cupy::sparse_topk_select", mutates_args=())
+def _topk_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int], force_begin_blocks: int,
+             force_end_blocks: int, force_blocks_count_in_topk: bool, query_positions: Optional[Tensor]) -> Tensor:
+    """:func:`mate_cupy.sparse_topk_select` into a new int32 ``[total_q, Hq, W]`` selection."""
+    return _topk(max_score, topk, num_valid_pages, None, force_begin_blocks, force_end_blocks,
+                 force_blocks_count_in_topk, query_positions)
 
 
 @_topk_op.register_fake
-def _topk_fake(max_score, topk, num_valid_pages=None, output=None, force_begin_blocks=0, force_end_blocks=0,
-               force_blocks_count_in_topk=True, query_positions=None):
-    if output is not None:
-        return _none(max_score)
+def _topk_fake(max_score, topk, num_valid_pages, force_begin_blocks, force_end_blocks, force_blocks_count_in_topk,
+               query_positions):
     width = selected_block_count(topk, force_begin_blocks, force_end_blocks, force_blocks_count_in_topk)
     return max_score.new_empty((max_score.shape[0], max_score.shape[1], width), dtype=torch.int32)
+
+
+@torch.library.custom_op("mate_cupy::sparse_topk_select_out", mutates_args=("output",))
+def _topk_out_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int], output: Tensor,
+                 force_begin_blocks: int, force_end_blocks: int, force_blocks_count_in_topk: bool,
+                 query_positions: Optional[Tensor]) -> None:
+    """:func:`mate_cupy.sparse_topk_select` into ``output`` (written in place)."""
+    _topk(max_score, topk, num_valid_pages, output, force_begin_blocks, force_end_blocks,
+          force_blocks_count_in_topk, query_positions)
+
+
+@_topk_out_op.register_fake
+def _topk_out_fake(max_score, topk, num_valid_pages, output, force_begin_blocks, force_end_blocks,
+                   force_blocks_count_in_topk, query_positions):
+    return None
 
 
 def sparse_topk_select(max_score: Tensor, topk: int, num_valid_pages: Optional[int] = None,
                        output: Optional[Tensor] = None, force_begin_blocks: int = 0, force_end_blocks: int = 0,
                        force_blocks_count_in_topk: bool = True, query_positions: Optional[Tensor] = None) -> Tensor:
-    """:func:`mate_cupy.sparse_topk_select` through its op (same arguments and result)."""
-    res = torch.ops.mate_cupy.sparse_topk_select(max_score, topk, num_valid_pages, output, force_begin_blocks,
-                                                 force_end_blocks, force_blocks_count_in_topk, query_positions)
-    return res if output is None else output
+    """:func:`mate_cupy.sparse_topk_select` through its ops (same arguments and result):
+    ``sparse_topk_select`` allocates, ``sparse_topk_select_out`` writes ``output``."""
+    if output is None:
+        return torch.ops.mate_cupy.sparse_topk_select(max_score, topk, num_valid_pages, force_begin_blocks,
+                                                      force_end_blocks, force_blocks_count_in_topk, query_positions)
+    torch.ops.mate_cupy.sparse_topk_select_out(max_score, topk, num_valid_pages, output, force_begin_blocks,
+                                               force_end_blocks, force_blocks_count_in_topk, query_positions)
+    return output
 
 
 @torch.library.custom_op("mate_cupy::build_page_table_from_flat_kv_indices", mutates_args=())
@@ -396,22 +418,35 @@ def build_page_table_from_flat_kv_indices(kv_indices: Tensor, kv_lens: Tensor, p
 # ----------------------------------------------------------------------------- cast
 
 
-@torch.library.custom_op("mate_cupy::cast", mutates_args=("out",))
-def _cast_op(x: Tensor, dtype: torch.dtype, scale: float, out: Optional[Tensor]) -> Tensor:
-    """:func:`mate_cupy.cast`; returns the result it allocated (zero elements when ``out`` is given)."""
-    res = _cast(x, dtype, scale, out)
-    return res if out is None else _none(x)
+@torch.library.custom_op("mate_cupy::cast", mutates_args=())
+def _cast_op(x: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+    """:func:`mate_cupy.cast` into a new tensor of ``dtype``."""
+    return _cast(x, dtype, scale, None)
 
 
 @_cast_op.register_fake
-def _cast_fake(x, dtype, scale=1.0, out=None):
-    return x.new_empty(x.shape, dtype=dtype) if out is None else _none(x)
+def _cast_fake(x, dtype, scale):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+@torch.library.custom_op("mate_cupy::cast_out", mutates_args=("out",))
+def _cast_out_op(x: Tensor, dtype: torch.dtype, scale: float, out: Tensor) -> None:
+    """:func:`mate_cupy.cast` into ``out`` (written in place)."""
+    _cast(x, dtype, scale, out)
+
+
+@_cast_out_op.register_fake
+def _cast_out_fake(x, dtype, scale, out):
+    return None
 
 
 def cast(x: Tensor, dtype: torch.dtype, scale: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
-    """:func:`mate_cupy.cast` through its op (``dtype`` a torch dtype)."""
-    res = torch.ops.mate_cupy.cast(x, dtype, scale, out)
-    return res if out is None else out
+    """:func:`mate_cupy.cast` through its ops (``dtype`` a torch dtype): ``cast`` allocates,
+    ``cast_out`` writes ``out``."""
+    if out is None:
+        return torch.ops.mate_cupy.cast(x, dtype, scale)
+    torch.ops.mate_cupy.cast_out(x, dtype, scale, out)
+    return out
 
 
 # ----------------------------------------------------------------------------- KDA

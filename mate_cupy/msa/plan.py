@@ -620,7 +620,7 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
         info = (False, 0, batch_size, _build_single_plan(qo_lens, kv_lens, offsets, **common), None)
     if upload_to is not None:
         prepare([p for p in info[3:] if p is not None], upload_to, stream, None, None)
-    return info
+    return _built(info)
 
 
 @mate_api
@@ -706,7 +706,23 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
         is_static=True,
         prefill_tile=prefill_tile,
     )
-    return (False, 0, batch_size, plan, None)
+    return _built((False, 0, batch_size, plan, None))
+
+
+_PLAN_HOOKS: list = []
+
+
+def add_plan_hook(hook) -> None:
+    """Call ``hook(plan_info)`` for every plan the planners build from now on (integrations
+    register plans there, outside any tracing framework). Hooks must not raise."""
+    if hook not in _PLAN_HOOKS:
+        _PLAN_HOOKS.append(hook)
+
+
+def _built(info: tuple) -> tuple:
+    for hook in _PLAN_HOOKS:
+        hook(info)
+    return info
 
 
 def plan_page_width(plan: MsaPlan) -> int:
