@@ -391,3 +391,15 @@ def test_a_copied_plan_gets_its_own_handle():
     h = torch_ops.register_plan(plan)
     dup = plan[:3] + (copy.copy(plan[3]), plan[4])  # the part object copied, its handle attribute too
     assert torch_ops._plan(dup)[0] != h and torch_ops._plan(plan)[0] == h
+
+
+def test_plans_built_after_import_are_registered_when_built():
+    import mate_cupy as mc
+    from mate_cupy.integrations import torch_ops
+
+    plan = mc.msa_plan_from_lengths([3, 5], [7, 9], 4, 2, device="cpu")
+    static = mc.msa_plan(2, 1, 256, 4, total_seqlen_k=512, num_kv_heads=2)
+    for info in (plan, static):
+        handle = info[3].__dict__.get("_torch_op_handle")
+        assert isinstance(handle, int) and torch_ops._plan(info)[0] == handle
+        assert torch_ops._plan_info(handle)[3] is info[3]
