@@ -43,3 +43,17 @@ def test_fill_returns_a_table_of_pointers_into_the_packed_buffer():
     assert ctypes.c_uint64.from_address(ptrs[0]).value == 0xABC
     assert ctypes.c_int32.from_address(ptrs[1]).value == 5
     assert ctypes.c_float.from_address(ptrs[2]).value == 2.0
+
+
+def test_fill_takes_ptr_objects_and_refuses_a_wrong_count():
+    """fill packs plain values directly and falls back to converting pointer slots."""
+    import ctypes
+
+    p = KernelParams((("a", "ptr"), ("b", "ptr"), ("n", "i32")))
+    data, _, _ = p._buffers()
+    p.fill((_HasPtr(8), None, 5))
+    assert struct.unpack_from("<QQi", ctypes.string_at(ctypes.addressof(data), 20)) == (8, 0, 5)
+    p.fill((16, 24, -1))
+    assert struct.unpack_from("<QQi", ctypes.string_at(ctypes.addressof(data), 20)) == (16, 24, -1)
+    with pytest.raises(TypeError, match=r"takes 3 parameters"):
+        p.fill((1, 2))

@@ -88,7 +88,10 @@ class KernelParams:
     def fill(self, values) -> int:
         """Pack ``values`` into this thread's buffer; returns the ``void**`` table address."""
         data, _, table_addr = self._buffers()
-        self._struct.pack_into(data, 0, *self._normalise(values))
+        try:  # the launchers pass plain integers and floats: pack them as they are
+            self._struct.pack_into(data, 0, *values)
+        except (struct.error, TypeError):  # arrays in pointer slots, or a wrong count
+            self._struct.pack_into(data, 0, *self._normalise(values))
         return table_addr
 
 
