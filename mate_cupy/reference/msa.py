@@ -1,4 +1,4 @@
-"""Float64 NumPy references for MSA (SPEC sections 2-5).
+"""Float64 NumPy references for MSA (docs/semantics.md, sections 2-5).
 
 Readable, exact, and shared by the NumPy execution path of the public API and by
 every GPU test. Inputs may be any host array (NumPy, ``ml_dtypes`` bfloat16/fp8,
@@ -194,13 +194,13 @@ def _attend(q, k, v, pos, causal, scale, v_scale, out, lse, weights: Optional[Ca
         lse[c0:c1] = l.transpose(1, 0, 2).reshape(n, hq)
 
 
-def _block_max(q, k, pos, causal, key_ok, n_tiles):
-    """Raw-dot-product max per 128-key block: ``[Lq, Hq, n_tiles]`` (-inf where empty)."""
+def _block_scores(q, k, pos, causal, key_ok, n_tiles, scale=1.0):
+    """``q . k * scale`` of one request in query chunks, inadmissible keys ``-inf``: yields
+    ``(c0, c1, s)`` with ``s [Hkv, c1 - c0, Hq / Hkv, nb, 128]`` (``nb`` blocks of keys)."""
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
-    res = np.full((lq, hq, n_tiles), -np.inf)
     if lq == 0 or lk == 0:
-        return res
+        return
     r = hq // hkv
     nb = _ceil_div(lk, BLOCK)
     if nb > n_tiles:
@@ -213,14 +213,40 @@ def _block_max(q, k, pos, causal, key_ok, n_tiles):
         c1 = min(lq, c0 + step)
         n = c1 - c0
         s = _scores(q, kt, c0, c1, hkv, r)  # [Hkv, n, r, nb * 128]
+        if scale != 1.0:
+            s *= scale
         live = np.broadcast_to(j < lk, (n, nb * BLOCK))
         if causal:
             live = live & (j[None, :] <= pos[c0:c1, None])
         if key_ok is not None:
             live = live & np.pad(key_ok, (0, nb * BLOCK - lk))[None, :]
-        s = np.where(live[None, :, None, :], s, -np.inf)
-        blk = s.reshape(hkv, n, r, nb, BLOCK).max(axis=-1)  # [Hkv, n, r, nb]
-        res[c0:c1, :, :nb] = blk.transpose(1, 0, 2, 3).reshape(n, hq, nb)
+        yield c0, c1, np.where(live[None, :, None, :], s, -np.inf).reshape(hkv, n, r, nb, BLOCK)
+
+
+def _per_query(blk):
+    """``[Hkv, n, r, nb]`` -> ``[n, Hq, nb]`` (head ``g * r + i`` of KV head ``g``)."""
+    hkv, n, r, nb = blk.shape
+    return blk.transpose(1, 0, 2, 3).reshape(n, hkv * r, nb)
+
+
+def _block_max(q, k, pos, causal, key_ok, n_tiles):
+    """Raw-dot-product max per 128-key block: ``[Lq, Hq, n_tiles]`` (-inf where empty)."""
+    res = np.full((q.shape[0], q.shape[1], n_tiles), -np.inf)
+    for c0, c1, s in _block_scores(q, k, pos, causal, key_ok, n_tiles):
+        res[c0:c1, :, :s.shape[3]] = _per_query(s.max(axis=-1))
+    return res
+
+
+def _block_mass(q, k, pos, causal, scale, n_tiles):
+    """Softmax probability summed per 128-key block: ``[Lq, Hq, n_tiles]`` (0 where empty)."""
+    res = np.zeros((q.shape[0], q.shape[1], n_tiles))
+    for c0, c1, s in _block_scores(q, k, pos, causal, None, n_tiles, scale):
+        m = s.max(axis=(-2, -1), keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        blk = np.exp(np.subtract(s, m, out=s), out=s).sum(axis=-1)  # 0 for keys that are not admissible
+        den = blk.sum(axis=-1, keepdims=True)
+        blk = np.where(den > 0, blk / np.where(den > 0, den, 1.0), 0.0)  # no admissible key: 0
+        res[c0:c1, :, :s.shape[3]] = _per_query(blk)
     return res
 
 
@@ -297,7 +323,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, qo_o
 
 def sparse_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, kv_block_indexes, qo_offset=None,
                      causal=True, sm_scale=None, k_scale=1.0, v_scale=1.0, kv_layout="NHD", *, qo_lens=None):
-    """Block-sparse attention (SPEC section 5): each query attends the listed 128-key blocks.
+    """Block-sparse attention (docs/semantics.md, section 5): each query attends the listed 128-key blocks.
 
     ``kv_block_indexes [total_q, Hkv or Hq, W]`` int: block ids per query and KV head
     (given per query head, head ``g * r`` stands for KV head ``g``); ``-1`` and ids
@@ -357,60 +383,34 @@ def sparse_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, kv_
 
 def block_max_score(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset=None, causal=True, max_k_tiles=None,
                     *, qo_lens=None, kv_lens=None):
-    """Per-128-key-block max of raw ``q . k`` (no scale), SPEC section 3, dense K.
+    """Per-128-key-block max of raw ``q . k`` (no scale; docs/semantics.md, section 3), dense K.
 
     q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]``. Returns float64
     ``[total_q, Hq, NT]``, ``NT = max_k_tiles`` (default ``ceil(max kv_len / 128)``);
     blocks with no admissible key, and tiles past a request's blocks, are ``-inf``.
     """
     q, k = _f64(q, "q"), _f64(k, "k")
-    total_q, hq, _ = q.shape
+    requests, nt = _dense_requests(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, max_k_tiles, qo_lens, kv_lens)
+    res = np.full(q.shape[:2] + (nt,), -np.inf)
+    for rows, keys, pos in requests:
+        res[rows] = _block_max(q[rows], k[keys], pos, causal, None, nt)
+    return res
+
+
+def _dense_requests(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, max_k_tiles, qo_lens, kv_lens) -> tuple:
+    """Checked dense varlen requests: ``([(q rows, k rows, query positions)], NT)``, rows as
+    slices; ``NT = max_k_tiles`` or ``ceil(max kv_len / 128)``."""
     _heads(q, k, "k", 1)
-    starts, qlens = _rows(cu_seqlens_q, qo_lens, total_q)
+    starts, qlens = _rows(cu_seqlens_q, qo_lens, q.shape[0])
     cuk = _vector(cu_seqlens_k, "cu_seqlens_k", starts.shape[0] + 1)
     klens = np.diff(cuk) if kv_lens is None else _vector(kv_lens, "kv_lens", starts.shape[0])
     if np.any(klens < 0) or np.any(cuk[:-1] < 0) or np.any(cuk[:-1] + klens > k.shape[0]):
         raise ValueError(f"key rows out of range: cu_seqlens_k={cuk.tolist()}, total_k={k.shape[0]}")
     offs = _offsets(qo_offset, qlens, klens)
     nt = int(_ceil_div(int(klens.max(initial=0)), BLOCK)) if max_k_tiles is None else int(max_k_tiles)
-    res = np.full((total_q, hq, nt), -np.inf)
-    for b in range(starts.shape[0]):
-        s0, n, k0, nk = starts[b], qlens[b], cuk[b], klens[b]
-        res[s0:s0 + n] = _block_max(q[s0:s0 + n], k[k0:k0 + nk], offs[b] + np.arange(n), causal, None, nt)
-    return res
-
-
-def _block_mass(q, k, pos, causal, scale, n_tiles):
-    """Softmax probability summed per 128-key block: ``[Lq, Hq, n_tiles]`` (0 where empty)."""
-    lq, hq, d = q.shape
-    lk, hkv = k.shape[0], k.shape[1]
-    res = np.zeros((lq, hq, n_tiles))
-    if lq == 0 or lk == 0:
-        return res
-    r = hq // hkv
-    nb = _ceil_div(lk, BLOCK)
-    if nb > n_tiles:
-        raise ValueError(f"max_k_tiles={n_tiles} is smaller than the {nb} blocks of {lk} keys")
-    kt = np.zeros((hkv, d, nb * BLOCK))
-    kt[:, :, :lk] = k.transpose(1, 2, 0)
-    j = np.arange(nb * BLOCK)
-    step = max(1, _CHUNK_ELEMS // max(1, hq * nb * BLOCK))
-    for c0 in range(0, lq, step):
-        c1 = min(lq, c0 + step)
-        n = c1 - c0
-        s = _scores(q, kt, c0, c1, hkv, r) * scale  # [Hkv, n, r, nb * 128]
-        live = np.broadcast_to(j < lk, (n, nb * BLOCK))
-        if causal:
-            live = live & (j[None, :] <= pos[c0:c1, None])
-        s = np.where(live[None, :, None, :], s, -np.inf)
-        m = s.max(axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)
-        e = np.exp(np.subtract(s, m, out=s), out=s)  # 0 for keys that are not admissible
-        blk = e.reshape(hkv, n, r, nb, BLOCK).sum(axis=-1)  # [Hkv, n, r, nb]
-        den = blk.sum(axis=-1, keepdims=True)
-        blk = np.where(den > 0, blk / np.where(den > 0, den, 1.0), 0.0)  # no admissible key: 0
-        res[c0:c1, :, :nb] = blk.transpose(1, 0, 2, 3).reshape(n, hq, nb)
-    return res
+    requests = [(slice(starts[b], starts[b] + qlens[b]), slice(cuk[b], cuk[b] + klens[b]),
+                 offs[b] + np.arange(qlens[b])) for b in range(starts.shape[0])]
+    return requests, nt
 
 
 def block_softmax_mass(q, k, cu_seqlens_q, cu_seqlens_k, *, causal=True, sm_scale=None, qo_offset=None,
@@ -432,20 +432,11 @@ def block_softmax_mass(q, k, cu_seqlens_q, cu_seqlens_k, *, causal=True, sm_scal
     width of the max score).
     """
     q, k = _f64(q, "q"), _f64(k, "k")
-    total_q, hq, d = q.shape
-    _heads(q, k, "k", 1)
-    starts, qlens = _rows(cu_seqlens_q, qo_lens, total_q)
-    cuk = _vector(cu_seqlens_k, "cu_seqlens_k", starts.shape[0] + 1)
-    klens = np.diff(cuk) if kv_lens is None else _vector(kv_lens, "kv_lens", starts.shape[0])
-    if np.any(klens < 0) or np.any(cuk[:-1] < 0) or np.any(cuk[:-1] + klens > k.shape[0]):
-        raise ValueError(f"key rows out of range: cu_seqlens_k={cuk.tolist()}, total_k={k.shape[0]}")
-    offs = _offsets(qo_offset, qlens, klens)
-    scale = _resolve_scale(sm_scale, d)
-    nt = int(_ceil_div(int(klens.max(initial=0)), BLOCK)) if max_k_tiles is None else int(max_k_tiles)
-    res = np.zeros((total_q, hq, nt))
-    for b in range(starts.shape[0]):
-        s0, n, k0, nk = starts[b], qlens[b], cuk[b], klens[b]
-        res[s0:s0 + n] = _block_mass(q[s0:s0 + n], k[k0:k0 + nk], offs[b] + np.arange(n), causal, scale, nt)
+    requests, nt = _dense_requests(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, max_k_tiles, qo_lens, kv_lens)
+    scale = _resolve_scale(sm_scale, q.shape[2])
+    res = np.zeros(q.shape[:2] + (nt,))
+    for rows, keys, pos in requests:
+        res[rows] = _block_mass(q[rows], k[keys], pos, causal, scale, nt)
     return res
 
 
@@ -478,7 +469,7 @@ def paged_block_max_score(q, k_cache, cu_seqlens_q, kv_lens, page_table, qo_offs
 
 def topk_select(max_score, topk, num_valid_pages=None, force_begin_blocks=0, force_end_blocks=0,
                 force_blocks_count_in_topk=True, query_positions=None):
-    """Top-k block selection (SPEC section 4), exact.
+    """Top-k block selection (docs/semantics.md, section 4), exact.
 
     ``max_score [total_q, Hq, NT]``. Per row: valid blocks ``[0, V_i)`` with
     ``V = num_valid_pages or NT`` and, given ``query_positions`` (absolute positions),
