@@ -16,7 +16,6 @@ the demo (exit status 1).
 """
 from __future__ import annotations
 
-import inspect
 import time
 
 import ml_dtypes
@@ -65,6 +64,13 @@ def rel_err(a, b) -> float:
     a, b = a[fin], b[fin]
     den = np.linalg.norm(b)
     return float(np.linalg.norm(a - b) / den) if den else float(np.abs(a).max(initial=0.0))
+
+
+def _elapsed_ms(xp, t0: float) -> float:
+    """Milliseconds since ``t0``, after the GPU's queued work (``xp`` CuPy) has finished."""
+    if xp is not None:
+        xp.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _host(x):
@@ -190,16 +196,11 @@ def _msa_demo(xp, rng, rep: _Report) -> None:
                                     force_end_blocks=end, device=device)
         return dense, sparse
 
-    def select(ms, dense_plan, positions):
+    def select(ms, dense_plan):
         # The sparse kernels read one block list per (query, KV head), shared by its Hq/Hkv query
-        # heads: select on the group's max score.
+        # heads: select on the group's max score; the query positions come from the plan's lengths.
         ms = ms.reshape(ms.shape[0], hkv, hq // hkv, ms.shape[2]).max(axis=2)
-        kw = dict(force_begin_blocks=begin, force_end_blocks=end)
-        if "plan_info" in inspect.signature(mc.sparse_topk_select).parameters:
-            kw["plan_info"] = dense_plan  # the positions come from the plan's lengths
-        else:
-            kw["query_positions"] = positions
-        return mc.sparse_topk_select(ms, topk, **kw)
+        return mc.sparse_topk_select(ms, topk, force_begin_blocks=begin, force_end_blocks=end, plan_info=dense_plan)
 
     perm = rng.permutation(sum(-(-int(n) // BLOCK) for n in kv))
     kc, kv_indices = _paged(k, kv, perm)
@@ -208,12 +209,10 @@ def _msa_demo(xp, rng, rep: _Report) -> None:
     t0 = time.perf_counter()
     dense_plan, sparse_plan = plans(on if xp is not None else "cpu")
     out_dense, max_score = mc.msa(dev(q), dev(k), dev(v), dense_plan)
-    ids = select(max_score, dense_plan, dev(pos))
+    ids = select(max_score, dense_plan)
     out_sparse, _ = mc.sparse_msa(dev(q), dev(kc), dev(vc), sparse_plan, kv_indices=dev(kv_indices),
                                   kv_block_indexes=ids)
-    if xp is not None:
-        xp.cuda.Device().synchronize()
-    ms = (time.perf_counter() - t0) * 1e3
+    ms = _elapsed_ms(xp, t0)
     print(f"  causal GQA prefill: Hq {hq} / Hkv {hkv}, D {d}, bf16, q lengths {qo.tolist()}, "
           f"k lengths {kv.tolist()} ({nt} blocks of {BLOCK} keys at most) [{where}, {ms:.0f} ms"
           f"{', first call compiles the kernels' if xp is not None else ''}]")
@@ -231,7 +230,7 @@ def _msa_demo(xp, rng, rep: _Report) -> None:
           f"max over each KV head's {hq // hkv} query heads: ids {tuple(h_ids.shape)}; last query, KV head 0 -> "
           f"{h_ids[-1, 0].tolist()}")
     if xp is not None:
-        ref_ids = select(_host(max_score), host_dense, pos)
+        ref_ids = select(_host(max_score), host_dense)
         rep.check("ids vs reference (same scores)", np.array_equal(h_ids, ref_ids),
                   f"{np.mean(h_ids == ref_ids):.1%} equal")
     last_block = pos // BLOCK
@@ -281,9 +280,7 @@ def _kda_demo(xp, rng, rep: _Report) -> None:
 
     t0 = time.perf_counter()
     o, state = prefill([dev(a) for a in (q, k, v, g, beta)], dev(s0))
-    if xp is not None:
-        xp.cuda.Device().synchronize()
-    ms = (time.perf_counter() - t0) * 1e3
+    ms = _elapsed_ms(xp, t0)
     print(f"  1. chunk_kda prefill: B {b}, T {t}, H {h}, HV {hv}, D {d}, bf16, gate from A_log/dt_bias: "
           f"o {tuple(o.shape)}, final state {tuple(state.shape)} float32, V-first [{where}, {ms:.0f} ms]")
     if xp is not None:
@@ -301,9 +298,7 @@ def _kda_demo(xp, rng, rep: _Report) -> None:
     o1, _ = mc.gated_delta_rule_decode(dev(q1), dev(k1), dev(v1), pool, dev(a_log), dev(a1), dev(dt_bias), None,
                                        None, dev(b1), use_lower_bound=True, apply_beta_sigmoid=True,
                                        inplace_final_state=True)
-    if xp is not None:
-        xp.cuda.Device().synchronize()
-    ms = (time.perf_counter() - t0) * 1e3
+    ms = _elapsed_ms(xp, t0)
     print(f"  2. gated_delta_rule_decode of token {t} from that state (same gate: use_lower_bound, beta "
           f"logits: apply_beta_sigmoid), state updated in place: o {tuple(o1.shape)} [{where}, {ms:.0f} ms]")
     if xp is not None:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")]
 
 from test_torch_ops import (  # noqa: E402
-    CASES, COMPILE_CASES, MUTATED_INPUTS, OpRecorder, clone_all, decode_inputs, metadata, nan_like, tops, tt,
+    CASES, COMPILE_CASES, MUTATED_INPUTS, clone_all, decode_inputs, metadata, nan_like, opcheck_case, tops, tt,
 )
 
 DEV = "cuda"
@@ -49,12 +49,7 @@ def test_eager_matches_reference(name, rng):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_opcheck(name, rng):
-    call, inputs, _ = CASES[name](rng, DEV)
-    with OpRecorder() as rec:
-        call(*clone_all(inputs))
-    assert rec.calls
-    for func, args, kwargs in rec.calls:
-        torch.library.opcheck(func, args, kwargs)
+    opcheck_case(name, rng, DEV)
 
 
 @pytest.mark.parametrize("name", COMPILE_CASES)

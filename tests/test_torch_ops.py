@@ -279,14 +279,19 @@ def test_eager_equals_reference(name, rng):
     check_all(call(*inputs), reference)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_opcheck(name, rng):
-    call, inputs, _ = CASES[name](rng, "cpu")
+def opcheck_case(name, rng, dev):
+    """``torch.library.opcheck`` of every ``mate_cupy`` op the case ``name`` dispatches on ``dev``."""
+    call, inputs, _ = CASES[name](rng, dev)
     with OpRecorder() as rec:
         call(*clone_all(inputs))
     assert rec.calls
     for func, args, kwargs in rec.calls:
         torch.library.opcheck(func, args, kwargs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck(name, rng):
+    opcheck_case(name, rng, "cpu")
 
 
 @pytest.mark.parametrize("name", COMPILE_CASES)
