@@ -196,8 +196,8 @@ _TORCH_TYPES: set = set()
 
 def wrap(name: str, obj) -> Arg:
     """Wrap one array (NumPy, CuPy, torch, JAX, any DLPack producer) zero-copy."""
-    if type(obj) in _TORCH_TYPES and obj.is_cuda and not obj.requires_grad:
-        return _wrap_torch_cuda(name, obj)
+    if type(obj) in _TORCH_TYPES and obj.get_device() >= 0:
+        return _wrap_torch_cuda(name, obj)  # raw addresses: no DLPack export, requires_grad does not matter
     fw = framework_of(obj)
     if fw == "numpy":
         if obj.dtype.kind == "V" and obj.dtype not in (BFLOAT16, FP8_E4M3):
@@ -218,10 +218,10 @@ def wrap(name: str, obj) -> Arg:
 
         if type(obj) in (torch.Tensor, torch.nn.Parameter):
             _TORCH_TYPES.add(type(obj))
-        if obj.requires_grad:
-            obj = obj.detach()  # DLPack refuses tensors that require grad; the memory is the same
         if obj.is_cuda:
             return _wrap_torch_cuda(name, obj)
+        if obj.requires_grad:
+            obj = obj.detach()  # DLPack refuses tensors that require grad; the memory is the same
     dev_type, dev_id = _dlpack.device_of(obj)
     if dev_type in _dlpack._HOST_DEVICE_TYPES:
         desc = _dlpack.describe(obj, stream=None)
