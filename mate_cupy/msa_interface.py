@@ -8,6 +8,7 @@ float64 references (:mod:`mate_cupy.reference.msa`), refused for the same condit
 """
 from .msa.ops import msa, sparse_decode_atten_func, sparse_msa, sparse_msa_plan
 from .msa.page_table import build_page_table_from_flat_kv_indices
+from .msa.pipeline import SparsePipelinePlan, sparse_attention_pipeline, sparse_pipeline_plan
 from .msa.plan import (
     MsaDecodePlan,
     MsaPlan,
@@ -30,15 +31,18 @@ __all__ = [
     "MsaPlanInfo",
     "MsaPrefillPlan",
     "MsaRuntimeMetadata",
+    "SparsePipelinePlan",
     "Workspace",
     "build_page_table_from_flat_kv_indices",
     "msa",
     "msa_plan",
     "msa_plan_from_lengths",
     "plan_query_positions",
+    "sparse_attention_pipeline",
     "sparse_decode_atten_func",
     "sparse_msa",
     "sparse_msa_plan",
+    "sparse_pipeline_plan",
     "sparse_topk_select",
     "upload_plan",
 ]

@@ -165,6 +165,15 @@ def case_fns(torch, mc):
         return (lambda: mc.chunk_kda(q, k, v, g, beta, output_final_state=True, output=out, final_state=fs,
                                      workspace=ws)), [out, fs]
 
+    def pipeline():
+        qo, kv, q, ck, cv, idx = _paged(torch, [1, 2, 300], [700, 129, 1000], 16, 1)
+        plan = mc.sparse_pipeline_plan(qo, kv, 16, 1, topk=4, force_begin_blocks=1, force_end_blocks=1, device=0,
+                                       head_dim=128, dtype=bf16)
+        iq = _rn(torch, int(qo.sum()), 1, 128)
+        ik = _rn(torch, ck.shape[0], 128, 1, 128)
+        out = torch.empty_like(q)
+        return (lambda: mc.sparse_attention_pipeline(q, ck, cv, iq, ik, plan, kv_indices=idx, out=out)), [out]
+
     def cast():
         x = torch.randn((1000, 128), device="cuda")
         out = torch.empty((1000, 128), dtype=bf16, device="cuda")
@@ -176,13 +185,14 @@ def case_fns(torch, mc):
         "sparse_msa_gather_eager": sparse_prefill_eager("gather"), "sparse_msa_static": sparse_prefill_static,
         "sparse_decode_eager": sparse_decode_eager, "sparse_decode_static": sparse_decode_static,
         "sparse_topk_select": topk, "gated_delta_rule_decode": kda_decode, "chunk_kda": chunk, "cast": cast,
+        "sparse_attention_pipeline": pipeline,
     })
     return cases
 
 
 CASES = ("msa_dense_eager", "msa_paged_eager", "msa_paged_static", "msa_max_score_eager", "sparse_msa_eager",
          "sparse_msa_gather_eager", "sparse_msa_static", "sparse_decode_eager", "sparse_decode_static",
-         "sparse_topk_select", "gated_delta_rule_decode", "chunk_kda", "cast")
+         "sparse_topk_select", "gated_delta_rule_decode", "chunk_kda", "cast", "sparse_attention_pipeline")
 
 
 def main(name: str) -> int:

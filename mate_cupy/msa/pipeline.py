@@ -1,0 +1,239 @@
+"""The MSA pipeline as one call: index max score -> top-k block selection -> block-sparse attention.
+
+:func:`sparse_pipeline_plan` builds, from concrete lengths, everything the three passes
+need and owns their buffers: the sparse attention plan (prefill, decode or mixed), one
+max-score plan per query window of the index branch, the query positions of the
+selection, the window's ``max_score`` buffer and the ``[total_q, Hkv, W]`` selection.
+:func:`sparse_attention_pipeline` runs the passes on the caller's stream; with
+preallocated ``out`` (and ``lse``) it allocates nothing, so a CUDA graph captures it.
+
+The index branch's scores are materialised one query window at a time: a window holds at
+most ``max_score_bytes`` of float32 block maxima (``rows * Hkv * ceil(max_kv / 128) * 4``),
+so the buffers stay bounded at any sequence length (a 1M-token prefill with 4 index heads
+needs 8192-row windows at the default 1 GiB).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .._logging import mate_api
+from ..runtime.interop import as_dtype
+from .ops import msa
+from .plan import (
+    SPARSE_BLOCK_SIZE,
+    MsaPlanInfo,
+    _int32_vector,
+    device_index,
+    msa_plan_from_lengths,
+    normalize_qo_offset,
+    selected_block_count,
+    unpack_plan_info,
+    upload_plan,
+)
+from .topk import plan_query_positions, sparse_topk_select
+
+__all__ = ["SparsePipelinePlan", "sparse_attention_pipeline", "sparse_pipeline_plan"]
+
+#: default bound of one window's float32 block maxima (bytes)
+MAX_SCORE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class IndexWindow:
+    """Query rows ``[row_begin, row_end)`` of the batch and the max-score plan that scores them
+    (each request's rows clipped to the window, its offset moved to the window's first row)."""
+
+    row_begin: int
+    row_end: int
+    plan: MsaPlanInfo
+
+
+@dataclass(eq=False)
+class SparsePipelinePlan:
+    """An eager MSA pipeline: the plans of its three passes and the buffers it owns.
+
+    ``attention``: the sparse plan (``sparse_prefill``, ``sparse_decode`` or mixed) of the
+    main attention, ``num_qo_heads`` over ``num_kv_heads``. ``windows``: the index branch's
+    max-score plans (``num_kv_heads`` index heads over ``num_index_kv_heads``, page size 128), one per
+    query window of at most ``window_rows`` rows. ``positions`` (int64 ``[total_q]``),
+    ``max_score`` (float32 ``[window_rows, Hkv, max_k_tiles]``) and ``selection`` (int32
+    ``[total_q, Hkv, W]``, the last run's block lists, readable after it) live on ``device``
+    (CuPy arrays) or on the host (NumPy) for ``device=None`` plans of a process without GPU
+    or ``device="cpu"``. Memory is freed with the plan.
+    """
+
+    attention: MsaPlanInfo
+    windows: tuple
+    num_qo_heads: int
+    num_kv_heads: int
+    num_index_kv_heads: int
+    topk: int
+    force_begin_blocks: int
+    force_end_blocks: int
+    force_blocks_count_in_topk: bool
+    total_q: int
+    max_k_tiles: int
+    window_rows: int
+    device: Optional[int]
+    positions: Any = field(repr=False)
+    max_score: Any = field(repr=False)
+    selection: Any = field(repr=False)
+
+    @property
+    def width(self) -> int:
+        """``W``: block ids per (query, index head) in :attr:`selection`."""
+        return int(self.selection.shape[2])
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers the plan owns (positions, one window's max scores, selection)."""
+        return int(self.positions.nbytes + self.max_score.nbytes + self.selection.nbytes)
+
+
+def _windows(qo: np.ndarray, kv: np.ndarray, offsets: np.ndarray, window_rows: int) -> list:
+    """Per window ``(row_begin, row_end, qo_lens, qo_offset)``: each request's rows clipped to the
+    window, its offset moved to its first row inside it."""
+    cu = np.concatenate([[0], np.cumsum(qo, dtype=np.int64)])
+    total = int(cu[-1])
+    out = []
+    for a in range(0, max(total, 1), window_rows):
+        b = min(a + window_rows, total)
+        lo = np.clip(cu[:-1], a, b)
+        hi = np.clip(cu[1:], a, b)
+        skipped = np.clip(a - cu[:-1], 0, qo)  # rows of each request before the window
+        out.append((a, b, (hi - lo).astype(np.int32), (offsets.astype(np.int64) + skipped).astype(np.int32)))
+    return out
+
+
+def _new_array(device: Optional[int], shape: tuple, dtype, host: Optional[np.ndarray] = None):
+    if device is None:
+        return np.empty(shape, dtype) if host is None else host
+    import cupy
+
+    with cupy.cuda.Device(device):
+        if host is None:
+            return cupy.empty(shape, dtype)
+        arr = cupy.asarray(host)
+        cupy.cuda.get_current_stream().synchronize()  # ready for any stream
+        return arr
+
+
+@mate_api
+def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, num_kv_heads: Optional[int] = None,
+                         *, num_index_kv_heads: int = 1, topk: int = 16,
+                         force_begin_blocks: int = 0, force_end_blocks: int = 0,
+                         force_blocks_count_in_topk: bool = True, qo_offset=None, causal: bool = True,
+                         split_prefill_decode: bool = True, prefill_tile: Optional[str] = None,
+                         max_score_bytes: int = MAX_SCORE_BYTES, head_dim: int = 128, dtype="bfloat16",
+                         device=None, stream=None) -> SparsePipelinePlan:
+    """Plan the MSA pipeline of one batch from concrete lengths (read once on the host).
+
+    ``qo_segment_lens``, ``kv_segment_lens``: ``[B]`` whole numbers; decode-sized requests
+    (``qo_len <= 32``) first when ``split_prefill_decode`` mixes them with prefills.
+    ``num_qo_heads``/``num_kv_heads``: the main attention's heads (Hq/Hkv 8 or 16, head dim
+    128, page size 128). The index branch has ``num_kv_heads`` query heads (index head ``h``
+    selects the blocks of KV head ``h``) over ``num_index_kv_heads`` index KV heads. ``topk`` (4, 8, 16, 32, 64) and the forced blocks
+    as in :func:`~mate_cupy.sparse_topk_select`. ``qo_offset``, ``causal``,
+    ``prefill_tile`` as in :func:`~mate_cupy.msa_plan_from_lengths`. ``max_score_bytes``
+    bounds one window's float32 block maxima. ``head_dim``/``dtype`` (q's dtype) size the
+    attention workspace and load the kernels when the plan is uploaded. ``device``: None
+    (CuPy's current GPU when the process sees one, else a host plan), an int /
+    ``"cuda:N"`` / torch or CuPy device, or ``"cpu"``; ``stream``: where the uploads are
+    ordered (None: the device's current CuPy stream, then synchronised).
+    """
+    from .plan import _current_cuda_device
+
+    qo = _int32_vector("qo_segment_lens", qo_segment_lens)
+    kv = _int32_vector("kv_segment_lens", kv_segment_lens)
+    num_qo_heads = int(num_qo_heads)
+    num_kv_heads = num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
+    if int(max_score_bytes) <= 0:
+        raise ValueError(f"max_score_bytes must be positive, got {max_score_bytes}")
+    dev = _current_cuda_device() if device is None else device_index(device)  # None: a host plan
+    attention = msa_plan_from_lengths(
+        qo, kv, num_qo_heads, num_kv_heads, qo_offset=qo_offset, split_prefill_decode=split_prefill_decode,
+        page_size=SPARSE_BLOCK_SIZE, kv_block_num=int(topk), force_begin_blocks=force_begin_blocks,
+        force_end_blocks=force_end_blocks, force_blocks_count_in_topk=force_blocks_count_in_topk, causal=causal,
+        prefill_tile=prefill_tile, device="cpu")
+    width = selected_block_count(int(topk), int(force_begin_blocks), int(force_end_blocks),
+                                 bool(force_blocks_count_in_topk))
+    offsets = normalize_qo_offset(qo, kv, qo_offset)
+    total_q = int(qo.astype(np.int64).sum())
+    nt = max(1, -(-int(kv.max(initial=0)) // SPARSE_BLOCK_SIZE))
+    row_bytes = num_kv_heads * nt * 4
+    window_rows = max(1, min(max(total_q, 1), int(max_score_bytes) // row_bytes))
+    windows = []
+    for a, b, wqo, woff in _windows(qo, kv, offsets, window_rows):
+        wplan = msa_plan_from_lengths(wqo, kv, num_kv_heads, int(num_index_kv_heads), qo_offset=woff,
+                                      split_prefill_decode=False, page_size=SPARSE_BLOCK_SIZE,
+                                      output_maxscore=True, causal=causal, device="cpu")
+        windows.append(IndexWindow(a, b, wplan))
+    positions = plan_query_positions(attention)
+    plan = SparsePipelinePlan(
+        attention=attention, windows=tuple(windows), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        num_index_kv_heads=int(num_index_kv_heads), topk=int(topk),
+        force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
+        force_blocks_count_in_topk=bool(force_blocks_count_in_topk), total_q=total_q, max_k_tiles=nt,
+        window_rows=window_rows, device=dev,
+        positions=_new_array(dev, (total_q,), np.int64, positions),
+        max_score=_new_array(dev, (window_rows, num_kv_heads, nt), np.float32),
+        selection=_new_array(dev, (total_q, num_kv_heads, width), np.int32))
+    if dev is not None:
+        upload_plan(attention, dev, stream, head_dim=int(head_dim), dtype=as_dtype(dtype))
+        for w in windows:
+            upload_plan(w.plan, dev, stream)
+    return plan
+
+
+@mate_api
+def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePlan, *, kv_indices, out=None,
+                              lse=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
+                              v_scale: float = 1.0, workspace=None):
+    """Index max score -> top-k block selection -> block-sparse attention, on one plan.
+
+    q ``[total_q, Hq, 128]`` (fp16, bf16 or fp8); k, v paged ``[P, 128, Hkv, 128]`` (or
+    ``[P, Hkv, 128, 128]``); ``index_q [total_q, Hkv, Di]`` and ``index_k [P, 128, Hik, Di]``
+    (or ``[P, Hik, 128, Di]``) fp16/bf16, the index branch over the same pages;
+    ``kv_indices``: int32 flat page ids of every request (CSR by ``ceil(kv_len / 128)``),
+    shared by both caches. Per window of :attr:`SparsePipelinePlan.window_rows` query rows,
+    the block maxima of the index branch (``msa(..., output_o=False)``) go into the plan's
+    ``max_score`` buffer and its top-k block lists into ``plan.selection`` (query positions
+    from the plan, so causal rows select only blocks they can attend and the forced end
+    blocks are each query's own); then ``msa`` attends the selected blocks. ``out``/``lse``
+    (preallocated, written in place), ``sm_scale``, ``k_scale``/``v_scale`` (fp8) and
+    ``workspace`` as in :func:`~mate_cupy.msa`. Returns ``out`` ``[total_q, Hq, 128]``.
+    """
+    if not isinstance(plan, SparsePipelinePlan):
+        raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
+    rows = _leading_dim(q, "q")
+    for name, arr in (("index_q", index_q),):
+        n = _leading_dim(arr, name)
+        if n != rows:
+            raise ValueError(f"{name} must have q's {rows} rows, got {n}")
+    if rows != plan.total_q:
+        raise ValueError(f"q must have the plan's {plan.total_q} rows (sum of qo_segment_lens), got {rows}")
+    ms, sel, pos = plan.max_score, plan.selection, plan.positions
+    for w in plan.windows:
+        n = w.row_end - w.row_begin
+        if n == 0:
+            continue
+        scores = ms[:n]
+        msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices, max_score=scores,
+            output_o=False)
+        sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
+                           force_begin_blocks=plan.force_begin_blocks, force_end_blocks=plan.force_end_blocks,
+                           force_blocks_count_in_topk=plan.force_blocks_count_in_topk,
+                           query_positions=pos[w.row_begin:w.row_end])
+    res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel, out=out, lse=lse,
+                 sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, output_maxscore=False, workspace=workspace)
+    return res
+
+
+def _leading_dim(arr, name: str) -> int:
+    shape = getattr(arr, "shape", None)
+    if shape is None or len(shape) != 3:
+        raise ValueError(f"{name} must be a 3-D array [total_q, heads, head_dim], got shape {shape}")
+    return int(shape[0])

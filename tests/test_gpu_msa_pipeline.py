@@ -1,0 +1,123 @@
+"""The MSA pipeline (index max score -> top-k -> sparse attention) on the kernels (``-m gpu``).
+
+Each pass is checked against the float64 references: the block maxima of the index
+branch (the plan's ``max_score`` buffer) within float32 accumulation error and with the
+same ``-inf`` pattern, the selection exactly against the reference top-k of those maxima,
+and the attention against the float64 sparse attention over that selection. Outputs are
+poisoned with NaN, selections with a sentinel. Speculative decoding (2 to 8 queries per
+request, each with its own list) runs through the sparse decode path, eager and captured.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_rel, to_f64
+from msa_cases import BF16, make_problem
+from test_msa_gpu import dev, masked_ref, poisoned
+from test_msa_pipeline import index_branch
+
+import mate_cupy as mc
+from mate_cupy.reference import msa as R
+
+pytestmark = pytest.mark.gpu
+
+
+def _positions(p):
+    off = (p.kv - p.qo).astype(np.int64)
+    return np.concatenate([np.minimum(off[b] + np.arange(p.qo[b]), p.kv[b] - 1) for b in range(len(p.qo))])
+
+
+def _check_passes(p, iq, ik, plan, out, *, topk, begin, end, what):
+    """Max scores (one window), selection, attention of one pipeline run against the references."""
+    assert len(plan.windows) == 1
+    ms = plan.max_score[: p.total_q].get()
+    ref_ms = R.block_max_score(iq, ik, p.cu_q, p.cu_k, causal=True, max_k_tiles=plan.max_k_tiles)
+    np.testing.assert_array_equal(np.isneginf(ms), np.isneginf(ref_ms), err_msg=f"{what}: -inf pattern")
+    fin = np.isfinite(ref_ms)
+    bound = 2e-5 * np.abs(to_f64(iq)).max() * np.abs(to_f64(ik)).max() * iq.shape[2]
+    assert np.abs(ms[fin] - ref_ms[fin]).max() <= bound, what
+    sel = plan.selection.get()
+    ref_sel = R.topk_select(ms, topk, force_begin_blocks=begin, force_end_blocks=end, query_positions=_positions(p))
+    np.testing.assert_array_equal(sel, ref_sel, err_msg=f"{what}: selection")
+    ref = masked_ref(p, sel)
+    assert_rel(out, ref[0], 1e-2, f"{what}: out")
+
+
+@pytest.mark.parametrize("case,qo,kv,hq,hkv,tile", [
+    ("prefill-r8", [300, 129], [1000, 129], 16, 2, None),
+    ("mixed-r8", [1, 3, 2, 200], [700, 129, 1, 900], 16, 2, None),
+    ("decode-r16", [1, 4, 1], [5000, 300, 129], 16, 1, None),
+    ("prefill-r16-gather", [700, 3], [1500, 3], 16, 1, "gather"),
+    ("prefill-r16-query-tile", [700, 3], [1500, 3], 16, 1, None),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_pipeline_against_references(rng, case, qo, kv, hq, hkv, tile):
+    p = make_problem(rng, qo, kv, hq, hkv, 128, page_size=128)
+    iq, ik, icache = index_branch(rng, p, d_index=128)
+    plan = mc.sparse_pipeline_plan(p.qo, p.kv, hq, hkv, topk=4, force_begin_blocks=1, force_end_blocks=1,
+                                   prefill_tile=tile, device=0, head_dim=128, dtype=BF16)
+    plan.selection.fill(-7)
+    out = poisoned(p.q.shape, BF16)
+    res = mc.sparse_attention_pipeline(dev(p.q), dev(p.k_cache), dev(p.v_cache), dev(iq), dev(icache), plan,
+                                       kv_indices=dev(p.kv_indices), out=out)
+    assert res is out
+    _check_passes(p, iq, ik, plan, out, topk=4, begin=1, end=1, what=case)
+
+
+def test_pipeline_windows_equal_one_window(rng):
+    p = make_problem(rng, [2, 600, 300], [300, 2000, 700], 16, 1, 128, page_size=128)
+    iq, _, icache = index_branch(rng, p, d_index=128)
+    args = (dev(p.q), dev(p.k_cache), dev(p.v_cache), dev(iq), dev(icache))
+    nt = -(-2000 // 128)
+    results = []
+    for budget in (None, 128 * nt * 4):
+        kw = {} if budget is None else {"max_score_bytes": budget}
+        plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 1, topk=8, force_end_blocks=1, device=0, **kw)
+        out = poisoned(p.q.shape, BF16)
+        mc.sparse_attention_pipeline(*args, plan, kv_indices=dev(p.kv_indices), out=out)
+        results.append((len(plan.windows), plan.selection.get(), out.get()))
+    assert results[0][0] == 1 and results[1][0] == -(-p.total_q // 128)
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    np.testing.assert_array_equal(results[0][2].view(np.uint16), results[1][2].view(np.uint16))
+
+
+@pytest.mark.parametrize("spec", [2, 4, 8])
+def test_speculative_decode_per_token_lists(rng, spec):
+    """``spec`` draft tokens per request, each with its own causal top-k list, through the sparse
+    decode path: eager plan, then a static plan captured in a CUDA graph."""
+    import cupy
+
+    qo = [spec, spec, spec, spec]
+    kv = [5000 + spec, 300, 129 + spec, 1000]
+    p = make_problem(rng, qo, kv, 16, 1, 128, page_size=128)
+    iq, ik, icache = index_branch(rng, p, d_index=128)
+    plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 1, topk=8, force_begin_blocks=1, force_end_blocks=2, device=0,
+                                   head_dim=128, dtype=BF16)
+    assert plan.attention[3].mode == "sparse_decode"
+    out = poisoned(p.q.shape, BF16)
+    mc.sparse_attention_pipeline(dev(p.q), dev(p.k_cache), dev(p.v_cache), dev(iq), dev(icache), plan,
+                                 kv_indices=dev(p.kv_indices), out=out)
+    _check_passes(p, iq, ik, plan, out, topk=8, begin=1, end=2, what=f"speculative {spec}")
+    # the draft tokens of one request select different blocks (per-token lists)
+    sel = plan.selection.get()
+    assert any(not np.array_equal(sel[0], sel[i]) for i in range(1, spec))
+
+    # the same lists through a static plan, captured
+    static = mc.msa_plan(4, spec, 8192, 16, num_kv_heads=1, page_size=128, kv_block_num=8, force_begin_blocks=1,
+                         force_end_blocks=2, total_seqlen_k=int(p.kv.sum()) + 1024)
+    assert static[3].mode == "sparse_decode"
+    table = np.zeros((4, 64), np.int32)
+    table[:, : p.page_table.shape[1]] = np.where(p.page_table >= 0, p.page_table, 0)
+    t = lambda x: dev(np.asarray(x, np.int32))  # noqa: E731
+    md = mc.MsaRuntimeMetadata(qo_lens=t(p.qo), kv_lens=t(p.kv), qo_offset=t(p.kv - p.qo), cu_seqlens_q=t(p.cu_q),
+                               cu_seqlens_k=t(p.cu_k), seqused_k=t(p.kv), page_table=t(table))
+    mc.upload_plan(static, 0, head_dim=128, dtype=BF16)
+    q, kc, vc, selc = dev(p.q), dev(p.k_cache), dev(p.v_cache), dev(sel)
+    out2 = poisoned(p.q.shape, BF16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        mc.sparse_decode_atten_func(q, kc, vc, static, kv_block_indexes=selc, runtime_metadata=md, out=out2)
+        graph = stream.end_capture()
+        graph.launch(stream)
+    stream.synchronize()
+    assert_rel(out2, masked_ref(p, sel)[0], 1e-2, f"speculative {spec}, captured static plan")
