@@ -1,6 +1,6 @@
 """Benchmark mate_cupy beside its peers in one process; write results.json + results.md.
 
-    python bench/run.py OUTDIR [--only attention,index,kda] [--quick] [--peers LIST]
+    python bench/run.py OUTDIR [--only attention,index,pipeline,kda] [--quick] [--peers LIST]
 
 Times each op with CUDA events (warm-up, median of several samples, input sets
 rotated so the L2 cache does not flatter), measures the machine's ceilings
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("attention", "index", "kda")
+FAMILIES = ("attention", "index", "pipeline", "kda")
 PEERS = ("sdpa_flash", "sdpa_cudnn", "flex", "torch_topk", "fla")
 
 
@@ -34,7 +34,7 @@ def parse_args(argv=None):
         epilog="Peers: " + ", ".join(PEERS) + ". fla needs the fla-core wheel on PYTHONPATH (bench/README.md).")
     ap.add_argument("outdir", help="folder for results.json, results.md (and fla_configs/)")
     ap.add_argument("--only", default=",".join(FAMILIES),
-                    help="comma-separated op families: attention,index,kda (default: all)")
+                    help="comma-separated op families: attention,index,pipeline,kda (default: all)")
     ap.add_argument("--quick", action="store_true",
                     help="smaller shapes, fewer samples, one decode/chunk shape per family (a few minutes less)")
     ap.add_argument("--peers", default="all",
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from bench import bench_attention, bench_index, bench_kda
+    from bench import bench_attention, bench_index, bench_kda, bench_pipeline
     from bench.harness import BenchConfig, run_cases
     from bench.report import format_table, new_record, status, write_results
     from bench.timing import TimingConfig, make_timer
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
             records += run_family_in_child(fam, args, cfg, meta)
         shutil.rmtree(Path(args.outdir) / ".parts", ignore_errors=True)
     else:
-        modules = {"attention": bench_attention, "index": bench_index, "kda": bench_kda}
+        modules = {"attention": bench_attention, "index": bench_index, "pipeline": bench_pipeline, "kda": bench_kda}
 
         def save_partial(recs):
             write_results(args.outdir, records + recs, dict(meta, partial=True))
