@@ -243,7 +243,7 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
             x["v_lin"] = x["v_cache"][p].reshape(n_blocks * BLOCK, hkv, D)[:s]
         return x["k_lin"], x["v_lin"]
 
-    def ours_build(inputs, tile=None):
+    def ours_build(inputs, tile="query"):
         import torch
 
         plan = ours.sparse_plan([s], [s], hq, hkv, page_size=BLOCK, kv_block_num=topk, causal=True,
@@ -258,8 +258,8 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
         return Bound(run)
 
     def gather_build(inputs):
-        """Per-token lists: the caller picks the gather tile on the plan."""
-        return ours_build(inputs, tile="gather")
+        """Per-token lists: the plan's default tile."""
+        return ours_build(inputs, tile=None)
 
     if per_token:
         mask = lambda x: token_block_mask(x["kv_block_indexes"], hq, n_blocks)  # noqa: E731

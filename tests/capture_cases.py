@@ -92,7 +92,7 @@ def case_fns(torch, mc):
         ms = torch.empty((sum(qo), hq, 8), dtype=torch.float32, device="cuda")
         return (lambda: mc.msa(q, k, k, info, max_score=ms, output_o=False)), [ms]
 
-    def sparse_prefill_eager(tile=None):
+    def sparse_prefill_eager(tile):
         def build():
             qo, kv, q, ck, cv, idx = _paged(torch, [700], [1500], 64, 4)
             info = mc.sparse_msa_plan(qo, kv, 64, 4, page_size=128, kv_block_num=16, device=0, prefill_tile=tile)
@@ -181,7 +181,7 @@ def case_fns(torch, mc):
 
     cases.update({
         "msa_dense_eager": dense_eager, "msa_paged_eager": paged_eager, "msa_paged_static": paged_static,
-        "msa_max_score_eager": max_score_eager, "sparse_msa_eager": sparse_prefill_eager(),
+        "msa_max_score_eager": max_score_eager, "sparse_msa_eager": sparse_prefill_eager("query"),
         "sparse_msa_gather_eager": sparse_prefill_eager("gather"), "sparse_msa_static": sparse_prefill_static,
         "sparse_decode_eager": sparse_decode_eager, "sparse_decode_static": sparse_decode_static,
         "sparse_topk_select": topk, "gated_delta_rule_decode": kda_decode, "chunk_kda": chunk, "cast": cast,

@@ -111,7 +111,7 @@ def test_non_causal_row_windows(rng, monkeypatch):
     _check(outs, _ref(p, sel, causal=False), BF16, "gather non-causal")
 
 
-def test_repeated_ids_match_the_default_tile(rng, monkeypatch):
+def test_repeated_ids_match_the_query_tile(rng, monkeypatch):
     """A block listed twice (invalid input) counts once, as in the query-tile kernel."""
     p = make_problem(rng, [1000, 700], [1200, 700], 128, 8, 128, page_size=128)
     sel = random_selection(rng, p, 64)
@@ -119,7 +119,7 @@ def test_repeated_ids_match_the_default_tile(rng, monkeypatch):
     names = _spy(monkeypatch)
     (out_g, lse_g), _ = _run(p, sel)
     assert names
-    (out_d, lse_d), _ = _run(p, sel, tile=None)
+    (out_d, lse_d), _ = _run(p, sel, tile="query")
     assert rel_err(to_f64(out_g), to_f64(out_d)) <= TOL[BF16]
     lse_g, lse_d = to_f64(lse_g), to_f64(lse_d)
     fin = np.isfinite(lse_d)

@@ -131,7 +131,7 @@ def test_sparse_prefill(rng, hq, dtype):
 
 def test_sparse_prefill_plan_selects_the_gather_tile(rng, monkeypatch):
     """A plan's prefill_tile="gather" runs the block-stationary kernels (MiniMax-M3's 16
-    query heads per KV head); the default plan runs the query tiles."""
+    query heads per KV head, the default); prefill_tile="query" runs the query tiles."""
     from mate_cupy.msa import gather_launch
 
     calls = []
@@ -140,7 +140,7 @@ def test_sparse_prefill_plan_selects_the_gather_tile(rng, monkeypatch):
     p = make_problem(rng, [40, 0, 300], [300, 10, 3000], 64, 4, 128, page_size=128)
     sel = random_selection(rng, p, 16)
     ran = []
-    for tile in ("gather", None):
+    for tile in ("gather", "query"):
         info = mc.sparse_msa_plan(p.qo, p.kv, 64, 4, page_size=128, kv_block_num=16, prefill_tile=tile, device=0)
         out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 64), np.float32)
         mc.sparse_msa(dev(p.q), dev(p.k_cache), dev(p.v_cache), info, kv_indices=dev(p.kv_indices),

@@ -270,7 +270,10 @@ def test_prefill_tile_option_in_eager_static_and_sparse_plans():
     assert eager[0] and eager[3].prefill_tile == eager[4].prefill_tile == "gather"  # both parts of a split
     assert mc.msa_plan(2, 512, 1024, 8, prefill_tile="gather")[3].prefill_tile == "gather"
     assert mc.sparse_msa_plan([300], [600], 16, 1, prefill_tile="gather", **SPARSE)[3].prefill_tile == "gather"
-    assert mc.msa_plan_from_lengths([3], [5], 4)[3].prefill_tile is None
+    assert mc.msa_plan_from_lengths([3], [5], 4)[3].prefill_tile == "gather"  # the default
+    assert mc.msa_plan_from_lengths([3], [5], 4, prefill_tile=None)[3].prefill_tile == "gather"
+    assert mc.msa_plan(1, 8, 8, 4)[3].prefill_tile == "gather"
+    assert mc.sparse_msa_plan([300], [600], 16, 1, prefill_tile="query", **SPARSE)[3].prefill_tile == "query"
     for bad in ("nope", "", 3, "prefill", "wg3n64s3", "mma256"):  # query tiles are not options
         with pytest.raises(ValueError, match="prefill_tile"):
             mc.msa_plan_from_lengths([3], [5], 4, prefill_tile=bad)

@@ -84,7 +84,7 @@ def sparse_msa_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, num_kv_
                     kv_block_num: int = -1, force_begin_blocks: int = 0, force_end_blocks: int = 0,
                     force_blocks_count_in_topk: bool = True, usable_SM_count: Optional[int] = None,  # noqa: N803
                     causal: bool = True, sparse_kernel_mode: str = "prefill", use_fp8_kvcache: bool = False,
-                    device=None, stream=None, prefill_tile: Optional[str] = None):
+                    device=None, stream=None, prefill_tile: Optional[str] = "gather"):
     """Eager plan for a pure sparse-prefill batch.
 
     Arguments as :func:`~mate_cupy.msa.plan.msa_plan_from_lengths` (``kv_block_num`` is

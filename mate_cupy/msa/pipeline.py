@@ -126,7 +126,7 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
                          *, num_index_kv_heads: int = 1, topk: int = 16,
                          force_begin_blocks: int = 0, force_end_blocks: int = 0,
                          force_blocks_count_in_topk: bool = True, qo_offset=None, causal: bool = True,
-                         split_prefill_decode: bool = True, prefill_tile: Optional[str] = None,
+                         split_prefill_decode: bool = True, prefill_tile: Optional[str] = "gather",
                          max_score_bytes: int = MAX_SCORE_BYTES, head_dim: int = 128, dtype="bfloat16",
                          device=None, stream=None) -> SparsePipelinePlan:
     """Plan the MSA pipeline of one batch from concrete lengths (read once on the host).

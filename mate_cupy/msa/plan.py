@@ -54,7 +54,9 @@ SPARSE_BLOCK_SIZE = 128
 SUPPORTED_SPARSE_TOPK = (4, 8, 16, 32, 64)
 SPARSE_TOPK_MAX_OUTPUT_BLOCKS = 64
 MAX_K_TILES = 12288  # sparse_topk_select needs max_k_tiles < MAX_K_TILES
-GATHER_TILE = "gather"  # the one named prefill tile (None: the query-tile kernels)
+GATHER_TILE = "gather"  # block lists chosen per query token (the default)
+QUERY_TILE = "query"  # block lists shared by the queries of a 128-query tile
+PREFILL_TILES = (GATHER_TILE, QUERY_TILE)
 _VECTORS = ("qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "kv_page_indptr")
 
 
@@ -117,8 +119,9 @@ class MsaPlan:
     ``qo_lens``, ``kv_lens``, ``qo_offset`` are host int32 ``[B]``; ``kv_page_indptr``
     host int32 ``[B+1]`` (pages of each request, paged modes) or None. For static plans
     (``is_static=True``) these vectors are zero placeholders: execution requires
-    :class:`MsaRuntimeMetadata`. ``prefill_tile``: None (the query-tile kernels) or
-    ``"gather"`` (block-sparse prefill with per-token block lists, docs/attention.md).
+    :class:`MsaRuntimeMetadata`. ``prefill_tile``: the block-sparse prefill kernels,
+    ``"gather"`` (block lists chosen per query token, MSA's selection; where it applies) or
+    ``"query"`` (lists shared by each 128-query tile), docs/attention.md.
     ``usable_sm_count``: SMs the launch configuration plans for (None: the device's).
     """
 
@@ -144,7 +147,7 @@ class MsaPlan:
     prefill_plan: MsaPrefillPlan
     decode_plan: Optional[MsaDecodePlan] = None
     is_static: bool = False
-    prefill_tile: Optional[str] = None
+    prefill_tile: str = GATHER_TILE
     usable_sm_count: Optional[int] = None
     # Device copies of the vectors (eager plans, after upload) and the plan-owned workspace.
     device_vectors: Optional[DeviceVectors] = field(default=None, init=False, repr=False)
@@ -473,8 +476,9 @@ def _check_options(*, page_size: int, sparse_block_size: int, output_maxscore: b
             "paged MSA maxscore requires page_size == maxscore/sparse block size == "
             f"{SPARSE_BLOCK_SIZE}, got {page_size}"
         )
-    if prefill_tile is not None and (not isinstance(prefill_tile, str) or prefill_tile != GATHER_TILE):
-        raise ValueError(f"prefill_tile must be None or {GATHER_TILE!r}, got {prefill_tile!r}")
+    if prefill_tile is not None and (not isinstance(prefill_tile, str) or prefill_tile not in PREFILL_TILES):
+        raise ValueError(f"prefill_tile must be {GATHER_TILE!r} (the default; None means it) or {QUERY_TILE!r}, "
+                         f"got {prefill_tile!r}")
     if usable_sm_count is not None and (not isinstance(usable_sm_count, (int, np.integer))
                                         or isinstance(usable_sm_count, bool) or usable_sm_count <= 0):
         raise ValueError(f"usable_SM_count must be None or a positive int, got {usable_sm_count!r}")
@@ -525,7 +529,7 @@ def _build_single_plan(qo_lens, kv_lens, qo_offset, *, num_qo_heads, num_kv_head
         mode=mode,
         prefill_plan=prefill,
         decode_plan=decode,
-        prefill_tile=prefill_tile,
+        prefill_tile=GATHER_TILE if prefill_tile is None else prefill_tile,
         usable_sm_count=usable_sm_count,
     )
 
@@ -552,7 +556,7 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
                           force_end_blocks: int = 0, force_blocks_count_in_topk: bool = True,
                           usable_SM_count: Optional[int] = None, causal: bool = True,  # noqa: N803
                           sparse_kernel_mode: str = "auto", use_fp8_kvcache: bool = False, device=None,
-                          stream=None, prefill_tile: Optional[str] = None) -> MsaPlanInfo:
+                          stream=None, prefill_tile: Optional[str] = GATHER_TILE) -> MsaPlanInfo:
     """Build an eager execution plan from concrete sequence lengths (read once on the host).
 
     ``qo_segment_lens``, ``kv_segment_lens``: ``[B]`` integer arrays (any framework, or lists).
@@ -566,7 +570,9 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
     for (default: the device's). ``device``/``stream``: where the plan's vectors are uploaded
     when it is built: None uploads to the lengths' device when they are CUDA arrays, else to
     CuPy's current device when the process sees a GPU (no GPU: a host-only plan);
-    ``"cpu"`` keeps the plan on the host (upload later with :meth:`MsaPlan.upload`). ``prefill_tile``: None or ``"gather"``.
+    ``"cpu"`` keeps the plan on the host (upload later with :meth:`MsaPlan.upload`). ``prefill_tile``:
+    ``"gather"`` (default; None means it: block lists chosen per query token) or ``"query"``
+    (lists shared by each 128-query tile) for block-sparse prefill.
 
     Returns ``(False, 0, B, plan, None)``, or ``(True, split, B, decode_plan, prefill_plan)``
     when ``split_prefill_decode`` and requests ``[0, split)`` are decode-sized while request
@@ -629,7 +635,7 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
              page_size: int = -1, sparse_block_size: int = SPARSE_BLOCK_SIZE, output_maxscore: bool = False,
              kv_block_num: int = -1, force_begin_blocks: int = 0, force_end_blocks: int = 0,
              force_blocks_count_in_topk: bool = True, causal: bool = True, sparse_kernel_mode: str = "auto",
-             use_fp8_kvcache: bool = False, prefill_tile: Optional[str] = None) -> MsaPlanInfo:
+             use_fp8_kvcache: bool = False, prefill_tile: Optional[str] = GATHER_TILE) -> MsaPlanInfo:
     """Build a capture-safe MSA plan from capacities; never inspects live lengths.
 
     ``max_seqlen_q``/``max_seqlen_k`` fix the launch geometry (and the max-score width
@@ -704,7 +710,7 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
         prefill_plan=prefill,
         decode_plan=decode,
         is_static=True,
-        prefill_tile=prefill_tile,
+        prefill_tile=GATHER_TILE if prefill_tile is None else prefill_tile,
     )
     return _built((False, 0, batch_size, plan, None))
 
