@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._logging import mate_api
-from ..runtime.interop import as_dtype
+from ..runtime.interop import Call, as_dtype
 from .ops import msa
 from .plan import (
     SPARSE_BLOCK_SIZE,
@@ -216,19 +216,23 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     if rows != plan.total_q:
         raise ValueError(f"q must have the plan's {plan.total_q} rows (sum of qo_segment_lens), got {rows}")
     ms, sel, pos = plan.max_score, plan.selection, plan.positions
-    for w in plan.windows:
-        n = w.row_end - w.row_begin
-        if n == 0:
-            continue
-        scores = ms[:n]
-        msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices, max_score=scores,
-            output_o=False)
-        sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
-                           force_begin_blocks=plan.force_begin_blocks, force_end_blocks=plan.force_end_blocks,
-                           force_blocks_count_in_topk=plan.force_blocks_count_in_topk,
-                           query_positions=pos[w.row_begin:w.row_end])
-    res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel, out=out, lse=lse,
-                 sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, output_maxscore=False, workspace=workspace)
+    # The selection pass takes the plan's buffers first, so it would launch on CuPy's current
+    # stream: make that the caller's (q's framework's current stream) for every pass.
+    with Call(q=q).launch_scope():
+        for w in plan.windows:
+            n = w.row_end - w.row_begin
+            if n == 0:
+                continue
+            scores = ms[:n]
+            msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices,
+                max_score=scores, output_o=False)
+            sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
+                               force_begin_blocks=plan.force_begin_blocks, force_end_blocks=plan.force_end_blocks,
+                               force_blocks_count_in_topk=plan.force_blocks_count_in_topk,
+                               query_positions=pos[w.row_begin:w.row_end])
+        res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel, out=out, lse=lse,
+                     sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, output_maxscore=False,
+                     workspace=workspace)
     return res
 
 
