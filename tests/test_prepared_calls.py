@@ -266,3 +266,24 @@ def test_gpu_prepared_calls_equal_the_validated_path_bit_for_bit():
                 assert not torch.isnan(y[n].float()).any(), (name, seed, n)
                 assert torch.equal(x[n], y[n]), (name, seed, n)
         assert len(memo()) >= 1, name  # the torch calls were prepared
+
+
+def test_prepared_launch_fills_sources_into_fixed_values():
+    from mate_cupy.jit import KernelParams, PreparedLaunch, Source
+
+    params = KernelParams((("a", "ptr"), ("n", "i32"), ("b", "ptr"), ("x", "f32"), ("c", "ptr")))
+
+    class K:
+        ptr, name = 1, "k"
+
+        def reserve_shared_memory(self, n):
+            raise AssertionError("no shared memory above 48 KiB here")
+
+    pl = PreparedLaunch(K(), (3,), (128,), params, (Source(1), 7, None, 0.5, Source(0)), n_addresses=2)
+    assert pl.grid == (3, 1, 1) and pl.block == (128, 1, 1)
+    assert pl.values((0x100, 0x200)) == (0x200, 7, 0, 0.5, 0x100)
+    assert params.pack(pl.values((0x100, 0x200))) == params.pack((0x200, 7, 0, 0.5, 0x100))
+    with pytest.raises(ValueError, match="n"):
+        PreparedLaunch(K(), (1,), (1,), params, (0, Source(0), 0, 0.5, 0), n_addresses=1)
+    with pytest.raises(ValueError, match="c"):
+        PreparedLaunch(K(), (1,), (1,), params, (0, 1, 0, 0.5, Source(2)), n_addresses=2)

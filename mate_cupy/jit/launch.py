@@ -184,7 +184,9 @@ class PreparedLaunch:
 
     def run(self, addresses: tuple, stream: int) -> None:
         """Launch on the stream address ``stream`` with the call's ``addresses``."""
+        params = self.params
+        bufs = getattr(params._tls, "bufs", None) or params._buffers()
+        params._struct.pack_into(bufs[0], 0, *self._pick(addresses + self._fixed))
         g, b = self.grid, self.block
-        table = self.params.fill(self._pick(addresses + self._fixed))
         (_launch_kernel or _driver_launch())(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
-                                             stream, table, 0)
+                                             stream, bufs[2], 0)

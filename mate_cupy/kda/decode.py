@@ -115,16 +115,19 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
                allow_neg_eigval, use_initial_state, state_v_first, varlen, store_final_state, inplace_final_state,
                state_dtype)
     # torch CUDA tensors: the launch prepared by an earlier call with equal metadata and options.
-    found = torch_cuda_addresses((q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accepted_tokens,
-                                  cu_seqlens if varlen else None, output))
-    prepared_key = None
-    if found is not None and all(x.__class__ in _PLAIN for x in options[:-1]):
+    found = prepared_key = None
+    if output is not None and (inplace_final_state or not store_final_state):
+        found = torch_cuda_addresses((q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accepted_tokens,
+                                      cu_seqlens if varlen else None, output))
+    if found is not None and _PLAIN.issuperset(map(type, options[:-1])):
         prepared_key = (found[0], options)
         try:
             entry = _PREPARED.get(prepared_key)
         except TypeError:  # an unhashable state_dtype: nothing to reuse
             entry = prepared_key = None
-        if entry is not None and current_device() == entry.device:
+        if entry is False:  # calls with this key take the validated path (decode_launch.prepare)
+            prepared_key = None
+        elif entry is not None and current_device() == entry.device:
             return PreparedCall(entry, found[1], output, state), entry.problem
     call = Call(q=q, k=k, v=v, a=a, b=b, state=state, A_log=A_log, dt_bias=dt_bias,
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens if varlen else None,
@@ -156,9 +159,10 @@ class PreparedCall:
 
 
 _PROBLEMS = BoundedMemo(256)
-_PLAIN = (type(None), bool, int, float)  # option types a prepared launch is keyed on (immutable values)
+_PLAIN = frozenset((type(None), bool, int, float))  # option types a prepared launch is keyed on (immutable)
 #: Prepared launches (decode_launch.PreparedDecode) of torch CUDA calls with given outputs, by
-#: their arrays' metadata (runtime.interop.torch_cuda_addresses) and options.
+#: their arrays' metadata (runtime.interop.torch_cuda_addresses) and options; False for keys
+#: whose calls take the validated path (a staged copy: decode_launch.prepare).
 _PREPARED = BoundedMemo(256)
 
 
@@ -395,8 +399,8 @@ def run(call: Call, problem: DecodeProblem):
         prepared = call.prepared
         if prepared is not None:
             entry = decode_launch.prepare(call, problem)
+            _PREPARED.put(prepared[0], False if entry is None else entry)
             if entry is not None:
-                _PREPARED.put(prepared[0], entry)
                 with call.device_scope():
                     entry.run(prepared[1])
                 return call["output"].obj, call["state"].obj if problem.inplace_final_state else None

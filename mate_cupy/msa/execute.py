@@ -781,7 +781,8 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
 
     A CUDA call of one plan part with torch tensors, given outputs and the plan's workspace
     (:func:`_prepared_key`) runs the :class:`PreparedCall` its plan holds for calls with
-    equal array metadata and options, made by the first such call after its validation.
+    equal array metadata and options, made by the first such call after its validation
+    (False is held for keys whose calls take the validated path, :func:`_prepare`).
     """
     plan = info[3]
     key = None
@@ -791,7 +792,9 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
                             sm_scale, k_scale, v_scale, want_lse)
         if key is not None:
             entry = plan.prepared_calls.get(key[0])
-            if entry is not None and entry.ready(plan):
+            if entry is False:  # calls with this key take the validated path (_prepare)
+                key = None
+            elif entry is not None and entry.ready(plan):
                 entry.run(key[1])
                 return out, lse, None
     prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
@@ -808,10 +811,11 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
         ops.max_score = call.new("max_score", (total_q, hq, prob.max_k_tiles), FLOAT32)
     if prob.is_cuda:
         entry = None if key is None else _prepare(prob, ops, runtime_metadata)
+        if key is not None:
+            plan.prepared_calls.put(key[0], False if entry is None else entry)
         if entry is None:
             _run_cuda(prob, ops)
         else:
-            plan.prepared_calls.put(key[0], entry)
             with call.device_scope():
                 entry.run(key[1])
     else:
@@ -826,7 +830,7 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
 
 #: Positions of a prepared call's arrays in its address tuple (runtime metadata from 8 on).
 _CALL_ARRAYS = ("q", "k", "v", "out", "lse", "kv_indices", "page_table", "kv_block_indexes")
-_PLAIN = (type(None), bool, int, float)  # scale types a key holds (immutable values)
+_PLAIN = frozenset((type(None), bool, int, float))  # scale types a key holds (immutable values)
 _METADATA = ("qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table",
              "kv_page_indptr")
 
@@ -835,7 +839,7 @@ def _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexe
                   want_lse) -> Optional[tuple]:
     """``(key, addresses)`` of a call a :class:`PreparedCall` may run: every array a torch CUDA
     tensor (or None); the key holds what validation reads of them (their metadata) and the
-    options. None for any other call, or an unhashable option."""
+    options. None for any other call, or a scale that is not a plain Python value."""
     if not (sm_scale.__class__ in _PLAIN and k_scale.__class__ in _PLAIN and v_scale.__class__ in _PLAIN):
         return None
     if md is None:
@@ -848,12 +852,7 @@ def _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexe
         return None
     if found is None:
         return None
-    key = (fn, found[0], sm_scale, k_scale, v_scale, want_lse)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key, found[1]
+    return (fn, found[0], sm_scale, k_scale, v_scale, want_lse), found[1]
 
 
 class PreparedCall:
