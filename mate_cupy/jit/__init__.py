@@ -12,12 +12,13 @@ from .compiler import (
     load,
     normalize_arch,
 )
-from .launch import KernelParams, address, launch
+from .launch import KernelParams, PreparedLaunch, Source, address, launch
 from .registry import SM90A, KernelSpec, arch_capability, register, registered
 from .sources import expand_source, source_text
 
 __all__ = [
-    "MIN_SM", "SM90A", "Kernel", "KernelCompileError", "KernelParams", "KernelSpec", "UnsupportedArchError", "address",
+    "MIN_SM", "SM90A", "Kernel", "KernelCompileError", "KernelParams", "KernelSpec", "PreparedLaunch", "Source",
+    "UnsupportedArchError", "address",
     "arch_capability", "arch_for_capability", "compile_all", "compile_variant", "device_arch", "expand_source",
     "get_kernel", "launch", "load", "normalize_arch", "register", "registered", "source_text",
 ]

@@ -17,7 +17,7 @@ import ctypes
 import struct
 import threading
 
-__all__ = ["KernelParams", "address", "launch"]
+__all__ = ["KernelParams", "PreparedLaunch", "Source", "address", "launch"]
 
 _FORMAT = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "f32": "f"}
 _SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
@@ -98,20 +98,95 @@ class KernelParams:
 _launch_kernel = None
 
 
+def _driver_launch():
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy.cuda import driver
+
+        _launch_kernel = driver.launchKernel
+    return _launch_kernel
+
+
 def launch(kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, stream: int = 0) -> None:
     """Launch ``kernel`` (a :class:`mate_cupy.jit.compiler.Kernel`) on the stream address ``stream``.
 
     ``grid`` and ``block`` are 1-3 integers; ``values`` follow ``params``. Dynamic shared
     memory above 48 KiB is opted into once per kernel and size.
     """
-    global _launch_kernel
-    if _launch_kernel is None:
-        from cupy.cuda import driver
-
-        _launch_kernel = driver.launchKernel
+    launch_kernel = _launch_kernel or _driver_launch()
     if shared_mem > 48 * 1024:
         kernel.reserve_shared_memory(shared_mem)
     g = tuple(grid) + (1, 1)
     b = tuple(block) + (1, 1)
     table = params.fill(values)
-    _launch_kernel(kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), int(stream), table, 0)
+    launch_kernel(kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), int(stream), table, 0)
+
+
+class Source:
+    """A pointer argument taken from a call's array: position ``index`` in the tuple of
+    addresses the call passes to :meth:`PreparedLaunch.run`. ``ptr`` is the marker itself, so
+    a launcher that reads ``arg.ptr`` of its operands puts the marker in the slot."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = int(index)
+
+    @property
+    def ptr(self) -> "Source":
+        return self
+
+    def __repr__(self) -> str:
+        return f"Source({self.index})"
+
+
+class PreparedLaunch:
+    """One kernel launch with every argument fixed but the addresses of a call's arrays.
+
+    ``values`` follow ``params``; a :class:`Source` in a pointer slot stands for
+    ``addresses[source.index]`` of each :meth:`run`, every other value is fixed. A run
+    builds the argument tuple with one C-level pick from ``addresses + fixed values``,
+    packs it into ``params``' per-thread buffer and calls ``cuLaunchKernel``: the launch
+    :func:`launch` makes with the same values, without recomputing anything from the call.
+    """
+
+    __slots__ = ("kernel", "grid", "block", "params", "shared_mem", "n_addresses", "_fixed", "_pick")
+
+    def __init__(self, kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, n_addresses: int):
+        import operator
+
+        values = tuple(values)
+        if len(values) != len(params.kinds):
+            raise TypeError(f"kernel takes {len(params.kinds)} parameters, got {len(values)}")
+        self.kernel, self.params, self.shared_mem = kernel, params, int(shared_mem)
+        self.grid = (tuple(int(x) for x in grid) + (1, 1))[:3]
+        self.block = (tuple(int(x) for x in block) + (1, 1))[:3]
+        self.n_addresses = n = int(n_addresses)
+        fixed, picks = [], []
+        for i, v in enumerate(values):
+            if v.__class__ is Source:
+                if params.kinds[i] != "ptr" or not 0 <= v.index < n:
+                    raise ValueError(f"parameter {params.names[i]}: a source must fill a pointer slot in [0, {n})")
+                fixed.append(0)
+                picks.append(v.index)
+            else:
+                fixed.append(address(v) if params.kinds[i] == "ptr" else v)
+                picks.append(n + i)
+        self._fixed = tuple(fixed)
+        params._struct.pack(*self._fixed)  # every fixed value packs (refused here, not at a launch)
+        self._pick = operator.itemgetter(*picks) if len(picks) > 1 else (lambda t, i=picks[0]: (t[i],))
+        if self.shared_mem > 48 * 1024:
+            kernel.reserve_shared_memory(self.shared_mem)
+
+    def values(self, addresses: tuple) -> tuple:
+        """The kernel arguments of a call with ``addresses`` (``n_addresses`` integers)."""
+        return self._pick(addresses + self._fixed)
+
+    def run(self, addresses: tuple, stream: int) -> None:
+        """Launch on the stream address ``stream`` with the call's ``addresses``."""
+        params = self.params
+        bufs = getattr(params._tls, "bufs", None) or params._buffers()
+        params._struct.pack_into(bufs[0], 0, *self._pick(addresses + self._fixed))
+        g, b = self.grid, self.block
+        (_launch_kernel or _driver_launch())(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
+                                             stream, bufs[2], 0)

@@ -22,7 +22,8 @@ from typing import Optional
 import numpy as np
 
 from ..reference.kda import kda_decode
-from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, dtype_name
+from ..runtime.interop import (BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, current_device, dtype_name,
+                               torch_cuda_addresses)
 from ..runtime.memo import BoundedMemo
 from . import decode_launch
 from .common import HALF_DTYPES, INDEX_DTYPES, names
@@ -110,14 +111,31 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
     anything runs. A CUDA call whose array metadata and options equal an earlier call's
     reuses that call's problem (:mod:`mate_cupy.runtime.memo`)."""
     varlen = (cu_seqlens is not None) if is_varlen is None else bool(is_varlen)
-    call = Call(q=q, k=k, v=v, a=a, b=b, state=state, A_log=A_log, dt_bias=dt_bias,
-                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens if varlen else None,
-                state_indices=state_indices, output=output)
     options = (scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid,
                allow_neg_eigval, use_initial_state, state_v_first, varlen, store_final_state, inplace_final_state,
                state_dtype)
+    # torch CUDA tensors: the launch prepared by an earlier call with equal metadata and options.
+    found = prepared_key = None
+    if output is not None and (inplace_final_state or not store_final_state):
+        found = torch_cuda_addresses((q, k, v, a, b, A_log, dt_bias, state, state_indices, num_accepted_tokens,
+                                      cu_seqlens if varlen else None, output))
+    if found is not None and _PLAIN.issuperset(map(type, options[:-1])):
+        prepared_key = (found[0], options)
+        try:
+            entry = _PREPARED.get(prepared_key)
+        except TypeError:  # an unhashable state_dtype: nothing to reuse
+            entry = prepared_key = None
+        if entry is False:  # calls with this key take the validated path (decode_launch.prepare)
+            prepared_key = None
+        elif entry is not None and current_device() == entry.device:
+            return PreparedCall(entry, found[1], output, state), entry.problem
+    call = Call(q=q, k=k, v=v, a=a, b=b, state=state, A_log=A_log, dt_bias=dt_bias,
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens if varlen else None,
+                state_indices=state_indices, output=output)
     if call.device is None or call.device < 0:
         return call, _check(call, *options)
+    if prepared_key is not None:
+        call.prepared = (prepared_key, found[1])
     key = (call.signature(), options)
     try:
         problem = _PROBLEMS.get(key)
@@ -129,7 +147,23 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
     return call, problem
 
 
+class PreparedCall:
+    """A CUDA call whose launch an earlier call with equal array metadata and options
+    prepared (:data:`_PREPARED`): the entry, this call's array addresses (the order of
+    :data:`decode_launch.PREPARED_ARRAYS`), and the objects it returns."""
+
+    __slots__ = ("entry", "addresses", "output", "state")
+
+    def __init__(self, entry, addresses, output, state):
+        self.entry, self.addresses, self.output, self.state = entry, addresses, output, state
+
+
 _PROBLEMS = BoundedMemo(256)
+_PLAIN = frozenset((type(None), bool, int, float))  # option types a prepared launch is keyed on (immutable)
+#: Prepared launches (decode_launch.PreparedDecode) of torch CUDA calls with given outputs, by
+#: their arrays' metadata (runtime.interop.torch_cuda_addresses) and options; False for keys
+#: whose calls take the validated path (a staged copy: decode_launch.prepare).
+_PREPARED = BoundedMemo(256)
 
 
 def _check(call, scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lower_bound, apply_beta_sigmoid,
@@ -358,7 +392,18 @@ def run(call: Call, problem: DecodeProblem):
     """Compute ``problem`` on ``call``'s arrays; return ``(output, final_state or None)`` in
     the caller's framework: the ``state`` pool itself when ``inplace_final_state``, a new
     array (:attr:`DecodeProblem.final_shape`, the state dtype) when ``store_final_state``."""
+    if call.__class__ is PreparedCall:
+        call.entry.run(call.addresses)
+        return call.output, call.state if problem.inplace_final_state else None
     if problem.device >= 0:
+        prepared = call.prepared
+        if prepared is not None:
+            entry = decode_launch.prepare(call, problem)
+            _PREPARED.put(prepared[0], False if entry is None else entry)
+            if entry is not None:
+                with call.device_scope():
+                    entry.run(prepared[1])
+                return call["output"].obj, call["state"].obj if problem.inplace_final_state else None
         return decode_launch.run(call, problem)
     p = problem
     d = call.data

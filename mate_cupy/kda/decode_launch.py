@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..jit import KernelParams, KernelSpec, get_kernel, launch, register
+from ..jit import KernelParams, KernelSpec, PreparedLaunch, Source, get_kernel, launch, register
 from ..runtime.device import device_info
-from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, INT64
+from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, INT64, torch_stream_ptr
 from .common import cuda_contiguous, cuda_copy_into
 
 SOURCE = "kda_decode.cu"
@@ -199,6 +199,44 @@ def run(call, problem):
     if p.inplace_final_state:
         return out.obj, call["state"].obj
     return out.obj, None if final is None else final.obj
+
+
+#: The arrays of a prepared call, in the order of its addresses (the kernel's pointer order).
+PREPARED_ARRAYS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "state_indices", "num_accepted_tokens",
+                   "cu_seqlens", "output")
+
+
+class PreparedDecode:
+    """The launch of a validated decode call for later calls with equal array metadata and
+    options: the problem, the device and the :class:`~mate_cupy.jit.PreparedLaunch` (None
+    when the grid is empty)."""
+
+    __slots__ = ("problem", "device", "launch")
+
+    def __init__(self, problem, device: int, launch):
+        self.problem, self.device, self.launch = problem, device, launch
+
+    def run(self, addresses: tuple) -> None:
+        if self.launch is not None:
+            self.launch.run(addresses, torch_stream_ptr(self.device))
+
+
+def prepare(call, problem):
+    """The :class:`PreparedDecode` of a validated torch CUDA call that allocates nothing (the
+    output given, no staged copy, no new final state), else None. Its launch is the one
+    :func:`run` makes: the same configuration and :func:`kernel_values`, the call's
+    addresses taken by position (:data:`PREPARED_ARRAYS`)."""
+    p = problem
+    if (call.framework != "torch" or p.staged or "output" not in call.args
+            or (p.store_final_state and not p.inplace_final_state)):
+        return None
+    cfg = select_config(p, *device_info(p.device))
+    launch_ = None
+    if cfg.grid:
+        ptrs = {name: Source(i) for i, name in enumerate(PREPARED_ARRAYS) if name in call.args}
+        launch_ = PreparedLaunch(get_kernel(cfg.spec, None, p.device), (cfg.grid,), (cfg.threads,), PARAMS,
+                                 kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, n_addresses=len(PREPARED_ARRAYS))
+    return PreparedDecode(p, p.device, launch_)
 
 
 def kernel_values(problem, config: DecodeConfig, ptrs: dict) -> tuple:

@@ -418,16 +418,35 @@ def run_attention(problem: AttentionProblem, config: AttentionConfig, arrays: tu
             scale_log2=scale_log2, dtype_code=p.dtype_code, num_sms=config.num_sms, workspace_ptr=workspace,
             workspace_nbytes=config.workspace_bytes, stream=stream)
         return
+    for kernel, grid, block, params, values, smem in attention_launches(
+            p, config, arrays, lengths, pages, layout, scales, workspace,
+            config_kernels(config, device) if kernels is None else kernels):
+        launch(kernel, grid, block, params, values, shared_mem=smem, stream=stream)
+
+
+def attention_launches(problem: AttentionProblem, config: AttentionConfig, arrays: tuple, lengths: tuple,
+                       pages: tuple, layout: tuple, scales: tuple, workspace: int, kernels: tuple) -> tuple:
+    """The launches of a query-tile ``config`` (not the gather tile): ``(kernel, grid, block,
+    params, values, shared_mem)`` each, arguments as :func:`run_attention` (``kernels`` the
+    loaded pair). Pointer values are the operands' ``.ptr`` (an address, or a
+    :class:`mate_cupy.jit.Source` for a prepared launch); every other value follows from
+    the arguments."""
+    p = problem
+    q, k, v, out, lse = arrays
+    cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k = lengths
+    page_list, page_indptr, page_list_len, block_lists = pages
+    q_strides, out_strides, k_strides, v_strides, kv_extent = layout
+    scale_log2, out_scale = scales
     ws_o = ws_lse = 0
     splits = config.splits
     if splits > 1:
         ws_o = workspace
         ws_lse = workspace + splits * p.total_q * p.num_heads_q * p.head_dim * 4
-    fwd, merge = config_kernels(config, device) if kernels is None else kernels
+    fwd, merge = kernels
     lse_ptr = 0 if lse is None else lse.ptr
     out_ptr = out.ptr
     cu_q, qo = cu_seqlens_q.ptr, qo_lens.ptr
-    launch(fwd, config.grid, (config.threads,), FWD_PARAMS, (
+    launches = ((fwd, config.grid, (config.threads,), FWD_PARAMS, (
         q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr, ws_o, ws_lse, cu_q, qo, kv_lens.ptr, qo_offset.ptr,
         0 if cu_seqlens_k is None else cu_seqlens_k.ptr, 0 if page_list is None else page_list.ptr,
         0 if page_indptr is None else page_indptr.ptr, 0 if block_lists is None else block_lists.ptr,
@@ -435,9 +454,10 @@ def run_attention(problem: AttentionProblem, config: AttentionConfig, arrays: tu
         v_strides[0], v_strides[1], v_strides[2], p.total_q, kv_extent, p.num_heads_q, p.num_heads_kv, p.group,
         int(p.causal), config.page_size_log2, page_list_len, p.list_width, config.nq_cap, config.qmask_words,
         splits, scale_log2, out_scale,
-    ), shared_mem=config.shared_mem, stream=stream)
+    ), config.shared_mem),)
     if splits > 1:
-        launch(merge, config.merge_grid, (128,), MERGE_PARAMS, (
+        launches += ((merge, config.merge_grid, (128,), MERGE_PARAMS, (
             ws_o, ws_lse, out_ptr, lse_ptr, cu_q, qo, p.total_q, p.num_heads_q, splits, out_strides[0],
             out_strides[1],
-        ), stream=stream)
+        ), 0),)
+    return launches

@@ -27,11 +27,13 @@ import numpy as np
 
 from ..reference import msa as ref
 from ..runtime.device import device_info
-from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, INT32, Arg, Call, dtype_name, wrap
+from ..jit import PreparedLaunch, Source
+from ..runtime.interop import (BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, INT32, Arg, Call, current_device, dtype_name,
+                               torch_cuda_addresses, torch_stream_ptr, wrap)
 from ..runtime.workspace import Workspace, as_workspace
 from . import attention_launch as al
 from . import index_launch
-from .plan import MsaPlan, max_k_tiles, plan_page_width
+from .plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, plan_page_width
 from .runtime import Lengths, resolve_lengths
 
 __all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "prepare_workspace", "run", "validate"]
@@ -280,6 +282,7 @@ def prepare_workspace(plans: list, head_dim: int, dtype, device: int) -> None:
     owner = plans[0]
     ws = owner.workspace
     if bound and (ws is None or ws.device != device or ws.nbytes < bound):
+        owner.prepared_calls.clear()  # (they hold the workspace they launch with)
         owner.workspace = Workspace(bound, device)
 
 
@@ -302,6 +305,7 @@ def _plan_workspace(prob: "MsaProblem", need: int, call: Call) -> Workspace:
             "contiguous CUDA array)"
         )
     with call.launch_scope():
+        owner.prepared_calls.clear()  # (they hold the workspace they launch with)
         owner.workspace = Workspace(bound, call.device)
     return owner.workspace
 
@@ -774,7 +778,25 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
     """Validate and run one MSA call (arguments as :func:`validate`, all given); returns
     ``(out, lse, max_score)`` in the caller's framework. Preallocated arrays are written in
     place and returned as the same objects.
+
+    A CUDA call of one plan part with torch tensors, given outputs and the plan's workspace
+    (:func:`_prepared_key`) runs the :class:`PreparedCall` its plan holds for calls with
+    equal array metadata and options, made by the first such call after its validation
+    (False is held for keys whose calls take the validated path, :func:`_prepare`).
     """
+    plan = info[3]
+    key = None
+    if (output_o and not output_maxscore and not check_input_valid and q_offset_override is None
+            and workspace is None and out is not None and not info[0] and (lse is not None or not want_lse)):
+        key = _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, runtime_metadata,
+                            sm_scale, k_scale, v_scale, want_lse)
+        if key is not None:
+            entry = plan.prepared_calls.get(key[0])
+            if entry is False:  # calls with this key take the validated path (_prepare)
+                key = None
+            elif entry is not None and entry.ready(plan):
+                entry.run(key[1])
+                return out, lse, None
     prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
                          page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore,
                          want_lse, check_input_valid, workspace)
@@ -788,13 +810,130 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
         total_q, hq = call.args["q"].shape[:2]
         ops.max_score = call.new("max_score", (total_q, hq, prob.max_k_tiles), FLOAT32)
     if prob.is_cuda:
-        _run_cuda(prob, ops)
+        entry = None if key is None else _prepare(prob, ops, runtime_metadata)
+        if key is not None:
+            plan.prepared_calls.put(key[0], False if entry is None else entry)
+        if entry is None:
+            _run_cuda(prob, ops)
+        else:
+            with call.device_scope():
+                entry.run(key[1])
     else:
         _run_host(prob, ops)
     out = ops.out.obj if prob.output_o else None
     lse = ops.lse.obj if prob.output_o and ops.lse is not None else None
     ms = ops.max_score.obj if prob.output_maxscore else None
     return out, lse, ms
+
+
+# ----------------------------------------------------------------------------- prepared calls
+
+#: Positions of a prepared call's arrays in its address tuple (runtime metadata from 8 on).
+_CALL_ARRAYS = ("q", "k", "v", "out", "lse", "kv_indices", "page_table", "kv_block_indexes")
+_PLAIN = frozenset((type(None), bool, int, float))  # scale types a key holds (immutable values)
+_METADATA = ("qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table",
+             "kv_page_indptr")
+
+
+def _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, md, sm_scale, k_scale, v_scale,
+                  want_lse) -> Optional[tuple]:
+    """``(key, addresses)`` of a call a :class:`PreparedCall` may run: every array a torch CUDA
+    tensor (or None); the key holds what validation reads of them (their metadata) and the
+    options. None for any other call, or a scale that is not a plain Python value."""
+    if not (sm_scale.__class__ in _PLAIN and k_scale.__class__ in _PLAIN and v_scale.__class__ in _PLAIN):
+        return None
+    if md is None:
+        found = torch_cuda_addresses((q, k, v, out, lse, kv_indices, page_table, kv_block_indexes))
+    elif md.__class__ is MsaRuntimeMetadata:
+        found = torch_cuda_addresses((q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, md.qo_lens,
+                                      md.kv_lens, md.qo_offset, md.cu_seqlens_q, md.cu_seqlens_k, md.seqused_k,
+                                      md.page_table, md.kv_page_indptr))
+    else:
+        return None
+    if found is None:
+        return None
+    return (fn, found[0], sm_scale, k_scale, v_scale, want_lse), found[1]
+
+
+class PreparedCall:
+    """The launches of a validated single-part CUDA call, for later calls with equal array
+    metadata and options (the key of :func:`_prepared_key`): everything but the arrays'
+    addresses is fixed, so a later call checks the plan state they depend on and launches.
+
+    Held by the plan (``MsaPlan.prepared_calls``, bounded) and freed with it. ``vectors`` and
+    ``workspace`` are the plan's uploaded vectors and workspace whose addresses the launches
+    hold (None when they use none): a later call runs only while the plan still holds the
+    same objects, on the same current device.
+    """
+
+    __slots__ = ("device", "vectors", "workspace", "launches")
+
+    def __init__(self, device: int, vectors, workspace, launches: tuple):
+        self.device, self.vectors, self.workspace, self.launches = device, vectors, workspace, launches
+
+    def ready(self, plan: MsaPlan) -> bool:
+        return ((self.vectors is None or plan.device_vectors is self.vectors)
+                and (self.workspace is None or plan.workspace is self.workspace)
+                and current_device() == self.device)
+
+    def run(self, addresses: tuple) -> None:
+        stream = torch_stream_ptr(self.device)
+        for launch in self.launches:
+            launch.run(addresses, stream)
+
+
+class _NotPreparable(Exception):
+    pass
+
+
+def _prepare(prob: MsaProblem, ops: _Operands, md) -> Optional[PreparedCall]:
+    """The :class:`PreparedCall` of a validated call (``_prepared_key`` found its arrays), or
+    None when its launches use anything but the call's arrays, the plan's uploaded vectors
+    and workspace, and values fixed by the key (a staged copy, the gather tile)."""
+    if len(prob.parts) != 1 or not prob.output_o or prob.output_maxscore or ops.call.framework != "torch":
+        return None
+    part, pa = prob.parts[0], ops.parts[0]
+    config, kernels = ops.configs[0]
+    if config.tile == al.GATHER:
+        return None
+    plan, call = part.plan, ops.call
+    sources = {}
+    for i, name in enumerate(_CALL_ARRAYS):
+        arg = call.args.get(name)
+        if arg is not None:
+            sources[id(arg)] = Source(i)
+    if md is not None:
+        lens = pa.lens
+        for i, name in enumerate(_METADATA):
+            if getattr(md, name) is not None:
+                sources[id(getattr(lens, name))] = Source(len(_CALL_ARRAYS) + i)
+    vec = plan.device_vectors if not plan.is_static else None
+    fixed = set() if vec is None else {id(getattr(vec, name)) for name in vec.__slots__ if name not in
+                                       ("device", "buffer", "lengths") and getattr(vec, name) is not None}
+
+    def source(arg):
+        if arg is None or isinstance(arg, int):
+            return arg
+        src = sources.get(id(arg))
+        if src is not None:
+            return src
+        if id(arg) in fixed:
+            return arg
+        raise _NotPreparable
+
+    try:
+        ws_ptr = _workspace_ptr(prob, ops)
+        args = _attention_arguments(prob, ops, 0, ws_ptr)
+        arrays, lengths, pages = (tuple(source(a) for a in group) for group in args[2:5])
+    except _NotPreparable:
+        return None
+    n = len(_CALL_ARRAYS) + (0 if md is None else len(_METADATA))
+    launches = () if config.tile == "" else tuple(
+        PreparedLaunch(kernel, grid, block, params, values, shared_mem=smem, n_addresses=n)
+        for kernel, grid, block, params, values, smem in al.attention_launches(
+            args[0], config, arrays, lengths, pages, args[5], args[6], ws_ptr, kernels))
+    return PreparedCall(call.device, vec if any(id(a) in fixed for a in lengths + pages if a is not None) else None,
+                        plan.workspace if ws_ptr else None, launches)
 
 
 _GET_DEVICE = []
@@ -809,31 +948,49 @@ def _current_device():
     return _GET_DEVICE[0]
 
 
+def _workspace_ptr(prob: MsaProblem, ops: _Operands) -> int:
+    """Address of the attention passes' workspace (0 when they need none)."""
+    launches = ops.configs
+    need = launches[0][0].workspace_bytes if len(launches) == 1 else max(c.workspace_bytes for c, _ in launches)
+    if not need:
+        return 0
+    ws, device = ops.workspace, ops.call.device
+    if ws is None:
+        ws = _plan_workspace(prob, need, ops.call)
+    elif ws.__class__ is not Workspace or ws.nbytes < need or ws.device != device:
+        ws = as_workspace(ws, need, device)
+    return ws.ptr
+
+
+def _attention_arguments(prob: MsaProblem, ops: _Operands, i: int, ws_ptr: int) -> tuple:
+    """``run_attention``'s arguments for part ``i`` (but the device and stream): ``(problem,
+    config, arrays, lengths, pages, layout, scales, workspace, kernels)``."""
+    part, pa = prob.parts[i], ops.parts[i]
+    layout = prob.kv_layout
+    ks, vs = ops.k_strides, ops.v_strides
+    if layout == "":
+        k_strides, v_strides = (0, ks[0], ks[1]), (0, vs[0], vs[1])
+    elif layout == "NHD":
+        k_strides, v_strides = ks[:3], vs[:3]
+    else:
+        k_strides, v_strides = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+    out, lse = ops.out, ops.lse
+    if len(prob.parts) > 1:
+        r0, r1 = part.rows
+        out, lse = _rows(out, r0, r1), _rows(lse, r0, r1)
+    lens = pa.lens
+    config, kernels = ops.configs[i]
+    return (part.attention, config, (pa.q, pa.k, pa.v, out, lse),
+            (lens.cu_seqlens_q, lens.qo_lens, lens.kv_lens if lens.seqused_k is None else lens.seqused_k,
+             pa.offsets, lens.cu_seqlens_k if part.plan.mode == "dense" else None), pa.att_pages + (pa.kbi,),
+            (ops.q_strides, ops.out.strides, k_strides, v_strides, pa.k.shape[0]), (prob.scale_log2, prob.v_scale),
+            ws_ptr, kernels)
+
+
 def _run_cuda(prob: MsaProblem, ops: _Operands) -> None:
     call = ops.call
     stream, device = call.stream_ptr, call.device
-    ws_ptr = 0
-    if prob.output_o:
-        launches = ops.configs
-        need = launches[0][0].workspace_bytes if len(launches) == 1 else max(c.workspace_bytes for c, _ in launches)
-        if need:
-            ws = ops.workspace
-            if ws is None:
-                ws = _plan_workspace(prob, need, call)
-            elif ws.__class__ is not Workspace or ws.nbytes < need or ws.device != device:
-                ws = as_workspace(ws, need, device)
-            ws_ptr = ws.ptr
-        layout = prob.kv_layout
-        ks, vs = ops.k_strides, ops.v_strides
-        if layout == "":
-            k_strides, v_strides = (0, ks[0], ks[1]), (0, vs[0], vs[1])
-        elif layout == "NHD":
-            k_strides, v_strides = ks[:3], vs[:3]
-        else:
-            k_strides, v_strides = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
-        out, lse = ops.out, ops.lse
-        out_strides = out.strides
-    mixed = len(prob.parts) > 1
+    ws_ptr = _workspace_ptr(prob, ops) if prob.output_o else 0
     switch = (_GET_DEVICE[0] if _GET_DEVICE else _current_device())() != device
     if switch:
         scope = call.device_scope()
@@ -845,17 +1002,8 @@ def _run_cuda(prob: MsaProblem, ops: _Operands) -> None:
             lens = pa.lens
             dense = part.plan.mode == "dense"
             if prob.output_o:
-                config, kernels = ops.configs[i]
-                if mixed:
-                    out_p, lse_p = _rows(out, r0, r1), _rows(lse, r0, r1)
-                else:
-                    out_p, lse_p = out, lse
-                al.run_attention(
-                    part.attention, config, (pa.q, pa.k, pa.v, out_p, lse_p),
-                    (lens.cu_seqlens_q, lens.qo_lens, lens.kv_lens if lens.seqused_k is None else lens.seqused_k,
-                     pa.offsets, lens.cu_seqlens_k if dense else None), pa.att_pages + (pa.kbi,),
-                    (ops.q_strides, out_strides, k_strides, v_strides, pa.k.shape[0]),
-                    (prob.scale_log2, prob.v_scale), ws_ptr, device, stream, kernels)
+                args = _attention_arguments(prob, ops, i, ws_ptr)
+                al.run_attention(*args[:8], device, stream, args[8])
             if prob.output_maxscore:
                 table = indices = indptr = None
                 if part.max_score_pages == "table":

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._logging import mate_api
 from ..runtime.interop import as_dtype, to_host, wrap
+from ..runtime.memo import BoundedMemo
 
 __all__ = [
     "MAX_K_TILES",
@@ -57,6 +58,7 @@ MAX_K_TILES = 12288  # sparse_topk_select needs max_k_tiles < MAX_K_TILES
 GATHER_TILE = "gather"  # block lists chosen per query token (the default)
 QUERY_TILE = "query"  # block lists shared by the queries of a 128-query tile
 PREFILL_TILES = (GATHER_TILE, QUERY_TILE)
+PREPARED_CALLS = 16  # prepared calls a plan holds (execute.PreparedCall)
 _VECTORS = ("qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "kv_page_indptr")
 
 
@@ -156,6 +158,10 @@ class MsaPlan:
     # call with the same shapes, dtypes, options and device reuses them instead of rebuilding).
     last_attention: Optional[tuple] = field(default=None, init=False, repr=False)
     last_call: Optional[tuple] = field(default=None, init=False, repr=False)
+    # Prepared launches of CUDA calls by their array metadata and options (execute.PreparedCall):
+    # bounded, the oldest dropped first; freed with the plan.
+    prepared_calls: BoundedMemo = field(default_factory=lambda: BoundedMemo(PREPARED_CALLS), init=False,
+                                        repr=False)
 
     @functools.cached_property
     def selected_block_count(self) -> int:
@@ -314,6 +320,7 @@ def prepare(plans: list, device, stream, head_dim, dtype) -> None:
         with s:
             for plan in plans:
                 if not plan.is_static:
+                    plan.prepared_calls.clear()  # (they hold the vectors they launch with)
                     plan.device_vectors = DeviceVectors(plan, dev, s)
             if head_dim is not None and dtype is not None:
                 from .execute import prepare_workspace

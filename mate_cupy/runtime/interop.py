@@ -239,6 +239,40 @@ def wrap(name: str, obj) -> Arg:
                make=lambda: _dlpack.cupy_view(desc, obj))
 
 
+def torch_cuda_addresses(arrays: tuple) -> Optional[tuple]:
+    """``(metadata, addresses)`` of ``arrays`` when each is a torch CUDA tensor or None; None
+    when any is something else (or a tensor type not yet seen by :func:`wrap`).
+
+    ``metadata`` holds per array what :meth:`Call.signature` holds (device, dtype, shape,
+    strides in elements, address modulo 16; None for None), read with one attribute pass
+    per tensor; ``addresses`` the data addresses (0 for None). A key for memos of calls
+    whose validation reads nothing else of the arrays.
+    """
+    types = _TORCH_TYPES
+    meta, ptrs = [], []
+    for t in arrays:
+        if t is None:
+            meta.append(None)
+            ptrs.append(0)
+        elif t.__class__ in types:
+            p = t.data_ptr()
+            meta.append((t.get_device(), t.dtype, t.shape, t.stride(), p & 15))
+            ptrs.append(p)
+        else:
+            return None
+    return tuple(meta), tuple(ptrs)
+
+
+def current_device() -> int:
+    """CuPy's current CUDA device (``runtime.getDevice``)."""
+    return (_GET_DEVICE[0] if _GET_DEVICE else _bind_get_device())()
+
+
+def torch_stream_ptr(device: int) -> int:
+    """torch's current stream of ``device`` (see :attr:`Call.stream_ptr`)."""
+    return _torch_stream_ptr(device)
+
+
 def _host_arg(name: str, obj, fw: str, desc) -> Arg:
     data = _dlpack.numpy_view(desc, obj)
     return Arg(name, obj, desc.dtype, fw, -1, desc.shape, desc.strides, desc.ptr, data=data)
@@ -316,13 +350,17 @@ _NO_SCOPE = contextlib.nullcontext()
 _GET_DEVICE: list = []
 
 
-def _current_device() -> int:
+def _bind_get_device():
     """CuPy's ``runtime.getDevice`` (bound on first use: importing mate_cupy imports no CuPy)."""
     if not _GET_DEVICE:
         from cupy.cuda import runtime
 
         _GET_DEVICE.append(runtime.getDevice)
-    return _GET_DEVICE[0]()
+    return _GET_DEVICE[0]
+
+
+def _current_device() -> int:
+    return _bind_get_device()()
 
 
 class Call:
@@ -340,6 +378,9 @@ class Call:
         self._first: Optional[str] = None
         self._stream = None
         self._stream_ptr = None
+        #: ``(key, addresses)`` under which an op stores the launch it prepares from this
+        #: call (set by validations that prepare launches; None otherwise).
+        self.prepared = None
         for name, obj in arrays.items():
             if obj is not None:
                 self.add(name, obj)

@@ -12,14 +12,13 @@ from __future__ import annotations
 class BoundedMemo:
     """``key -> value`` holding at most ``capacity`` entries (the oldest is dropped first)."""
 
-    __slots__ = ("capacity", "_items")
+    __slots__ = ("capacity", "_items", "get")
 
     def __init__(self, capacity: int = 256):
         self.capacity = int(capacity)
         self._items: dict = {}
-
-    def get(self, key):
-        return self._items.get(key)
+        #: ``get(key)``: the value stored under ``key``, else None (the dict's own lookup).
+        self.get = self._items.get
 
     def put(self, key, value) -> None:
         items = self._items
