@@ -949,3 +949,45 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
                 for name in SLOT_PARTS:
                     assert rel(slot_part(blob, name, dtype), rec[(n, hv)][c][name]) < 5e-3, (n, hv, c, name)
         slot += nch
+
+
+# ----------------------------------------------------------------------------- GPU: segments through the public op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bounds", [(0, 256, 448, 700), (0, 1, 200, 450, 700)], ids=["aligned", "inside-chunks"])
+def test_segments_through_chunk_kda_match_the_whole_sequence(rng, bounds):
+    """The segment maps computed by the chunk kernels themselves (C: the segment from a zero
+    state; M: the segment with v = 0 from the identity state, K = V = 128), joined by
+    ``combine_segments`` on the device, then each segment's outputs from its entry state:
+    the whole sequence's outputs and final state (docs/kda_chunk.md, "Intra-sequence
+    parallelism")."""
+    import cupy
+
+    from mate_cupy import chunk_kda
+    from mate_cupy.kda.segments import combine_segments
+
+    x = make_inputs(rng, 1, bounds[-1], 1, 4, gate_params=True, state=F32)  # GVA 4; a 1-token segment
+    o_ref, s_ref = reference(x)
+    d = _dev(x)
+    HV = x["v"].shape[2]
+    gate = dict(A_log=d["A_log"], dt_bias=d["dt_bias"])
+    eye = cupy.broadcast_to(cupy.eye(K, dtype=cupy.float32), (1, HV, K, K)).copy()
+    Ms, Cs = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        sl = lambda n: d[n][:, a:b]  # noqa: E731
+        _, c = chunk_kda(sl("q"), sl("k"), sl("v"), sl("g"), sl("beta"), output_final_state=True, **gate)
+        _, m = chunk_kda(sl("q"), sl("k"), cupy.zeros_like(sl("v")), sl("g"), sl("beta"), initial_state=eye,
+                         output_final_state=True, **gate)
+        Ms.append(m[0])
+        Cs.append(c[0])
+    entry = combine_segments(cupy.stack(Ms), cupy.stack(Cs), d["initial_state"][0])
+    assert entry.shape == (len(bounds), HV, K, K)
+    outs = []
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        sl = lambda n: d[n][:, a:b]  # noqa: E731
+        o = chunk_kda(sl("q"), sl("k"), sl("v"), sl("g"), sl("beta"), initial_state=entry[s][None], **gate)
+        outs.append(o)
+    out = cupy.concatenate(outs, axis=1)
+    assert rel(out, o_ref) < TOL[BF16]
+    assert rel(entry[-1][None], s_ref) < STATE_TOL[BF16]

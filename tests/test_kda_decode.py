@@ -874,6 +874,20 @@ def test_kernel_params_match_the_source():
         assert _source_params(kernel) == list(params.params), kernel
 
 
+def test_bulk_barrier_init_is_ordered_by_a_cta_barrier():
+    """The V-first kernel's mbarrier init (a warp-wide instruction) is separated from its
+    first use, thread 0's arrive in bulk_load, by a CTA barrier (docs/kda_decode.md,
+    "Shared-memory ordering"): program order alone leaves racecheck a hazard."""
+    from mate_cupy.kda import decode_launch as dl
+
+    src = (Path(dl.__file__).resolve().parent.parent / "cuda_src" / dl.SOURCE).read_text()
+    body = src[src.index("kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS)"):]
+    body = body[:body.index("kda_decode_kfirst_kernel")]
+    init, sync, use = (body.index(s) for s in ("mbarrier_init_one(&bulk_bar)", "if (bulk) __syncthreads();",
+                                               "bulk_load("))
+    assert init < sync < use
+
+
 def test_decode_variants_registered():
     from mate_cupy.jit import registered
     from mate_cupy.kda import decode_launch as dl

@@ -63,9 +63,9 @@ constexpr int kPrepQn = kPrepGc + kC * kPG * 4;   // f32 [64] q row scales
 constexpr int kPrepKn = kPrepQn + kC * 4;         // f32 [64] k row scales
 constexpr int kPrepB = kPrepKn + kC * 4;          // f32 [64] sigmoid(beta) (0 past the end)
 constexpr int kPrepTot = kPrepB + kC * 4;         // f32 [128] gate sums over rows 0..31
-constexpr int kPrepFlag = kPrepTot + kD * 4;      // int [4] diagonal-block fallback flags
-constexpr int kPrepSmemBytes = kPrepFlag + 16;
-static_assert(kPrepSmemBytes == 75024, "PREPARE_SMEM in chunk_launch.py");
+constexpr int kPrepFlag = kPrepTot + kD * 4;      // int [8 warps][2] diagonal-block fallback flags
+constexpr int kPrepSmemBytes = kPrepFlag + 64;
+static_assert(kPrepSmemBytes == 75072, "PREPARE_SMEM in chunk_launch.py");
 static_assert(kC * kSA * 4 <= kC * kPQ * 2 && kC * kSA * 4 <= kC * kPG * 4 && 3 * 256 * 4 <= kC * kPQ * 2,
               "Akk, L and Y fit the dead tiles");
 
@@ -130,6 +130,14 @@ __device__ __forceinline__ bool locate_chunk(int slot, const void* cu_seqlens, i
     row0 = bos + (long long)chunk * kC;
     L = (int)min((long long)kC, len - (long long)chunk * kC);
     return true;
+}
+
+// Diagonal block B of the prepare kernel needs the element-wise pass: any of the four
+// warps covering its row half (warps 4 (B / 2) .. +3, flag B % 2 of each) saw a span above
+// the limit. The flags are written in P1 and read after its barrier.
+__device__ __forceinline__ bool diag_block_wide(const int* sflag, int B) {
+    const int* f = sflag + 8 * (B >> 1) + (B & 1);
+    return (f[0] | f[2] | f[4] | f[6]) != 0;
 }
 
 }  // namespace
@@ -258,7 +266,6 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
         if (tid < L) bb = __fdividef(1.f, 1.f + __expf(-to_float(beta[(row0 + tid) * HV + hv])));
         sb[tid] = bb;
     }
-    if (tid < 4) sflag[tid] = 0;
     cp_async_wait<0>();
     __syncthreads();
 
@@ -276,7 +283,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
             float span = 0.f;
 #pragma unroll
             for (int s = 0; s < 16; ++s) span = fmaxf(span, fabsf(gacc[16 * b + s] - m));
-            if (__any_sync(0xffffffffu, span > kDiagSpanLimit2) && lane == 0) sflag[2 * ghalf + b] = 1;
+            // one flag per (warp, block): every word has one writer (warps 4 ghalf .. +3 share block I)
+            const bool wide = __any_sync(0xffffffffu, span > kDiagSpanLimit2);
+            if (lane == 0) sflag[2 * warp + b] = wide;
         }
     }
     {
@@ -348,7 +357,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     // (A and B agree, so every channel is summed once).
     const int I = warp >> 1, nj = warp & 1;
     const int gq = lane >> 2, tq = lane & 3;
-    const bool diag_fast = sflag[I] == 0;
+    const bool diag_fast = !diag_block_wide(sflag, I);
     const int i0 = 16 * I + gq, i1 = i0 + 8;
     float acck[4][4];
     {
@@ -431,7 +440,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     const int ii = tid >> 4, jj = tid & 15;
 #pragma unroll
     for (int B = 0; B < 4; ++B) {
-        if (!sflag[B]) continue;
+        if (!diag_block_wide(sflag, B)) continue;
         const int i = 16 * B + ii, j = 16 * B + jj;
         float aq = 0.f, ak = 0.f;
         if (jj <= ii) {
@@ -465,7 +474,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     }
 #pragma unroll
     for (int B = 0; B < 4; ++B)
-        if (sflag[B]) sakk[(16 * B + ii) * kSA + 16 * B + jj] = fb[B];
+        if (diag_block_wide(sflag, B)) sakk[(16 * B + ii) * kSA + 16 * B + jj] = fb[B];
     __syncthreads();
 
     // ---- P4: Lm_II = (I + Akk_II)^-1 (unit lower triangular), one thread per column of

@@ -442,6 +442,11 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
     const int h = hv / (p.HV / p.H);
     const int v0 = split * VS;
     const Seq s = sequence_of(p, n);
+    // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
+    // arrive below, every thread's wait after the prologue) by a CTA barrier, not by program
+    // order: the init is a warp-wide instruction, so the sanitizer sees the whole warp write
+    // the barrier word (docs/kda_decode.md, "Shared-memory ordering").
+    if (bulk) __syncthreads();
 
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
@@ -600,10 +605,7 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
     }
     if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
         cp_async_wait<0>();
-        if (bulk && load) {
-            __syncthreads();  // thread 0's barrier initialisation is visible
-            mbarrier_wait(&bulk_bar, 0);
-        }
+        if (bulk && load) mbarrier_wait(&bulk_bar, 0);
         stage_to_regs(load);
     }
     // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].

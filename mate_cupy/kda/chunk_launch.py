@@ -25,7 +25,7 @@ CHUNK = 64  # tokens per chunk
 HEAD_DIM = 128  # K = V
 SLOT_BYTES = 66048  # Qs, Kt, Kb [64, 128] + T, Aqk [64, 64] in the input dtype, egl [128] float32
 PREPARE_THREADS = 256
-PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 16  # 75,024 bytes (kPrepSmemBytes)
+PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 64  # 75,072 bytes (kPrepSmemBytes)
 OFFSETS_THREADS = 1024
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
 

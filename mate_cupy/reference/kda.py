@@ -33,6 +33,8 @@ __all__ = [
     "kda_recurrent",
     "kda_chunked",
     "kda_decode",
+    "kda_segmented",
+    "kda_segment_combine",
     "kda_chunk_gate",
     "kda_decode_gate",
     "kda_decode_beta",
@@ -362,6 +364,117 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=Non
             o[b, sl] = np.swapaxes(oc, 0, 1)
         final[n] = S
     return o.reshape(x.out_shape), final
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+def _chunk_transition(k, v, gk, beta):
+    """Affine map of one chunk (all heads): ``S_out = S_in @ M + Cc``.
+
+    k, gk ``[HV, C, K]``; v ``[HV, C, V]``; beta ``[HV, C]``. From :func:`_chunk_forward`:
+    ``S_out = S diag(e^{G_C}) + D^T Kb`` with ``D = U - W S^T``, so
+    ``M = diag(e^{G_C}) - W^T Kb`` ``[HV, K, K]`` and ``Cc = U^T Kb`` ``[HV, V, K]``.
+    """
+    C = k.shape[1]
+    G = np.cumsum(gk, axis=1)
+    lower = np.tril(np.ones((C, C), dtype=bool))
+    diff = np.where(lower[None, :, :, None], G[:, :, None, :] - G[:, None, :, :], -np.inf)
+    strict = np.tril(np.ones((C, C)), -1)
+    A_kk = np.einsum("hik,hijk->hij", k, np.exp(diff) * k[:, None, :, :]) * beta[:, :, None] * strict
+    Tinv = _unit_lower_inverse(A_kk)
+    W = Tinv @ (beta[:, :, None] * k * np.exp(G))  # [HV, C, K]
+    U = Tinv @ (beta[:, :, None] * v)  # [HV, C, V]
+    G_last = G[:, -1, :]
+    Kb = k * np.exp(G_last[:, None, :] - G)  # [HV, C, K]
+    M = np.exp(G_last)[:, :, None] * np.eye(k.shape[2]) - np.swapaxes(W, 1, 2) @ Kb
+    return M, np.swapaxes(U, 1, 2) @ Kb
+
+
+def kda_segment_combine(M, C, initial_state=None):
+    """Float64 reference of the segment combine (docs/kda_chunk.md, "Intra-sequence parallelism").
+
+    Segment ``s`` of a sequence maps the state entering it to the state leaving it by
+    ``S_{s+1} = S_s @ M[s] + C[s]`` (``S [..., V, K]``, ``M [nseg, ..., K, K]``,
+    ``C [nseg, ..., V, K]``; ``...`` any batch axes, e.g. heads). Returns the entry states
+    ``[nseg + 1, ..., V, K]``: ``out[0]`` is ``initial_state`` (zeros when None), ``out[s]``
+    the state entering segment ``s``, ``out[nseg]`` the final state.
+    """
+    M = _f64(M, "M")
+    C = _f64(C, "C")
+    if M.ndim < 3 or C.ndim != M.ndim or M.shape[0] != C.shape[0] or M.shape[1:-2] != C.shape[1:-2] \
+            or M.shape[-1] != M.shape[-2] or C.shape[-1] != M.shape[-1]:
+        raise ValueError(f"M must be [nseg, ..., K, K] and C [nseg, ..., V, K] with equal nseg and batch axes, "
+                         f"got M {M.shape}, C {C.shape}")
+    S = np.zeros(C.shape[1:]) if initial_state is None else _f64(initial_state, "initial_state").copy()
+    if S.shape != C.shape[1:]:
+        raise ValueError(f"initial_state must have shape {C.shape[1:]}, got {S.shape}")
+    out = np.empty((M.shape[0] + 1,) + S.shape)
+    out[0] = S
+    for s in range(M.shape[0]):
+        out[s + 1] = out[s] @ M[s] + C[s]
+    return out
+
+
+def kda_segmented(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, A_log=None,
+                  dt_bias=None, lower_bound: float = -5.0, use_qk_l2norm: bool = True, *,
+                  segment_len: int, chunk_size: int = CHUNK_SIZE, return_transitions: bool = False):
+    r"""Segmented (intra-sequence parallel) float64 reference of ``chunk_kda``.
+
+    Same arguments and results as :func:`kda_recurrent` (``beta`` per head), plus
+    ``segment_len``: each sequence is cut into segments of ``segment_len`` tokens (the last
+    may be shorter; boundaries need not fall on chunk boundaries), and ``chunk_size``: the
+    chunk grid of :func:`kda_chunked`, restarted at every segment start. Three steps:
+
+    1. **Transitions** (independent per segment): the segment's affine map
+       ``S_out = S_in @ M_seg + C_seg``, composed from its chunks' maps
+       ``(M_c, C_c)`` (:func:`_chunk_transition`): ``M_seg = M_1 M_2 ... M_n``,
+       ``C_seg = (..((C_1 M_2 + C_2) M_3 + C_3) ..) M_n + C_n``.
+    2. **Combine** (sequential over segments, :func:`kda_segment_combine`):
+       ``S_0 = initial_state``, ``S_{s+1} = S_s @ M_seg[s] + C_seg[s]``.
+    3. **Outputs** (independent per segment): the chunked forward of each segment from its
+       true entry state ``S_s``.
+
+    With ``return_transitions`` also returns, per sequence, ``(M [nseg, HV, K, K],
+    C [nseg, HV, V, K], entry states [nseg + 1, HV, V, K])``.
+    """
+    Cn, L = int(chunk_size), int(segment_len)
+    if Cn < 1 or L < 1:
+        raise ValueError(f"chunk_size and segment_len must be >= 1, got {chunk_size}, {segment_len}")
+    x = _ChunkInputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias,
+                     lower_bound, use_qk_l2norm)
+    if x.per_channel_beta:
+        raise ValueError("kda_segmented takes beta per head [B, T, HV]: a per-channel beta has no "
+                         "right-multiplying transition")
+    beta1 = x.beta[..., 0]
+    o = np.zeros((x.B, x.T, x.HV, x.V))
+    final = np.empty_like(x.S0)
+    transitions = []
+    eye = np.broadcast_to(np.eye(x.K), (x.HV, x.K, x.K))
+    for n, (b, bos, eos) in enumerate(x.seqs):
+        segs = [(s0, min(s0 + L, eos)) for s0 in range(bos, eos, L)]
+        hf = lambda a, sl: np.swapaxes(a[b, sl], 0, 1)  # noqa: E731  [C, HV, ...] -> [HV, C, ...]
+        Ms = np.empty((len(segs), x.HV, x.K, x.K))
+        Cs = np.empty((len(segs), x.HV, x.V, x.K))
+        for i, (s0, s1) in enumerate(segs):  # 1. transitions, independent per segment
+            M, Cm = eye.copy(), np.zeros((x.HV, x.V, x.K))
+            for c0 in range(s0, s1, Cn):
+                sl = slice(c0, min(c0 + Cn, s1))
+                Mc, Cc = _chunk_transition(hf(x.k, sl), hf(x.v, sl), hf(x.gk, sl), hf(beta1, sl))
+                M, Cm = M @ Mc, Cm @ Mc + Cc
+            Ms[i], Cs[i] = M, Cm
+        entry = kda_segment_combine(Ms, Cs, x.S0[n])  # 2. combine, sequential
+        for i, (s0, s1) in enumerate(segs):  # 3. outputs, independent per segment
+            S = entry[i].copy()
+            for c0 in range(s0, s1, Cn):
+                sl = slice(c0, min(c0 + Cn, s1))
+                oc, S = _chunk_forward(hf(x.q, sl), hf(x.k, sl), hf(x.v, sl), hf(x.gk, sl), hf(beta1, sl), S,
+                                       x.scale)
+                o[b, sl] = np.swapaxes(oc, 0, 1)
+        final[n] = entry[-1]
+        transitions.append((Ms, Cs, entry))
+    o = o.reshape(x.out_shape)
+    return (o, final, transitions) if return_transitions else (o, final)
 
 
 # ----------------------------------------------------------------------------- decode
