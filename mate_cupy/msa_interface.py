@@ -8,7 +8,12 @@ float64 references (:mod:`mate_cupy.reference.msa`), refused for the same condit
 """
 from .msa.ops import msa, sparse_decode_atten_func, sparse_msa, sparse_msa_plan
 from .msa.page_table import build_page_table_from_flat_kv_indices
-from .msa.pipeline import SparsePipelinePlan, sparse_attention_pipeline, sparse_pipeline_plan
+from .msa.pipeline import (
+    SparsePipelinePlan,
+    sparse_attention_pipeline,
+    sparse_pipeline_plan,
+    sparse_pipeline_static_plan,
+)
 from .msa.plan import (
     MsaDecodePlan,
     MsaPlan,
@@ -43,6 +48,7 @@ __all__ = [
     "sparse_msa",
     "sparse_msa_plan",
     "sparse_pipeline_plan",
+    "sparse_pipeline_static_plan",
     "sparse_topk_select",
     "upload_plan",
 ]

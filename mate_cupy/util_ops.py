@@ -3,6 +3,8 @@
 * :func:`cast` (public, ``mate_cupy.cast``): ``dtype(x * scale)`` elementwise.
 * :func:`launch_build_page_table`: the CUDA half of
   ``build_page_table_from_flat_kv_indices`` (``mate_cupy.msa.page_table``).
+* :func:`launch_query_positions`: each query row's last attendable key position from
+  device-resident lengths (the static MSA pipeline's selection, ``mate_cupy.msa.pipeline``).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .checks import check_contiguous, check_dtype
 from .jit import KernelParams, get_kernel, launch, register
 from .runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, Arg, Call, as_dtype, dtype_name
 
-__all__ = ["CastProblem", "cast", "launch_build_page_table", "validate_cast"]
+__all__ = ["CastProblem", "cast", "launch_build_page_table", "launch_query_positions", "validate_cast"]
 
 SOURCE = "util.cu"
 _CTYPE = {FLOAT32: "float", FLOAT16: "half_t", BFLOAT16: "bf16_t", FP8_E4M3: "fp8_t"}
@@ -40,6 +42,12 @@ PAGE_TABLE_SPEC = register(SOURCE, tuple(PAGE_TABLE_KERNELS.values()))
 PAGE_TABLE_PARAMS = KernelParams((("kv_indices", "ptr"), ("kv_indices_stride", "i64"), ("page_start", "ptr"),
                                   ("page_table", "ptr"), ("max_pages", "i32")))
 _PAGE_TABLE_THREADS = 256
+
+POSITIONS_SPEC = register(SOURCE, "query_positions_kernel")
+POSITIONS_PARAMS = KernelParams((("cu_seqlens_q", "ptr"), ("qo_lens", "ptr"), ("kv_lens", "ptr"), ("qo_offset", "ptr"),
+                                 ("batch", "i32"), ("total_q", "i32"), ("causal", "i32"), ("positions", "ptr")))
+_POSITIONS_THREADS = 256
+_POSITIONS_MAX_BLOCKS = 1024
 
 
 # ----------------------------------------------------------------------------- cast
@@ -136,3 +144,19 @@ def launch_build_page_table(kv_indices: Arg, page_start: Arg, page_table: Arg, s
         return
     launch(get_kernel(PAGE_TABLE_SPEC, PAGE_TABLE_KERNELS[kv_indices.dtype]), (batch,), (_PAGE_TABLE_THREADS,),
            PAGE_TABLE_PARAMS, (kv_indices, kv_indices.strides[0], page_start, page_table, max_pages), stream=stream)
+
+
+# ----------------------------------------------------------------------------- query positions
+
+
+def launch_query_positions(cu_seqlens_q: int, qo_lens: int, kv_lens: int, qo_offset: int, batch: int,
+                           total_q: int, causal: bool, positions: int, stream: int) -> None:
+    """``positions [total_q]`` int64 from the int32 device vectors ``cu_seqlens_q [batch + 1]``,
+    ``qo_lens``, ``kv_lens`` (the keys each request reads), ``qo_offset [batch]`` (all
+    addresses): causal rows ``min(qo_offset[b] + t, kv_lens[b] - 1)``, non-causal rows
+    ``kv_lens[b] - 1``, rows of no request -1. On ``stream`` of the current device."""
+    if total_q <= 0:
+        return
+    blocks = min(_POSITIONS_MAX_BLOCKS, -(-total_q // _POSITIONS_THREADS))
+    launch(get_kernel(POSITIONS_SPEC, "query_positions_kernel"), (blocks,), (_POSITIONS_THREADS,), POSITIONS_PARAMS,
+           (cu_seqlens_q, qo_lens, kv_lens, qo_offset, batch, total_q, int(bool(causal)), positions), stream=stream)

@@ -121,3 +121,60 @@ def test_speculative_decode_per_token_lists(rng, spec):
         graph.launch(stream)
     stream.synchronize()
     assert_rel(out2, masked_ref(p, sel)[0], 1e-2, f"speculative {spec}, captured static plan")
+
+
+def test_static_pipeline_one_graph_serves_steps_of_changing_lengths(rng):
+    """A static pipeline plan, its first call captured in a CUDA graph, replayed for a second
+    step whose lengths, pages and inputs were written into the same device buffers."""
+    import cupy
+
+    spec, batch, max_k = 4, 4, 8192
+    plan = mc.sparse_pipeline_static_plan(batch, spec, max_k, 16, 1, total_seqlen_k=batch * max_k, topk=8,
+                                          force_begin_blocks=1, force_end_blocks=2, device=0, head_dim=128,
+                                          dtype=BF16)
+    assert plan.is_static and plan.attention[3].mode == "sparse_decode"
+    steps = [make_problem(rng, [spec] * batch, kv, 16, 1, 128, page_size=128, extra_pages=0)
+             for kv in ([5000, 300, 129, 1000], [4000, 7000, 2, 640])]
+    steps = [(p,) + index_branch(rng, p, d_index=128) for p in steps]
+    n_pages = max(p.k_cache.shape[0] for p, *_ in steps)
+
+    def pool(x):  # a device cache of n_pages pages holding x in its first pages
+        a = cupy.zeros((n_pages,) + x.shape[1:], dtype=x.dtype)
+        a[: x.shape[0]] = dev(x)
+        return a
+
+    p, iq, _, icache = steps[0]
+    bufs = dict(q=dev(p.q), iq=dev(iq), k=pool(p.k_cache), v=pool(p.v_cache), ik=pool(icache))
+    t = lambda x: dev(np.asarray(x, np.int32))  # noqa: E731
+
+    def metadata(p):
+        table = np.zeros((batch, max_k // 128), np.int32)
+        table[:, : p.page_table.shape[1]] = np.where(p.page_table >= 0, p.page_table, 0)
+        return dict(qo_lens=t(p.qo), kv_lens=t(p.kv), qo_offset=t(p.kv - p.qo), cu_seqlens_q=t(p.cu_q),
+                    cu_seqlens_k=t(p.cu_k), seqused_k=t(p.kv), page_table=t(table))
+
+    md_arrays = metadata(p)
+    md = mc.MsaRuntimeMetadata(**md_arrays)
+    out = poisoned(p.q.shape, BF16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        mc.sparse_attention_pipeline(bufs["q"], bufs["k"], bufs["v"], bufs["iq"], bufs["ik"], plan,
+                                     runtime_metadata=md, out=out)
+        graph = stream.end_capture()
+    for step, (p, iq, ik, icache) in enumerate(steps):
+        if step:
+            for name, arr in metadata(p).items():
+                md_arrays[name][...] = arr
+            bufs["q"][...] = dev(p.q)
+            bufs["iq"][...] = dev(iq)
+            bufs["k"][: p.k_cache.shape[0]] = dev(p.k_cache)
+            bufs["v"][: p.v_cache.shape[0]] = dev(p.v_cache)
+            bufs["ik"][: icache.shape[0]] = dev(icache)
+        out.fill(np.nan)
+        plan.selection.fill(-7)
+        cupy.cuda.Device().synchronize()  # the copies ran on the null stream; the graph on a non-blocking one
+        with stream:
+            graph.launch(stream)
+        stream.synchronize()
+        _check_passes(p, iq, ik, plan, out, topk=8, begin=1, end=2, what=f"static pipeline, step {step}")

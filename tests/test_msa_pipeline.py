@@ -113,3 +113,8 @@ def test_refusals(rng):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4, device="cpu", max_score_bytes=0)
     with pytest.raises(ValueError):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=5, device="cpu")
+
+
+def test_static_plan_needs_a_gpu_and_metadata():
+    with pytest.raises(ValueError, match="CUDA device"):
+        mc.sparse_pipeline_static_plan(2, 4, 1024, 16, 1, device="cpu")

@@ -1,4 +1,5 @@
-// Small utility kernels: dtype casts and the CSR -> page-table builder.
+// Small utility kernels: dtype casts, the CSR -> page-table builder, the query positions of
+// a batch from its device-resident lengths.
 #include "common/dtype.cuh"
 
 using namespace mate;
@@ -37,4 +38,33 @@ __global__ void build_page_table_kernel(const I* __restrict__ kv_indices, long l
     const long long count = page_start[b + 1] - start;
     for (int j = threadIdx.x; j < max_pages; j += blockDim.x)
         page_table[(long long)b * max_pages + j] = j < count ? (int)kv_indices[(start + j) * kv_indices_stride] : 0;
+}
+
+// positions[i] (int64, i < total_q): the last key position query row i may attend, from the
+// batch's device-resident lengths (static plans' runtime metadata). Request b owns rows
+// [cu_seqlens_q[b], cu_seqlens_q[b] + qo_lens[b]); its row t sits at qo_offset[b] + t and,
+// when causal, attends keys up to min(qo_offset[b] + t, kv_lens[b] - 1); otherwise up to
+// kv_lens[b] - 1. Rows of no request get -1. The request of a row is found by binary search
+// over cu_seqlens_q (any values: the search stays inside [0, batch]). Grid-stride over rows.
+__global__ void query_positions_kernel(const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
+                                       const int* __restrict__ kv_lens, const int* __restrict__ qo_offset,
+                                       int batch, int total_q, int causal, long long* __restrict__ positions) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total_q; i += gridDim.x * blockDim.x) {
+        int lo = 0, hi = batch;  // the last b in [0, batch) with cu_seqlens_q[b] <= i, else -1
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (cu_seqlens_q[mid] <= i) lo = mid + 1;
+            else hi = mid;
+        }
+        const int b = lo - 1;
+        long long pos = -1;
+        if (b >= 0) {
+            const long long t = (long long)i - cu_seqlens_q[b];
+            if (t < qo_lens[b]) {
+                const long long last = (long long)kv_lens[b] - 1;
+                pos = causal ? min((long long)qo_offset[b] + t, last) : last;
+            }
+        }
+        positions[i] = pos;
+    }
 }

@@ -1,16 +1,20 @@
 """The MSA pipeline as one call: index max score -> top-k block selection -> block-sparse attention.
 
-:func:`sparse_pipeline_plan` builds, from concrete lengths, everything the three passes
-need and owns their buffers: the sparse attention plan (prefill, decode or mixed), one
-max-score plan per query window of the index branch, the query positions of the
-selection, the window's ``max_score`` buffer and the ``[total_q, Hkv, W]`` selection.
-:func:`sparse_attention_pipeline` runs the passes on the caller's stream; with
-preallocated ``out`` (and ``lse``) it allocates nothing, so a CUDA graph captures it.
+A pipeline plan holds everything the three passes need and owns their buffers: the sparse
+attention plan, the max-score plan(s) of the index branch, the query positions of the
+selection, the ``max_score`` buffer and the ``[total_q, Hkv, W]`` selection.
+:func:`sparse_attention_pipeline` runs the passes on the caller's stream; with preallocated
+``out`` (and ``lse``) it allocates nothing and reads nothing back, so a CUDA graph captures it.
 
-The index branch's scores are materialised one query window at a time: a window holds at
-most ``max_score_bytes`` of float32 block maxima (``rows * Hkv * ceil(max_kv / 128) * 4``),
-so the buffers stay bounded at any sequence length (a 1M-token prefill with 4 index heads
-needs 8192-row windows at the default 1 GiB).
+* :func:`sparse_pipeline_plan` (eager, from concrete lengths; prefill, decode or mixed
+  batches): the index branch's scores are materialised one query window at a time, a
+  window holding at most ``max_score_bytes`` of float32 block maxima
+  (``rows * Hkv * ceil(max_kv / 128) * 4``), so the buffers stay bounded at any sequence
+  length (a 1M-token prefill with 4 index heads takes 8192-row windows at the default 1 GiB).
+* :func:`sparse_pipeline_static_plan` (capacities; lengths and pages come with each call as
+  :class:`~mate_cupy.MsaRuntimeMetadata`, so one captured graph serves every step of a
+  serving loop): one window over the plan's capacity; the query positions are computed on
+  the device from the metadata.
 """
 from __future__ import annotations
 
@@ -21,21 +25,22 @@ import numpy as np
 
 from .._logging import mate_api
 from ..runtime.interop import Call, as_dtype
+from ..util_ops import launch_query_positions
 from .ops import msa
 from .plan import (
     SPARSE_BLOCK_SIZE,
     MsaPlanInfo,
     _int32_vector,
     device_index,
+    msa_plan,
     msa_plan_from_lengths,
     normalize_qo_offset,
     selected_block_count,
-    unpack_plan_info,
     upload_plan,
 )
 from .topk import plan_query_positions, sparse_topk_select
 
-__all__ = ["SparsePipelinePlan", "sparse_attention_pipeline", "sparse_pipeline_plan"]
+__all__ = ["SparsePipelinePlan", "sparse_attention_pipeline", "sparse_pipeline_plan", "sparse_pipeline_static_plan"]
 
 #: default bound of one window's float32 block maxima (bytes)
 MAX_SCORE_BYTES = 1 << 30
@@ -53,16 +58,17 @@ class IndexWindow:
 
 @dataclass(eq=False)
 class SparsePipelinePlan:
-    """An eager MSA pipeline: the plans of its three passes and the buffers it owns.
+    """An MSA pipeline: the plans of its three passes and the buffers it owns.
 
     ``attention``: the sparse plan (``sparse_prefill``, ``sparse_decode`` or mixed) of the
     main attention, ``num_qo_heads`` over ``num_kv_heads``. ``windows``: the index branch's
-    max-score plans (``num_kv_heads`` index heads over ``num_index_kv_heads``, page size 128), one per
-    query window of at most ``window_rows`` rows. ``positions`` (int64 ``[total_q]``),
-    ``max_score`` (float32 ``[window_rows, Hkv, max_k_tiles]``) and ``selection`` (int32
-    ``[total_q, Hkv, W]``, the last run's block lists, readable after it) live on ``device``
-    (CuPy arrays) or on the host (NumPy) for ``device=None`` plans of a process without GPU
-    or ``device="cpu"``. Memory is freed with the plan.
+    max-score plans (``num_kv_heads`` index heads over ``num_index_kv_heads``, page size 128),
+    one per query window of at most ``window_rows`` rows (static plans: one window over the
+    capacity). ``is_static``: lengths come with each call (``runtime_metadata``) and
+    ``total_q`` is the row capacity. ``positions`` (int64 ``[total_q]``), ``max_score``
+    (float32 ``[window_rows, Hkv, max_k_tiles]``) and ``selection`` (int32 ``[total_q, Hkv,
+    W]``, the last run's block lists, readable after it) live on ``device`` (CuPy arrays) or
+    on the host (NumPy) for host plans. Memory is freed with the plan.
     """
 
     attention: MsaPlanInfo
@@ -78,6 +84,8 @@ class SparsePipelinePlan:
     max_k_tiles: int
     window_rows: int
     device: Optional[int]
+    is_static: bool
+    causal: bool
     positions: Any = field(repr=False)
     max_score: Any = field(repr=False)
     selection: Any = field(repr=False)
@@ -121,6 +129,11 @@ def _new_array(device: Optional[int], shape: tuple, dtype, host: Optional[np.nda
         return arr
 
 
+def _heads(num_qo_heads, num_kv_heads) -> tuple:
+    num_qo_heads = int(num_qo_heads)
+    return num_qo_heads, num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
+
+
 @mate_api
 def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, num_kv_heads: Optional[int] = None,
                          *, num_index_kv_heads: int = 1, topk: int = 16,
@@ -135,21 +148,21 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
     (``qo_len <= 32``) first when ``split_prefill_decode`` mixes them with prefills.
     ``num_qo_heads``/``num_kv_heads``: the main attention's heads (Hq/Hkv 8 or 16, head dim
     128, page size 128). The index branch has ``num_kv_heads`` query heads (index head ``h``
-    selects the blocks of KV head ``h``) over ``num_index_kv_heads`` index KV heads. ``topk`` (4, 8, 16, 32, 64) and the forced blocks
-    as in :func:`~mate_cupy.sparse_topk_select`. ``qo_offset``, ``causal``,
-    ``prefill_tile`` as in :func:`~mate_cupy.msa_plan_from_lengths`. ``max_score_bytes``
-    bounds one window's float32 block maxima. ``head_dim``/``dtype`` (q's dtype) size the
-    attention workspace and load the kernels when the plan is uploaded. ``device``: None
-    (CuPy's current GPU when the process sees one, else a host plan), an int /
-    ``"cuda:N"`` / torch or CuPy device, or ``"cpu"``; ``stream``: where the uploads are
-    ordered (None: the device's current CuPy stream, then synchronised).
+    selects the blocks of KV head ``h``) over ``num_index_kv_heads`` index KV heads.
+    ``topk`` (4, 8, 16, 32, 64) and the forced blocks as in
+    :func:`~mate_cupy.sparse_topk_select`. ``qo_offset``, ``causal``, ``prefill_tile`` as in
+    :func:`~mate_cupy.msa_plan_from_lengths`. ``max_score_bytes`` bounds one window's
+    float32 block maxima (``ValueError`` if not positive). ``head_dim``/``dtype`` (q's
+    dtype) size the attention workspace and load the kernels when the plan is uploaded.
+    ``device``: None (CuPy's current GPU when the process sees one, else a host plan), an
+    int / ``"cuda:N"`` / torch or CuPy device, or ``"cpu"``; ``stream``: where the uploads
+    are ordered (None: the device's current CuPy stream, then synchronised).
     """
     from .plan import _current_cuda_device
 
     qo = _int32_vector("qo_segment_lens", qo_segment_lens)
     kv = _int32_vector("kv_segment_lens", kv_segment_lens)
-    num_qo_heads = int(num_qo_heads)
-    num_kv_heads = num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
+    num_qo_heads, num_kv_heads = _heads(num_qo_heads, num_kv_heads)
     if int(max_score_bytes) <= 0:
         raise ValueError(f"max_score_bytes must be positive, got {max_score_bytes}")
     dev = _current_cuda_device() if device is None else device_index(device)  # None: a host plan
@@ -171,14 +184,13 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
                                       split_prefill_decode=False, page_size=SPARSE_BLOCK_SIZE,
                                       output_maxscore=True, causal=causal, device="cpu")
         windows.append(IndexWindow(a, b, wplan))
-    positions = plan_query_positions(attention)
     plan = SparsePipelinePlan(
         attention=attention, windows=tuple(windows), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         num_index_kv_heads=int(num_index_kv_heads), topk=int(topk),
         force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
         force_blocks_count_in_topk=bool(force_blocks_count_in_topk), total_q=total_q, max_k_tiles=nt,
-        window_rows=window_rows, device=dev,
-        positions=_new_array(dev, (total_q,), np.int64, positions),
+        window_rows=window_rows, device=dev, is_static=False, causal=bool(causal),
+        positions=_new_array(dev, (total_q,), np.int64, plan_query_positions(attention)),
         max_score=_new_array(dev, (window_rows, num_kv_heads, nt), np.float32),
         selection=_new_array(dev, (total_q, num_kv_heads, width), np.int32))
     if dev is not None:
@@ -189,51 +201,133 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
 
 
 @mate_api
-def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePlan, *, kv_indices, out=None,
-                              lse=None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
-                              v_scale: float = 1.0, workspace=None):
+def sparse_pipeline_static_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads: int,
+                                num_kv_heads: Optional[int] = None, *, total_seqlen_k: Optional[int] = None,
+                                num_index_kv_heads: int = 1, topk: int = 16, force_begin_blocks: int = 0,
+                                force_end_blocks: int = 0, force_blocks_count_in_topk: bool = True,
+                                causal: bool = True, prefill_tile: Optional[str] = "gather",
+                                max_score_bytes: int = MAX_SCORE_BYTES, head_dim: int = 128, dtype="bfloat16",
+                                device=None) -> SparsePipelinePlan:
+    """Plan the MSA pipeline from capacities (CUDA-graph safe across steps, like ``msa_plan``).
+
+    ``batch_size`` requests of at most ``max_seqlen_q`` queries over at most ``max_seqlen_k``
+    keys (``total_seqlen_k``: the K token capacity, default ``max_seqlen_k``); the mode
+    follows ``max_seqlen_q`` (sparse decode up to 32 queries per request: decode and
+    speculative decoding). Every call passes :class:`~mate_cupy.MsaRuntimeMetadata` (with
+    ``seqused_k`` and ``page_table`` or ``kv_page_indptr``). One window covers the capacity
+    ``batch_size * max_seqlen_q`` rows: its block maxima must fit ``max_score_bytes``
+    (``ValueError`` otherwise: plan long prefills with :func:`sparse_pipeline_plan`). Other
+    arguments as in :func:`sparse_pipeline_plan`. Needs a CUDA device (``"cpu"`` is a
+    ``ValueError``): the buffers and the attention workspace are allocated here.
+    """
+    from .plan import _current_cuda_device
+
+    num_qo_heads, num_kv_heads = _heads(num_qo_heads, num_kv_heads)
+    dev = _current_cuda_device() if device is None else device_index(device)
+    if dev is None:
+        raise ValueError("sparse_pipeline_static_plan needs a CUDA device (static plans run on the kernels)")
+    common = dict(total_seqlen_k=total_seqlen_k, page_size=SPARSE_BLOCK_SIZE, causal=causal)
+    attention = msa_plan(batch_size, max_seqlen_q, max_seqlen_k, num_qo_heads, num_kv_heads=num_kv_heads,
+                         kv_block_num=int(topk), force_begin_blocks=force_begin_blocks,
+                         force_end_blocks=force_end_blocks, force_blocks_count_in_topk=force_blocks_count_in_topk,
+                         prefill_tile=prefill_tile, **common)
+    index = msa_plan(batch_size, max_seqlen_q, max_seqlen_k, num_kv_heads, num_kv_heads=int(num_index_kv_heads),
+                     output_maxscore=True, **common)
+    total_q = int(batch_size) * int(max_seqlen_q)
+    nt = -(-int(max_seqlen_k) // SPARSE_BLOCK_SIZE)
+    need = total_q * num_kv_heads * nt * 4
+    if need > int(max_score_bytes):
+        raise ValueError(f"the static pipeline's block maxima take {need} bytes ({total_q} rows x {num_kv_heads} "
+                         f"heads x {nt} blocks x 4) > max_score_bytes={max_score_bytes}: plan long prefills with "
+                         "sparse_pipeline_plan (query windows) or raise max_score_bytes")
+    plan = SparsePipelinePlan(
+        attention=attention, windows=(IndexWindow(0, total_q, index),), num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, num_index_kv_heads=int(num_index_kv_heads), topk=int(topk),
+        force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
+        force_blocks_count_in_topk=bool(force_blocks_count_in_topk), total_q=total_q, max_k_tiles=nt,
+        window_rows=total_q, device=dev, is_static=True, causal=bool(causal),
+        positions=_new_array(dev, (total_q,), np.int64),
+        max_score=_new_array(dev, (total_q, num_kv_heads, nt), np.float32),
+        selection=_new_array(dev, (total_q, num_kv_heads, attention[3].selected_block_count), np.int32))
+    upload_plan(attention, dev, None, head_dim=int(head_dim), dtype=as_dtype(dtype))
+    return plan
+
+
+@mate_api
+def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePlan, *, kv_indices=None,
+                              runtime_metadata=None, out=None, lse=None, sm_scale: Optional[float] = None,
+                              k_scale: float = 1.0, v_scale: float = 1.0, workspace=None):
     """Index max score -> top-k block selection -> block-sparse attention, on one plan.
 
     q ``[total_q, Hq, 128]`` (fp16, bf16 or fp8); k, v paged ``[P, 128, Hkv, 128]`` (or
     ``[P, Hkv, 128, 128]``); ``index_q [total_q, Hkv, Di]`` and ``index_k [P, 128, Hik, Di]``
     (or ``[P, Hik, 128, Di]``) fp16/bf16, the index branch over the same pages;
     ``kv_indices``: int32 flat page ids of every request (CSR by ``ceil(kv_len / 128)``),
-    shared by both caches. Per window of :attr:`SparsePipelinePlan.window_rows` query rows,
-    the block maxima of the index branch (``msa(..., output_o=False)``) go into the plan's
-    ``max_score`` buffer and its top-k block lists into ``plan.selection`` (query positions
-    from the plan, so causal rows select only blocks they can attend and the forced end
-    blocks are each query's own); then ``msa`` attends the selected blocks. ``out``/``lse``
-    (preallocated, written in place), ``sm_scale``, ``k_scale``/``v_scale`` (fp8) and
-    ``workspace`` as in :func:`~mate_cupy.msa`. Returns ``out`` ``[total_q, Hq, 128]``.
+    shared by both caches; static plans take the pages from ``runtime_metadata``
+    (``page_table``, or ``kv_page_indptr`` with ``kv_indices``). ``runtime_metadata``:
+    required by static plans (:func:`sparse_pipeline_static_plan`), refused by eager ones.
+    Per window of :attr:`SparsePipelinePlan.window_rows` query rows, the block maxima of
+    the index branch (``msa(..., output_o=False)``) go into the plan's ``max_score`` buffer
+    and its top-k block lists into ``plan.selection`` (query positions from the plan, or
+    from the metadata on the device for static plans, so causal rows select only blocks
+    they can attend and the forced end blocks are each query's own); then ``msa`` attends
+    the selected blocks. ``out``/``lse`` (preallocated, written in place), ``sm_scale``,
+    ``k_scale``/``v_scale`` (fp8) and ``workspace`` as in :func:`~mate_cupy.msa`. Returns
+    ``out`` ``[total_q, Hq, 128]``.
     """
     if not isinstance(plan, SparsePipelinePlan):
         raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
     rows = _leading_dim(q, "q")
-    for name, arr in (("index_q", index_q),):
-        n = _leading_dim(arr, name)
-        if n != rows:
-            raise ValueError(f"{name} must have q's {rows} rows, got {n}")
-    if rows != plan.total_q:
-        raise ValueError(f"q must have the plan's {plan.total_q} rows (sum of qo_segment_lens), got {rows}")
+    n = _leading_dim(index_q, "index_q")
+    if n != rows:
+        raise ValueError(f"index_q must have q's {rows} rows, got {n}")
+    if plan.is_static:
+        if runtime_metadata is None:
+            raise ValueError("a static pipeline plan (sparse_pipeline_static_plan) needs runtime_metadata")
+        if rows > plan.total_q:
+            raise ValueError(f"q has {rows} rows, more than the plan's capacity {plan.total_q} "
+                             "(batch_size * max_seqlen_q)")
+    else:
+        if runtime_metadata is not None:
+            raise ValueError("runtime_metadata goes with static pipeline plans (sparse_pipeline_static_plan); "
+                             "an eager pipeline plan holds its lengths")
+        if rows != plan.total_q:
+            raise ValueError(f"q must have the plan's {plan.total_q} rows (sum of qo_segment_lens), got {rows}")
     ms, sel, pos = plan.max_score, plan.selection, plan.positions
+    select = dict(force_begin_blocks=plan.force_begin_blocks, force_end_blocks=plan.force_end_blocks,
+                  force_blocks_count_in_topk=plan.force_blocks_count_in_topk)
     # The selection pass takes the plan's buffers first, so it would launch on CuPy's current
     # stream: make that the caller's (q's framework's current stream) for every pass.
-    with Call(q=q).launch_scope():
-        for w in plan.windows:
-            n = w.row_end - w.row_begin
-            if n == 0:
-                continue
-            scores = ms[:n]
-            msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices,
-                max_score=scores, output_o=False)
-            sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
-                               force_begin_blocks=plan.force_begin_blocks, force_end_blocks=plan.force_end_blocks,
-                               force_blocks_count_in_topk=plan.force_blocks_count_in_topk,
-                               query_positions=pos[w.row_begin:w.row_end])
-        res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel, out=out, lse=lse,
-                     sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, output_maxscore=False,
-                     workspace=workspace)
+    call = Call(q=q)
+    with call.launch_scope():
+        if plan.is_static:
+            md = runtime_metadata
+            window = plan.windows[0]
+            msa(index_q, index_k, index_k, window.plan, kv_indices=kv_indices, runtime_metadata=md,
+                max_score=ms[:rows], output_o=False)  # validates the metadata
+            lens = Call(cu=md.cu_seqlens_q, qo=md.qo_lens, kv=md.seqused_k, off=md.qo_offset)
+            launch_query_positions(lens["cu"].ptr, lens["qo"].ptr, lens["kv"].ptr, lens["off"].ptr,
+                                   int(lens["qo"].shape[0]), rows, plan.causal, _address(pos), call.stream_ptr)
+            sparse_topk_select(ms[:rows], plan.topk, output=sel[:rows], query_positions=pos[:rows], **select)
+        else:
+            for w in plan.windows:
+                n = w.row_end - w.row_begin
+                if n == 0:
+                    continue
+                scores = ms[:n]
+                msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices,
+                    max_score=scores, output_o=False)
+                sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
+                                   query_positions=pos[w.row_begin:w.row_end], **select)
+        res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel[:rows], out=out, lse=lse,
+                     sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, runtime_metadata=runtime_metadata,
+                     output_maxscore=False, workspace=workspace)
     return res
+
+
+def _address(arr) -> int:
+    """Device address of a plan-owned CuPy buffer."""
+    return int(arr.data.ptr)
 
 
 def _leading_dim(arr, name: str) -> int:
