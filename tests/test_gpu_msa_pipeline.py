@@ -178,3 +178,26 @@ def test_static_pipeline_one_graph_serves_steps_of_changing_lengths(rng):
             graph.launch(stream)
         stream.synchronize()
         _check_passes(p, iq, ik, plan, out, topk=8, begin=1, end=2, what=f"static pipeline, step {step}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_positions_kernel_matches_the_plan_positions(rng, causal):
+    """Positions from device lengths equal plan_query_positions; rows of no request get -1."""
+    import cupy
+
+    from mate_cupy.util_ops import launch_query_positions
+
+    qo = rng.integers(0, 40, size=37).astype(np.int32)
+    kv = (qo + rng.integers(0, 3000, size=37)).astype(np.int32)
+    kv[3] = 0
+    info = mc.msa_plan_from_lengths(qo, kv, 8, 1, causal=causal, device="cpu")
+    ref = mc.plan_query_positions(info)
+    total = int(qo.sum()) + 50  # 50 rows owned by no request
+    cu = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    pos = cupy.full(total, 12345, dtype=cupy.int64)
+    vec = [dev(x) for x in (cu, qo, kv, (kv - qo).astype(np.int32))]
+    launch_query_positions(*(int(x.data.ptr) for x in vec), len(qo), total, causal, int(pos.data.ptr),
+                           cupy.cuda.get_current_stream().ptr)
+    got = pos.get()
+    np.testing.assert_array_equal(got[: len(ref)], ref)
+    assert (got[len(ref):] == -1).all()

@@ -84,7 +84,8 @@ def test_cast_refusals_are_the_same_for_host_and_cuda_inputs(make, exc):
 
 
 @pytest.mark.parametrize("kernel,params", [("cast_kernel", util_ops.CAST_PARAMS),
-                                           ("build_page_table_kernel", util_ops.PAGE_TABLE_PARAMS)])
+                                           ("build_page_table_kernel", util_ops.PAGE_TABLE_PARAMS),
+                                           ("query_positions_kernel", util_ops.POSITIONS_PARAMS)])
 def test_launcher_parameters_match_kernel_signature(kernel, params):
     from pathlib import Path
 
