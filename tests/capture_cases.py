@@ -174,6 +174,18 @@ def case_fns(torch, mc):
         out = torch.empty_like(q)
         return (lambda: mc.sparse_attention_pipeline(q, ck, cv, iq, ik, plan, kv_indices=idx, out=out)), [out]
 
+    def pipeline_static():
+        qo, kv, q, ck, cv, idx = _paged(torch, [4, 4, 4], [5000, 129, 900], 16, 1)
+        plan = mc.sparse_pipeline_static_plan(3, 4, 8192, 16, 1, total_seqlen_k=ck.shape[0] * 128, topk=4,
+                                              force_begin_blocks=1, force_end_blocks=1, device=0, head_dim=128,
+                                              dtype=bf16)
+        md = _runtime(torch, mc, qo, kv, page=128)
+        iq = _rn(torch, int(qo.sum()), 1, 128)
+        ik = _rn(torch, ck.shape[0], 128, 1, 128)
+        out = torch.empty_like(q)
+        return (lambda: mc.sparse_attention_pipeline(q, ck, cv, iq, ik, plan, kv_indices=idx, runtime_metadata=md,
+                                                     out=out)), [out]
+
     def cast():
         x = torch.randn((1000, 128), device="cuda")
         out = torch.empty((1000, 128), dtype=bf16, device="cuda")
@@ -185,14 +197,15 @@ def case_fns(torch, mc):
         "sparse_msa_gather_eager": sparse_prefill_eager("gather"), "sparse_msa_static": sparse_prefill_static,
         "sparse_decode_eager": sparse_decode_eager, "sparse_decode_static": sparse_decode_static,
         "sparse_topk_select": topk, "gated_delta_rule_decode": kda_decode, "chunk_kda": chunk, "cast": cast,
-        "sparse_attention_pipeline": pipeline,
+        "sparse_attention_pipeline": pipeline, "sparse_attention_pipeline_static": pipeline_static,
     })
     return cases
 
 
 CASES = ("msa_dense_eager", "msa_paged_eager", "msa_paged_static", "msa_max_score_eager", "sparse_msa_eager",
          "sparse_msa_gather_eager", "sparse_msa_static", "sparse_decode_eager", "sparse_decode_static",
-         "sparse_topk_select", "gated_delta_rule_decode", "chunk_kda", "cast", "sparse_attention_pipeline")
+         "sparse_topk_select", "gated_delta_rule_decode", "chunk_kda", "cast", "sparse_attention_pipeline",
+         "sparse_attention_pipeline_static")
 
 
 def main(name: str) -> int:
