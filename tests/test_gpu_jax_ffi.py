@@ -157,3 +157,32 @@ def test_gated_delta_rule_decode_inplace_pool_under_jit(jf, rng):
                                                   state_indices=idx, store_final_state=True)
     assert_rel(np.asarray(out2), ref_out2, 1e-2, "second step output")
     assert_rel(np.asarray(fs)[idx >= 0], ref_fs[idx >= 0], 1e-3, "second step final state")
+
+
+def test_gated_delta_rule_decode_steps_run_the_prepared_launch(jf, rng):
+    """Jitted decode steps on fresh inputs (new buffers every step, one static description):
+    the first execution validates and prepares, the others run the prepared launch
+    (``jax_ffi.PREPARED_CALLS``); every step equals the float64 reference chain."""
+    B, H, HV, K = 4, 2, 4, 128
+    A_log = rng.uniform(-1, 1, HV).astype(np.float32)
+    ref_pool = (0.05 * rng.standard_normal((8, HV, K, K))).astype(np.float32)
+    idx = np.array([5, 0, -1, 2], np.int32)
+
+    def step(pool, q, k, v, a, b, A_log, idx):  # noqa: N803
+        return jf.gated_delta_rule_decode(q, k, v, pool, A_log, a, None, None, None, b, state_indices=idx,
+                                          use_lower_bound=True, apply_beta_sigmoid=True, inplace_final_state=True)
+
+    f = jax.jit(step, donate_argnums=0)
+    jf.PREPARED_CALLS.clear()
+    pool = _gpu(ref_pool)
+    for it in range(4):
+        r = lambda *s: rng.standard_normal(s).astype(BF16)  # noqa: E731
+        q, k, v, a, b = r(B, 1, H, K), r(B, 1, H, K), r(B, 1, HV, K), r(B, 1, HV, K), r(B, 1, HV)
+        out, pool = f(pool, *map(_gpu, (q, k, v, a, b, A_log, idx)))
+        ref_out, _ = mc.gated_delta_rule_decode(q, k, v, ref_pool, A_log, a, None, None, None, b, state_indices=idx,
+                                                use_lower_bound=True, apply_beta_sigmoid=True,
+                                                inplace_final_state=True)
+        assert_rel(np.asarray(out), ref_out, 1e-2, f"step {it} output")
+        assert_rel(np.asarray(pool), ref_pool, 1e-3, f"step {it} pool")
+    entries = list(jf.PREPARED_CALLS._items.values())
+    assert len(entries) == 1 and isinstance(entries[0], jf.PreparedFfiCall)

@@ -243,122 +243,34 @@ def test_import_without_jax_is_a_clear_error():
 
 
 # ----------------------------------------------------------------------------- CUDA handler, stub device
-# The CUDA handler run on a call frame built here (XLA's C layout over NumPy memory) with the
-# stub device of bench/host_overhead.py: device queries, module loading and cuLaunchKernel
-# replaced, every launch recorded.
-
-_XLA_DTYPES = {name: code for code, name in jf._DTYPE_NAMES.items()}
-STUB_XLA_STREAM = 0x5000
+# The CUDA handler run on a call frame built over NumPy memory in XLA's C layout
+# (bench/framework_overhead.py SyntheticFrame) with the stub device of bench/host_overhead.py:
+# device queries, module loading and cuLaunchKernel replaced, every launch recorded.
 
 
-class SyntheticFrame:
-    """An ``XLA_FFI_CallFrame`` (execute stage) over NumPy arrays: the operands, the results
-    (an array may be both, as an aliased buffer is), one string attribute, an API whose
-    stream and device-ordinal getters answer ``stream`` and ``ordinal`` and whose
-    error_create records the message (``errors``)."""
+def _bench():
+    import os
+    import sys
 
-    def __init__(self, operands: list, results: list, spec: str, stream: int = STUB_XLA_STREAM, ordinal: int = 0):
-        import ctypes
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import framework_overhead as fo
+    from bench import host_overhead as ho
 
-        keep, self.errors = [], []
-
-        def buffers(arrays):
-            bufs = []
-            for arr in arrays:
-                dims = (ctypes.c_int64 * max(arr.ndim, 1))(*arr.shape)
-                buf = jf._Buffer(ctypes.sizeof(jf._Buffer), None, _XLA_DTYPES[arr.dtype.name], arr.ctypes.data,
-                                 arr.ndim, dims)
-                keep.extend((dims, buf))
-                bufs.append(ctypes.pointer(buf))
-            items = (ctypes.POINTER(jf._Buffer) * max(len(bufs), 1))(*bufs)
-            types = (ctypes.c_int * max(len(bufs), 1))(*([1] * len(bufs)))
-            keep.extend((items, types))
-            return jf._BufferList(ctypes.sizeof(jf._BufferList), None, len(bufs), types, items)
-
-        name, value = ctypes.create_string_buffer(jf.SPEC_ATTRIBUTE.encode()), ctypes.create_string_buffer(
-            spec.encode())
-        name_span = jf._ByteSpan(ctypes.addressof(name), len(jf.SPEC_ATTRIBUTE))
-        value_span = jf._ByteSpan(ctypes.addressof(value), len(spec.encode()))
-        names = (ctypes.POINTER(jf._ByteSpan) * 1)(ctypes.pointer(name_span))
-        values = (ctypes.c_void_p * 1)(ctypes.addressof(value_span))
-        atypes = (ctypes.c_int * 1)(jf._ATTR_STRING)
-        keep.extend((name, value, name_span, value_span, names, values, atypes))
-
-        def stream_get(args):
-            args.contents.stream = stream
-            return None
-
-        def ordinal_get(args):
-            args.contents.device_ordinal = ordinal
-            return None
-
-        def error_create(args):
-            self.errors.append((args.contents.errc, args.contents.message.decode()))
-            return 1
-
-        callbacks = (jf._STREAM_GET(stream_get), jf._DEVICE_ORDINAL_GET(ordinal_get),
-                     jf._ERROR_CREATE(error_create))
-        api = jf._Api(ctypes.sizeof(jf._Api))
-        api.stream_get, api.device_ordinal_get, api.error_create = (ctypes.cast(c, ctypes.c_void_p).value
-                                                                    for c in callbacks)
-        self.frame = jf._CallFrame(ctypes.sizeof(jf._CallFrame), None, ctypes.pointer(api), None, jf._STAGE_EXECUTE,
-                                   buffers(operands), buffers(results),
-                                   jf._Attrs(ctypes.sizeof(jf._Attrs), None, 1, atypes, names, values), None)
-        self._keep = (keep, callbacks, api)
-        self.address = ctypes.addressof(self.frame)
-
-
-def staged_spec(monkeypatch, fn, *args, **kwargs) -> tuple:
-    """``(spec, operand names, result names)`` of the ``ffi_call`` that ``fn`` stages."""
-    import json
-
-    seen = {}
-
-    def ffi_call(target, result_shapes, **_):
-        def call(*operands, **attrs):
-            seen.update(attrs)
-            return [np.zeros(r.shape, r.dtype) for r in result_shapes]
-        return call
-
-    with monkeypatch.context() as m:
-        m.setattr(jax.ffi, "ffi_call", ffi_call)
-        fn(*args, **kwargs)
-    spec = seen[jf.SPEC_ATTRIBUTE]
-    d = json.loads(spec)
-    return spec, [o[0] for o in d["operands"]], [r[0] for r in d["results"]]
+    return fo, ho
 
 
 @pytest.fixture
 def stub_cuda(monkeypatch):
     """The stub device (bench/host_overhead.py) for the CUDA handler: XLA buffers on device 0
     over host memory; CuPy's device scopes are no-ops and its current stream is XLA's."""
-    import os
-    import sys
-
-    import cupy
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench import host_overhead as ho
-
+    pytest.importorskip("cupy")
+    pytest.importorskip("torch")
     from mate_cupy.kda import decode
-    from mate_cupy.runtime import interop
     from mate_cupy.runtime.memo import BoundedMemo
 
+    fo, ho = _bench()
     rec = ho.install_stub_device(monkeypatch.setattr)
-
-    class _NoDevice:
-        def __init__(self, *a):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(cupy.cuda, "Device", _NoDevice)
-    monkeypatch.setattr(interop, "_cupy_stream_ptr", lambda: STUB_XLA_STREAM)
-    monkeypatch.setattr(jf, "_cuda_scope", lambda ordinal, stream: _NoDevice())
+    fo.install_stub_jax(monkeypatch.setattr)
     monkeypatch.setattr(jf, "PREPARED_CALLS", BoundedMemo(256))
     monkeypatch.setattr(decode, "_PREPARED", BoundedMemo(256))
     monkeypatch.setattr(decode, "_PROBLEMS", BoundedMemo(256))
@@ -375,27 +287,20 @@ def _recorded(rec, fn):
     return list(rec.records)
 
 
-def _decode_frame(monkeypatch, x, **options):
-    """A CUDA decode call frame (in place, the pool aliased) over the arrays of ``x``."""
-    args = ("q", "k", "v", "state", "A_log", "a", "dt_bias")
-    spec, operands, results = staged_spec(
-        monkeypatch, jf.gated_delta_rule_decode, *(x[n] for n in args), None, None, x["b"],
-        state_indices=x["state_indices"], inplace_final_state=True, **options)
-    out = np.full(x["v"].shape, np.nan, np.float32).astype(x["q"].dtype)  # the declared output: q's dtype
-    arrays = {**x, "output": out}
-    return SyntheticFrame([arrays[n] for n in operands], [arrays[n] for n in results], spec)
+def _decode_frame(x, **options):
+    return _bench()[0].decode_frame(x, **options)
 
 
 def test_cuda_handler_prepared_call_launches_what_the_public_function_launches(stub_cuda, monkeypatch, rng):
     x = _decode_inputs(rng, T=1)
-    frame = _decode_frame(monkeypatch, x, apply_beta_sigmoid=True, lower_bound=-3.5)
+    frame = _decode_frame(x, apply_beta_sigmoid=True, lower_bound=-3.5)
     handle = lambda: jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True,  # noqa: E731
                                 frame.address)
     miss = _recorded(stub_cuda, handle)  # validates, prepares, launches the prepared launch
     assert len(jf.PREPARED_CALLS) == 1
     hit = _recorded(stub_cuda, handle)  # the prepared launch only
     assert not frame.errors
-    assert miss and hit == miss and all(r[4] == STUB_XLA_STREAM for r in hit)
+    assert miss and hit == miss and all(r[4] == _bench()[1].STUB_STREAM for r in hit)
     # The public function on the same buffers (the unprepared launcher, CuPy's stream = XLA's).
     args, rets, attrs, _ = _frame_buffers(frame)
     plain = _recorded(stub_cuda, lambda: jf._run_decode(args, rets, attrs, True))
@@ -406,7 +311,7 @@ def test_cuda_handler_refusals_are_not_stored_and_the_memo_is_bounded(stub_cuda,
     from mate_cupy.runtime.memo import BoundedMemo
 
     x = _decode_inputs(rng, T=1)
-    bad = _decode_frame(monkeypatch, {**x, "q": x["q"].astype(np.float32)})  # q must be fp16/bf16
+    bad = _decode_frame({**x, "q": x["q"].astype(np.float32)})  # q must be fp16/bf16
     for _ in range(2):  # refused every time, before any launch, nothing stored
         assert _recorded(stub_cuda, lambda: jf._handle("gated_delta_rule_decode", jf._run_decode,
                                                        jf._prepare_decode, True, bad.address)) == []
@@ -416,7 +321,7 @@ def test_cuda_handler_refusals_are_not_stored_and_the_memo_is_bounded(stub_cuda,
 
     monkeypatch.setattr(jf, "PREPARED_CALLS", BoundedMemo(2))
     for scale in (0.1, 0.2, 0.3):  # three static descriptions, three keys
-        f = _decode_frame(monkeypatch, x, scale=scale)
+        f = _decode_frame(x, scale=scale)
         jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True, f.address)
         assert not f.errors
     assert len(jf.PREPARED_CALLS) == 2
@@ -436,11 +341,12 @@ def _frame_buffers(frame):
 @pytest.mark.parametrize("store_final_state", [False, True])
 def test_cuda_handler_prepares_only_calls_that_allocate_nothing(stub_cuda, monkeypatch, rng, store_final_state):
     x = _decode_inputs(rng, T=1)
-    spec, operands, results = staged_spec(monkeypatch, jf.gated_delta_rule_decode, *(x[n] for n in (
+    fo, ho = _bench()
+    spec, operands, results, _ = fo.staged_spec(jf.gated_delta_rule_decode, *(x[n] for n in (
         "q", "k", "v", "state", "A_log", "a", "dt_bias")), None, None, x["b"], state_indices=x["state_indices"],
         store_final_state=store_final_state)
     arrays = {**x, "output": np.zeros(x["v"].shape, BF16), "final_state": np.zeros((3, 2, 128, 128), np.float32)}
-    frame = SyntheticFrame([x[n] for n in operands], [arrays[n] for n in results], spec)
+    frame = fo.SyntheticFrame([x[n] for n in operands], [arrays[n] for n in results], spec, ho.STUB_STREAM)
     prepared = jf._prepare_decode(*_frame_buffers(frame))
     if store_final_state:  # the public function allocates the final state: the validated path every time
         assert prepared is None
