@@ -137,11 +137,15 @@ def _torch_rows(torch, mc, tops, dev: str, calls: int) -> list:
         return lambda: step(*args)
 
     def paged_graphed():
-        def attend(q, k, v, meta):
-            return tops.msa(q, k, v, m["plan"], kv_indices=m["kv_indices"], runtime_metadata=meta)[0]
+        def attend(q, k, v, kv_indices, qo, kv, off, cu_q, cu_k, used, indptr):
+            meta = mc.MsaRuntimeMetadata(qo, kv, off, cu_q, cu_k, used, kv_page_indptr=indptr)
+            return tops.msa(q, k, v, m["plan"], kv_indices=kv_indices, runtime_metadata=meta)[0]
 
         step = torch.compile(attend, fullgraph=True, mode="reduce-overhead")
-        return lambda: step(m["q"], m["k"], m["v"], m["meta"])
+        md = m["meta"]
+        args = (m["q"], m["k"], m["v"], m["kv_indices"], md.qo_lens, md.kv_lens, md.qo_offset, md.cu_seqlens_q,
+                md.cu_seqlens_k, md.seqused_k, md.kv_page_indptr)
+        return lambda: step(*args)
 
     def captured(fn):
         side = torch.cuda.Stream()
