@@ -231,15 +231,43 @@ def _jax_rows(mc, dev: str, calls: int) -> list:
             wrap("x", arr)
         return q
 
+    # MSA paged decode, static plan + runtime metadata (the torch rows' shapes on a GPU)
+    length, page, hq, hkv, d = (8192, 64, 64, 8, 128) if dev == "cuda" else (256, 64, 8, 1, 128)
+    n_pages = length // page
+    plan = mc.msa_plan(1, 1, length, hq, total_seqlen_k=length, num_kv_heads=hkv, page_size=page)
+    if dev == "cuda":
+        mc.upload_plan(plan, device=0, head_dim=d, dtype=bf16)
+    mq = put(rng.standard_normal((1, hq, d)).astype(np.float32)).astype(bf16)
+    mk = put(rng.standard_normal((n_pages, page, hkv, d)).astype(np.float32)).astype(bf16)
+    mv = put(rng.standard_normal((n_pages, page, hkv, d)).astype(np.float32)).astype(bf16)
+    kv_indices = put(rng.permutation(n_pages).astype(np.int32))
+    one, kvl = np.ones(1, np.int32), np.full(1, length, np.int32)
+    meta = (put(one), put(kvl), put(kvl - one), put(np.array([0, 1], np.int32)),
+            put(np.array([0, length], np.int32)), put(kvl), put(np.array([0, n_pages], np.int32)))
+
+    @jax.jit
+    def attend(q, k, v, idx, qo, kv, off, cu_q, cu_k, used, indptr):
+        md = mc.MsaRuntimeMetadata(qo, kv, off, cu_q, cu_k, used, kv_page_indptr=indptr)
+        return jax_ffi.msa(q, k, v, plan, kv_indices=idx, runtime_metadata=md)[0]
+
+    last = {}
+
+    def msa_jitted():
+        last["out"] = attend(mq, mk, mv, kv_indices, *meta)
+        return last["out"]
+
     rows = []
-    for path, fn in (("jax_eager", eager), ("jax_eager_wrap", wrapped), ("jax_jit", jitted)):
+    for op, path, fn, sync in (
+            ("gated_delta_rule_decode B1", "jax_eager", eager, lambda: state["pool"].block_until_ready()),
+            ("gated_delta_rule_decode B1", "jax_eager_wrap", wrapped, lambda: state["pool"].block_until_ready()),
+            ("gated_delta_rule_decode B1", "jax_jit", jitted, lambda: state["pool"].block_until_ready()),
+            ("msa paged decode static B1", "jax_jit", msa_jitted, lambda: last["out"].block_until_ready())):
         try:
             for _ in range(3):
                 fn().block_until_ready()
-            sync = lambda: state["pool"].block_until_ready()  # noqa: E731
-            rows.append({"op": "gated_delta_rule_decode B1", "path": path, "us_per_call": _timed(fn, calls, None, sync)})
+            rows.append({"op": op, "path": path, "us_per_call": _timed(fn, calls, None, sync)})
         except Exception as exc:  # noqa: BLE001
-            rows.append({"op": "gated_delta_rule_decode B1", "path": path, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            rows.append({"op": op, "path": path, "error": f"{type(exc).__name__}: {exc}"[:300]})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -371,6 +399,21 @@ def decode_frame(x: dict, **options) -> SyntheticFrame:
     return SyntheticFrame([arrays[n] for n in operands], [arrays[n] for n in results], spec, STUB_STREAM)
 
 
+def msa_frame(q, k, v, plan, **kwargs) -> SyntheticFrame:
+    """The CUDA call frame of ``jax_ffi.msa(q, k, v, plan, **kwargs)`` over NumPy arrays (the
+    runtime metadata's fields as operands ``md_<field>``), its output a new array."""
+    from bench.host_overhead import STUB_STREAM
+    from mate_cupy.integrations import jax_ffi as jf
+
+    spec, operands, results, dtypes = staged_spec(jf.msa, q, k, v, plan, **kwargs)
+    md = kwargs.get("runtime_metadata")
+    arrays = dict(q=q, k=k, v=v, **{n: a for n, a in kwargs.items() if isinstance(a, np.ndarray)},
+                  **({f"md_{f}": getattr(md, f) for f in jf._MD_FIELDS} if md is not None else {}))
+    for name, dtype in zip(results, dtypes):
+        arrays[name] = np.zeros(q.shape if name == "out" else q.shape[:2], np.dtype(dtype))
+    return SyntheticFrame([arrays[n] for n in operands], [arrays[n] for n in results], spec, STUB_STREAM)
+
+
 def _stub_rows(calls: int, repeats: int) -> list:
     import torch
 
@@ -418,21 +461,30 @@ def _stub_rows(calls: int, repeats: int) -> list:
           for n, t in x.items()}
     frame = decode_frame(xn, use_lower_bound=True, apply_beta_sigmoid=True)
 
-    def handler(preparer):
-        return lambda: jf._handle("gated_delta_rule_decode", jf._run_decode, preparer, True, frame.address)
+    def handler(preparer, op="gated_delta_rule_decode", runner=jf._run_decode, frame=frame):
+        return lambda: jf._handle(op, runner, preparer, True, frame.address)
+
+    mn = {n: m[n].float().numpy().astype(np.dtype("bfloat16")) for n in ("q", "k", "v")}
+    mdn = mc.MsaRuntimeMetadata(**{f: None if getattr(m["meta"], f) is None else getattr(m["meta"], f).numpy()
+                                   for f in jf._MD_FIELDS})
+    mframe = msa_frame(mn["q"], mn["k"], mn["v"], m["plan"], kv_indices=m["kv_indices"].numpy(),
+                       runtime_metadata=mdn)
 
     cases = {"gated_delta_rule_decode B1": {"eager": decode(mc.gated_delta_rule_decode),
                                             "torch_op": decode(tops.gated_delta_rule_decode),
                                             "jax_handler_prepared": handler(jf._prepare_decode),
                                             "jax_handler_validated": handler(None)},
-             "msa paged decode static B1": {"eager": paged(mc.msa), "torch_op": paged(tops.msa)}}
+             "msa paged decode static B1": {
+                 "eager": paged(mc.msa), "torch_op": paged(tops.msa),
+                 "jax_handler_prepared": handler(jf._prepare_msa, "msa", jf._run_msa, mframe),
+                 "jax_handler_validated": handler(None, "msa", jf._run_msa, mframe)}}
     rows = []
     for op, paths in cases.items():
         for path, fn in paths.items():
             us = ho._stub_us(fn, calls, repeats)
             rows.append({"op": op, "path": path, "python_us_per_call_stub": round(us, 2)})
             print(json.dumps(rows[-1]), flush=True)
-    assert not frame.errors, frame.errors
+    assert not frame.errors and not mframe.errors, frame.errors + mframe.errors
     del rng
     return rows
 
@@ -453,11 +505,11 @@ def _stub_msa(torch, mc, dev0) -> dict:
         kv_page_indptr=dev0(torch.cat([zero, (kv // page).cumsum(0, dtype=torch.int32)])))
     plan = mc.msa_plan(1, 1, length, hq, total_seqlen_k=length, num_kv_heads=hkv, page_size=page)
     stub_upload(plan)
-    return dict(q=dev0(torch.empty(1, hq, d, dtype=torch.bfloat16)),
-                k=dev0(torch.empty(n_pages, page, hkv, d, dtype=torch.bfloat16)),
-                v=dev0(torch.empty(n_pages, page, hkv, d, dtype=torch.bfloat16)), plan=plan,
+    return dict(q=dev0(torch.zeros(1, hq, d, dtype=torch.bfloat16)),
+                k=dev0(torch.zeros(n_pages, page, hkv, d, dtype=torch.bfloat16)),
+                v=dev0(torch.zeros(n_pages, page, hkv, d, dtype=torch.bfloat16)), plan=plan,
                 kv_indices=dev0(torch.randperm(n_pages).to(torch.int32)),
-                out=dev0(torch.empty(1, hq, d, dtype=torch.bfloat16)), meta=meta)
+                out=dev0(torch.zeros(1, hq, d, dtype=torch.bfloat16)), meta=meta)
 
 
 def main(argv=None) -> int:

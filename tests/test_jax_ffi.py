@@ -356,3 +356,48 @@ def test_cuda_handler_prepares_only_calls_that_allocate_nothing(stub_cuda, monke
     miss, hit = _recorded(stub_cuda, handle), _recorded(stub_cuda, handle)
     assert not frame.errors and miss and hit == miss
     assert len(jf.PREPARED_CALLS) == 1  # the pool only read, the output XLA's
+
+
+def _msa_stub_case(static: bool):
+    """An MSA paged decode on the stub device (bench/host_overhead.py shapes, B1 8192 keys):
+    ``(plan, operands by name for jf.msa, its keyword arguments)`` as NumPy arrays."""
+    fo, ho = _bench()
+    L, page, hq, hkv, d = 8192, 64, 8, 1, 128  # noqa: N806
+    n_pages = L // page
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, hq, d)).astype(BF16)
+    kc = np.zeros((n_pages, page, hkv, d), BF16)
+    kv_indices = rng.permutation(n_pages).astype(np.int32)
+    if static:
+        plan = mc.msa_plan(1, 1, L, hq, total_seqlen_k=L, num_kv_heads=hkv, page_size=page)
+        one, kv = np.ones(1, np.int32), np.full(1, L, np.int32)
+        md = mc.MsaRuntimeMetadata(qo_lens=one, kv_lens=kv, qo_offset=kv - one,
+                                   cu_seqlens_q=np.array([0, 1], np.int32), cu_seqlens_k=np.array([0, L], np.int32),
+                                   seqused_k=kv.copy(), kv_page_indptr=np.array([0, n_pages], np.int32))
+    else:
+        plan = mc.msa_plan_from_lengths(np.ones(1, np.int32), np.full(1, L, np.int32), hq, hkv, page_size=page)
+        md = None
+    ho.stub_upload(plan)
+    return plan, (q, kc, kc.copy()), dict(kv_indices=kv_indices, runtime_metadata=md)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_cuda_handler_prepared_msa_launches_what_the_public_function_launches(stub_cuda, static):
+    fo, ho = _bench()
+    plan, qkv, kw = _msa_stub_case(static)
+    frame = fo.msa_frame(*qkv, plan, **kw)
+    handle = lambda: jf._handle("msa", jf._run_msa, jf._prepare_msa, True, frame.address)  # noqa: E731
+    miss = _recorded(stub_cuda, handle)
+    hit = _recorded(stub_cuda, handle)
+    assert not frame.errors, frame.errors
+    entries = list(jf.PREPARED_CALLS._items.values())
+    assert len(entries) == 1 and isinstance(entries[0], jf.PreparedPlanCall)
+    assert miss and hit == miss and all(r[4] == ho.STUB_STREAM for r in hit)
+    args, rets, attrs, _ = _frame_buffers(frame)
+    assert _recorded(stub_cuda, lambda: jf._run_msa(args, rets, attrs, True)) == miss
+    # the plan drops its prepared calls (as on a new upload): the next execution prepares again
+    from mate_cupy.msa.plan import unpack_plan_info
+
+    held = unpack_plan_info(plan)[3].prepared_calls
+    held.clear()
+    assert _recorded(stub_cuda, handle) == miss and len(held) == 1

@@ -43,7 +43,8 @@ import numpy as np
 
 from .. import kda_interface, msa_interface, util_ops
 from ..kda.chunk import chunk_kda_workspace_bytes
-from ..msa.ops import NoOutputRequestedError
+from ..msa import execute as _execute
+from ..msa.ops import NoOutputRequestedError, _pure_plan
 from ..msa.plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, selected_block_count, unpack_plan_info
 from ..runtime import dlpack as _dl
 from ..kda import decode as _kda_decode
@@ -315,9 +316,36 @@ class PreparedFfiCall:
         self.launch = launch
         self.pick = operator.itemgetter(*positions)
 
-    def run(self, addresses: tuple, stream: int) -> None:
+    def run(self, addresses: tuple, stream: int) -> bool:
+        """Launch on ``stream``; True (always ready)."""
         if self.launch is not None:
             self.launch.run(self.pick(addresses), stream)
+        return True
+
+
+class PreparedPlanCall:
+    """A validated CUDA MSA call's launches, held by its plan (``MsaPlan.prepared_calls``, under
+    ``token``: freed with the plan, dropped when the plan re-uploads or grows its workspace);
+    this entry holds a weak reference to the plan and the pick of the launches' addresses
+    (``msa.execute`` order) from ``operand addresses + result addresses + (0,)``."""
+
+    __slots__ = ("plan", "token", "pick")
+
+    def __init__(self, plan, token, positions: tuple):
+        self.plan, self.token = weakref.ref(plan), token
+        self.pick = operator.itemgetter(*positions)
+
+    def run(self, addresses: tuple, stream: int) -> bool:
+        """Launch on ``stream`` when the plan still holds the launches and the state they use;
+        False otherwise (nothing launched: the call is prepared again)."""
+        plan = self.plan()
+        entry = None if plan is None else plan.prepared_calls.get(self.token)
+        if not entry or not entry.ready(plan):
+            return False
+        picked = self.pick(addresses)
+        for launch in entry.launches:
+            launch.run(picked, stream)
+        return True
 
 
 def _cuda_scope(ordinal: int, stream: int):
@@ -358,20 +386,18 @@ def _handle(op: str, runner: _Runner, preparer, cuda: bool, frame: int) -> Optio
             if preparer is not None:
                 key = (op, spec, ordinal, tuple([a & 15 for a in addresses]))
                 entry = PREPARED_CALLS.get(key)
-                if entry and current_device() == ordinal:  # a prepared call: addresses and stream only
-                    entry.run(addresses, stream)
+                # a prepared call: addresses and stream only
+                if entry and current_device() == ordinal and entry.run(addresses, stream):
                     return None
             operands, results, attrs = _decode_spec(spec)
             device = (_dl.KDL_CUDA, ordinal)
             args = _buffers(head[_F_ARGS], head[_F_ARG_ITEMS], operands, device, "operands")
             rets = _buffers(head[_F_RETS], head[_F_RET_ITEMS], results, device, "results")
             with _cuda_scope(ordinal, stream):
-                if entry is None and key is not None:  # validates (raises before anything is stored)
+                if key is not None and entry is not False:  # validates (raises before anything is stored)
                     entry = preparer(args, rets, attrs, [n for n, _, _ in operands] + [n for n, _, _ in results])
                     PREPARED_CALLS.put(key, entry if entry is not None else False)
-                if entry:
-                    entry.run(addresses, stream)
-                else:
+                if not (entry and entry.run(addresses, stream)):
                     runner(args, rets, attrs, True)
         return None
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to XLA as an error
@@ -593,6 +619,40 @@ def _run_msa(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
                                                return_softmax_lse="lse" in rets, **common)
 
 
+def _prepare_msa(args: dict, rets: dict, attrs: dict, names: list) -> Optional[PreparedPlanCall]:
+    """The prepared launches of a CUDA MSA call that ``msa.execute.run`` would prepare for
+    torch tensors (one plan part, the output given, no max score, no ``q_offset_override``),
+    validated as the public function validates them (``msa.execute.validate``, the launches
+    of ``msa.execute.prepare_call``), held by the plan; else None."""
+    info, fn = _plan_info(attrs), attrs["fn"]
+    if (info[0] or not attrs["output_o"] or attrs["output_maxscore"] or "q_offset_override" in args
+            or attrs.get("q_offset") is not None):
+        return None
+    if fn != "msa":
+        info = _pure_plan(fn, info, "sparse_prefill" if fn == "sparse_msa" else "sparse_decode")
+    md = None
+    if "md_qo_lens" in args:
+        md = MsaRuntimeMetadata(**{f: args.get(f"md_{f}") for f in _MD_FIELDS})
+    want_lse = fn == "sparse_decode_atten_func" and "lse" in rets
+    prob, ops = _execute.validate(
+        fn, info, args["q"], args["k"], args["v"], args.get("kv_indices"), args.get("kv_block_indexes"), None,
+        rets["out"], rets.get("lse"), None, None if fn == "sparse_msa" else args.get("page_table"),
+        attrs.get("sm_scale"), attrs["k_scale"], attrs["v_scale"], md, True, False, want_lse, False, None)
+    if not prob.is_cuda:
+        return None
+    entry = _execute.prepare_call(prob, ops, md)
+    if entry is None:
+        return None
+    plan, token = info[3], object()
+    plan.prepared_calls.put(token, entry)
+    where: dict = {}
+    for i, n in enumerate(names):
+        where.setdefault(n, i)
+    zero = len(names)
+    order = _execute._CALL_ARRAYS + (tuple(f"md_{f}" for f in _execute._METADATA) if md is not None else ())
+    return PreparedPlanCall(plan, token, tuple(where.get(n, zero) for n in order))
+
+
 def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_override=None, *,
         sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0, runtime_metadata=None,
         page_table=None, output_o: bool = True, output_maxscore: Optional[bool] = None, return_lse: bool = False):
@@ -807,4 +867,5 @@ def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_toke
 for _op, _runner in (("cast", _run_cast), ("sparse_topk_select", _run_topk), ("msa", _run_msa),
                      ("sparse_msa", _run_msa), ("sparse_decode_atten_func", _run_msa), ("chunk_kda", _run_chunk),
                      ("gated_delta_rule_decode", _run_decode)):
-    _register(_op, _runner, _prepare_decode if _op == "gated_delta_rule_decode" else None)
+    _register(_op, _runner, _prepare_decode if _op == "gated_delta_rule_decode" else _prepare_msa
+              if _op in ("msa", "sparse_msa", "sparse_decode_atten_func") else None)
