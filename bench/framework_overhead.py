@@ -373,8 +373,9 @@ class NoScope:
 
 
 def install_stub_jax(patch=setattr):
-    """The stub device for the JAX CUDA handler: CuPy's device scopes do nothing and its
-    current stream is the stub stream (XLA buffers on device 0 over host memory)."""
+    """The stub device for the JAX CUDA handler: CuPy's device scopes and setting the device
+    do nothing and its current stream is the stub stream (XLA buffers on device 0 over host
+    memory)."""
     import cupy
 
     from bench.host_overhead import STUB_STREAM
@@ -384,6 +385,7 @@ def install_stub_jax(patch=setattr):
     patch(cupy.cuda, "Device", NoScope)
     patch(interop, "_cupy_stream_ptr", lambda: STUB_STREAM)
     patch(jf, "_cuda_scope", lambda ordinal, stream: NoScope())
+    patch(jf, "_set_device", lambda ordinal: None)
 
 
 def decode_frame(x: dict, **options) -> SyntheticFrame:

@@ -348,6 +348,27 @@ class PreparedPlanCall:
         return True
 
 
+_THREAD = threading.local()  # the device whose context this thread made current (``_on_device``)
+
+
+def _set_device(ordinal: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.setDevice(ordinal)
+
+
+def _on_device(ordinal: int) -> bool:
+    """Whether ``ordinal`` is this thread's current CUDA device, so that a prepared launch
+    (``cuLaunchKernel`` on the current context) can run; the first time on a thread its
+    primary context is made current (``cudaSetDevice``), as the validated path does."""
+    if current_device() != ordinal:
+        return False
+    if getattr(_THREAD, "device", None) != ordinal:
+        _set_device(ordinal)
+        _THREAD.device = ordinal
+    return True
+
+
 def _cuda_scope(ordinal: int, stream: int):
     """The CUDA device ``ordinal`` and CuPy's current stream set to XLA's ``stream``."""
     import cupy
@@ -387,7 +408,7 @@ def _handle(op: str, runner: _Runner, preparer, cuda: bool, frame: int) -> Optio
                 key = (op, spec, ordinal, tuple([a & 15 for a in addresses]))
                 entry = PREPARED_CALLS.get(key)
                 # a prepared call: addresses and stream only
-                if entry and current_device() == ordinal and entry.run(addresses, stream):
+                if entry and _on_device(ordinal) and entry.run(addresses, stream):
                     return None
             operands, results, attrs = _decode_spec(spec)
             device = (_dl.KDL_CUDA, ordinal)
