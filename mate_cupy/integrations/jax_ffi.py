@@ -10,9 +10,13 @@ its ``out=`` arguments:
   call), on the device XLA runs the computation on;
 * cpu: the buffers are host memory, and the float64 references run and store into them.
 
-Static parameters (flags, scales, sizes) are FFI attributes; device metadata (lengths,
-page tables, slots) are operands; the KDA decode state pool updated in place is an
-operand aliased to a result (``input_output_aliases``). MSA plans are passed as integer
+A call's static parameters (flags, scales, sizes, plan handles) and its operands' and
+results' names, dtypes and shapes form one JSON string attribute, its description; device
+metadata (lengths, page tables, slots) are operands; a CUDA execution whose description,
+device and buffer alignment repeat runs the launches prepared by the first one
+(:data:`PREPARED_CALLS`: KDA decode steps, one-part MSA calls with the output given); the
+KDA decode state pool updated in place is an operand aliased to a result
+(``input_output_aliases``). MSA plans are passed as integer
 handles into a registry of weak references: a plan stays usable by a compiled function
 for as long as the caller keeps the plan alive (``docs/frameworks.md``, JAX).
 
