@@ -157,3 +157,62 @@ def test_gated_delta_rule_decode_inplace_pool_under_jit(jf, rng):
                                                   state_indices=idx, store_final_state=True)
     assert_rel(np.asarray(out2), ref_out2, 1e-2, "second step output")
     assert_rel(np.asarray(fs)[idx >= 0], ref_fs[idx >= 0], 1e-3, "second step final state")
+
+
+def test_gated_delta_rule_decode_steps_run_the_prepared_launch(jf, rng):
+    """Jitted decode steps on fresh inputs (new buffers every step, one static description):
+    the first execution validates and prepares, the others run the prepared launch
+    (``jax_ffi.PREPARED_CALLS``); every step equals the float64 reference chain."""
+    B, H, HV, K = 4, 2, 4, 128
+    A_log = rng.uniform(-1, 1, HV).astype(np.float32)
+    ref_pool = (0.05 * rng.standard_normal((8, HV, K, K))).astype(np.float32)
+    idx = np.array([5, 0, -1, 2], np.int32)
+
+    def step(pool, q, k, v, a, b, A_log, idx):  # noqa: N803
+        return jf.gated_delta_rule_decode(q, k, v, pool, A_log, a, None, None, None, b, state_indices=idx,
+                                          use_lower_bound=True, apply_beta_sigmoid=True, inplace_final_state=True)
+
+    f = jax.jit(step, donate_argnums=0)
+    jf.PREPARED_CALLS.clear()
+    pool = _gpu(ref_pool)
+    for it in range(4):
+        r = lambda *s: rng.standard_normal(s).astype(BF16)  # noqa: E731
+        q, k, v, a, b = r(B, 1, H, K), r(B, 1, H, K), r(B, 1, HV, K), r(B, 1, HV, K), r(B, 1, HV)
+        out, pool = f(pool, *map(_gpu, (q, k, v, a, b, A_log, idx)))
+        ref_out, _ = mc.gated_delta_rule_decode(q, k, v, ref_pool, A_log, a, None, None, None, b, state_indices=idx,
+                                                use_lower_bound=True, apply_beta_sigmoid=True,
+                                                inplace_final_state=True)
+        assert_rel(np.asarray(out), ref_out, 1e-2, f"step {it} output")
+        assert_rel(np.asarray(pool), ref_pool, 1e-3, f"step {it} pool")
+    entries = list(jf.PREPARED_CALLS._items.values())
+    assert len(entries) == 1 and isinstance(entries[0], jf.PreparedFfiCall)
+
+
+def test_msa_static_plan_steps_run_the_prepared_launches(jf, rng):
+    """Jitted paged decode steps with a static plan and new runtime metadata each step: the
+    first execution validates and prepares (the launches held by the plan), the others run
+    them; every step equals the float64 reference of its own lengths."""
+    n_pages = 96
+    info = mc.msa_plan(3, 1, 4096, 8, num_kv_heads=2, page_size=64, total_seqlen_k=n_pages * 64)
+    mc.upload_plan(info, device=0, head_dim=128, dtype=jax.numpy.bfloat16)
+
+    @jax.jit
+    def attend(q, k, v, idx, qo, kv, off, cu_q, cu_k, used, indptr):
+        md = mc.MsaRuntimeMetadata(qo, kv, off, cu_q, cu_k, used, kv_page_indptr=indptr)
+        return jf.msa(q, k, v, info, kv_indices=idx, runtime_metadata=md)[0]
+
+    jf.PREPARED_CALLS.clear()
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    cu = lambda x: i32(np.concatenate([[0], np.cumsum(x)]))  # noqa: E731
+    for kv in ([1000, 37, 4096], [4096, 1000, 64], [2048, 2048, 1025]):  # 81 pages each: one trace
+        p = make_problem(rng, [1, 1, 1], kv, 8, 2, 128, page_size=64, extra_pages=n_pages - 81)
+        idx = p.kv_indices
+        host = dict(qo_lens=i32(p.qo), kv_lens=i32(p.kv), qo_offset=i32(p.kv - p.qo), cu_seqlens_q=cu(p.qo),
+                    cu_seqlens_k=cu(p.kv), seqused_k=i32(p.kv), kv_page_indptr=cu(-(-p.kv // 64)))
+        got = attend(*map(_gpu, (p.q, p.k_cache, p.v_cache, idx)), *(_gpu(host[f]) for f in (
+            "qo_lens", "kv_lens", "qo_offset", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "kv_page_indptr")))
+        ref, _ = mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
+                        runtime_metadata=mc.MsaRuntimeMetadata(**host))
+        assert_rel(np.asarray(got), ref, 2e-2, f"kv lens {kv}")
+    entries = list(jf.PREPARED_CALLS._items.values())
+    assert len(entries) == 1 and isinstance(entries[0], jf.PreparedPlanCall)

@@ -92,10 +92,25 @@ class DecodeLayer(torch.nn.Module):
         return o * 1.0
 
 
-def test_reduce_overhead_decode_updates_the_pool_as_eager(rng):
+def _counting(monkeypatch, name: str) -> list:
+    """Count the calls of ``tops.<name>`` (the public function an op implementation runs): a
+    CUDA-graph replay runs no Python, so replays leave the count unchanged."""
+    calls, fn = [], getattr(tops, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(tops, name, counted)
+    return calls
+
+
+def test_reduce_overhead_decode_updates_the_pool_as_eager(rng, monkeypatch):
     from torch._dynamo.utils import counters
 
     x = decode_inputs(rng)
+    runs = _counting(monkeypatch, "_decode")
+    seen = []
     pool, A_log = tt(x["state"], DEV), tt(x["A_log"], DEV)  # noqa: N806
     eager, graphed = DecodeLayer(pool.clone(), A_log), DecodeLayer(pool.clone(), A_log)
     host_pool = x["state"].copy()
@@ -114,7 +129,11 @@ def test_reduce_overhead_decode_updates_the_pool_as_eager(rng):
         close(got, want, f"step {it} output vs eager")
         close(graphed.pool, host_pool, f"step {it} pool")
         close(graphed.pool, eager.pool, f"step {it} pool vs eager")
+        seen.append(len(runs))
     assert _no_cudagraph_skips()
+    # warm-up and recording run the op (with the eager steps); later steps replay the graph:
+    # only the eager step's call is counted
+    assert seen[3] - seen[2] == 1, seen
 
 
 def _static_paged_problem(rng, kv, n_pages):
@@ -125,9 +144,11 @@ def _static_paged_problem(rng, kv, n_pages):
     return p, table
 
 
-def test_reduce_overhead_static_msa_reads_each_calls_metadata(rng):
+def test_reduce_overhead_static_msa_reads_each_calls_metadata(rng, monkeypatch):
     from torch._dynamo.utils import counters
 
+    runs = _counting(monkeypatch, "_msa")
+    seen = []
     n_pages = 96
     info = mc.msa_plan(3, 1, 4096, 8, num_kv_heads=2, page_size=64, total_seqlen_k=n_pages * 64)
     mc.upload_plan(info, device=0, head_dim=128, dtype=torch.bfloat16)
@@ -149,5 +170,7 @@ def test_reduce_overhead_static_msa_reads_each_calls_metadata(rng):
         args = (tt(p.q, DEV), tt(p.k_cache, DEV), tt(p.v_cache, DEV), md.qo_lens, md.kv_lens, md.qo_offset,
                 md.cu_seqlens_q, md.cu_seqlens_k, md.seqused_k, md.page_table)
         close(step(*args).clone(), ref, f"kv lens {kv}")
+        seen.append(len(runs))
     assert _no_cudagraph_skips()
+    assert seen[3] == seen[2], seen  # the fourth call replays the graph: no Python op run
 

@@ -240,3 +240,164 @@ def test_import_without_jax_is_a_clear_error():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "needs JAX" in out
+
+
+# ----------------------------------------------------------------------------- CUDA handler, stub device
+# The CUDA handler run on a call frame built over NumPy memory in XLA's C layout
+# (bench/framework_overhead.py SyntheticFrame) with the stub device of bench/host_overhead.py:
+# device queries, module loading and cuLaunchKernel replaced, every launch recorded.
+
+
+def _bench():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import framework_overhead as fo
+    from bench import host_overhead as ho
+
+    return fo, ho
+
+
+@pytest.fixture
+def stub_cuda(monkeypatch):
+    """The stub device (bench/host_overhead.py) for the CUDA handler: XLA buffers on device 0
+    over host memory; CuPy's device scopes are no-ops and its current stream is XLA's."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("torch")
+    from mate_cupy.kda import decode
+    from mate_cupy.runtime.memo import BoundedMemo
+
+    fo, ho = _bench()
+    rec = ho.install_stub_device(monkeypatch.setattr)
+    fo.install_stub_jax(monkeypatch.setattr)
+    monkeypatch.setattr(jf, "PREPARED_CALLS", BoundedMemo(256))
+    monkeypatch.setattr(decode, "_PREPARED", BoundedMemo(256))
+    monkeypatch.setattr(decode, "_PROBLEMS", BoundedMemo(256))
+    return rec
+
+
+def _recorded(rec, fn):
+    rec.records.clear()
+    rec.recording = True
+    try:
+        fn()
+    finally:
+        rec.recording = False
+    return list(rec.records)
+
+
+def _decode_frame(x, **options):
+    return _bench()[0].decode_frame(x, **options)
+
+
+def test_cuda_handler_prepared_call_launches_what_the_public_function_launches(stub_cuda, monkeypatch, rng):
+    x = _decode_inputs(rng, T=1)
+    frame = _decode_frame(x, apply_beta_sigmoid=True, lower_bound=-3.5)
+    handle = lambda: jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True,  # noqa: E731
+                                frame.address)
+    miss = _recorded(stub_cuda, handle)  # validates, prepares, launches the prepared launch
+    assert len(jf.PREPARED_CALLS) == 1
+    hit = _recorded(stub_cuda, handle)  # the prepared launch only
+    assert not frame.errors
+    assert miss and hit == miss and all(r[4] == _bench()[1].STUB_STREAM for r in hit)
+    # The public function on the same buffers (the unprepared launcher, CuPy's stream = XLA's).
+    args, rets, attrs, _ = _frame_buffers(frame)
+    plain = _recorded(stub_cuda, lambda: jf._run_decode(args, rets, attrs, True))
+    assert plain == miss
+
+
+def test_cuda_handler_refusals_are_not_stored_and_the_memo_is_bounded(stub_cuda, monkeypatch, rng):
+    from mate_cupy.runtime.memo import BoundedMemo
+
+    x = _decode_inputs(rng, T=1)
+    bad = _decode_frame({**x, "q": x["q"].astype(np.float32)})  # q must be fp16/bf16
+    for _ in range(2):  # refused every time, before any launch, nothing stored
+        assert _recorded(stub_cuda, lambda: jf._handle("gated_delta_rule_decode", jf._run_decode,
+                                                       jf._prepare_decode, True, bad.address)) == []
+        assert len(jf.PREPARED_CALLS) == 0
+    assert len(bad.errors) == 2 and bad.errors[0][0] == jf._ERR_UNIMPLEMENTED
+    assert bad.errors[0][1].startswith("mate_cupy.gated_delta_rule_decode: NotImplementedError")
+
+    monkeypatch.setattr(jf, "PREPARED_CALLS", BoundedMemo(2))
+    for scale in (0.1, 0.2, 0.3):  # three static descriptions, three keys
+        f = _decode_frame(x, scale=scale)
+        jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True, f.address)
+        assert not f.errors
+    assert len(jf.PREPARED_CALLS) == 2
+
+
+def _frame_buffers(frame):
+    import ctypes
+
+    head = jf._FRAME.unpack(ctypes.string_at(frame.address, jf._FRAME.size))
+    operands, results, attrs = jf._decode_spec(jf._spec_bytes(head))
+    dev = (jf._dl.KDL_CUDA, 0)
+    return (jf._buffers(head[jf._F_ARGS], head[jf._F_ARG_ITEMS], operands, dev, "operands"),
+            jf._buffers(head[jf._F_RETS], head[jf._F_RET_ITEMS], results, dev, "results"), attrs,
+            [o[0] for o in operands] + [r[0] for r in results])
+
+
+@pytest.mark.parametrize("store_final_state", [False, True])
+def test_cuda_handler_prepares_only_calls_that_allocate_nothing(stub_cuda, monkeypatch, rng, store_final_state):
+    x = _decode_inputs(rng, T=1)
+    fo, ho = _bench()
+    spec, operands, results, _ = fo.staged_spec(jf.gated_delta_rule_decode, *(x[n] for n in (
+        "q", "k", "v", "state", "A_log", "a", "dt_bias")), None, None, x["b"], state_indices=x["state_indices"],
+        store_final_state=store_final_state)
+    arrays = {**x, "output": np.zeros(x["v"].shape, BF16), "final_state": np.zeros((3, 2, 128, 128), np.float32)}
+    frame = fo.SyntheticFrame([x[n] for n in operands], [arrays[n] for n in results], spec, ho.STUB_STREAM)
+    prepared = jf._prepare_decode(*_frame_buffers(frame))
+    if store_final_state:  # the public function allocates the final state: the validated path every time
+        assert prepared is None
+        return
+    handle = lambda: jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True,  # noqa: E731
+                                frame.address)
+    miss, hit = _recorded(stub_cuda, handle), _recorded(stub_cuda, handle)
+    assert not frame.errors and miss and hit == miss
+    assert len(jf.PREPARED_CALLS) == 1  # the pool only read, the output XLA's
+
+
+def _msa_stub_case(static: bool):
+    """An MSA paged decode on the stub device (bench/host_overhead.py shapes, B1 8192 keys):
+    ``(plan, operands by name for jf.msa, its keyword arguments)`` as NumPy arrays."""
+    fo, ho = _bench()
+    L, page, hq, hkv, d = 8192, 64, 8, 1, 128  # noqa: N806
+    n_pages = L // page
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, hq, d)).astype(BF16)
+    kc = np.zeros((n_pages, page, hkv, d), BF16)
+    kv_indices = rng.permutation(n_pages).astype(np.int32)
+    if static:
+        plan = mc.msa_plan(1, 1, L, hq, total_seqlen_k=L, num_kv_heads=hkv, page_size=page)
+        one, kv = np.ones(1, np.int32), np.full(1, L, np.int32)
+        md = mc.MsaRuntimeMetadata(qo_lens=one, kv_lens=kv, qo_offset=kv - one,
+                                   cu_seqlens_q=np.array([0, 1], np.int32), cu_seqlens_k=np.array([0, L], np.int32),
+                                   seqused_k=kv.copy(), kv_page_indptr=np.array([0, n_pages], np.int32))
+    else:
+        plan = mc.msa_plan_from_lengths(np.ones(1, np.int32), np.full(1, L, np.int32), hq, hkv, page_size=page)
+        md = None
+    ho.stub_upload(plan)
+    return plan, (q, kc, kc.copy()), dict(kv_indices=kv_indices, runtime_metadata=md)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_cuda_handler_prepared_msa_launches_what_the_public_function_launches(stub_cuda, static):
+    fo, ho = _bench()
+    plan, qkv, kw = _msa_stub_case(static)
+    frame = fo.msa_frame(*qkv, plan, **kw)
+    handle = lambda: jf._handle("msa", jf._run_msa, jf._prepare_msa, True, frame.address)  # noqa: E731
+    miss = _recorded(stub_cuda, handle)
+    hit = _recorded(stub_cuda, handle)
+    assert not frame.errors, frame.errors
+    entries = list(jf.PREPARED_CALLS._items.values())
+    assert len(entries) == 1 and isinstance(entries[0], jf.PreparedPlanCall)
+    assert miss and hit == miss and all(r[4] == ho.STUB_STREAM for r in hit)
+    args, rets, attrs, _ = _frame_buffers(frame)
+    assert _recorded(stub_cuda, lambda: jf._run_msa(args, rets, attrs, True)) == miss
+    # the plan drops its prepared calls (as on a new upload): the next execution prepares again
+    from mate_cupy.msa.plan import unpack_plan_info
+
+    held = unpack_plan_info(plan)[3].prepared_calls
+    held.clear()
+    assert _recorded(stub_cuda, handle) == miss and len(held) == 1

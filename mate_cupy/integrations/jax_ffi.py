@@ -10,9 +10,13 @@ its ``out=`` arguments:
   call), on the device XLA runs the computation on;
 * cpu: the buffers are host memory, and the float64 references run and store into them.
 
-Static parameters (flags, scales, sizes) are FFI attributes; device metadata (lengths,
-page tables, slots) are operands; the KDA decode state pool updated in place is an
-operand aliased to a result (``input_output_aliases``). MSA plans are passed as integer
+A call's static parameters (flags, scales, sizes, plan handles) and its operands' and
+results' names, dtypes and shapes form one JSON string attribute, its description; device
+metadata (lengths, page tables, slots) are operands; a CUDA execution whose description,
+device and buffer alignment repeat runs the launches prepared by the first one
+(:data:`PREPARED_CALLS`: KDA decode steps, one-part MSA calls with the output given); the
+KDA decode state pool updated in place is an operand aliased to a result
+(``input_output_aliases``). MSA plans are passed as integer
 handles into a registry of weak references: a plan stays usable by a compiled function
 for as long as the caller keeps the plan alive (``docs/frameworks.md``, JAX).
 
@@ -21,8 +25,12 @@ neither.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
+import json
+import operator
+import struct
 import threading
 import weakref
 from typing import Callable, Optional
@@ -39,10 +47,15 @@ import numpy as np
 
 from .. import kda_interface, msa_interface, util_ops
 from ..kda.chunk import chunk_kda_workspace_bytes
-from ..msa.ops import NoOutputRequestedError
+from ..msa import execute as _execute
+from ..msa.ops import NoOutputRequestedError, _pure_plan
 from ..msa.plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, selected_block_count, unpack_plan_info
 from ..runtime import dlpack as _dl
-from ..runtime.interop import BFLOAT16, FLOAT32, FP8_E4M3, INT32, as_dtype, external_stream, wrap
+from ..kda import decode as _kda_decode
+from ..kda import decode_launch as _kda_decode_launch
+from ..runtime.interop import (BFLOAT16, FLOAT32, FP8_E4M3, INT32, as_dtype, current_device, external_stream,
+                               wrap)
+from ..runtime.memo import BoundedMemo
 
 __all__ = [
     "XlaBuffer",
@@ -63,7 +76,6 @@ _STAGE_EXECUTE = 3
 _ERR_INVALID_ARGUMENT = 3
 _ERR_UNIMPLEMENTED = 12
 _ERR_INTERNAL = 13
-_ATTR_SCALAR = 3
 _ATTR_STRING = 4
 # The API version a handler reports in the metadata handshake (the oldest typed-FFI
 # version whose call frame carries everything this handler reads).
@@ -103,10 +115,6 @@ class _ByteSpan(ctypes.Structure):
     _fields_ = [("ptr", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-class _Scalar(ctypes.Structure):
-    _fields_ = [("dtype", ctypes.c_int), ("value", ctypes.c_void_p)]
-
-
 class _Attrs(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.c_void_p), ("size", ctypes.c_int64),
                 ("types", ctypes.POINTER(ctypes.c_int)), ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))),
@@ -144,7 +152,7 @@ class _DeviceOrdinalGetArgs(ctypes.Structure):
                 ("device_ordinal", ctypes.c_int32)]
 
 
-_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
+_HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)  # (XLA_FFI_CallFrame*)
 _ERROR_CREATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorCreateArgs))
 _STREAM_GET = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_StreamGetArgs))
 _DEVICE_ORDINAL_GET = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_DeviceOrdinalGetArgs))
@@ -154,30 +162,38 @@ _DL_TYPES = {
     1: (6, 8), 2: (0, 8), 3: (0, 16), 4: (0, 32), 5: (0, 64), 6: (1, 8), 7: (1, 16), 8: (1, 32), 9: (1, 64),
     10: (2, 16), 11: (2, 32), 12: (2, 64), 16: (4, 16), 20: (10, 8),
 }
-# XLA_FFI_DataType of a scalar attribute -> ctypes type
-_SCALAR_TYPES = {1: ctypes.c_bool, 4: ctypes.c_int32, 5: ctypes.c_int64, 11: ctypes.c_float, 12: ctypes.c_double}
+# XLA_FFI_DataType -> the NumPy dtype name of the arrays it holds
+_DTYPE_NAMES = {1: "bool", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16", 8: "uint32",
+                9: "uint64", 10: "float16", 11: "float32", 12: "float64", 16: "bfloat16", 20: "float8_e4m3fn"}
+# The call frame as raw fields (little-endian x86-64/aarch64 layout of _CallFrame): struct_size,
+# extension_start, api, ctx, stage; args (struct_size, extension_start, size, types, items);
+# rets (same); attrs (struct_size, extension_start, size, types, names, attrs); future.
+_FRAME = struct.Struct("<QQQQi4x" + "QQqQQ" * 2 + "QQqQQQ" + "Q")
+_F_EXT, _F_API, _F_CTX, _F_STAGE = 1, 2, 3, 4
+_F_ARGS, _F_ARG_ITEMS, _F_RETS, _F_RET_ITEMS = 7, 9, 12, 14
+_F_ATTRS, _F_ATTR_TYPES, _F_ATTR_VALUES = 17, 18, 20
+assert _FRAME.size == ctypes.sizeof(_CallFrame)
+_SPAN = struct.Struct("<QQ")
+_BUFFER_DATA = _Buffer.data.offset
+_U64 = ctypes.c_uint64.from_address
+_I32 = ctypes.c_int32.from_address
+#: The one attribute of every call: the JSON of its static description (:func:`_spec`).
+SPEC_ATTRIBUTE = "mate_cupy_call"
 
 
-def _text(span: _ByteSpan) -> str:
-    return ctypes.string_at(span.ptr, span.len).decode() if span.len else ""
+def _spec_bytes(head: tuple) -> bytes:
+    """The bytes of the call's one string attribute (its static description)."""
+    if head[_F_ATTRS] != 1 or _I32(head[_F_ATTR_TYPES]).value != _ATTR_STRING:
+        raise TypeError(f"expected one string attribute {SPEC_ATTRIBUTE!r} (a call staged by this module)")
+    ptr, size = _SPAN.unpack(ctypes.string_at(_U64(head[_F_ATTR_VALUES]).value, _SPAN.size))
+    return ctypes.string_at(ptr, size)
 
 
-def _decode_attrs(attrs: _Attrs) -> dict:
-    """The call's attributes: scalars as Python ints/floats/bools, strings as ``str``."""
-    out = {}
-    for i in range(attrs.size):
-        name, kind, ptr = _text(attrs.names[i].contents), attrs.types[i], attrs.attrs[i]
-        if kind == _ATTR_STRING:
-            out[name] = _text(_ByteSpan.from_address(ptr))
-        elif kind == _ATTR_SCALAR:
-            scalar = _Scalar.from_address(ptr)
-            ctype = _SCALAR_TYPES.get(scalar.dtype)
-            if ctype is None:
-                raise TypeError(f"attribute {name!r}: unsupported scalar type {scalar.dtype}")
-            out[name] = ctype.from_address(scalar.value).value
-        else:
-            raise TypeError(f"attribute {name!r}: unsupported attribute kind {kind}")
-    return out
+def _addresses(count: int, items: int) -> tuple:
+    """The data addresses of ``count`` buffers (the ``items`` array of an args/rets list)."""
+    if not count:
+        return ()
+    return tuple(_U64(b + _BUFFER_DATA).value for b in struct.unpack(f"<{count}Q", ctypes.string_at(items, 8 * count)))
 
 
 # A private prototype: ``ctypes.pythonapi.PyCapsule_New`` is shared, and others set its argtypes.
@@ -218,25 +234,35 @@ class XlaBuffer:
         return _CAPSULE_NEW(ctypes.addressof(self._tensor), _CAPSULE_NAME, None)
 
 
-def _buffers(items: _BufferList, names: list, device: tuple, what: str) -> dict:
-    if items.size != len(names):
-        raise ValueError(f"expected {len(names)} {what} ({', '.join(names)}), XLA passed {items.size}")
-    return {name: XlaBuffer(items.items[i].contents, device) for i, name in enumerate(names)}
+def _buffers(count: int, items: int, declared: list, device: tuple, what: str) -> dict:
+    """The ``count`` buffers of an args/rets list as :class:`XlaBuffer` by name, each checked
+    against its declared ``[name, dtype, shape]`` (what the call was staged with)."""
+    if count != len(declared):
+        raise ValueError(f"expected {len(declared)} {what} ({', '.join(d[0] for d in declared)}), XLA passed {count}")
+    ptrs = struct.unpack(f"<{count}Q", ctypes.string_at(items, 8 * count)) if count else ()
+    out = {}
+    for (name, dtype, shape), ptr in zip(declared, ptrs):
+        buf = _Buffer.from_address(ptr)
+        dims = [buf.dims[i] for i in range(buf.rank)]
+        if _DTYPE_NAMES.get(buf.dtype) != dtype or dims != shape:
+            raise ValueError(f"{what[:-1]} {name}: XLA passed a {_DTYPE_NAMES.get(buf.dtype, buf.dtype)} {dims} "
+                             f"buffer for the declared {dtype} {shape}")
+        out[name] = XlaBuffer(buf, device)
+    return out
 
 
-def _stream(frame: _CallFrame) -> int:
-    api = frame.api.contents
-    args = _StreamGetArgs(ctypes.sizeof(_StreamGetArgs), None, frame.ctx, None)
-    _check(_STREAM_GET(api.stream_get)(ctypes.byref(args)), "XLA_FFI_Stream_Get")
+def _stream(api: int, ctx: int) -> int:
+    args = _StreamGetArgs(ctypes.sizeof(_StreamGetArgs), None, ctx, None)
+    _check(_STREAM_GET(_U64(api + _Api.stream_get.offset).value)(ctypes.byref(args)), "XLA_FFI_Stream_Get")
     return int(args.stream or 0)
 
 
-def _device_ordinal(frame: _CallFrame) -> int:
-    api = frame.api.contents
-    if api.struct_size < _Api.device_ordinal_get.offset + ctypes.sizeof(ctypes.c_void_p):
+def _device_ordinal(api: int, ctx: int) -> int:
+    if _U64(api).value < _Api.device_ordinal_get.offset + ctypes.sizeof(ctypes.c_void_p):
         raise RuntimeError("this XLA's FFI API has no XLA_FFI_DeviceOrdinal_Get; JAX >= 0.5 is needed")
-    args = _DeviceOrdinalGetArgs(ctypes.sizeof(_DeviceOrdinalGetArgs), None, frame.ctx, 0)
-    _check(_DEVICE_ORDINAL_GET(api.device_ordinal_get)(ctypes.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
+    args = _DeviceOrdinalGetArgs(ctypes.sizeof(_DeviceOrdinalGetArgs), None, ctx, 0)
+    fn = _DEVICE_ORDINAL_GET(_U64(api + _Api.device_ordinal_get.offset).value)
+    _check(fn(ctypes.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
     return int(args.device_ordinal)
 
 
@@ -253,7 +279,7 @@ class _XlaError(Exception):
         self.error = error
 
 
-def _error(frame: _CallFrame, op: str, exc: BaseException) -> int:
+def _error(api: int, op: str, exc: BaseException) -> int:
     if isinstance(exc, _XlaError):
         return exc.error
     if isinstance(exc, NotImplementedError):
@@ -264,7 +290,7 @@ def _error(frame: _CallFrame, op: str, exc: BaseException) -> int:
         code = _ERR_INTERNAL
     message = f"mate_cupy.{op}: {type(exc).__name__}: {exc}".encode()
     args = _ErrorCreateArgs(ctypes.sizeof(_ErrorCreateArgs), None, message, code)
-    return _ERROR_CREATE(frame.api.contents.error_create)(ctypes.byref(args))
+    return _ERROR_CREATE(_U64(api + _Api.error_create.offset).value)(ctypes.byref(args))
 
 
 # ----------------------------------------------------------------------------- targets
@@ -272,6 +298,10 @@ def _error(frame: _CallFrame, op: str, exc: BaseException) -> int:
 _LOCK = threading.Lock()  # XLA may call handlers from several threads; plans cache per-call state
 _Runner = Callable[[dict, dict, dict, bool], None]
 _CALLBACKS: list = []  # the ctypes callbacks must outlive every compiled use
+#: Prepared launches of CUDA calls (:class:`PreparedFfiCall`), by op, the call's static
+#: description, device and the addresses' alignment; False for keys whose calls take the
+#: validated path every time. At most 256 entries, the oldest dropped first.
+PREPARED_CALLS = BoundedMemo(256)
 
 
 def target_name(op: str) -> str:
@@ -279,54 +309,164 @@ def target_name(op: str) -> str:
     return f"mate_cupy_{op}"
 
 
-def _handle(op: str, runner: _Runner, cuda: bool, frame_ptr) -> Optional[int]:
-    frame = frame_ptr.contents
-    ext = frame.extension_start
-    if ext and ext.contents.type == _EXTENSION_METADATA:  # registration-time handshake
-        md = ctypes.cast(ext, ctypes.POINTER(_MetadataExtension)).contents.metadata.contents
-        md.api_version.major_version, md.api_version.minor_version = _HANDLER_API_VERSION
-        md.traits = 0  # not command-buffer compatible: the handler runs at every execution
-        return None
-    if frame.stage != _STAGE_EXECUTE:
+class PreparedFfiCall:
+    """The launch of a validated CUDA call, for later executions with the same key: the
+    :class:`~mate_cupy.jit.PreparedLaunch` (None when there is nothing to launch) and the
+    pick of its addresses from the call's ``operand addresses + result addresses + (0,)``."""
+
+    __slots__ = ("launch", "pick")
+
+    def __init__(self, launch, positions: tuple):
+        self.launch = launch
+        self.pick = operator.itemgetter(*positions)
+
+    def run(self, addresses: tuple, stream: int) -> bool:
+        """Launch on ``stream``; True (always ready)."""
+        if self.launch is not None:
+            self.launch.run(self.pick(addresses), stream)
+        return True
+
+
+class PreparedPlanCall:
+    """A validated CUDA MSA call's launches, held by its plan (``MsaPlan.prepared_calls``, under
+    ``token``: freed with the plan, dropped when the plan re-uploads or grows its workspace);
+    this entry holds a weak reference to the plan and the pick of the launches' addresses
+    (``msa.execute`` order) from ``operand addresses + result addresses + (0,)``."""
+
+    __slots__ = ("plan", "token", "pick")
+
+    def __init__(self, plan, token, positions: tuple):
+        self.plan, self.token = weakref.ref(plan), token
+        self.pick = operator.itemgetter(*positions)
+
+    def run(self, addresses: tuple, stream: int) -> bool:
+        """Launch on ``stream`` when the plan still holds the launches and the state they use;
+        False otherwise (nothing launched: the call is prepared again)."""
+        plan = self.plan()
+        entry = None if plan is None else plan.prepared_calls.get(self.token)
+        if not entry or not entry.ready(plan):
+            return False
+        picked = self.pick(addresses)
+        for launch in entry.launches:
+            launch.run(picked, stream)
+        return True
+
+
+_THREAD = threading.local()  # the device whose context this thread made current (``_on_device``)
+
+
+def _set_device(ordinal: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.setDevice(ordinal)
+
+
+def _on_device(ordinal: int) -> bool:
+    """Whether ``ordinal`` is this thread's current CUDA device, so that a prepared launch
+    (``cuLaunchKernel`` on the current context) can run; the first time on a thread its
+    primary context is made current (``cudaSetDevice``), as the validated path does."""
+    if current_device() != ordinal:
+        return False
+    if getattr(_THREAD, "device", None) != ordinal:
+        _set_device(ordinal)
+        _THREAD.device = ordinal
+    return True
+
+
+def _cuda_scope(ordinal: int, stream: int):
+    """The CUDA device ``ordinal`` and CuPy's current stream set to XLA's ``stream``."""
+    import cupy
+
+    scope = contextlib.ExitStack()
+    scope.enter_context(cupy.cuda.Device(ordinal))
+    scope.enter_context(external_stream(stream))
+    return scope
+
+
+def _handle(op: str, runner: _Runner, preparer, cuda: bool, frame: int) -> Optional[int]:
+    head = _FRAME.unpack(ctypes.string_at(frame, _FRAME.size))
+    if head[_F_EXT]:
+        ext = _ExtensionBase.from_address(head[_F_EXT])
+        if ext.type == _EXTENSION_METADATA:  # registration-time handshake
+            md = _MetadataExtension.from_address(head[_F_EXT]).metadata.contents
+            md.api_version.major_version, md.api_version.minor_version = _HANDLER_API_VERSION
+            md.traits = 0  # not command-buffer compatible: the handler runs at every execution
+            return None
+    if head[_F_STAGE] != _STAGE_EXECUTE:
         return None
     try:
-        attrs = _decode_attrs(frame.attrs)
-        operands = [n for n in attrs.pop("operands").split(",") if n]
-        results = [n for n in attrs.pop("results").split(",") if n]
+        spec = _spec_bytes(head)
         with _LOCK:
             if not cuda:
+                operands, results, attrs = _decode_spec(spec)
                 device = (_dl.KDL_CPU, 0)
-                runner(_buffers(frame.args, operands, device, "operands"),
-                       _buffers(frame.rets, results, device, "results"), attrs, False)
+                runner(_buffers(head[_F_ARGS], head[_F_ARG_ITEMS], operands, device, "operands"),
+                       _buffers(head[_F_RETS], head[_F_RET_ITEMS], results, device, "results"), attrs, False)
                 return None
-            import cupy
-
-            ordinal = _device_ordinal(frame)
+            api, ctx = head[_F_API], head[_F_CTX]
+            ordinal, stream = _device_ordinal(api, ctx), _stream(api, ctx)
+            addresses = (_addresses(head[_F_ARGS], head[_F_ARG_ITEMS])
+                         + _addresses(head[_F_RETS], head[_F_RET_ITEMS]) + (0,))
+            key = entry = None
+            if preparer is not None:
+                key = (op, spec, ordinal, tuple([a & 15 for a in addresses]))
+                entry = PREPARED_CALLS.get(key)
+                # a prepared call: addresses and stream only
+                if entry and _on_device(ordinal) and entry.run(addresses, stream):
+                    return None
+            operands, results, attrs = _decode_spec(spec)
             device = (_dl.KDL_CUDA, ordinal)
-            args = _buffers(frame.args, operands, device, "operands")
-            rets = _buffers(frame.rets, results, device, "results")
-            with cupy.cuda.Device(ordinal), external_stream(_stream(frame)):
-                runner(args, rets, attrs, True)
+            args = _buffers(head[_F_ARGS], head[_F_ARG_ITEMS], operands, device, "operands")
+            rets = _buffers(head[_F_RETS], head[_F_RET_ITEMS], results, device, "results")
+            with _cuda_scope(ordinal, stream):
+                if key is not None and entry is not False:  # validates (raises before anything is stored)
+                    entry = preparer(args, rets, attrs, [n for n, _, _ in operands] + [n for n, _, _ in results])
+                    PREPARED_CALLS.put(key, entry if entry is not None else False)
+                if not (entry and entry.run(addresses, stream)):
+                    runner(args, rets, attrs, True)
         return None
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to XLA as an error
-        return _error(frame, op, exc)
+        return _error(head[_F_API], op, exc)
 
 
-def _register(op: str, runner: _Runner) -> None:
+def _register(op: str, runner: _Runner, preparer=None) -> None:
     for platform, cuda in (("cpu", False), ("CUDA", True)):
-        callback = _HANDLER(lambda frame, c=cuda: _handle(op, runner, c, frame))
+        callback = _HANDLER(lambda frame, c=cuda: _handle(op, runner, preparer, c, frame))
         _CALLBACKS.append(callback)
         capsule = jax.ffi.pycapsule(ctypes.cast(callback, ctypes.c_void_p).value)
         jax.ffi.register_ffi_target(target_name(op), capsule, platform=platform)
 
 
 def _attr(value):
-    """A Python attribute value as the typed FFI scalar/string it is passed as."""
+    """A static parameter as it is stored in the call's description: bools and integers as
+    ints, strings as they are, everything else as a float (its exact ``repr``)."""
     if isinstance(value, str):
         return value
     if isinstance(value, (bool, np.bool_, int, np.integer)):
-        return np.int64(value)
-    return np.float64(value)
+        return int(value)
+    return float(value)
+
+
+def _spec(operands: list, results: list, attrs: dict) -> str:
+    """The static description of a call (the one attribute :data:`SPEC_ATTRIBUTE`): JSON of
+    ``[[name, dtype, shape], ...]`` of the operands and of the results, and the attributes
+    (name -> int, float or str). Equal descriptions mean equal buffers' shapes and dtypes
+    and equal options, so it keys the prepared calls."""
+    return json.dumps({"operands": operands, "results": results, "attrs": attrs}, sort_keys=True,
+                      separators=(",", ":"), allow_nan=True)
+
+
+_SPECS = BoundedMemo(256)  # spec bytes -> decoded (operands, results, attrs); read only
+
+
+def _decode_spec(spec: bytes) -> tuple:
+    """``(operands, results, attrs)`` of a call's description (a fresh ``attrs`` dict)."""
+    decoded = _SPECS.get(spec)
+    if decoded is None:
+        d = json.loads(spec)
+        decoded = ([tuple(x) for x in d["operands"]], [tuple(x) for x in d["results"]], d["attrs"])
+        _SPECS.put(spec, decoded)
+    return decoded[0], decoded[1], dict(decoded[2])
 
 
 def _call(op: str, operands: dict, results: list, attrs: dict, aliases: Optional[dict] = None) -> list:
@@ -338,9 +478,10 @@ def _call(op: str, operands: dict, results: list, attrs: dict, aliases: Optional
     io = {names.index(i): out_names.index(o) for i, o in (aliases or {}).items()}
     fn = jax.ffi.ffi_call(target_name(op), [jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for _, s, d in results],
                           input_output_aliases=io or None, vmap_method="sequential")
-    encoded = {k: _attr(v) for k, v in attrs.items() if v is not None}
-    return list(fn(*(operands[n] for n in names), operands=",".join(names), results=",".join(out_names),
-                   **encoded))
+    spec = _spec([[n, np.dtype(operands[n].dtype).name, [int(x) for x in operands[n].shape]] for n in names],
+                 [[n, np.dtype(d).name, [int(x) for x in s]] for n, s, d in results],
+                 {k: _attr(v) for k, v in attrs.items() if v is not None})
+    return list(fn(*(operands[n] for n in names), **{SPEC_ATTRIBUTE: spec}))
 
 
 def _flag(attrs: dict, name: str) -> Optional[bool]:
@@ -503,6 +644,40 @@ def _run_msa(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
                                                return_softmax_lse="lse" in rets, **common)
 
 
+def _prepare_msa(args: dict, rets: dict, attrs: dict, names: list) -> Optional[PreparedPlanCall]:
+    """The prepared launches of a CUDA MSA call that ``msa.execute.run`` would prepare for
+    torch tensors (one plan part, the output given, no max score, no ``q_offset_override``),
+    validated as the public function validates them (``msa.execute.validate``, the launches
+    of ``msa.execute.prepare_call``), held by the plan; else None."""
+    info, fn = _plan_info(attrs), attrs["fn"]
+    if (info[0] or not attrs["output_o"] or attrs["output_maxscore"] or "q_offset_override" in args
+            or attrs.get("q_offset") is not None):
+        return None
+    if fn != "msa":
+        info = _pure_plan(fn, info, "sparse_prefill" if fn == "sparse_msa" else "sparse_decode")
+    md = None
+    if "md_qo_lens" in args:
+        md = MsaRuntimeMetadata(**{f: args.get(f"md_{f}") for f in _MD_FIELDS})
+    want_lse = fn == "sparse_decode_atten_func" and "lse" in rets
+    prob, ops = _execute.validate(
+        fn, info, args["q"], args["k"], args["v"], args.get("kv_indices"), args.get("kv_block_indexes"), None,
+        rets["out"], rets.get("lse"), None, None if fn == "sparse_msa" else args.get("page_table"),
+        attrs.get("sm_scale"), attrs["k_scale"], attrs["v_scale"], md, True, False, want_lse, False, None)
+    if not prob.is_cuda:
+        return None
+    entry = _execute.prepare_call(prob, ops, md)
+    if entry is None:
+        return None
+    plan, token = info[3], object()
+    plan.prepared_calls.put(token, entry)
+    where: dict = {}
+    for i, n in enumerate(names):
+        where.setdefault(n, i)
+    zero = len(names)
+    order = _execute._CALL_ARRAYS + (tuple(f"md_{f}" for f in _execute._METADATA) if md is not None else ())
+    return PreparedPlanCall(plan, token, tuple(where.get(n, zero) for n in order))
+
+
 def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_override=None, *,
         sm_scale: Optional[float] = None, k_scale: float = 1.0, v_scale: float = 1.0, runtime_metadata=None,
         page_table=None, output_o: bool = True, output_maxscore: Optional[bool] = None, return_lse: bool = False):
@@ -631,16 +806,36 @@ _DECODE_FLAGS = ("use_qk_l2norm", "use_gate_in_kernel", "use_lower_bound", "appl
                  "use_initial_state", "state_v_first", "is_varlen")
 
 
+def _decode_arguments(args: dict, rets: dict, attrs: dict) -> dict:
+    """The public function's arguments of a decode call (buffers and attributes)."""
+    return dict(q=args["q"], k=args["k"], v=args["v"], state=args.get("state"), A_log=args.get("A_log"), a=args["a"],
+                dt_bias=args.get("dt_bias"), num_accepted_tokens=args.get("num_accepted_tokens"),
+                cu_seqlens=args.get("cu_seqlens"), b=args["b"], state_indices=args.get("state_indices"),
+                scale=attrs.get("scale"), output=rets["output"], lower_bound=attrs.get("lower_bound"),
+                store_final_state="final_state" in rets, inplace_final_state="state" in rets,
+                state_dtype=attrs.get("state_dtype"), **{f: _flag(attrs, f) for f in _DECODE_FLAGS})
+
+
 def _run_decode(args: dict, rets: dict, attrs: dict, cuda: bool) -> None:
-    inplace = "state" in rets  # aliased to the state operand: the same buffer
-    _, final = kda_interface.gated_delta_rule_decode(
-        args["q"], args["k"], args["v"], args.get("state"), args.get("A_log"), args["a"], args.get("dt_bias"),
-        args.get("num_accepted_tokens"), args.get("cu_seqlens"), args["b"], state_indices=args.get("state_indices"),
-        scale=attrs.get("scale"), output=rets["output"], lower_bound=attrs.get("lower_bound"),
-        store_final_state="final_state" in rets, inplace_final_state=inplace, state_dtype=attrs.get("state_dtype"),
-        **{f: _flag(attrs, f) for f in _DECODE_FLAGS})
+    # in place: the "state" result is aliased to the state operand (the same buffer)
+    _, final = kda_interface.gated_delta_rule_decode(**_decode_arguments(args, rets, attrs))
     if "final_state" in rets:
         _copy_result(rets["final_state"], final, cuda)
+
+
+def _prepare_decode(args: dict, rets: dict, attrs: dict, names: list) -> Optional[PreparedFfiCall]:
+    """The prepared launch of a CUDA decode call that allocates nothing (the validation and
+    launch of the public function: ``kda.decode.validate``, ``decode_launch.prepared_launch``),
+    else None. ``names``: the operands' then the results' names, in address order."""
+    call, problem = _kda_decode.validate(**_decode_arguments(args, rets, attrs))
+    if problem.device < 0 or not _kda_decode_launch.preparable(call, problem):
+        return None
+    zero = len(names)  # the (0,) after the call's addresses: arrays the call does not have
+    where: dict = {}
+    for i, n in enumerate(names):
+        where.setdefault(n, i)  # the state operand, not the result aliased to it (the same buffer)
+    positions = tuple(where[n] if n in call.args else zero for n in _kda_decode_launch.PREPARED_ARRAYS)
+    return PreparedFfiCall(_kda_decode_launch.prepared_launch(problem, call.args), positions)
 
 
 def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,  # noqa: N803
@@ -697,4 +892,5 @@ def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, num_accepted_toke
 for _op, _runner in (("cast", _run_cast), ("sparse_topk_select", _run_topk), ("msa", _run_msa),
                      ("sparse_msa", _run_msa), ("sparse_decode_atten_func", _run_msa), ("chunk_kda", _run_chunk),
                      ("gated_delta_rule_decode", _run_decode)):
-    _register(_op, _runner)
+    _register(_op, _runner, _prepare_decode if _op == "gated_delta_rule_decode" else _prepare_msa
+              if _op in ("msa", "sparse_msa", "sparse_decode_atten_func") else None)

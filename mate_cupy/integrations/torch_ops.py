@@ -23,6 +23,7 @@ Schema conventions (``docs/frameworks.md``):
 The functions of this module take the public functions' arguments (plans and runtime
 metadata as objects, tensors only) and call the ops; they are what compiled code calls.
 """
+import inspect
 import itertools
 import weakref
 from typing import Optional
@@ -58,6 +59,59 @@ __all__ = [
 
 Tensor = torch.Tensor
 MAX_LIVE_PLANS = 65536
+
+# ----------------------------------------------------------------------------- operator definition
+
+_LIB = torch.library.Library("mate_cupy", "FRAGMENT")
+
+
+class _Op:
+    """One operator ``mate_cupy::<name>``: its schema inferred from the implementation's
+    annotations (``torch.library.infer_schema``, the schema ``torch.library.custom_op`` would
+    define), the implementation registered for every backend (``CompositeExplicitAutograd``:
+    CPU tensors run the references, CUDA tensors the kernels) and a fake implementation
+    (:meth:`register_fake`).
+
+    Why not ``torch.library.custom_op``: it adds Python dispatch layers (an autograd and an
+    ``ADInplaceOrView`` kernel, a per-device-type dispatch) that cost several times the
+    eager call on a decode step. Here an eager call goes from the dispatcher straight to
+    the implementation, which bumps the version counters of the arguments it wrote (what
+    the ``ADInplaceOrView`` kernel does). The ops are forward-only: no autograd formula.
+    """
+
+    __slots__ = ("name", "mutated")
+
+    def __init__(self, name: str, fn, mutates_args: tuple):
+        self.name = name
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        params = list(inspect.signature(fn).parameters)
+        self.mutated = tuple(params.index(m) for m in mutates_args)
+        _LIB.impl(name, self._impl(fn, self.mutated), "CompositeExplicitAutograd")
+
+    @staticmethod
+    def _impl(fn, mutated: tuple):
+        if not mutated:
+            return fn
+        bump = torch.autograd.graph.increment_version
+
+        def impl(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            written = [args[i] for i in mutated if args[i] is not None]
+            if written:
+                bump(written)
+            return result
+
+        return impl
+
+    def register_fake(self, fake):
+        torch.library.register_fake(f"mate_cupy::{self.name}", fake, lib=_LIB)
+        return fake
+
+
+def _op(name: str, mutates_args):
+    """Define ``mate_cupy::<name>`` from the decorated implementation (see :class:`_Op`)."""
+    return lambda fn: _Op(name, fn, tuple(mutates_args))
+
 
 # ----------------------------------------------------------------------------- plan handles
 
@@ -173,7 +227,7 @@ def _max_score_width(parts: tuple, output_maxscore: bool, max_score) -> int:
 _MSA_MUTATES = ("out", "lse", "max_score", "workspace")
 
 
-@torch.library.custom_op("mate_cupy::msa", mutates_args=_MSA_MUTATES)
+@_op("msa", mutates_args=_MSA_MUTATES)
 def _msa_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor],
             kv_block_indexes: Optional[Tensor], q_offset_override: Optional[Tensor],
             q_offset_value: Optional[int], out: Optional[Tensor], lse: Optional[Tensor],
@@ -228,7 +282,7 @@ def msa(q: Tensor, k: Tensor, v: Tensor, plan_info, kv_indices: Optional[Tensor]
             (max_score if max_score is not None else res_ms) if maxscore else None)
 
 
-@torch.library.custom_op("mate_cupy::sparse_msa", mutates_args=_MSA_MUTATES)
+@_op("sparse_msa", mutates_args=_MSA_MUTATES)
 def _sparse_msa_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor],
                    kv_block_indexes: Optional[Tensor], q_offset_override: Optional[Tensor],
                    q_offset_value: Optional[int], out: Optional[Tensor], lse: Optional[Tensor],
@@ -282,7 +336,7 @@ def sparse_msa(q: Tensor, k: Tensor, v: Tensor, plan_info, *, out: Optional[Tens
             (max_score if max_score is not None else res_ms) if maxscore else None)
 
 
-@torch.library.custom_op("mate_cupy::sparse_decode_atten_func", mutates_args=_MSA_MUTATES)
+@_op("sparse_decode_atten_func", mutates_args=_MSA_MUTATES)
 def _sparse_decode_op(q: Tensor, k: Tensor, v: Tensor, plan: int, kv_indices: Optional[Tensor],
                       kv_block_indexes: Optional[Tensor], q_offset_override: Optional[Tensor],
                       q_offset_value: Optional[int], out: Optional[Tensor],
@@ -353,7 +407,7 @@ def sparse_decode_atten_func(q: Tensor, k: Tensor, v: Tensor, plan_info, *, out:
 # ----------------------------------------------------------------------------- MSA helpers
 
 
-@torch.library.custom_op("mate_cupy::sparse_topk_select", mutates_args=())
+@_op("sparse_topk_select", mutates_args=())
 def _topk_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int], force_begin_blocks: int,
              force_end_blocks: int, force_blocks_count_in_topk: bool, query_positions: Optional[Tensor]) -> Tensor:
     """:func:`mate_cupy.sparse_topk_select` into a new int32 ``[total_q, Hq, W]`` selection."""
@@ -368,7 +422,7 @@ def _topk_fake(max_score, topk, num_valid_pages, force_begin_blocks, force_end_b
     return max_score.new_empty((max_score.shape[0], max_score.shape[1], width), dtype=torch.int32)
 
 
-@torch.library.custom_op("mate_cupy::sparse_topk_select_out", mutates_args=("output",))
+@_op("sparse_topk_select_out", mutates_args=("output",))
 def _topk_out_op(max_score: Tensor, topk: int, num_valid_pages: Optional[int], output: Tensor,
                  force_begin_blocks: int, force_end_blocks: int, force_blocks_count_in_topk: bool,
                  query_positions: Optional[Tensor]) -> None:
@@ -396,7 +450,7 @@ def sparse_topk_select(max_score: Tensor, topk: int, num_valid_pages: Optional[i
     return output
 
 
-@torch.library.custom_op("mate_cupy::build_page_table_from_flat_kv_indices", mutates_args=())
+@_op("build_page_table_from_flat_kv_indices", mutates_args=())
 def _page_table_op(kv_indices: Tensor, kv_lens: Tensor, page_size: int) -> Tensor:
     """:func:`mate_cupy.build_page_table_from_flat_kv_indices` (reads ``kv_lens`` on the host:
     not for CUDA-graph capture)."""
@@ -418,7 +472,7 @@ def build_page_table_from_flat_kv_indices(kv_indices: Tensor, kv_lens: Tensor, p
 # ----------------------------------------------------------------------------- cast
 
 
-@torch.library.custom_op("mate_cupy::cast", mutates_args=())
+@_op("cast", mutates_args=())
 def _cast_op(x: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
     """:func:`mate_cupy.cast` into a new tensor of ``dtype``."""
     return _cast(x, dtype, scale, None)
@@ -429,7 +483,7 @@ def _cast_fake(x, dtype, scale):
     return x.new_empty(x.shape, dtype=dtype)
 
 
-@torch.library.custom_op("mate_cupy::cast_out", mutates_args=("out",))
+@_op("cast_out", mutates_args=("out",))
 def _cast_out_op(x: Tensor, dtype: torch.dtype, scale: float, out: Tensor) -> None:
     """:func:`mate_cupy.cast` into ``out`` (written in place)."""
     _cast(x, dtype, scale, out)
@@ -452,7 +506,7 @@ def cast(x: Tensor, dtype: torch.dtype, scale: float = 1.0, out: Optional[Tensor
 # ----------------------------------------------------------------------------- KDA
 
 
-@torch.library.custom_op("mate_cupy::chunk_kda", mutates_args=("output", "final_state", "workspace"))
+@_op("chunk_kda", mutates_args=("output", "final_state", "workspace"))
 def _chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                   initial_state: Optional[Tensor], output_final_state: bool,
                   cu_seqlens: Optional[Tensor], A_log: Optional[Tensor],  # noqa: N803
@@ -507,7 +561,7 @@ def _decode_fake_output(q, v, output):
     return q.new_empty(tuple(v.shape))
 
 
-@torch.library.custom_op("mate_cupy::gated_delta_rule_decode", mutates_args=("output",))
+@_op("gated_delta_rule_decode", mutates_args=("output",))
 def _decode_op(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], A_log: Optional[Tensor],  # noqa: N803
                a: Tensor, dt_bias: Optional[Tensor], num_accepted_tokens: Optional[Tensor],
                cu_seqlens: Optional[Tensor], b: Tensor, state_indices: Optional[Tensor],
@@ -543,7 +597,7 @@ def _decode_fake(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seql
     return o, q.new_empty((n, v.shape[2]) + tail, dtype=dtype)
 
 
-@torch.library.custom_op("mate_cupy::gated_delta_rule_decode_inplace", mutates_args=("state", "output"))
+@_op("gated_delta_rule_decode_inplace", mutates_args=("state", "output"))
 def _decode_inplace_op(q: Tensor, k: Tensor, v: Tensor, state: Tensor, A_log: Optional[Tensor],  # noqa: N803
                        a: Tensor, dt_bias: Optional[Tensor], num_accepted_tokens: Optional[Tensor],
                        cu_seqlens: Optional[Tensor], b: Tensor, state_indices: Optional[Tensor],

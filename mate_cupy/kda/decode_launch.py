@@ -221,22 +221,34 @@ class PreparedDecode:
             self.launch.run(addresses, torch_stream_ptr(self.device))
 
 
-def prepare(call, problem):
-    """The :class:`PreparedDecode` of a validated torch CUDA call that allocates nothing (the
-    output given, no staged copy, no new final state), else None. Its launch is the one
-    :func:`run` makes: the same configuration and :func:`kernel_values`, the call's
-    addresses taken by position (:data:`PREPARED_ARRAYS`)."""
+def preparable(call, problem) -> bool:
+    """Whether a validated CUDA call allocates nothing, so that its launch can be prepared:
+    the output given, no staged copy, no new final state."""
     p = problem
-    if (call.framework != "torch" or p.staged or "output" not in call.args
-            or (p.store_final_state and not p.inplace_final_state)):
-        return None
+    return not p.staged and "output" in call.args and not (p.store_final_state and not p.inplace_final_state)
+
+
+def prepared_launch(problem, arrays):
+    """The :class:`~mate_cupy.jit.PreparedLaunch` a :func:`preparable` call of ``problem``
+    launches (None when the grid is empty): the configuration and :func:`kernel_values` of
+    :func:`run`, with the addresses of the named ``arrays`` (the call's arrays) taken by
+    position in :data:`PREPARED_ARRAYS`."""
+    p = problem
     cfg = select_config(p, *device_info(p.device))
-    launch_ = None
-    if cfg.grid:
-        ptrs = {name: Source(i) for i, name in enumerate(PREPARED_ARRAYS) if name in call.args}
-        launch_ = PreparedLaunch(get_kernel(cfg.spec, None, p.device), (cfg.grid,), (cfg.threads,), PARAMS,
-                                 kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, n_addresses=len(PREPARED_ARRAYS))
-    return PreparedDecode(p, p.device, launch_)
+    if not cfg.grid:
+        return None
+    ptrs = {name: Source(i) for i, name in enumerate(PREPARED_ARRAYS) if name in arrays}
+    return PreparedLaunch(get_kernel(cfg.spec, None, p.device), (cfg.grid,), (cfg.threads,), PARAMS,
+                          kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, n_addresses=len(PREPARED_ARRAYS))
+
+
+def prepare(call, problem):
+    """The :class:`PreparedDecode` of a validated torch CUDA call that allocates nothing
+    (:func:`preparable`), else None. Its launch is the one :func:`run` makes
+    (:func:`prepared_launch`)."""
+    if call.framework != "torch" or not preparable(call, problem):
+        return None
+    return PreparedDecode(problem, problem.device, prepared_launch(problem, call.args))
 
 
 def kernel_values(problem, config: DecodeConfig, ptrs: dict) -> tuple:

@@ -887,10 +887,18 @@ class _NotPreparable(Exception):
 
 
 def _prepare(prob: MsaProblem, ops: _Operands, md) -> Optional[PreparedCall]:
-    """The :class:`PreparedCall` of a validated call (``_prepared_key`` found its arrays), or
-    None when its launches use anything but the call's arrays, the plan's uploaded vectors
-    and workspace, and values fixed by the key (a staged copy, the gather tile)."""
-    if len(prob.parts) != 1 or not prob.output_o or prob.output_maxscore or ops.call.framework != "torch":
+    """The :class:`PreparedCall` of a validated torch call (``_prepared_key`` found its
+    arrays), else None (:func:`prepare_call`)."""
+    return prepare_call(prob, ops, md) if ops.call.framework == "torch" else None
+
+
+def prepare_call(prob: MsaProblem, ops: _Operands, md) -> Optional[PreparedCall]:
+    """The :class:`PreparedCall` of a validated CUDA call (``validate``'s result; ``md`` its
+    runtime metadata), its addresses in the order of ``_CALL_ARRAYS`` then ``_METADATA``; None
+    when its launches use anything but the call's arrays, the plan's uploaded vectors and
+    workspace, and values fixed by the arrays' metadata and the options (more than one plan
+    part, no output, max scores, a staged copy, the gather tile)."""
+    if len(prob.parts) != 1 or not prob.output_o or prob.output_maxscore:
         return None
     part, pa = prob.parts[0], ops.parts[0]
     config, kernels = ops.configs[0]
