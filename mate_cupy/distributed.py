@@ -35,8 +35,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess witho
 from .kda.segments import combine_segments
 from .kda_interface import chunk_kda
 from .msa.pipeline import SparsePipelinePlan, sparse_attention_pipeline, sparse_pipeline_plan
-from .msa.plan import SPARSE_BLOCK_SIZE, msa_plan_from_lengths
+from .msa.plan import SPARSE_BLOCK_SIZE, msa_plan_from_lengths, upload_plan
 from .msa.ops import msa
+from .runtime.interop import as_dtype
 
 __all__ = [
     "ContextParallelPlan",
@@ -302,11 +303,9 @@ def cp_attention_plan(seq_len: int, num_qo_heads: int, num_kv_heads: Optional[in
             head_dim=int(head_dim), dtype=dtype, device=plan_device)
     else:
         attention = msa_plan_from_lengths(qo, kv, num_qo_heads, num_kv_heads, qo_offset=off, page_size=page,
-                                          split_prefill_decode=False, causal=True, device=plan_device)
+                                          split_prefill_decode=False, causal=True, device="cpu")
         if dev.type == "cuda":
-            from .msa.plan import upload_plan
-
-            upload_plan(attention, dev.index, None, head_dim=int(head_dim), dtype=dtype)
+            upload_plan(attention, dev.index, None, head_dim=int(head_dim), dtype=as_dtype(dtype))
     ids = _zigzag_page_ids(int(seq_len), world, page)
     flat = np.concatenate([ids[:b0 // page], ids[:b1 // page]]).astype(np.int32)
     kv_indices = torch.from_numpy(flat).to(dev)

@@ -15,19 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from distributed_cases import (DENSE, KDA_SEGMENTS, SPARSE, kda_inputs, launch,  # noqa: E402
-                               msa_inputs, segment_bounds)
+from distributed_cases import check_ranks, launch, single_process  # noqa: E402
+from distributed_cases import rel_err as _err  # noqa: E402
 
 pytestmark = pytest.mark.torch
-
-
-def _err(a, b) -> float:
-    """Largest absolute difference over the largest magnitude of ``b`` (finite entries)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert np.isfinite(a).all()
-    scale = float(np.abs(b).max(initial=0.0))
-    return float(np.abs(a - b).max(initial=0.0) / (scale if scale > 0 else 1.0))
 
 
 # ----------------------------------------------------------------------------- merge_state
@@ -130,6 +121,25 @@ def test_import_without_torch_is_a_clear_error():
     assert "ImportError: mate_cupy.distributed needs PyTorch" in out
 
 
+def test_api_md_documents_every_parameter():
+    """docs/api.md has a section `mate_cupy.distributed.<name>` for every public name,
+    mentioning every parameter (the rule tests/test_api_docs.py applies to mate_cupy)."""
+    import inspect
+
+    import mate_cupy.distributed as D
+    from test_api_docs import _sections
+
+    sections = _sections()
+    for name in D.__all__:
+        text = sections.get(f"mate_cupy.distributed.{name}")
+        assert text, f"docs/api.md has no section `mate_cupy.distributed.{name}`"
+        obj = getattr(D, name)
+        if inspect.isfunction(obj):
+            assert (obj.__doc__ or "").strip(), name
+            missing = [p for p in inspect.signature(obj).parameters if f"`{p}`" not in text]
+            assert not missing, f"section `mate_cupy.distributed.{name}`: parameters not mentioned: {missing}"
+
+
 def test_zigzag_ranges_shard_and_unshard():
     from mate_cupy.distributed import zigzag_ranges, zigzag_shard, zigzag_unshard
 
@@ -185,97 +195,45 @@ def test_plan_refusals(world1):
 
 def test_world_one_matches_the_single_process_ops(world1):
     """With one rank the context-parallel ops are the single-GPU ops on the whole sequence."""
-    results = _single_process()
+    results = single_process()
     from distributed_cases import run_rank
 
     res = run_rank(0, 1, "cpu")
-    _check_ranks([res], 1, results)
+    check_ranks([res], 1, results)
 
 
 # ----------------------------------------------------------------------------- multi-process
 
 
-def _single_process():
-    """The whole problem in this process (float64 references)."""
-    from mate_cupy import chunk_kda, msa, msa_plan_from_lengths, sparse_attention_pipeline, sparse_pipeline_plan
-
-    out = {}
-    x = msa_inputs("sparse")
-    s = SPARSE
-    T = s["seq_len"]
-    plan = sparse_pipeline_plan([T], [T], s["hq"], s["hkv"], num_index_kv_heads=s["hik"], topk=s["topk"],
-                                force_begin_blocks=s["begin"], force_end_blocks=s["end"], device="cpu")
-    pages = lambda t: t.reshape(T // 128, 128, t.shape[1], t.shape[2])  # noqa: E731
-    o = sparse_attention_pipeline(x["q"], pages(x["k"]), pages(x["v"]), x["index_q"], pages(x["index_k"]), plan,
-                                  kv_indices=np.arange(T // 128, dtype=np.int32))
-    out["sparse_out"] = o.float().numpy()
-    out["sparse_selection"] = np.asarray(plan.selection).copy()
-    x = msa_inputs("dense")
-    T = DENSE["seq_len"]
-    plan = msa_plan_from_lengths([T], [T], DENSE["hq"], DENSE["hkv"], causal=True, device="cpu")
-    lse = torch.empty(T, DENSE["hq"])
-    o, _ = msa(x["q"], x["k"], x["v"], plan, lse=lse)
-    out["dense_out"], out["dense_lse"] = o.float().numpy(), lse.numpy()
-    for gate in (True, False):
-        x = kda_inputs(gate)
-        if "initial_state" not in x:  # a float32 final state, as cp_chunk_kda returns
-            x["initial_state"] = torch.zeros(x["v"].shape[0], x["v"].shape[2], 128, 128)
-        o, fs = chunk_kda(x.pop("q"), x.pop("k"), x.pop("v"), x.pop("g"), x.pop("beta"), output_final_state=True,
-                          **x)
-        tag = "kda_gate" if gate else "kda_plain"
-        out[tag + "_out"], out[tag + "_final"] = o.float().numpy(), fs.float().numpy()
-    return out
-
-
-def _segment_alone(gate: bool, a: int, b: int):
-    """Tokens [a, b) of the KDA case run from a zero state (None for an empty segment)."""
-    from mate_cupy import chunk_kda
-
-    if b <= a:
-        return None
-    x = kda_inputs(gate)
-    x.pop("initial_state", None)
-    seg = {n: x.pop(n)[:, a:b] for n in ("q", "k", "v", "g", "beta")}
-    return chunk_kda(seg["q"], seg["k"], seg["v"], seg["g"], seg["beta"], **x).float().numpy()
-
-
 @pytest.fixture(scope="module")
 def single():
-    return _single_process()
-
-
-def _check_ranks(ranks, world, single, msa_tol=1e-2, kda_tol=1e-2, state_tol=1e-4):
-    from mate_cupy.distributed import zigzag_ranges
-
-    for key, seq_len in (("sparse_out", SPARSE["seq_len"]), ("dense_out", DENSE["seq_len"]),
-                         ("dense_lse", DENSE["seq_len"])):
-        for r in range(world):
-            (a0, b0), (a1, b1) = zigzag_ranges(seq_len, world, r)
-            ref = np.concatenate([single[key][a0:b0], single[key][a1:b1]])
-            assert _err(ranks[r][key], ref) < msa_tol, (key, r)
-    for r in range(world):  # the top-k selection of every query is the single process's
-        (a0, b0), (a1, b1) = zigzag_ranges(SPARSE["seq_len"], world, r)
-        ref = np.concatenate([single["sparse_selection"][a0:b0], single["sparse_selection"][a1:b1]])
-        np.testing.assert_array_equal(ranks[r]["sparse_selection"], ref)
-    bounds = segment_bounds(world)
-    for tag in ("kda_gate", "kda_plain"):
-        for r in range(world):
-            ref = single[tag + "_out"][:, bounds[r]:bounds[r + 1]]
-            assert _err(ranks[r][tag + "_out"], ref) < kda_tol, (tag, r)
-        assert all(tag + "_final" not in ranks[r] for r in range(world - 1))
-        # the entry state matters: rank 1's segment run from a zero state is far off
-        alone = _segment_alone(tag == "kda_gate", bounds[1], bounds[2]) if world > 1 else None
-        if alone is not None:
-            assert _err(ranks[1][tag + "_out"], alone) > 0.3, tag
-        assert _err(ranks[-1][tag + "_final"], single[tag + "_final"]) < state_tol, tag
+    return single_process()
 
 
 def test_two_ranks_gloo_match_one_process(tmp_path, single):
     ranks = launch(2, tmp_path, backend="gloo", device="cpu", timeout=180)
-    _check_ranks(ranks, 2, single)
+    check_ranks(ranks, 2, single)
 
 
 def test_four_ranks_gloo_match_one_process(tmp_path, single):
     """Four ranks: chunks of 128 queries, KDA segments of 64, 1, 0 and 165 tokens."""
     ranks = launch(4, tmp_path, backend="gloo", device="cpu", timeout=300)
-    _check_ranks(ranks, 4, single)
+    check_ranks(ranks, 4, single)
+
+
+@pytest.mark.slow
+def test_bench_cpu_smoke(tmp_path):
+    """bench/context_parallel.py --device cpu on 1 and 2 gloo ranks writes every row."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "bench" / "context_parallel.py"), str(tmp_path), "--device", "cpu",
+                    "--world", "1,2", "--samples", "1", "--timeout", "300"], check=True, timeout=400,
+                   cwd=root, capture_output=True)
+    rows = json.loads((tmp_path / "results.json").read_text())
+    got = {(r["op"], r["world"]) for r in rows}
+    assert got == {("msa sparse", 1), ("msa dense", 1), ("kda", 1), ("msa sparse", 2), ("msa dense", 2),
+                   ("kda", 2), ("gather k/v/index", 2)}
+    assert all(r["ms"] > 0 for r in rows)
+    assert (tmp_path / "results.md").read_text().startswith("| op |")
