@@ -342,10 +342,9 @@ def _gather_pages(plan, x, group):
     (rank-major; the plan's ``kv_indices`` address it). Returns ``(buffer, work)``."""
     x = x.contiguous()
     world, n, h, d = plan.world_size, x.shape[0], x.shape[1], x.shape[2]
+    if world == 1:  # the rank's rows are the whole sequence in order: its own pages
+        return x.view(n // plan.page_size, plan.page_size, h, d), None
     full = torch.empty((world * n // plan.page_size, plan.page_size, h, d), dtype=x.dtype, device=x.device)
-    if world == 1:
-        full.view(-1).copy_(x.view(-1))
-        return full, None
     # Moved as bytes: every backend carries every dtype (fp8 and bf16 included).
     work = _all_gather_single(full.view(-1).view(torch.uint8), x.view(-1).view(torch.uint8), group=group,
                               async_op=True)

@@ -234,6 +234,6 @@ def test_bench_cpu_smoke(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())
     got = {(r["op"], r["world"]) for r in rows}
     assert got == {("msa sparse", 1), ("msa dense", 1), ("kda", 1), ("msa sparse", 2), ("msa dense", 2),
-                   ("kda", 2), ("gather k/v/index", 2)}
+                   ("kda", 2), ("kda 3:1:..:1", 2), ("gather k/v/index", 2)}
     assert all(r["ms"] > 0 for r in rows)
     assert (tmp_path / "results.md").read_text().startswith("| op |")
