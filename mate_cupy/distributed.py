@@ -425,8 +425,8 @@ def cp_chunk_kda(q, k, v, g, beta, *, group=None, scale: Optional[float] = None,
     Rank 0 runs its segment from the initial state; every other rank computes its
     segment's map ``S_out = S_in @ M + C`` with two ``chunk_kda`` passes (``M``: identity
     state and ``v = 0``; ``C``: zero state and the real ``v``); one all-gather of the
-    float32 ``(M, C)`` (rank 0 sends its exit state as ``C``); the combine gives the
-    rank's entry state, from which it computes its outputs. Returns this rank's outputs
+    float32 ``(M, C)`` (rank 0 sends its exit state as ``C``); the combine (float64, on
+    the device) gives the rank's entry state, from which it computes its outputs. Returns this rank's outputs
     (v's shape, q's dtype), or ``(output, final_state)`` with ``output_final_state``:
     the float32 ``[B, HV, 128, 128]`` state after the whole sequences on the last rank,
     None on the others.
@@ -480,7 +480,9 @@ def cp_chunk_kda(q, k, v, g, beta, *, group=None, scale: Optional[float] = None,
     if rank == 0:
         final = None
     else:
-        entry = combine_segments(allmaps[:rank, 0], allmaps[:rank, 1])[-1]
+        # float64 on the device: exact enough for any number of ranks, and never TF32
+        # (an engine may have enabled TF32 matmuls globally)
+        entry = combine_segments(allmaps[:rank, 0].double(), allmaps[:rank, 1].double())[-1].float()
         if T:
             res = chunk_kda(q, k, v, g, beta, initial_state=entry, output_final_state=output_final_state,
                             output=out, **gate)
