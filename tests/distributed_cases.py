@@ -23,10 +23,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-# MSA sparse: Hq/Hkv 8, one index KV head of dim 64, 8 blocks of 128 keys, top-4 with a
-# forced first and last block (chunks of 256 tokens at W = 2, 128 at W = 4).
-SPARSE = dict(seq_len=1024, hq=8, hkv=1, hik=1, di=64, topk=4, begin=1, end=1)
-# MSA dense: GQA 2, D 64, chunks of 96 (W = 2) and 48 (W = 4) tokens: pages of 32 and 16.
+# MSA sparse: Hq/Hkv 16 (the gather tile on sm_90), one index KV head of dim 64, 8 blocks of
+# 128 keys, top-4 with a forced first and last block (chunks of 256 tokens at W = 2, 128 at W = 4).
+SPARSE = dict(seq_len=1024, hq=16, hkv=1, hik=1, di=64, topk=4, begin=1, end=1)
+# MSA dense: GQA 2, D 64, chunks of 192, 96 and 48 tokens (W = 1, 2, 4): pages of 64, 32, 16.
 DENSE = dict(seq_len=384, hq=4, hkv=2, d=64)
 # KDA: two sequences, GVA 2, uneven segments (an empty one and a one-token one at W = 4).
 KDA_SEGMENTS = {1: [230], 2: [100, 130], 4: [64, 1, 0, 165]}
