@@ -1,7 +1,7 @@
 """mate_cupy.distributed on the GPU: the context-parallel ops on CUDA tensors against the
 single-process float64 run of the same problem, and merge_state on the device.
 
-One GPU holds every rank: world size 1 runs over NCCL; two ranks share the GPU over gloo
+One GPU holds every rank: world size 1 runs over NCCL; two and four ranks share the GPU over gloo
 (NCCL refuses two ranks on one device). The launcher sets NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 for every rank.
 """
@@ -16,8 +16,9 @@ from distributed_cases import check_ranks, launch, rel_err, single_process  # no
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
-# GPU against float64: bf16 outputs, float32 accumulation and scores.
-GPU_TOL = dict(msa_tol=3e-2, lse_tol=1e-3, kda_tol=3e-2, state_tol=2e-2, exact_selection=False)
+# GPU against float64: bf16 outputs, float32 accumulation and scores, bf16 MMA operands.
+# (A wrong entry state is off by more than 0.3: check_ranks asserts that as well.)
+GPU_TOL = dict(msa_tol=3e-2, lse_tol=1e-3, kda_tol=5e-2, state_tol=5e-2, exact_selection=False)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,12 @@ def test_world_one_nccl(tmp_path, single):
 def test_two_ranks_gloo_on_cuda_tensors(tmp_path, single):
     ranks = launch(2, tmp_path, backend="gloo", device="cuda", timeout=600)
     check_ranks(ranks, 2, single, **GPU_TOL)
+
+
+def test_four_ranks_gloo_on_cuda_tensors(tmp_path, single):
+    """Chunks of 128 queries; KDA segments of 64, 1, 0 and 165 tokens."""
+    ranks = launch(4, tmp_path, backend="gloo", device="cuda", timeout=600)
+    check_ranks(ranks, 4, single, **GPU_TOL)
 
 
 def test_merge_state_on_the_device(rng):
