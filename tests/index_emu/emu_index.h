@@ -8,6 +8,9 @@
 // layout type in [62,64) (1: 128-byte swizzle). Element (r, k) of a k16 step sits at
 // start + (r / 8) SBO + (r % 8) 128 + 2 k, with address bits [4,7) ^= bits [7,10).
 namespace mate {
+// cp.async with an L2 prefetch hint: the hint has no effect on the result.
+inline void cp_async_16_l2_at(u32 saddr, const void* gmem, bool pred) { cp_async_16_at(saddr, gmem, pred); }
+
 namespace attn {
 typedef unsigned long long u64;
 inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
