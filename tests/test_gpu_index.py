@@ -28,6 +28,7 @@ from helpers import kernel_params
 
 BLOCK = 128
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+FP8_DT = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 # ============================================================================ score generators
@@ -423,7 +424,9 @@ def test_index_variants_compile(arch):
     assert not errors, errors[0]["error"][:4000]
     skipped = {r["name"] for r in results if "skipped" in r}
     wgmma = {s.name for s in il.MAX_SCORE_SPECS.values() if s.min_sm == 90}
-    assert skipped == (set() if arch == "sm_90a" else wgmma)
+    fp8 = {s.name for (dt, _, _), s in il.MAX_SCORE_SPECS.items() if dt == FP8_DT}
+    assert all(il.MAX_SCORE_SPECS[k].min_sm == 89 for k in il.MAX_SCORE_SPECS if k[0] == FP8_DT)
+    assert skipped == (set() if arch == "sm_90a" else wgmma | fp8)
 
 
 @pytest.mark.slow
@@ -437,6 +440,7 @@ def test_hot_variants_keep_to_registers():
     hot += [il.MAX_SCORE_SPECS[(BF16, 128, cfg)] for cfg in il.MAX_SCORE_CONFIGS]
     hot += [il.MAX_SCORE_SPECS[(F16, 64, il.MaxScoreConfig("mma_sync", 8))]]
     hot += [il.MAX_SCORE_SPECS[(dt, d, cfg)] for dt in (F16, BF16) for d in (64, 256) for cfg in il.DECODE_CONFIGS]
+    hot += [s for (dt, _, _), s in il.MAX_SCORE_SPECS.items() if dt == FP8_DT]
     for spec in hot:
         log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
         # per function: "Function properties for <mangled>" then "... spill stores, N bytes spill loads"
@@ -837,6 +841,76 @@ def test_decode_max_score_paged(rng, page_size, kv_layout, source, nq):
                                     config=config, **kw)
             _check_max_score(got, want, q, k_nhd.reshape(-1, d),
                              f"{source} {kv_layout} page={page_size} Hq{hq} Hkv{hkv} nq={nq} {config}")
+
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8(rng, shape):
+    return (1.5 * rng.standard_normal(shape)).astype(np.float32).astype(FP8)
+
+
+def _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, *, score_scale, config=None, **kw):
+    """The launcher on torch CUDA tensors (float8 arrays: CuPy has no float8 dtype)."""
+    import torch
+
+    def t(a):
+        if a is None:
+            return None
+        if a.dtype == FP8:
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+        return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    ms = torch.full((q.shape[0], q.shape[1], nt), float("nan"), dtype=torch.float32, device="cuda")
+    w = lambda name, a: None if a is None else wrap(name, t(a))  # noqa: E731
+    il.run_max_score(w("q", q), w("k", k), wrap("max_score", ms), cu_seqlens_q=w("cu_q", cu_q), qo_lens=w("qo", qo),
+                     kv_lens=w("kv", kv), qo_offset=w("off", off), cu_seqlens_k=w("cu_k", kw.get("cu_k")),
+                     page_table=w("table", kw.get("page_table")), kv_indices=w("idx", kw.get("kv_indices")),
+                     kv_page_indptr=w("indptr", kw.get("indptr")), kv_layout=kw.get("kv_layout", "NHD"),
+                     page_size=kw.get("page_size", 0), max_seqlen_q=int(qo.max(initial=0)), causal=True,
+                     stream=torch.cuda.current_stream().cuda_stream, config=config, score_scale=score_scale)
+    torch.cuda.synchronize()
+    return ms.cpu().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mode", ["dense", "NHD-table", "HND-csr"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_fp8_decode_max_score(rng, d, mode, nq):
+    """float8 e4m3 q and k with per-tensor scales (score_scale = q_scale * k_scale): the
+    decode kernel's m16n8k32 path vs the float64 reference of the fp8 values."""
+    hq, hkv, page_size, scale = 4, 1, 64, 0.02 * 0.7
+    qo, kv, off = _decode_lengths(rng, nq, 30000)
+    cu_q, cu_k, _ = _meta(qo, kv, off)
+    q = _fp8(rng, (int(cu_q[-1]), hq, d))
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    if mode == "dense":
+        k = _fp8(rng, (int(cu_k[-1]), hkv, d))
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        kw, k_rows = dict(cu_k=cu_k), k.reshape(-1, d)
+    else:
+        layout = mode[:3]
+        counts = -(-kv // page_size)
+        num_pages = int(counts.sum()) + 3
+        kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+        kv_indices[[1, 5]] = -1, num_pages + 1
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+        k = _fp8(rng, (num_pages, page_size, hkv, d) if layout == "NHD" else (num_pages, hkv, page_size, d))
+        want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                         kv_layout=layout, qo_lens=qo)
+        kw = dict(kv_layout=layout, page_size=page_size)
+        kw.update(dict(page_table=table) if mode.endswith("table") else dict(kv_indices=kv_indices, indptr=indptr))
+        k_rows = (k if layout == "NHD" else k.transpose(0, 2, 1, 3)).reshape(-1, d)
+    rows = nq * hq // hkv
+    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+        if config is not None and (FP8, d, config) not in il.MAX_SCORE_SPECS:
+            continue
+        got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=scale, config=config, **kw)
+        _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.astype(np.float64),
+                         f"fp8 d={d} {mode} nq={nq} {config}")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -200,13 +201,13 @@ def test_auto_choice_routes_small_k_to_stream():
 
 
 def _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
-                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, config=None):
+                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, config=None, score_scale=1.0):
     ms = np.full((q.shape[0], q.shape[1], nt), np.nan, dtype=np.float32)
     w = H.wrap
     run(il.run_max_score, w(q), w(k), w(ms), cu_seqlens_q=w(cu_q), qo_lens=w(qo), kv_lens=w(kv), qo_offset=w(off),
         cu_seqlens_k=w(cu_k), page_table=w(page_table), kv_indices=w(kv_indices), kv_page_indptr=w(indptr),
         kv_layout=kv_layout, page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal, stream=0,
-        config=config, lazy_cp_async=lazy)
+        config=config, lazy_cp_async=lazy, score_scale=score_scale)
     return ms
 
 
@@ -393,3 +394,51 @@ def test_decode_splits_fill_whole_waves():
     assert il.decode_splits(8, 8192, 264) == (33, 249)      # B8, 1M keys: one full wave
     s, per = il.decode_splits(64, 1024, 264)                 # B64, 128K keys
     assert -(-64 * s // 264) * per <= 1.04 * 64 * 1024 / 264
+
+
+# ============================================================================ fp8 decode max score
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,paged,lazy", [(128, False, False), (64, True, True), (256, True, False),
+                                          (128, True, True)])
+def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
+    """float8 e4m3 q and k with a score scale (the product of per-tensor scales): the decode
+    kernel's m16n8k32 path on dense and paged K (HND, CSR, an invalid page), single and
+    multi-query causal decode, against the float64 reference of the fp8 values."""
+    H, run = emu
+    hq, hkv, page_size, scale = 8, 2, 32, 0.37 * 1.9
+    r = hq // hkv
+    for qo in (np.array([1, 1, 0, 1], dtype=np.int32), np.array([4, 2, 1, 3], dtype=np.int32)):
+        kv = np.array([2100, 300, 77, 129], dtype=np.int32)
+        cu_q, cu_k, off = _meta(qo, kv, None)
+        q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32).astype(FP8)
+        nt = -(-int(kv.max()) // BLOCK) + 1
+        if paged:
+            counts = -(-kv // page_size)
+            num_pages = int(counts.sum()) + 2
+            kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+            kv_indices[2] = -1
+            indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            k = rng.standard_normal((num_pages, hkv, page_size, d)).astype(np.float32).astype(FP8)
+            table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+            want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                             kv_layout="HND", qo_lens=qo)
+            kw = dict(kv_indices=kv_indices, indptr=indptr, kv_layout="HND", page_size=page_size)
+            k_rows = k.transpose(0, 2, 1, 3).reshape(-1, d)
+        else:
+            k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float32).astype(FP8)
+            want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt,
+                                       qo_lens=qo, kv_lens=kv)
+            kw = dict(cu_k=cu_k)
+            k_rows = k
+        want = want * scale
+        for config in _decode_configs(int(qo.max()) * r):
+            if config is not None and (FP8, d, config) not in il.MAX_SCORE_SPECS:
+                continue
+            got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, lazy=lazy, config=config, score_scale=scale,
+                                 **kw)
+            _check_max_score(got, want, q.astype(np.float64) * scale, k_rows.astype(np.float64),
+                             f"fp8 d={d} paged={paged} qo={qo.tolist()} {config}")

@@ -816,7 +816,7 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
                            long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
                            int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
-                           int tiles_per_split) {
+                           int tiles_per_split, float score_scale) {
     using Cfg = MaxScoreTile<T, D, NWARPS, MMA>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1047,7 +1047,8 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         const int slot = n % kMsStash;
         if ((lane & 3) == 0) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) stash[(warp * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[h];
+            for (int h = 0; h < 2; ++h)
+                stash[(warp * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[h] * score_scale;
         }
         if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's 16 rows
             __syncwarp();
@@ -1087,9 +1088,13 @@ constexpr int kDecWarps = 4;
 template <typename T, int D, int NB>
 struct DecodeTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
-    static constexpr int WS = D == 64 ? 6 : 3;                 // stages per warp
-    static constexpr int CPR = D / 8;                          // 16-byte chunks per key
-    static constexpr int SUB_BYTES = kDecSubKeys * D * (int)sizeof(T);
+    static constexpr bool FP8 = sizeof(T) == 1;                // e4m3: mma k32 on the same byte layout
+    static constexpr int RB = D * (int)sizeof(T);              // bytes per key
+    static constexpr int WS = RB <= 128 ? 6 : 3;               // stages per warp
+    static constexpr int CPR = RB / 16;                        // 16-byte chunks per key
+    static constexpr int SWZ = (CPR < 8 ? CPR : 8) - 1;        // chunk XOR mask (key % 8, or % 4 for 64-byte keys)
+    static constexpr int KSTEPS = RB / 32;                     // mma k-steps: 32 bytes each (k16 16-bit, k32 fp8)
+    static constexpr int SUB_BYTES = kDecSubKeys * RB;
     static constexpr int WARP_BYTES = WS * SUB_BYTES;
     static constexpr int MASK_OFFSET = kDecWarps * WARP_BYTES;  // [warps][WS] u32 key masks
     static constexpr int SMEM_BYTES = MASK_OFFSET + kDecWarps * WS * 4;
@@ -1098,7 +1103,7 @@ struct DecodeTile {
 // Same parameters as msa_block_max_score_kernel (num_m_tiles is 1). Grid: (batch * splits,
 // Hkv): CTA x owns request x % batch and blocks [(x / batch) * tiles_per_split, ...).
 template <typename T, int D, int NB>
-__global__ void __launch_bounds__(32 * kDecWarps, D <= 128 ? 2 : 1)
+__global__ void __launch_bounds__(32 * kDecWarps, D * sizeof(T) <= 256 ? 2 : 1)
 msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
                             const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
                             const int* __restrict__ kv_lens, const int* __restrict__ qo_offset,
@@ -1108,9 +1113,9 @@ msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, f
                             long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
                             int page_shift, int page_table_cols, long long num_kv_indices, int batch,
                             int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
-                            int tiles_per_split) {
+                            int tiles_per_split, float score_scale) {
     using Cfg = DecodeTile<T, D, NB>;
-    constexpr int WS = Cfg::WS, CPR = Cfg::CPR, ROWS = 8 * NB;
+    constexpr int WS = Cfg::WS, CPR = Cfg::CPR, ROWS = 8 * NB, RB = Cfg::RB, KSTEPS = Cfg::KSTEPS;
     constexpr int RPI = 32 / CPR;           // keys per cp.async instruction of the warp
     constexpr int NI = kDecSubKeys / RPI;   // instructions per sub-tile
     static_assert(RPI >= 1 && RPI * CPR == 32, "a warp instruction copies whole keys");
@@ -1207,8 +1212,10 @@ msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, f
         for (int i = 0; i < NI; ++i) {
             const int row = ld_row0 + RPI * i;
             const long long o = key_offset(j0 + row);
-            cp_async_16_l2_at(dst + (u32)ms_tile_offset<kMmaSync, kDecSubKeys, D>(row, ld_ch),
-                           o >= 0 ? kc + o + ld_ch * 8 : kc, o >= 0);
+            cp_async_16_l2_at(dst + (u32)(row * RB + ((ld_ch ^ (row & Cfg::SWZ)) << 4)),
+                              o >= 0 ? reinterpret_cast<const unsigned char*>(kc + o) + ld_ch * 16
+                                     : reinterpret_cast<const unsigned char*>(kc),
+                              o >= 0);
             const u32 bal = __ballot_sync(kFullMask, o >= 0);
 #pragma unroll
             for (int rr = 0; rr < RPI; ++rr) valid |= ((bal >> (rr * CPR)) & 1u) << (RPI * i + rr);
@@ -1223,20 +1230,22 @@ msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, f
         cp_async_commit();
     }
 
-    // ---- Q as mma B fragments: n-block nb, k-step kk: rows 8 nb + lane / 4, values
-    // 16 kk + 2 (lane % 4) (+1) and (+8, +9)
+    // ---- Q as mma B fragments: n-block nb, k-step kk: row 8 nb + lane / 4, bytes
+    // 32 kk + 4 (lane % 4) .. + 3 and 16 bytes further (16-bit: values 16 kk + 2 (lane % 4),
+    // +1 and +8, +9; fp8: values 32 kk + 4 (lane % 4) .. +3 and +16 .. +19)
     const int fg = lane >> 2, ft = lane & 3;
-    u32 qf[NB][D / 16][2];
+    u32 qf[NB][KSTEPS][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
         int qi;
         const int p = 8 * nb + fg;
         const bool ok = row_valid(p, qi);
-        const T* src = q + (ok ? (q0 + qi) * q_stride_tok + (long long)(g * r + p % r) * q_stride_head : 0) + 2 * ft;
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(
+            q + (ok ? (q0 + qi) * q_stride_tok + (long long)(g * r + p % r) * q_stride_head : 0)) + 4 * ft;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            qf[nb][kk][0] = ok ? *reinterpret_cast<const u32*>(src + 16 * kk) : 0u;
-            qf[nb][kk][1] = ok ? *reinterpret_cast<const u32*>(src + 16 * kk + 8) : 0u;
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            qf[nb][kk][0] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk) : 0u;
+            qf[nb][kk][1] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk + 16) : 0u;
         }
     }
     // This lane's accumulator rows 8 nb + 2 ft + e: limits and output offsets.
@@ -1254,13 +1263,15 @@ msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, f
 #pragma unroll
     for (int x = 1; x < 32; x <<= 1) lim_min = min(lim_min, __shfl_xor_sync(kFullMask, lim_min, x));
 
-    // ldmatrix A (16 keys x 16 values): lane addresses key 16 mt + (mi & 1) 8 + lane % 8,
-    // chunk 2 kk + (mi >> 1); swizzled chunk = 8 (kk / 4) + ((2 (kk % 4) + (mi >> 1)) ^ (lane % 8)).
+    // ldmatrix A (16 keys x 32 bytes): lane addresses key 16 mt + (mi & 1) 8 + lane % 8,
+    // chunk 2 kk + (mi >> 1); swizzled chunk = 8 (kk / 4) + ((2 (kk % 4) + (mi >> 1)) ^ (key & SWZ)).
+    // (ldmatrix's b16 fragment of 16 keys x 32 bytes is the A fragment of both m16n8k16 and
+    // the fp8 m16n8k32: lane l holds bytes 4 (l % 4) .. + 3 of key l / 4 per 8 x 16-byte matrix.)
     const int mi = lane >> 3;
-    const u32 a_lane = (u32)(((mi & 1) * 8 + (lane & 7)) * D * (int)sizeof(T));
+    const u32 a_lane = (u32)(((mi & 1) * 8 + (lane & 7)) * RB);
     u32 a_chunk[4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) a_chunk[m] = (u32)((((2 * m + (mi >> 1)) ^ (lane & 7))) * 16);
+    for (int m = 0; m < 4; ++m) a_chunk[m] = (u32)((((2 * m + (mi >> 1)) ^ (lane & Cfg::SWZ))) * 16);
 
     float mx[NB][2];
     for (int s = 0; s < n_sub; ++s) {
@@ -1282,13 +1293,16 @@ msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, f
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) acc[mt][nb][0] = acc[mt][nb][1] = acc[mt][nb][2] = acc[mt][nb][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 u32 a[4];
-                ldmatrix_x4_at(a, st + (u32)(mt * 16 * D * (int)sizeof(T)) + a_chunk[kk % 4] + (u32)((kk / 4) * 128));
+                ldmatrix_x4_at(a, st + (u32)(mt * 16 * RB) + a_chunk[kk % 4] + (u32)((kk / 4) * 128));
 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                for (int nb = 0; nb < NB; ++nb) {
+                    if constexpr (Cfg::FP8) mma_16x8x32_e4m3(acc[mt][nb], a, qf[nb][kk]);
+                    else mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                }
             }
         }
         if (vmask == 0xffffffffu && j0 + kDecSubKeys <= lim_min) {
@@ -1323,7 +1337,7 @@ msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, f
                     v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 4));
                     v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 8));
                     v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 16));
-                    if (lane < 4 && oo[nb][e] >= 0) max_score[oo[nb][e] + t] = v;
+                    if (lane < 4 && oo[nb][e] >= 0) max_score[oo[nb][e] + t] = v * score_scale;
                 }
         }
     }

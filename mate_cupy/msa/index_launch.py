@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from ..jit import KernelParams, get_kernel, launch, register
 from ..jit.registry import SM90A
 from ..runtime.device import device_info
-from ..runtime.interop import BFLOAT16, FLOAT16
+from ..runtime.interop import BFLOAT16, FLOAT16, FP8_E4M3, dtype_name
 
 if TYPE_CHECKING:
     from ..runtime.interop import Arg
@@ -34,7 +34,7 @@ __all__ = [
 SOURCE = "msa_index.cu"
 BLOCK = 128                 # keys per max-score block
 MAX_SCORE_HEAD_DIMS = (64, 128, 256)
-_CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
+_CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t", FP8_E4M3: "fp8_t"}
 _MS_STASH = 16              # kMsStash
 
 # ----------------------------------------------------------------------------- kernel parameters
@@ -46,7 +46,7 @@ MAX_SCORE_PARAMS = KernelParams((
     ("q_stride_head", "i64"), ("k_stride_outer", "i64"), ("k_stride_slot", "i64"), ("k_stride_head", "i64"),
     ("total_q", "i64"), ("k_extent", "i64"), ("page_shift", "i32"), ("page_table_cols", "i32"),
     ("num_kv_indices", "i64"), ("batch", "i32"), ("num_m_tiles", "i32"), ("num_heads_q", "i32"),
-    ("num_heads_kv", "i32"), ("nt", "i32"), ("causal", "i32"), ("tiles_per_split", "i32"),
+    ("num_heads_kv", "i32"), ("nt", "i32"), ("causal", "i32"), ("tiles_per_split", "i32"), ("score_scale", "f32"),
 ))
 _TOPK_COMMON = (
     ("scores", "ptr"), ("out", "ptr"), ("num_rows", "i64"), ("num_heads", "i32"), ("nt", "i32"), ("width", "i32"),
@@ -78,10 +78,10 @@ class MaxScoreConfig:
     def decode(self) -> bool:
         return self.mma == "decode"
 
-    def stages(self, d: int = 128) -> int:
+    def stages(self, d: int = 128, elem_bytes: int = 2) -> int:
         """K stages: per warp (sub-tiles of 32 keys) for decode, per CTA (128 keys) otherwise."""
         if self.decode:
-            return 6 if d == 64 else 3   # DecodeTile::WS
+            return 6 if d * elem_bytes <= 128 else 3   # DecodeTile::WS
         return 2 if self.mma == "wgmma" else 3
 
     @property
@@ -110,6 +110,14 @@ MAX_SCORE_SPECS = {
     for d in MAX_SCORE_HEAD_DIMS
     for cfg in MAX_SCORE_CONFIGS
 }
+# fp8 e4m3 q and k (mma.sync k32, sm_89+): the decode kernel only, up to 16 rows for D 256
+# (32 rows of D 256 spill on sm_90, where fp8 mma.sync runs as f16 MMAs on converted values).
+MAX_SCORE_SPECS.update({
+    (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), min_sm=89)
+    for d in MAX_SCORE_HEAD_DIMS
+    for cfg in DECODE_CONFIGS
+    if d < 256 or cfg.row_blocks <= 2
+})
 
 
 def select_max_score_config(rows: int, compute_capability: int) -> MaxScoreConfig:
@@ -129,7 +137,7 @@ def select_max_score_config(rows: int, compute_capability: int) -> MaxScoreConfi
 def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
     """Dynamic shared memory of a max-score variant (mirrors ``MaxScoreTile`` / ``DecodeTile``)."""
     if config.decode:
-        ws = config.stages(d)
+        ws = config.stages(d, elem_bytes)
         return config.num_warps * ws * (DECODE_SUB_KEYS * d * elem_bytes + 4)
     stages = config.stages(d)
     bm = config.rows_per_cta
@@ -139,8 +147,11 @@ def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) ->
     return end + stages * BLOCK + (1024 if config.mma == "wgmma" else 0)
 
 
-def max_score_ctas_per_sm(d: int, config: MaxScoreConfig) -> int:
-    """CTAs per SM the launch bounds promise (two for D <= 128, one for D 256)."""
+def max_score_ctas_per_sm(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
+    """CTAs per SM the launch bounds promise: two for D <= 128 (decode: keys of at most
+    256 bytes), else one."""
+    if config.decode:
+        return 2 if d * elem_bytes <= 256 else 1
     return 2 if d <= 128 else 1
 
 
@@ -186,8 +197,8 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
                   qo_offset: Arg, cu_seqlens_k: Optional[Arg] = None, page_table: Optional[Arg] = None,
                   kv_indices: Optional[Arg] = None, kv_page_indptr: Optional[Arg] = None, kv_layout: str = "NHD",
                   page_size: int = 0, max_seqlen_q: int, causal: bool, stream: int,
-                  config: Optional[MaxScoreConfig] = None) -> None:
-    """``max_score[i, h, t] = max`` of ``q[i, h] . k[j, h // r]`` over the admissible keys ``j`` of block ``t``.
+                  config: Optional[MaxScoreConfig] = None, score_scale: float = 1.0) -> None:
+    """``max_score[i, h, t] = score_scale * max`` of ``q[i, h] . k[j, h // r]`` over the admissible keys ``j`` of block ``t``.
 
     Signature::
 
@@ -196,7 +207,7 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
                       page_table: Arg | None = None, kv_indices: Arg | None = None,
                       kv_page_indptr: Arg | None = None, kv_layout: str = "NHD",
                       page_size: int = 0, max_seqlen_q: int, causal: bool, stream: int,
-                      config: MaxScoreConfig | None = None) -> None
+                      config: MaxScoreConfig | None = None, score_scale: float = 1.0) -> None
 
     Arrays are :class:`~mate_cupy.runtime.interop.Arg` views (``.ptr``, ``.shape``,
     ``.strides`` in elements, logical ``.dtype``); ``stream`` is a ``cudaStream_t``
@@ -215,10 +226,14 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
 
     * the current CUDA device is the arrays' device and ``stream`` belongs to it;
     * ``q``: ``[total_q, Hq, D]``, float16 or bfloat16, ``D`` in {64, 128, 256},
-      ``q.strides[2] == 1``, ``q.strides[0]`` and ``q.strides[1]`` multiples of 8, ``q.ptr``
-      16-byte aligned;
+      ``q.strides[2] == 1``, ``q.strides[0]`` and ``q.strides[1]`` multiples of 16 bytes,
+      ``q.ptr`` 16-byte aligned; or float8 e4m3 (``max_seqlen_q * Hq / Hkv <= 32``: the
+      decode kernel, ``<= 16`` for D 256; compute capability 8.9 or newer) with
+      ``score_scale`` the product of the per-tensor q and k scales;
     * ``k``: ``q``'s dtype, the rank and shape above for its mode with head dim ``D``,
-      ``k.strides[-1] == 1``, the other strides multiples of 8, ``k.ptr`` 16-byte aligned;
+      ``k.strides[-1] == 1``, the other strides multiples of 16 bytes, ``k.ptr`` 16-byte
+      aligned;
+    * ``score_scale``: positive and finite (raw dot products times it; 1 for 16-bit inputs);
     * ``Hkv >= 1`` divides ``Hq``, ``Hkv <= 65535``;
     * ``max_score``: float32 ``[total_q, Hq, NT]`` C-contiguous (``NT >= 0``);
     * int32 contiguous vectors ``qo_lens``, ``kv_lens``, ``qo_offset`` ``[B]`` (``B`` is
@@ -260,11 +275,16 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
     cfg = select_max_score_config(rows, cc) if config is None else config
     if cfg.decode and rows > cfg.rows_per_cta:
         raise ValueError(f"config {cfg} holds {cfg.rows_per_cta} packed rows, got max_seqlen_q * Hq / Hkv = {rows}")
+    if (q.dtype, d, cfg) not in MAX_SCORE_SPECS:
+        raise ValueError(f"max score: no {dtype_name(q.dtype)} variant {cfg} for D {d} ({rows} packed rows per "
+                         f"request; float8 runs the decode kernel: max_seqlen_q * Hq / Hkv <= {DECODE_MAX_ROWS}, "
+                         f"<= 16 for D 256)")
     kernel = get_kernel(MAX_SCORE_SPECS[(q.dtype, d, cfg)])
     smem = max_score_smem_bytes(d, cfg, q.dtype.itemsize)
     if cfg.decode:
         m_tiles = 1
-        splits, tiles_per_split = decode_splits(batch * hkv, nt, sm_count * max_score_ctas_per_sm(d, cfg))
+        slots = sm_count * max_score_ctas_per_sm(d, cfg, q.dtype.itemsize)
+        splits, tiles_per_split = decode_splits(batch * hkv, nt, slots)
         grid = (batch * splits, hkv)
     else:
         m_tiles = -(-rows // cfg.rows_per_cta)
@@ -274,7 +294,7 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
     launch(kernel, grid, (32 * cfg.num_warps,), MAX_SCORE_PARAMS,
            (q, k, max_score, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k, page_table, kv_indices,
             kv_page_indptr, kv_mode, qs[0], qs[1], k_outer, k_slot, k_head, total_q, k_extent, page_shift, pt_cols,
-            n_idx, batch, m_tiles, hq, hkv, nt, 1 if causal else 0, tiles_per_split),
+            n_idx, batch, m_tiles, hq, hkv, nt, 1 if causal else 0, tiles_per_split, float(score_scale)),
            shared_mem=smem, stream=stream)
 
 
