@@ -271,6 +271,7 @@ def c_params(kernel: str, src: Path = SRC) -> list:
 
 
 @pytest.mark.parametrize("kernel,params", [("msa_block_max_score_kernel", il.MAX_SCORE_PARAMS),
+                                           ("msa_decode_max_score_kernel", il.MAX_SCORE_PARAMS),
                                            ("msa_topk_select_kernel", il.TOPK_PARAMS),
                                            ("msa_topk_stream_kernel", il.STREAM_PARAMS)])
 def test_launcher_parameters_match_kernel_signature(kernel, params):
