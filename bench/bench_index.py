@@ -4,6 +4,9 @@
 * Block max score (``msa(..., max_score=..., output_o=False)``) vs our own dense
   attention on the same shape: the target is a time ratio (the max-score pass
   must cost at most 0.6x of attention, or selection eats the sparse win).
+* Block max score at decode (the M3 index branch: Hq 4 over Hkv 1, D 128, paged K, one
+  query per request): B8 over 1M keys and B64 over 128K keys, TB/s of K read against
+  the measured copy ceiling (target 4.0 TB/s).
 """
 from __future__ import annotations
 
@@ -130,6 +133,147 @@ def max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Target |
     )
 
 
+def decode_max_score_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, page: int, *,
+                          target: Target | None) -> Case:
+    """The index branch at decode: one query per request over ``seqlen`` paged keys (NHD,
+    random page order, CSR ``kv_indices``), max score only. Memory bound: bytes = the K
+    cache read once; the ceiling column is the fraction of the measured copy bandwidth."""
+    dev = cfg.device
+    ppr = math.ceil(seqlen / page)
+    n_pages = batch * ppr
+    n_tiles = math.ceil(seqlen / BLOCK)
+    k_bytes = 2.0 * batch * seqlen * hkv * D
+
+    def make_inputs(n):
+        import torch
+
+        g = _gen(dev, 7)
+        return [{"q": _randn((batch, hq, D), g, dev), "k_cache": _randn((n_pages, page, hkv, D), g, dev),
+                 "kv_indices": torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)} for _ in range(n)]
+
+    def ours_max_score(inputs):
+        import torch
+
+        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=page, causal=True)
+        bufs = [torch.empty((batch, hq, n_tiles), dtype=torch.float32, device=x["q"].device) for x in inputs]
+
+        def run(i):
+            x = inputs[i]   # V is not read without output_o: K stands in for it
+            res = ours.msa(x["q"], x["k_cache"], x["k_cache"], plan, kv_indices=x["kv_indices"], max_score=bufs[i],
+                           output_o=False)
+            return res[1] if isinstance(res, (tuple, list)) else res
+
+        return Bound(run)
+
+    def check(results, inp):
+        if "mate_cupy" not in results:
+            return {}
+        import torch
+
+        reqs = sample_rows(batch, 3, dev)
+        errs = []
+        for b in reqs.tolist():
+            pages = inp["kv_indices"][b * ppr:(b + 1) * ppr].long()
+            keys = inp["k_cache"][pages].reshape(ppr * page, hkv, D)[:seqlen]
+            ref = block_max_rows(inp["q"][b:b + 1], keys, torch.full((1,), seqlen - 1, device=keys.device), seqlen,
+                                 True, n_tiles)
+            errs.append(rel_err(results["mate_cupy"][b:b + 1], ref))
+        return {"mate_cupy": {"err": max(errs), "err_vs": "fp32 block max of q.k on sampled requests"}}
+
+    return Case(
+        op="msa max score decode", name=f"B{batch} L{seqlen} page{page} Hq{hq} Hkv{hkv} NHD",
+        make_inputs=make_inputs, set_bytes=k_bytes,
+        impls=[Impl("mate_cupy", "ours", ours_max_score, capture_safe=False)],
+        metric="tbps", bytes=k_bytes, target=target, check=check, tol=2e-2,
+        params=dict(B=batch, L=seqlen, page_size=page, Hq=hq, Hkv=hkv, D=D, dtype="bfloat16", layout="NHD",
+                    bytes="K read once"),
+    )
+
+
+def fp8_decode_max_score_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, page: int, *,
+                              target: Target | None) -> Case:
+    """The decode max score with float8 e4m3 q and k (per-tensor scales) against the same
+    launch in bfloat16, both through ``index_launch.run_max_score`` (the MSA engine does not
+    take fp8 for the max-score pass yet). Paged NHD, CSR ``kv_indices``, one query per
+    request; bytes = the K cache each reads."""
+    dev = cfg.device
+    ppr = math.ceil(seqlen / page)
+    n_pages = batch * ppr
+    n_tiles = math.ceil(seqlen / BLOCK)
+    q_scale, k_scale = 0.05, 0.03
+
+    def make_inputs(n):
+        import torch
+
+        g = _gen(dev, 8)
+        sets = []
+        for _ in range(n):
+            q = _randn((batch, hq, D), g, dev)
+            k = _randn((n_pages, page, hkv, D), g, dev)
+            sets.append({"q": q, "k_cache": k, "q8": (q.float() / q_scale).to(torch.float8_e4m3fn),
+                         "k8": (k.float() / k_scale).to(torch.float8_e4m3fn),
+                         "kv_indices": torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)})
+        return sets
+
+    def launcher(fp8: bool):
+        def build(inputs):
+            import torch
+
+            from mate_cupy.msa import index_launch as il
+            from mate_cupy.runtime.interop import wrap
+
+            i32 = dict(dtype=torch.int32, device=dev)
+            meta = {"cu_seqlens_q": torch.arange(batch + 1, **i32), "qo_lens": torch.ones(batch, **i32),
+                    "kv_lens": torch.full((batch,), seqlen, **i32),
+                    "qo_offset": torch.full((batch,), seqlen - 1, **i32),
+                    "kv_page_indptr": torch.arange(batch + 1, **i32) * ppr}
+            metas = {n: wrap(n, t) for n, t in meta.items()}
+            bufs = [torch.empty((batch, hq, n_tiles), dtype=torch.float32, device=dev) for _ in inputs]
+            args = [(wrap("q", x["q8" if fp8 else "q"]), wrap("k", x["k8" if fp8 else "k_cache"]),
+                     wrap("max_score", bufs[i]), wrap("kv_indices", x["kv_indices"])) for i, x in enumerate(inputs)]
+            scale = q_scale * k_scale if fp8 else 1.0
+
+            def run(i):
+                q, k, ms, idx = args[i]
+                il.run_max_score(q, k, ms, kv_indices=idx, page_size=page, max_seqlen_q=1, causal=True,
+                                 stream=torch.cuda.current_stream().cuda_stream, score_scale=scale, **metas)
+                return bufs[i]
+
+            run.keep = meta   # the metadata tensors live as long as the launch
+            return Bound(run)
+        return build
+
+    def check(results, inp):
+        import torch
+
+        out = {}
+        reqs = sample_rows(batch, 2, dev)
+        for name, (qk, kk, scale) in (("mate_cupy.fp8", ("q8", "k8", q_scale * k_scale)),
+                                      ("mate_cupy.bf16", ("q", "k_cache", 1.0))):
+            if name not in results:
+                continue
+            errs = []
+            for b in reqs.tolist():
+                pages = inp["kv_indices"][b * ppr:(b + 1) * ppr].long()
+                keys = inp[kk][pages].float().reshape(ppr * page, hkv, D)[:seqlen]
+                ref = block_max_rows(inp[qk][b:b + 1].float(), keys, torch.full((1,), seqlen - 1, device=keys.device),
+                                     seqlen, True, n_tiles) * scale
+                errs.append(rel_err(results[name][b:b + 1], ref))
+            out[name] = {"err": max(errs), "err_vs": "fp32 block max of the (fp8) values on sampled requests"}
+        return out
+
+    k_bytes = 2.0 * batch * seqlen * hkv * D
+    return Case(
+        op="msa max score decode fp8", name=f"B{batch} L{seqlen} page{page} Hq{hq} Hkv{hkv} NHD",
+        make_inputs=make_inputs, set_bytes=1.5 * k_bytes,
+        impls=[Impl("mate_cupy.fp8", "ours", launcher(True), bytes=k_bytes / 2),
+               Impl("mate_cupy.bf16", "baseline", launcher(False), bytes=k_bytes)],
+        metric="tbps", bytes=k_bytes / 2, baseline="mate_cupy.bf16", target=target, check=check, tol=2e-2,
+        params=dict(B=batch, L=seqlen, page_size=page, Hq=hq, Hkv=hkv, D=D, dtype="float8_e4m3fn",
+                    q_scale=q_scale, k_scale=k_scale, bytes="K read once"),
+    )
+
+
 def cases(cfg) -> list:
     five = Target("speedup", 5.0, "torch.topk")
     ratio = Target("time_ratio", 0.6, "mate_cupy.msa")
@@ -142,4 +286,11 @@ def cases(cfg) -> list:
     out.append(max_score_case(cfg, sq, sk, hq, hkv, target=ratio))
     sq, sk, hq, hkv = sized(cfg, (8192, 131072, 4, 1), (2048, 32768, 4, 1), (128, 1024, 4, 1))
     out.append(max_score_case(cfg, sq, sk, hq, hkv, target=ratio))
+    four = Target("tbps", 4.0)
+    for full, quick, tiny in (((8, 1 << 20), (8, 1 << 18), (2, 4096)), ((64, 1 << 17), (64, 1 << 15), (4, 2048))):
+        b, sk = sized(cfg, full, quick, tiny)
+        out.append(decode_max_score_case(cfg, b, sk, 4, 1, 128, target=four))
+    if cfg.device != "cpu":   # a launcher-level case: CUDA arrays only
+        b, sk = sized(cfg, (8, 1 << 20), (8, 1 << 18), (2, 4096))
+        out.append(fp8_decode_max_score_case(cfg, b, sk, 4, 1, 128, target=Target("speedup", 1.7, "mate_cupy.bf16")))
     return out

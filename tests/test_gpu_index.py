@@ -28,6 +28,7 @@ from helpers import kernel_params
 
 BLOCK = 128
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+FP8_DT = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 # ============================================================================ score generators
@@ -236,7 +237,8 @@ def test_choices_reach_every_registered_variant_and_only_those():
                         picked.add(il.TOPK_SPECS[(cfg.warps_per_row, cfg.scores_per_thread, cfg.vector_width,
                                                   cfg.top2)])
     assert picked == set(il.TOPK_SPECS.values()) | set(il.STREAM_SPECS.values())
-    configs = {il.select_max_score_config(rows, cc) for rows in (1, 64, 65, 1 << 20) for cc in (80, 86, 89, 90, 100)}
+    configs = {il.select_max_score_config(rows, cc) for rows in (1, 9, 17, 33, 64, 65, 1 << 20)
+               for cc in (80, 86, 89, 90, 100)}
     assert configs == set(il.MAX_SCORE_CONFIGS)
     assert {cfg for _, _, cfg in il.MAX_SCORE_SPECS} == configs
 
@@ -254,8 +256,8 @@ def test_max_score_launch_geometry():
         for cfg in il.MAX_SCORE_CONFIGS:
             smem = il.max_score_smem_bytes(d, cfg)
             assert smem <= 227 * 1024, (d, cfg)
-            if d <= 128:  # launch bounds promise two CTAs per SM
-                assert 2 * (smem + 1024) <= 228 * 1024, (d, cfg)
+            per_sm = il.max_score_ctas_per_sm(d, cfg)  # the launch bounds' promise
+            assert per_sm == (2 if d <= 128 else 1) and per_sm * (smem + 1024) <= 228 * 1024, (d, cfg)
 
 
 # ---------------------------------------------------------------------------- launchers vs the source
@@ -269,6 +271,7 @@ def c_params(kernel: str, src: Path = SRC) -> list:
 
 
 @pytest.mark.parametrize("kernel,params", [("msa_block_max_score_kernel", il.MAX_SCORE_PARAMS),
+                                           ("msa_decode_max_score_kernel", il.MAX_SCORE_PARAMS),
                                            ("msa_topk_select_kernel", il.TOPK_PARAMS),
                                            ("msa_topk_stream_kernel", il.STREAM_PARAMS)])
 def test_launcher_parameters_match_kernel_signature(kernel, params):
@@ -330,6 +333,48 @@ def test_run_max_score_packs_its_launch(monkeypatch, paged, cc):
     assert (v["batch"], v["num_heads_q"], v["num_heads_kv"], v["nt"], v["causal"]) == (2, hq, hkv, 6, 1)
 
 
+@pytest.mark.parametrize("paged", ["dense", "csr"])
+def test_run_max_score_packs_decode_launch(monkeypatch, paged):
+    """Decode-shaped rows take the decode kernel: grid (batch * splits, Hkv), 4 warps,
+    the key range of each (request, head) split to fill whole waves of 2 CTAs per SM."""
+    launches = _recording(monkeypatch, cc=90)
+    hq, hkv, d, page = 16, 2, 128, 128
+    batch, nt = 8, 8192
+    qo, kv = np.full(batch, 2, np.int32), np.full(batch, nt * BLOCK, np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    q = wrap("q", np.zeros((int(cu_q[-1]), hq, d), BF16))
+    ms = wrap("max_score", np.zeros((q.shape[0], hq, nt), np.float32))
+    w = lambda n, a: wrap(n, a)  # noqa: E731
+    kw = dict(cu_seqlens_q=w("cu_q", cu_q), qo_lens=w("qo", qo), kv_lens=w("kv", kv), qo_offset=w("off", off))
+    if paged == "dense":
+        k = wrap("k", np.zeros((2, hkv, d), BF16))  # shapes only: nothing is read
+        kw.update(cu_seqlens_k=w("cu_k", cu_k))
+    else:
+        k = wrap("k", np.zeros((3, page, hkv, d), BF16))
+        kw.update(kv_indices=w("idx", np.zeros(3, np.int32)), kv_page_indptr=w("indptr", np.zeros(batch + 1, np.int32)),
+                  page_size=page)
+    il.run_max_score(q, k, ms, max_seqlen_q=2, causal=True, stream=77, **kw)
+    (kern, grid, block, params, values, smem, stream), = launches
+    cfg = il.select_max_score_config(2 * hq // hkv, 90)
+    assert cfg == il.DECODE_CONFIGS[1] and kern == il.MAX_SCORE_SPECS[(BF16, d, cfg)].kernels[0]
+    splits, per = il.decode_splits(batch * hkv, nt, 2 * 132)
+    assert grid == (batch * splits, hkv) and block == (128,) and smem == il.max_score_smem_bytes(d, cfg)
+    params.pack(values)
+    v = dict(zip(params.names, values))
+    assert (v["num_m_tiles"], v["tiles_per_split"], v["batch"], v["nt"]) == (1, per, batch, nt)
+    with pytest.raises(ValueError, match="packed rows"):  # a decode variant too small for the rows
+        il.run_max_score(q, k, ms, max_seqlen_q=2, causal=True, stream=77, config=il.DECODE_CONFIGS[0], **kw)
+
+
+def test_decode_splits_cover_and_fill_waves():
+    for units in (1, 7, 8, 64, 264, 5000):
+        for nt in (1, 5, 9, 64, 1024, 8192, 12289):
+            s, per = il.decode_splits(units, nt, 264)
+            assert s >= 1 and s * per >= nt > (s - 1) * per, (units, nt)
+            assert s == 1 or per >= il.DECODE_MIN_TILES, (units, nt, s, per)
+    assert il.decode_splits(8, 8192, 264) == (33, 249)      # B8, 1M keys: one full wave
+
+
 def test_run_max_score_empty_launches_nothing(monkeypatch):
     launches = _recording(monkeypatch)
     z = lambda *shape, dt=np.int32: wrap("a", np.zeros(shape, dt))  # noqa: E731
@@ -380,7 +425,9 @@ def test_index_variants_compile(arch):
     assert not errors, errors[0]["error"][:4000]
     skipped = {r["name"] for r in results if "skipped" in r}
     wgmma = {s.name for s in il.MAX_SCORE_SPECS.values() if s.min_sm == 90}
-    assert skipped == (set() if arch == "sm_90a" else wgmma)
+    fp8 = {s.name for (dt, _, _), s in il.MAX_SCORE_SPECS.items() if dt == FP8_DT}
+    assert all(il.MAX_SCORE_SPECS[k].min_sm == 89 for k in il.MAX_SCORE_SPECS if k[0] == FP8_DT)
+    assert skipped == (set() if arch == "sm_90a" else wgmma | fp8)
 
 
 @pytest.mark.slow
@@ -392,7 +439,9 @@ def test_hot_variants_keep_to_registers():
     hot = [il.TOPK_SPECS[(1, 32, 4, True)], il.TOPK_SPECS[(8, 32, 4, False)],
            il.STREAM_SPECS[(32, 4)], il.STREAM_SPECS[(16, 4)], il.STREAM_SPECS[(8, 4)]]
     hot += [il.MAX_SCORE_SPECS[(BF16, 128, cfg)] for cfg in il.MAX_SCORE_CONFIGS]
-    hot += [il.MAX_SCORE_SPECS[(F16, 64, il.MAX_SCORE_CONFIGS[1])]]
+    hot += [il.MAX_SCORE_SPECS[(F16, 64, il.MaxScoreConfig("mma_sync", 8))]]
+    hot += [il.MAX_SCORE_SPECS[(dt, d, cfg)] for dt in (F16, BF16) for d in (64, 256) for cfg in il.DECODE_CONFIGS]
+    hot += [s for (dt, _, _), s in il.MAX_SCORE_SPECS.items() if dt == FP8_DT]
     for spec in hot:
         log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
         # per function: "Function properties for <mangled>" then "... spill stores, N bytes spill loads"
@@ -638,6 +687,13 @@ def _launch_max_score(q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None
 CONFIGS = [None] + list(il.MAX_SCORE_CONFIGS)  # the automatic choice, then every variant
 
 
+def _configs(qo, heads):
+    """The automatic choice and every variant that holds ``max(qo) * Hq / Hkv`` packed rows
+    (decode variants hold 8, 16 or 32; the others any number)."""
+    rows = int(np.max(qo, initial=0)) * heads[0] // heads[1]
+    return [c for c in CONFIGS if c is None or not c.decode or c.rows_per_cta >= rows]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -655,7 +711,7 @@ def test_max_score_dense(rng, dtype, d, heads, causal):
         nt = -(-int(kv.max()) // BLOCK) + 2  # tiles past every request: -inf
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
                                    qo_lens=qo, kv_lens=kv)
-        for config in CONFIGS:
+        for config in _configs(qo, heads):
             got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=config)
             _check_max_score(got, want, q, k, f"{case} causal={causal} config={config}")
 
@@ -683,7 +739,7 @@ def test_max_score_paged(rng, page_size, kv_layout, source):
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, np.where(table < 0, -1, table), qo_offset=off,
                                      causal=True, max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
     k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
-    for config in CONFIGS:
+    for config in _configs(qo, (hq, hkv)):
         got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
                                 config=config, **kw)
         _check_max_score(got, want, q, k_nhd.reshape(-1, d), f"{source} {kv_layout} page={page_size} {config}")
@@ -705,10 +761,157 @@ def test_max_score_invalid_pages_are_not_admissible(rng):
     q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
     nt = 2
     want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt)
-    for config in CONFIGS:
+    for config in _configs(qo, (hq, hkv)):
         got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, page_table=table, page_size=page_size,
                                 config=config)
         _check_max_score(got, want, q, k_cache.reshape(-1, d), f"invalid pages {config}")
+
+
+def _decode_lengths(rng, nq: int, long_keys: int):
+    """Decode batch: ``nq`` queries per request (one request with fewer, one empty), kv
+    lengths from 0 to ``long_keys`` (not multiples of 32 or 128), offsets mostly
+    bottom-right, one negative and one short of the end."""
+    kv = np.concatenate([[long_keys, 0, 1, 33, 129], rng.integers(1, long_keys, size=5)]).astype(np.int32)
+    qo = np.full(kv.shape, nq, dtype=np.int32)
+    qo[3], qo[6] = 0, max(1, nq - 1)
+    off = (kv - qo).astype(np.int32)
+    off[7] = -2
+    off[8] -= 37
+    return qo, kv, off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(BF16, 128), (F16, 64), (BF16, 256)], ids=["bf16-d128", "fp16-d64", "bf16-d256"])
+@pytest.mark.parametrize("heads,nq", [((4, 1), 1), ((4, 1), 8), ((8, 2), 2), ((16, 1), 1), ((6, 6), 3)],
+                         ids=["r4q1", "r4q8", "r4q2-Hkv2", "r16q1", "r1q3"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_decode_max_score_dense(rng, dtype, d, heads, nq, causal):
+    """The decode kernel (and the automatic choice) on dense K: multi-query causal decode
+    with offsets, lengths up to 40000 keys (key-range splits), empty requests, kv_len 0."""
+    hq, hkv = heads
+    qo, kv, off = _decode_lengths(rng, nq, 40000)
+    cu_q, cu_k, _ = _meta(qo, kv, off)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
+                               qo_lens=qo, kv_lens=kv)
+    rows = nq * hq // hkv
+    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+        got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=config)
+        _check_max_score(got, want, q, k, f"decode nq={nq} causal={causal} {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("source", ["table", "csr"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_decode_max_score_paged(rng, page_size, kv_layout, source, nq):
+    """Paged decode (M3 index branch heads: Hq 4 over Hkv 1, and Hq 8 over Hkv 2) with
+    scattered pages and invalid ids (-1, >= P, a table narrower than the pages, a CSR range
+    one page short)."""
+    d, dtype = 128, BF16
+    for hq, hkv in ((4, 1), (8, 2)):
+        qo, kv, off = _decode_lengths(rng, nq, 30000)
+        cu_q, _, _ = _meta(qo, kv, off)
+        counts = -(-kv // page_size)
+        num_pages = int(counts.sum()) + 7
+        perm = rng.permutation(num_pages).astype(np.int32)
+        kv_indices = perm[: int(counts.sum())].copy()
+        kv_indices[rng.integers(0, counts[0], size=3)] = -1
+        kv_indices[rng.integers(0, counts[0], size=2)] = num_pages + rng.integers(0, 100, size=2)
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        indptr[3] -= 1
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
+        if source == "table":
+            table = np.ascontiguousarray(table[:, : int(counts[0]) - 5])
+            kw = dict(page_table=table)
+        else:
+            kw = dict(kv_indices=kv_indices, indptr=indptr)
+        shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+        k_cache = _rand(rng, shape, dtype)
+        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+        nt = -(-int(kv.max()) // BLOCK) + 1
+        want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True,
+                                         max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
+        k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+        rows = nq * hq // hkv
+        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+            got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
+                                    config=config, **kw)
+            _check_max_score(got, want, q, k_nhd.reshape(-1, d),
+                             f"{source} {kv_layout} page={page_size} Hq{hq} Hkv{hkv} nq={nq} {config}")
+
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8(rng, shape):
+    return (1.5 * rng.standard_normal(shape)).astype(np.float32).astype(FP8)
+
+
+def _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, *, score_scale, config=None, **kw):
+    """The launcher on torch CUDA tensors (float8 arrays: CuPy has no float8 dtype)."""
+    import torch
+
+    def t(a):
+        if a is None:
+            return None
+        if a.dtype == FP8:
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+        return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+    ms = torch.full((q.shape[0], q.shape[1], nt), float("nan"), dtype=torch.float32, device="cuda")
+    w = lambda name, a: None if a is None else wrap(name, t(a))  # noqa: E731
+    il.run_max_score(w("q", q), w("k", k), wrap("max_score", ms), cu_seqlens_q=w("cu_q", cu_q), qo_lens=w("qo", qo),
+                     kv_lens=w("kv", kv), qo_offset=w("off", off), cu_seqlens_k=w("cu_k", kw.get("cu_k")),
+                     page_table=w("table", kw.get("page_table")), kv_indices=w("idx", kw.get("kv_indices")),
+                     kv_page_indptr=w("indptr", kw.get("indptr")), kv_layout=kw.get("kv_layout", "NHD"),
+                     page_size=kw.get("page_size", 0), max_seqlen_q=int(qo.max(initial=0)), causal=True,
+                     stream=torch.cuda.current_stream().cuda_stream, config=config, score_scale=score_scale)
+    torch.cuda.synchronize()
+    return ms.cpu().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mode", ["dense", "NHD-table", "HND-csr"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_fp8_decode_max_score(rng, d, mode, nq):
+    """float8 e4m3 q and k with per-tensor scales (score_scale = q_scale * k_scale): the
+    decode kernel's m16n8k32 path vs the float64 reference of the fp8 values."""
+    hq, hkv, page_size, scale = 4, 1, 64, 0.02 * 0.7
+    qo, kv, off = _decode_lengths(rng, nq, 30000)
+    cu_q, cu_k, _ = _meta(qo, kv, off)
+    q = _fp8(rng, (int(cu_q[-1]), hq, d))
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    if mode == "dense":
+        k = _fp8(rng, (int(cu_k[-1]), hkv, d))
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        kw, k_rows = dict(cu_k=cu_k), k.reshape(-1, d)
+    else:
+        layout = mode[:3]
+        counts = -(-kv // page_size)
+        num_pages = int(counts.sum()) + 3
+        kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+        kv_indices[[1, 5]] = -1, num_pages + 1
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+        k = _fp8(rng, (num_pages, page_size, hkv, d) if layout == "NHD" else (num_pages, hkv, page_size, d))
+        want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                         kv_layout=layout, qo_lens=qo)
+        kw = dict(kv_layout=layout, page_size=page_size)
+        kw.update(dict(page_table=table) if mode.endswith("table") else dict(kv_indices=kv_indices, indptr=indptr))
+        k_rows = (k if layout == "NHD" else k.transpose(0, 2, 1, 3)).reshape(-1, d)
+    rows = nq * hq // hkv
+    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+        if config is not None and (FP8, d, config) not in il.MAX_SCORE_SPECS:
+            continue
+        got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=scale, config=config, **kw)
+        _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.astype(np.float64),
+                         f"fp8 d={d} {mode} nq={nq} {config}")
 
 
 @pytest.mark.gpu
@@ -723,7 +926,7 @@ def test_max_score_rows_outside_requests_untouched(rng):
     q = _rand(rng, (8, hq, d), dtype)  # rows 5..7 belong to no request
     k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
     want = ref.block_max_score(q[:5], k, cu_q, cu_k, qo_offset=off, max_k_tiles=3, qo_lens=qo, kv_lens=kv)
-    for config in CONFIGS:
+    for config in _configs(qo, (hq, hkv)):
         got = _launch_max_score(q, k, 3, qo, kv, off, cu_q, cu_k=cu_k, config=config)
         assert np.isnan(got[5:]).all(), config
         _check_max_score(got[:5], want, q[:5], k, f"{config}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -200,17 +201,18 @@ def test_auto_choice_routes_small_k_to_stream():
 
 
 def _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table=None, kv_indices=None,
-                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, config=None):
+                   indptr=None, kv_layout="NHD", page_size=0, causal=True, lazy=False, config=None, score_scale=1.0):
     ms = np.full((q.shape[0], q.shape[1], nt), np.nan, dtype=np.float32)
     w = H.wrap
     run(il.run_max_score, w(q), w(k), w(ms), cu_seqlens_q=w(cu_q), qo_lens=w(qo), kv_lens=w(kv), qo_offset=w(off),
         cu_seqlens_k=w(cu_k), page_table=w(page_table), kv_indices=w(kv_indices), kv_page_indptr=w(indptr),
         kv_layout=kv_layout, page_size=page_size, max_seqlen_q=int(qo.max(initial=0)), causal=causal, stream=0,
-        config=config, lazy_cp_async=lazy)
+        config=config, lazy_cp_async=lazy, score_scale=score_scale)
     return ms
 
 
-CONFIGS = (None,) + il.MAX_SCORE_CONFIGS  # the automatic choice, then every variant
+CONFIGS = (None,) + tuple(c for c in il.MAX_SCORE_CONFIGS if not c.decode)  # the automatic choice, every
+# variant of msa_block_max_score_kernel (the decode kernel has its own tests below)
 MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land at the wait
     pytest.param(BF16, 128, (8, 1), True, False, id="bf16-d128-r8-causal"),
     pytest.param(BF16, 128, (8, 1), True, True, id="bf16-d128-r8-causal-copy-at-wait"),
@@ -275,9 +277,168 @@ def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
 
 
 def test_max_score_config_choice():
-    """4 warps of mma.sync up to 64 packed rows; above, wgmma on sm_90 only."""
-    mma4, mma8, wg8 = il.MAX_SCORE_CONFIGS
-    assert il.select_max_score_config(1, 90) == mma4 and il.select_max_score_config(64, 80) == mma4
+    """Decode kernel up to 32 packed rows (fewest 8-row n-blocks), 4 warps of mma.sync up
+    to 64; above, wgmma on sm_90 only."""
+    dec1, dec2, dec4, mma4, mma8, wg8 = il.MAX_SCORE_CONFIGS
+    for cc in (80, 90):
+        assert il.select_max_score_config(1, cc) == dec1 and il.select_max_score_config(8, cc) == dec1
+        assert il.select_max_score_config(9, cc) == dec2 and il.select_max_score_config(16, cc) == dec2
+        assert il.select_max_score_config(17, cc) == dec4 and il.select_max_score_config(32, cc) == dec4
+        assert il.select_max_score_config(33, cc) == mma4 and il.select_max_score_config(64, cc) == mma4
     assert il.select_max_score_config(65, 90) == wg8 and il.select_max_score_config(1 << 20, 90) == wg8
     assert il.select_max_score_config(65, 80) == mma8 and il.select_max_score_config(4096, 100) == mma8
-    assert (mma4.stages, mma8.stages, wg8.stages) == (3, 3, 2)
+    assert [c.stages() for c in (mma4, mma8, wg8)] == [3, 3, 2]
+    assert [dec1.stages(d) for d in (64, 128, 256)] == [6, 3, 3]
+
+
+# ============================================================================ decode max score
+
+DECODE_CONFIGS = (None,) + il.DECODE_CONFIGS
+
+
+def _decode_configs(rows: int):
+    """The automatic choice and every decode variant holding ``rows`` packed rows."""
+    return [c for c in DECODE_CONFIGS if c is None or c.rows_per_cta >= rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,d,heads,causal,lazy", [
+    pytest.param(BF16, 128, (4, 1), True, False, id="bf16-d128-r4-causal"),
+    pytest.param(BF16, 128, (4, 1), False, True, id="bf16-d128-r4-full-copy-at-wait"),
+    pytest.param(F16, 64, (8, 2), True, True, id="fp16-d64-r4-copy-at-wait"),
+    pytest.param(BF16, 256, (6, 6), True, False, id="bf16-d256-r1"),
+])
+def test_decode_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy):
+    """The decode kernel on dense K: one query per request (empty requests, kv_len 0 and 1,
+    lengths not multiples of 32 or 128; 2500 keys: key-range splits of 11 and 10 blocks),
+    then multi-query causal decode with offsets (negative included) up to 32 packed rows."""
+    H, run = emu
+    hq, hkv = heads
+    r = hq // hkv
+    for case in ("single", "multi"):
+        if case == "single":
+            qo = np.array([1, 1, 0, 1, 1, 1], dtype=np.int32)
+            kv = np.array([1, 2500, 50, 0, 129, 33], dtype=np.int32)
+            offsets = None
+        else:
+            nq = max(1, 32 // r)
+            qo = np.array([nq, 2, nq - 1, 1], dtype=np.int32)
+            kv = np.array([700, 260, 90, 1], dtype=np.int32)
+            offsets = (kv - qo + np.array([0, -3, -200, 0])).astype(np.int32)
+        cu_q, cu_k, off = _meta(qo, kv, offsets)
+        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+        k = _rand(rng, (max(int(cu_k[-1]), 1), hkv, d), dtype)
+        nt = -(-int(kv.max()) // BLOCK) + 1
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
+                                   qo_lens=qo, kv_lens=kv)
+        for config in _decode_configs(int(qo.max()) * r):
+            n0 = len(run.launches)
+            got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy,
+                                 config=config)
+            _check_max_score(got, want, q, k, f"{case} causal={causal} {config}")
+            (name, grid, *_), = run.launches[n0:]
+            assert "msa_decode_max_score_kernel" in name and (case != "single" or grid[0] > len(qo)), (name, grid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_layout,source,page_size,d,lazy", [
+    ("NHD", "table", 128, 128, False), ("HND", "csr", 16, 128, True), ("NHD", "csr", 256, 64, False),
+    ("HND", "table", 64, 256, False), ("NHD", "table", 32, 128, True)])
+def test_decode_max_score_paged_emulated(emu, rng, kv_layout, source, page_size, d, lazy):
+    """Paged K (NHD / HND, page table / CSR, page sizes 16..256) with invalid page ids
+    (-1, >= P, past the table width, outside the CSR range): single and multi-query
+    causal decode; request 0's 2100 keys are split over CTAs."""
+    H, run = emu
+    hq, hkv, dtype = 8, 2, BF16
+    for qo in (np.array([1, 1, 1, 0], dtype=np.int32), np.array([4, 1, 3, 2], dtype=np.int32)):
+        kv = np.array([2100, 300, 129, 40], dtype=np.int32)
+        cu_q, _, off = _meta(qo, kv, None)
+        counts = -(-kv // page_size)
+        num_pages = int(counts.sum()) + 3
+        perm = rng.permutation(num_pages).astype(np.int32)
+        kv_indices = perm[: int(counts.sum())].copy()
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        # invalid ids: -1 and >= P in request 0; request 1's CSR range one page short
+        kv_indices[1] = -1
+        kv_indices[min(3, counts[0] - 1)] = num_pages + 5
+        indptr[2] -= 1
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
+        if source == "table":  # a table narrower than request 0's pages: columns past it
+            table = np.ascontiguousarray(table[:, : max(2, counts[0] - 2)])
+            kw = dict(page_table=table)
+        else:
+            kw = dict(kv_indices=kv_indices, indptr=indptr)
+        shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+        k_cache = _rand(rng, shape, dtype)
+        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+        nt = -(-int(kv.max()) // BLOCK) + 1
+        want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True,
+                                         max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
+        assert np.isneginf(want).any()  # some block lost every key to invalid pages
+        k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+        for config in _decode_configs(int(qo.max()) * (hq // hkv)):
+            got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout,
+                                 page_size=page_size, lazy=lazy, config=config, **kw)
+            _check_max_score(got, want, q, k_nhd.reshape(-1, d),
+                             f"{source} {kv_layout} page={page_size} qo={qo.tolist()} {config}")
+
+
+def test_decode_splits_fill_whole_waves():
+    """Splits cover every block once, give each CTA at least 8 blocks where the blocks
+    allow, and fill whole waves at the benchmark shapes."""
+    for units in (1, 7, 8, 64, 264, 5000):
+        for nt in (1, 5, 9, 64, 1024, 8192, 12289):
+            s, per = il.decode_splits(units, nt, 264)
+            assert s >= 1 and s * per >= nt > (s - 1) * per, (units, nt)
+            assert s == 1 or per >= il.DECODE_MIN_TILES, (units, nt, s, per)
+    assert il.decode_splits(8, 8192, 264) == (33, 249)      # B8, 1M keys: one full wave
+    s, per = il.decode_splits(64, 1024, 264)                 # B64, 128K keys
+    assert -(-64 * s // 264) * per <= 1.04 * 64 * 1024 / 264
+
+
+# ============================================================================ fp8 decode max score
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,paged,lazy", [(128, False, False), (64, True, True), (256, True, False),
+                                          (128, True, True)])
+def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
+    """float8 e4m3 q and k with a score scale (the product of per-tensor scales): the decode
+    kernel's m16n8k32 path on dense and paged K (HND, CSR, an invalid page), single and
+    multi-query causal decode, against the float64 reference of the fp8 values."""
+    H, run = emu
+    hq, hkv, page_size, scale = 8, 2, 32, 0.37 * 1.9
+    r = hq // hkv
+    for qo in (np.array([1, 1, 0, 1], dtype=np.int32), np.array([4, 2, 1, 3], dtype=np.int32)):
+        kv = np.array([2100, 300, 77, 129], dtype=np.int32)
+        cu_q, cu_k, off = _meta(qo, kv, None)
+        q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32).astype(FP8)
+        nt = -(-int(kv.max()) // BLOCK) + 1
+        if paged:
+            counts = -(-kv // page_size)
+            num_pages = int(counts.sum()) + 2
+            kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+            kv_indices[2] = -1
+            indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            k = rng.standard_normal((num_pages, hkv, page_size, d)).astype(np.float32).astype(FP8)
+            table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+            want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                             kv_layout="HND", qo_lens=qo)
+            kw = dict(kv_indices=kv_indices, indptr=indptr, kv_layout="HND", page_size=page_size)
+            k_rows = k.transpose(0, 2, 1, 3).reshape(-1, d)
+        else:
+            k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float32).astype(FP8)
+            want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt,
+                                       qo_lens=qo, kv_lens=kv)
+            kw = dict(cu_k=cu_k)
+            k_rows = k
+        want = want * scale
+        for config in _decode_configs(int(qo.max()) * r):
+            if config is not None and (FP8, d, config) not in il.MAX_SCORE_SPECS:
+                continue
+            got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, lazy=lazy, config=config, score_scale=scale,
+                                 **kw)
+            _check_max_score(got, want, q.astype(np.float64) * scale, k_rows.astype(np.float64),
+                             f"fp8 d={d} paged={paged} qo={qo.tolist()} {config}")

@@ -104,7 +104,7 @@ def _is_wgmma(spec) -> bool:
 def test_hopper_only_variants_build_for_sm90a_alone():
     specs = registered()
     hopper = [s for s in specs if _is_wgmma(s)]
-    assert len(hopper) == 22 and len(specs) == 128
+    assert len(hopper) == 22 and len(specs) == 154
     for s in specs:
         if _is_wgmma(s):
             assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90

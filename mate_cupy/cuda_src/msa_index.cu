@@ -783,6 +783,12 @@ __device__ __forceinline__ void cp_async_16_at(u32 saddr, const void* gmem, bool
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(pred ? 16 : 0));
 }
 
+// The same copy with an L2 prefetch hint of 256 bytes (streams of consecutive keys).
+__device__ __forceinline__ void cp_async_16_l2_at(u32 saddr, const void* gmem, bool pred) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem),
+                 "r"(pred ? 16 : 0));
+}
+
 // ldmatrix x4 from a shared-space byte address (lets the constant part of the
 // address fold into the instruction's immediate offset).
 __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
@@ -810,7 +816,7 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
                            long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
                            int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
-                           int tiles_per_split) {
+                           int tiles_per_split, float score_scale) {
     using Cfg = MaxScoreTile<T, D, NWARPS, MMA>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1041,7 +1047,8 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         const int slot = n % kMsStash;
         if ((lane & 3) == 0) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) stash[(warp * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[h];
+            for (int h = 0; h < 2; ++h)
+                stash[(warp * 16 + (lane >> 2) + 8 * h) * (kMsStash + 1) + slot] = mx[h] * score_scale;
         }
         if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's 16 rows
             __syncwarp();
@@ -1056,4 +1063,282 @@ msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, fl
         }
     }
     fill_neg_inf_from(t_end);
+}
+
+// ============================================================================
+// Block max score, decode-shaped requests (few packed rows, long K)
+// ============================================================================
+//
+// Memory bound on reading K: every warp streams its own K and runs without CTA
+// barriers. A CTA (4 warps) owns the output blocks [t_begin, t_stop) of one (request,
+// KV head); warp w computes blocks t_begin + w, t_begin + w + 4, ... and streams each as
+// four sub-tiles of 32 keys through a private ring of WS cp.async stages (16-byte
+// copies, WS - 1 sub-tiles in flight per warp). Keys are the MMA's M dimension and the
+// packed rows its N: mma.sync m16n8k16 with A = 16 keys x 16 values (ldmatrix from the
+// XOR-swizzled stage) and B = 8 packed rows of Q held in registers (NB n-blocks, up to
+// 8 NB rows). Accumulator element (key g (+ 8), row 2 t + e) of each n-block: a lane
+// keeps the running max of its two rows per n-block over the block's 128 keys, the 8
+// lanes of a row (g) reduce it by shuffles and lanes 0..3 store it. Key validity (j <
+// kv_len, page ids in range) is a 32-bit mask per sub-tile built by ballots at issue;
+// causal limits apply per row; sub-tiles entirely admissible for every row skip masking.
+
+constexpr int kDecSubKeys = 32;  // keys per sub-tile (one warp's cp.async stage)
+constexpr int kDecWarps = 4;
+
+template <typename T, int D, int NB>
+struct DecodeTile {
+    static_assert(D % 64 == 0, "D must be a multiple of 64");
+    static constexpr bool FP8 = sizeof(T) == 1;                // e4m3: mma k32 on the same byte layout
+    static constexpr int RB = D * (int)sizeof(T);              // bytes per key
+    static constexpr int WS = RB <= 128 ? 6 : 3;               // stages per warp
+    static constexpr int CPR = RB / 16;                        // 16-byte chunks per key
+    static constexpr int SWZ = (CPR < 8 ? CPR : 8) - 1;        // chunk XOR mask (key % 8, or % 4 for 64-byte keys)
+    static constexpr int KSTEPS = RB / 32;                     // mma k-steps: 32 bytes each (k16 16-bit, k32 fp8)
+    static constexpr int SUB_BYTES = kDecSubKeys * RB;
+    static constexpr int WARP_BYTES = WS * SUB_BYTES;
+    static constexpr int MASK_OFFSET = kDecWarps * WARP_BYTES;  // [warps][WS] u32 key masks
+    static constexpr int SMEM_BYTES = MASK_OFFSET + kDecWarps * WS * 4;
+};
+
+// Same parameters as msa_block_max_score_kernel (num_m_tiles is 1). Grid: (batch * splits,
+// Hkv): CTA x owns request x % batch and blocks [(x / batch) * tiles_per_split, ...).
+template <typename T, int D, int NB>
+__global__ void __launch_bounds__(32 * kDecWarps, D * sizeof(T) <= 256 ? 2 : 1)
+msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
+                            const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
+                            const int* __restrict__ kv_lens, const int* __restrict__ qo_offset,
+                            const int* __restrict__ cu_seqlens_k, const int* __restrict__ page_table,
+                            const int* __restrict__ kv_indices, const int* __restrict__ kv_page_indptr,
+                            int kv_mode, long long q_stride_tok, long long q_stride_head, long long k_stride_outer,
+                            long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
+                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
+                            int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
+                            int tiles_per_split, float score_scale) {
+    using Cfg = DecodeTile<T, D, NB>;
+    constexpr int WS = Cfg::WS, CPR = Cfg::CPR, ROWS = 8 * NB, RB = Cfg::RB, KSTEPS = Cfg::KSTEPS;
+    constexpr int RPI = 32 / CPR;           // keys per cp.async instruction of the warp
+    constexpr int NI = kDecSubKeys / RPI;   // instructions per sub-tile
+    static_assert(RPI >= 1 && RPI * CPR == 32, "a warp instruction copies whole keys");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 smem_base = smem_u32(smem_raw);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int b = (int)(blockIdx.x % (unsigned)batch);
+    const int t_begin = (int)(blockIdx.x / (unsigned)batch) * tiles_per_split;
+    const int g = blockIdx.y;
+    if (t_begin >= nt) return;
+    const int t_stop = min(t_begin + tiles_per_split, nt);
+    const int r = num_heads_q / num_heads_kv;
+    const int qlen = max(qo_lens[b], 0);
+    const int lk = max(kv_lens[b], 0);
+    const long long q0 = cu_seqlens_q[b];
+    const long long off = qo_offset[b];
+    const int nrows = (int)min((long long)qlen * r, (long long)ROWS);  // packed rows [0, nrows)
+
+    auto row_valid = [&](int p, int& qi) {
+        qi = p / r;
+        return p < nrows && q0 + qi >= 0 && q0 + qi < total_q;
+    };
+    auto row_limit = [&](int p) -> int {  // admissible keys j < row_limit(p)
+        int qi;
+        if (!row_valid(p, qi)) return 0x7fffffff;
+        if (!causal) return lk;
+        return (int)min((long long)lk, max(off + qi + 1, 0LL));
+    };
+    auto out_offset = [&](int p) -> long long {
+        int qi;
+        if (!row_valid(p, qi)) return -1;
+        return ((q0 + qi) * num_heads_q + g * r + p % r) * (long long)nt;
+    };
+    // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
+    long long lim_tile = 0;
+    if (nrows > 0) {
+        const long long q_last = (nrows - 1) / r;
+        lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
+    }
+    const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
+
+    // ---- -inf for [t_end, t_stop) (the whole CTA; disjoint from the warps' blocks)
+    {
+        const int span = t_stop - t_end;
+        for (int i = tid; i < nrows * span; i += 32 * kDecWarps) {
+            const long long o = out_offset(i / span);
+            if (o >= 0) max_score[o + t_end + i % span] = neg_inf();
+        }
+    }
+    const int nblk = max(0, (t_end - t_begin - warp + kDecWarps - 1) / kDecWarps);  // this warp's blocks
+    if (nblk == 0) return;
+
+    // ---- address of key j (head g) or -1 when not admissible / not in memory; the page
+    // id of the last page looked up is kept (a lane's keys rise within a sub-tile)
+    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
+    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
+    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
+    const int slot_mask = (1 << page_shift) - 1;
+    int cached_pi = -1;
+    long long cached_page = -1;
+    auto key_offset = [&](int j) -> long long {
+        if (j >= lk) return -1;
+        if (kv_mode == 0) {
+            const long long row = dense_start + j;
+            return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
+        }
+        const int pi = j >> page_shift;
+        if (pi != cached_pi) {
+            long long page = -1;
+            if (kv_mode == 1) {
+                if (pi < page_table_cols) page = page_table[(long long)b * page_table_cols + pi];
+            } else {
+                const long long at = csr_lo + pi;
+                if (at >= 0 && at < csr_hi && at < num_kv_indices) page = kv_indices[at];
+            }
+            cached_pi = pi;
+            cached_page = page >= 0 && page < k_extent ? page : -1;
+        }
+        if (cached_page < 0) return -1;
+        return cached_page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
+    };
+
+    const u32 warp_smem = smem_base + (u32)(warp * Cfg::WARP_BYTES);
+    u32* masks = reinterpret_cast<u32*>(smem_raw + Cfg::MASK_OFFSET) + warp * WS;
+    const int ld_ch = lane % CPR, ld_row0 = lane / CPR;
+    // Sub-tile s of this warp: keys [128 (t_begin + warp + 4 (s / 4)) + 32 (s % 4), + 32).
+    auto sub_key0 = [&](int s) { return (t_begin + warp + kDecWarps * (s >> 2)) * kMsBlock + (s & 3) * kDecSubKeys; };
+    auto load_sub = [&](int s) {
+        const int stage = s % WS, j0 = sub_key0(s);
+        const u32 dst = warp_smem + (u32)(stage * Cfg::SUB_BYTES);
+        u32 valid = 0;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+            const int row = ld_row0 + RPI * i;
+            const long long o = key_offset(j0 + row);
+            cp_async_16_l2_at(dst + (u32)(row * RB + ((ld_ch ^ (row & Cfg::SWZ)) << 4)),
+                              o >= 0 ? reinterpret_cast<const unsigned char*>(kc + o) + ld_ch * 16
+                                     : reinterpret_cast<const unsigned char*>(kc),
+                              o >= 0);
+            const u32 bal = __ballot_sync(kFullMask, o >= 0);
+#pragma unroll
+            for (int rr = 0; rr < RPI; ++rr) valid |= ((bal >> (rr * CPR)) & 1u) << (RPI * i + rr);
+        }
+        if (lane == 0) masks[stage] = valid;
+    };
+
+    const int n_sub = 4 * nblk;
+#pragma unroll
+    for (int s = 0; s < WS - 1; ++s) {
+        if (s < n_sub) load_sub(s);
+        cp_async_commit();
+    }
+
+    // ---- Q as mma B fragments: n-block nb, k-step kk: row 8 nb + lane / 4, bytes
+    // 32 kk + 4 (lane % 4) .. + 3 and 16 bytes further (16-bit: values 16 kk + 2 (lane % 4),
+    // +1 and +8, +9; fp8: values 32 kk + 4 (lane % 4) .. +3 and +16 .. +19)
+    const int fg = lane >> 2, ft = lane & 3;
+    u32 qf[NB][KSTEPS][2];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        int qi;
+        const int p = 8 * nb + fg;
+        const bool ok = row_valid(p, qi);
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(
+            q + (ok ? (q0 + qi) * q_stride_tok + (long long)(g * r + p % r) * q_stride_head : 0)) + 4 * ft;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            qf[nb][kk][0] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk) : 0u;
+            qf[nb][kk][1] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk + 16) : 0u;
+        }
+    }
+    // This lane's accumulator rows 8 nb + 2 ft + e: limits and output offsets.
+    int lim[NB][2];
+    long long oo[NB][2];
+    int lim_min = 0x7fffffff;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            lim[nb][e] = row_limit(8 * nb + 2 * ft + e);
+            oo[nb][e] = out_offset(8 * nb + 2 * ft + e);
+            lim_min = min(lim_min, lim[nb][e]);
+        }
+#pragma unroll
+    for (int x = 1; x < 32; x <<= 1) lim_min = min(lim_min, __shfl_xor_sync(kFullMask, lim_min, x));
+
+    // ldmatrix A (16 keys x 32 bytes): lane addresses key 16 mt + (mi & 1) 8 + lane % 8,
+    // chunk 2 kk + (mi >> 1); swizzled chunk = 8 (kk / 4) + ((2 (kk % 4) + (mi >> 1)) ^ (key & SWZ)).
+    // (ldmatrix's b16 fragment of 16 keys x 32 bytes is the A fragment of both m16n8k16 and
+    // the fp8 m16n8k32: lane l holds bytes 4 (l % 4) .. + 3 of key l / 4 per 8 x 16-byte matrix.)
+    const int mi = lane >> 3;
+    const u32 a_lane = (u32)(((mi & 1) * 8 + (lane & 7)) * RB);
+    u32 a_chunk[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) a_chunk[m] = (u32)((((2 * m + (mi >> 1)) ^ (lane & Cfg::SWZ))) * 16);
+
+    float mx[NB][2];
+    for (int s = 0; s < n_sub; ++s) {
+        const int stage = s % WS;
+        cp_async_wait<WS - 2>();  // sub-tile s landed (this lane's copies)
+        __syncwarp();             // ... every lane's; every lane is done with sub-tile s - 1
+        if (s + WS - 1 < n_sub) load_sub(s + WS - 1);
+        cp_async_commit();
+        if ((s & 3) == 0) {
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mx[nb][0] = mx[nb][1] = neg_inf();
+        }
+        const int j0 = sub_key0(s);
+        const u32 vmask = masks[stage];
+        const u32 st = warp_smem + (u32)(stage * Cfg::SUB_BYTES) + a_lane;
+        float acc[2][NB][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) acc[mt][nb][0] = acc[mt][nb][1] = acc[mt][nb][2] = acc[mt][nb][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                u32 a[4];
+                ldmatrix_x4_at(a, st + (u32)(mt * 16 * RB) + a_chunk[kk % 4] + (u32)((kk / 4) * 128));
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    if constexpr (Cfg::FP8) mma_16x8x32_e4m3(acc[mt][nb], a, qf[nb][kk]);
+                    else mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                }
+            }
+        }
+        if (vmask == 0xffffffffu && j0 + kDecSubKeys <= lim_min) {
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mx[nb][0] = fmaxf(mx[nb][0], fmaxf(acc[mt][nb][0], acc[mt][nb][2]));
+                    mx[nb][1] = fmaxf(mx[nb][1], fmaxf(acc[mt][nb][1], acc[mt][nb][3]));
+                }
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int key = 16 * mt + fg + 8 * h;
+                    const bool ok = (vmask >> key) & 1u;
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (ok && j0 + key < lim[nb][e]) mx[nb][e] = fmaxf(mx[nb][e], acc[mt][nb][2 * h + e]);
+                }
+        }
+        if ((s & 3) == 3) {  // block done: reduce over the 8 lanes of each row, lanes 0..3 store
+            const int t = t_begin + warp + kDecWarps * (s >> 2);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float v = mx[nb][e];
+                    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 4));
+                    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 8));
+                    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 16));
+                    if (lane < 4 && oo[nb][e] >= 0) max_score[oo[nb][e] + t] = v * score_scale;
+                }
+        }
+    }
 }

@@ -20,21 +20,21 @@ from typing import TYPE_CHECKING, Optional
 from ..jit import KernelParams, get_kernel, launch, register
 from ..jit.registry import SM90A
 from ..runtime.device import device_info
-from ..runtime.interop import BFLOAT16, FLOAT16
+from ..runtime.interop import BFLOAT16, FLOAT16, FP8_E4M3, dtype_name
 
 if TYPE_CHECKING:
     from ..runtime.interop import Arg
     from .topk import TopkProblem
 
 __all__ = [
-    "MAX_SCORE_CONFIGS", "MaxScoreConfig", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
+    "DECODE_CONFIGS", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
     "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
 ]
 
 SOURCE = "msa_index.cu"
 BLOCK = 128                 # keys per max-score block
 MAX_SCORE_HEAD_DIMS = (64, 128, 256)
-_CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t"}
+_CTYPE = {FLOAT16: "half_t", BFLOAT16: "bf16_t", FP8_E4M3: "fp8_t"}
 _MS_STASH = 16              # kMsStash
 
 # ----------------------------------------------------------------------------- kernel parameters
@@ -46,7 +46,7 @@ MAX_SCORE_PARAMS = KernelParams((
     ("q_stride_head", "i64"), ("k_stride_outer", "i64"), ("k_stride_slot", "i64"), ("k_stride_head", "i64"),
     ("total_q", "i64"), ("k_extent", "i64"), ("page_shift", "i32"), ("page_table_cols", "i32"),
     ("num_kv_indices", "i64"), ("batch", "i32"), ("num_m_tiles", "i32"), ("num_heads_q", "i32"),
-    ("num_heads_kv", "i32"), ("nt", "i32"), ("causal", "i32"), ("tiles_per_split", "i32"),
+    ("num_heads_kv", "i32"), ("nt", "i32"), ("causal", "i32"), ("tiles_per_split", "i32"), ("score_scale", "f32"),
 ))
 _TOPK_COMMON = (
     ("scores", "ptr"), ("out", "ptr"), ("num_rows", "i64"), ("num_heads", "i32"), ("nt", "i32"), ("width", "i32"),
@@ -60,30 +60,46 @@ STREAM_PARAMS = KernelParams(_TOPK_COMMON)                          # msa_topk_s
 
 @dataclass(frozen=True)
 class MaxScoreConfig:
-    """One ``msa_block_max_score_kernel`` variant.
+    """One max-score kernel variant.
 
-    ``mma``: ``"mma_sync"`` (each warp holds 16 rows of Q in registers; three K stages) or
-    ``"wgmma"`` (sm_90a warpgroup MMA, Q and K from shared memory; two K stages).
-    ``num_warps``: warps per CTA; a CTA owns ``16 * num_warps`` packed (query, head) rows.
+    ``mma``: ``"decode"`` (``msa_decode_max_score_kernel``: 4 independent warps per CTA,
+    each streaming its own K blocks through a private cp.async ring; keys are the MMA's M,
+    ``8 * row_blocks`` packed rows its N, Q in registers), ``"mma_sync"`` (each warp holds
+    16 rows of Q in registers; three K stages) or ``"wgmma"`` (sm_90a warpgroup MMA, Q and
+    K from shared memory; two K stages); the last two are ``msa_block_max_score_kernel``.
+    ``num_warps``: warps per CTA. ``row_blocks`` (decode only): n-blocks of 8 packed rows.
     """
 
     mma: str
     num_warps: int
+    row_blocks: int = 0
 
     @property
-    def stages(self) -> int:
+    def decode(self) -> bool:
+        return self.mma == "decode"
+
+    def stages(self, d: int = 128, elem_bytes: int = 2) -> int:
+        """K stages: per warp (sub-tiles of 32 keys) for decode, per CTA (128 keys) otherwise."""
+        if self.decode:
+            return 6 if d * elem_bytes <= 128 else 3   # DecodeTile::WS
         return 2 if self.mma == "wgmma" else 3
 
     @property
     def rows_per_cta(self) -> int:
-        return 16 * self.num_warps
+        return 8 * self.row_blocks if self.decode else 16 * self.num_warps
 
 
-MAX_SCORE_CONFIGS = (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8), MaxScoreConfig("wgmma", 8))
+DECODE_CONFIGS = tuple(MaxScoreConfig("decode", 4, nb) for nb in (1, 2, 4))
+MAX_SCORE_CONFIGS = DECODE_CONFIGS + (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8),
+                                      MaxScoreConfig("wgmma", 8))
+DECODE_MAX_ROWS = 8 * DECODE_CONFIGS[-1].row_blocks   # packed rows the decode kernel takes (32)
+DECODE_SUB_KEYS = 32        # kDecSubKeys
 _MMA_CODE = {"mma_sync": 0, "wgmma": 1}   # enum MaxScoreMma
 
 
 def _max_score_name(dtype, d: int, cfg: MaxScoreConfig) -> str:
+    if cfg.decode:
+        return f"msa_decode_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.row_blocks}>"
     return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.num_warps}, {_MMA_CODE[cfg.mma]}>"
 
 
@@ -94,26 +110,49 @@ MAX_SCORE_SPECS = {
     for d in MAX_SCORE_HEAD_DIMS
     for cfg in MAX_SCORE_CONFIGS
 }
+# fp8 e4m3 q and k (mma.sync k32, sm_89+): the decode kernel only, up to 16 rows for D 256
+# (32 rows of D 256 spill on sm_90, where fp8 mma.sync runs as f16 MMAs on converted values).
+MAX_SCORE_SPECS.update({
+    (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), min_sm=89)
+    for d in MAX_SCORE_HEAD_DIMS
+    for cfg in DECODE_CONFIGS
+    if d < 256 or cfg.row_blocks <= 2
+})
 
 
 def select_max_score_config(rows: int, compute_capability: int) -> MaxScoreConfig:
     """The kernel for requests of up to ``rows = max_seqlen_q * Hq / Hkv`` packed rows.
 
-    4 warps of mma.sync when ``rows <= 64`` (decode-like batches: 64-row CTAs); else 8
-    warps of wgmma on sm_90 (H200: 1.45 ms against 2.08 ms for 8 warps of mma.sync at
-    S8192 Hq64 Hkv8 D128), 8 warps of mma.sync elsewhere."""
+    Decode-shaped requests (``rows <= 32``: a few queries, memory bound on K) take the
+    decode kernel with the fewest 8-row n-blocks holding them; up to 64 rows 4 warps of
+    mma.sync (64-row CTAs); above, 8 warps of wgmma on sm_90 (H200: 1.45 ms against 2.08 ms
+    for 8 warps of mma.sync at S8192 Hq64 Hkv8 D128), 8 warps of mma.sync elsewhere."""
+    if rows <= DECODE_MAX_ROWS:
+        return next(c for c in DECODE_CONFIGS if c.rows_per_cta >= rows)
     if rows <= 64:
-        return MAX_SCORE_CONFIGS[0]
-    return MAX_SCORE_CONFIGS[2] if compute_capability == 90 else MAX_SCORE_CONFIGS[1]
+        return MAX_SCORE_CONFIGS[3]
+    return MAX_SCORE_CONFIGS[5] if compute_capability == 90 else MAX_SCORE_CONFIGS[4]
 
 
 def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
-    """Dynamic shared memory of a max-score variant (mirrors ``MaxScoreTile``)."""
+    """Dynamic shared memory of a max-score variant (mirrors ``MaxScoreTile`` / ``DecodeTile``)."""
+    if config.decode:
+        ws = config.stages(d, elem_bytes)
+        return config.num_warps * ws * (DECODE_SUB_KEYS * d * elem_bytes + 4)
+    stages = config.stages(d)
     bm = config.rows_per_cta
-    k_bytes = config.stages * BLOCK * d * elem_bytes
+    k_bytes = stages * BLOCK * d * elem_bytes
     stash = bm * (_MS_STASH + 1) * 4
     end = k_bytes + (bm * d * elem_bytes if config.mma == "wgmma" else 0) + stash
-    return end + config.stages * BLOCK + (1024 if config.mma == "wgmma" else 0)
+    return end + stages * BLOCK + (1024 if config.mma == "wgmma" else 0)
+
+
+def max_score_ctas_per_sm(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
+    """CTAs per SM the launch bounds promise: two for D <= 128 (decode: keys of at most
+    256 bytes), else one."""
+    if config.decode:
+        return 2 if d * elem_bytes <= 256 else 1
+    return 2 if d <= 128 else 1
 
 
 def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> tuple:
@@ -128,12 +167,38 @@ def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> t
     return -(-nt // per), per
 
 
+DECODE_MIN_TILES = 8        # blocks per decode CTA at least: two per warp
+_DECODE_MAX_WAVES = 16
+_DECODE_WARPS = 4           # kDecWarps
+
+
+def decode_splits(units: int, nt: int, slots: int, min_tiles: int = DECODE_MIN_TILES) -> tuple:
+    """``(splits, tiles_per_split)`` for the decode kernel: ``units`` (request, KV head)
+    pairs, each's ``nt`` blocks cut into ``splits`` equal ranges, one CTA each, ``slots``
+    CTAs resident at once. Picks the split minimising waves x blocks per warp (the time of
+    the slowest SM when every request is ``nt`` blocks long; a CTA's time is its busiest
+    warp's, ``ceil(blocks / 4)``) over the splits that fill
+    whole waves (``floor(w slots / units)`` for ``w`` waves), with at least ``min_tiles``
+    blocks per CTA; ties go to fewer CTAs."""
+    cap = max(1, min(nt // min_tiles, (2 ** 31 - 1) // max(units, 1)))
+    best = None
+    for s in {1, cap} | {w * slots // units for w in range(1, _DECODE_MAX_WAVES + 1)}:
+        if not 1 <= s <= cap:
+            continue
+        per = -(-nt // s)
+        s = -(-nt // per)
+        cost = (-(-units * s // slots) * -(-per // _DECODE_WARPS), s)
+        if best is None or cost < best[0]:
+            best = (cost, s, per)
+    return best[1], best[2]
+
+
 def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens: Arg, kv_lens: Arg,
                   qo_offset: Arg, cu_seqlens_k: Optional[Arg] = None, page_table: Optional[Arg] = None,
                   kv_indices: Optional[Arg] = None, kv_page_indptr: Optional[Arg] = None, kv_layout: str = "NHD",
                   page_size: int = 0, max_seqlen_q: int, causal: bool, stream: int,
-                  config: Optional[MaxScoreConfig] = None) -> None:
-    """``max_score[i, h, t] = max`` of ``q[i, h] . k[j, h // r]`` over the admissible keys ``j`` of block ``t``.
+                  config: Optional[MaxScoreConfig] = None, score_scale: float = 1.0) -> None:
+    """``max_score[i, h, t] = score_scale * max`` of ``q[i, h] . k[j, h // r]`` over the admissible keys ``j`` of block ``t``.
 
     Signature::
 
@@ -142,7 +207,7 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
                       page_table: Arg | None = None, kv_indices: Arg | None = None,
                       kv_page_indptr: Arg | None = None, kv_layout: str = "NHD",
                       page_size: int = 0, max_seqlen_q: int, causal: bool, stream: int,
-                      config: MaxScoreConfig | None = None) -> None
+                      config: MaxScoreConfig | None = None, score_scale: float = 1.0) -> None
 
     Arrays are :class:`~mate_cupy.runtime.interop.Arg` views (``.ptr``, ``.shape``,
     ``.strides`` in elements, logical ``.dtype``); ``stream`` is a ``cudaStream_t``
@@ -154,16 +219,21 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
     ``t >= ceil(kv_len / 128)``; other rows are not touched. Keys of page ids outside
     ``[0, P)``, past the table width or outside the CSR range, and dense rows outside
     ``k``, are not admissible. ``config`` overrides :func:`select_max_score_config` (one
-    of :data:`MAX_SCORE_CONFIGS`; the tests run each).
+    of :data:`MAX_SCORE_CONFIGS`; the tests run each; a decode config must hold
+    ``max_seqlen_q * Hq / Hkv`` rows).
 
     The caller guarantees (nothing here checks it):
 
     * the current CUDA device is the arrays' device and ``stream`` belongs to it;
     * ``q``: ``[total_q, Hq, D]``, float16 or bfloat16, ``D`` in {64, 128, 256},
-      ``q.strides[2] == 1``, ``q.strides[0]`` and ``q.strides[1]`` multiples of 8, ``q.ptr``
-      16-byte aligned;
+      ``q.strides[2] == 1``, ``q.strides[0]`` and ``q.strides[1]`` multiples of 16 bytes,
+      ``q.ptr`` 16-byte aligned; or float8 e4m3 (``max_seqlen_q * Hq / Hkv <= 32``: the
+      decode kernel, ``<= 16`` for D 256; compute capability 8.9 or newer) with
+      ``score_scale`` the product of the per-tensor q and k scales;
     * ``k``: ``q``'s dtype, the rank and shape above for its mode with head dim ``D``,
-      ``k.strides[-1] == 1``, the other strides multiples of 8, ``k.ptr`` 16-byte aligned;
+      ``k.strides[-1] == 1``, the other strides multiples of 16 bytes, ``k.ptr`` 16-byte
+      aligned;
+    * ``score_scale``: positive and finite (raw dot products times it; 1 for 16-bit inputs);
     * ``Hkv >= 1`` divides ``Hq``, ``Hkv <= 65535``;
     * ``max_score``: float32 ``[total_q, Hq, NT]`` C-contiguous (``NT >= 0``);
     * int32 contiguous vectors ``qo_lens``, ``kv_lens``, ``qo_offset`` ``[B]`` (``B`` is
@@ -203,15 +273,29 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
         return
     sm_count, cc = device_info(q.device)
     cfg = select_max_score_config(rows, cc) if config is None else config
-    m_tiles = -(-rows // cfg.rows_per_cta)
-    splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, sm_count)
+    if cfg.decode and rows > cfg.rows_per_cta:
+        raise ValueError(f"config {cfg} holds {cfg.rows_per_cta} packed rows, got max_seqlen_q * Hq / Hkv = {rows}")
+    if (q.dtype, d, cfg) not in MAX_SCORE_SPECS:
+        raise ValueError(f"max score: no {dtype_name(q.dtype)} variant {cfg} for D {d} ({rows} packed rows per "
+                         f"request; float8 runs the decode kernel: max_seqlen_q * Hq / Hkv <= {DECODE_MAX_ROWS}, "
+                         f"<= 16 for D 256)")
     kernel = get_kernel(MAX_SCORE_SPECS[(q.dtype, d, cfg)])
+    smem = max_score_smem_bytes(d, cfg, q.dtype.itemsize)
+    if cfg.decode:
+        m_tiles = 1
+        slots = sm_count * max_score_ctas_per_sm(d, cfg, q.dtype.itemsize)
+        splits, tiles_per_split = decode_splits(batch * hkv, nt, slots)
+        grid = (batch * splits, hkv)
+    else:
+        m_tiles = -(-rows // cfg.rows_per_cta)
+        splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, sm_count)
+        grid = (m_tiles * batch, hkv, splits)
     qs = q.strides
-    launch(kernel, (m_tiles * batch, hkv, splits), (32 * cfg.num_warps,), MAX_SCORE_PARAMS,
+    launch(kernel, grid, (32 * cfg.num_warps,), MAX_SCORE_PARAMS,
            (q, k, max_score, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k, page_table, kv_indices,
             kv_page_indptr, kv_mode, qs[0], qs[1], k_outer, k_slot, k_head, total_q, k_extent, page_shift, pt_cols,
-            n_idx, batch, m_tiles, hq, hkv, nt, 1 if causal else 0, tiles_per_split),
-           shared_mem=max_score_smem_bytes(d, cfg, q.dtype.itemsize), stream=stream)
+            n_idx, batch, m_tiles, hq, hkv, nt, 1 if causal else 0, tiles_per_split, float(score_scale)),
+           shared_mem=smem, stream=stream)
 
 
 # ----------------------------------------------------------------------------- top-k select

@@ -126,6 +126,7 @@ int main(int argc, char** argv) {
     for (auto& [idx, buf] : loaded) {
         std::ofstream out(dir + "/a" + std::to_string(idx) + ".out", std::ios::binary);
         out.write((const char*)buf.first, buf.second);
+        std::free(buf.first);
     }
     return 0;
 }

@@ -2,12 +2,44 @@
 #pragma once
 #include "emu_cuda.h"
 
+#include <cmath>
+#include <limits>
+
 // wgmma (sm_90a) with both operands in shared memory, K-major, 128-byte swizzle: every
 // thread computes its own accumulator elements from the descriptors (no exchange needed).
 // Descriptor: start >> 4 in bits [0,14), LBO >> 4 in [16,30), SBO >> 4 in [32,46),
 // layout type in [62,64) (1: 128-byte swizzle). Element (r, k) of a k16 step sits at
 // start + (r / 8) SBO + (r % 8) 128 + 2 k, with address bits [4,7) ^= bits [7,10).
 namespace mate {
+// cp.async with an L2 prefetch hint: the hint has no effect on the result.
+inline void cp_async_16_l2_at(u32 saddr, const void* gmem, bool pred) { cp_async_16_at(saddr, gmem, pred); }
+
+// float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; S.1111.111 is NaN, no inf).
+inline float e4m3_to_float(unsigned v) {
+    const int e = (v >> 3) & 15, m = v & 7;
+    float x;
+    if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
+    else if (e == 0) x = std::ldexp((float)m, -9);
+    else x = std::ldexp(1.0f + (float)m / 8.0f, e - 7);
+    return (v & 0x80u) ? -x : x;
+}
+
+// mma.sync m16n8k32 e4m3 x e4m3 -> f32: a[i] holds 4 bytes of row g (+ 8 for a[1], a[3]) at
+// k = 4 t .. (+ 16 for a[2], a[3]); b[i] 4 bytes of column g at k = 4 t .. (+ 16 for b[1]).
+inline void mma_16x8x32_e4m3(float* d, const u32* a, const u32* b) {
+    mma_16x8<32>(d, a, b, [](const u32* xa, const u32* xb, int g, int t, float (*A)[32], float (*B)[8]) {
+        for (int i = 0; i < 4; ++i) {
+            auto byte = [&](u32 w) { return e4m3_to_float((w >> (8 * i)) & 0xffu); };
+            A[g][4 * t + i] = byte(xa[0]);
+            A[g + 8][4 * t + i] = byte(xa[1]);
+            A[g][16 + 4 * t + i] = byte(xa[2]);
+            A[g + 8][16 + 4 * t + i] = byte(xa[3]);
+            B[4 * t + i][g] = byte(xb[0]);
+            B[16 + 4 * t + i][g] = byte(xb[1]);
+        }
+    });
+}
+
 namespace attn {
 typedef unsigned long long u64;
 inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
