@@ -176,7 +176,7 @@ def case_fns(torch, mc):
 
     def pipeline_static():
         qo, kv, q, ck, cv, idx = _paged(torch, [4, 4, 4], [5000, 129, 900], 16, 1)
-        plan = mc.sparse_pipeline_static_plan(3, 4, 8192, 16, 1, total_seqlen_k=ck.shape[0] * 128, topk=4,
+        plan = mc.sparse_pipeline_static_plan(3, 4, 8192, 16, 1, total_seqlen_k=3 * 8192, topk=4,
                                               force_begin_blocks=1, force_end_blocks=1, device=0, head_dim=128,
                                               dtype=bf16)
         md = _runtime(torch, mc, qo, kv, page=128)
