@@ -36,7 +36,8 @@ from . import index_launch
 from .plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, plan_page_width
 from .runtime import Lengths, resolve_lengths
 
-__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "prepare_workspace", "run", "validate"]
+__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "check_fp8_max_score", "prepare_workspace", "run",
+           "validate"]
 
 # The contract of the kernels, refused alike for host inputs.
 ATTENTION_DTYPES = (FLOAT16, BFLOAT16, FP8_E4M3)
@@ -764,8 +765,8 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
         parts.append((plan, row_ranges[i], attention, att_src, ms_src))
         operands.append(_PartOperands(q_part, k_part, v_part, lens, offsets, att_pages, ms_pages, part_kbi))
 
-    key = (fn, call.device, dtype, qshape, layout, sm, k_scale, v_scale, ms_scale, bool(output_o), bool(output_maxscore),
-           bool(want_lse), bool(check_input_valid), nt, parts)
+    key = (fn, call.device, dtype, qshape, layout, sm, k_scale, v_scale, ms_scale, bool(output_o),
+           bool(output_maxscore), bool(want_lse), bool(check_input_valid), nt, parts)
     last = first.last_call
     if last is not None and last[0] == key:
         prob = last[1]
