@@ -99,7 +99,7 @@ def main(outdir: str) -> list:
     except ImportError:
         pass
     rng = np.random.default_rng(2026)
-    batch, kv_len = (8, 131072) if gpu else (4, 16384)
+    batch, kv_len = (8, 65536) if gpu else (4, 16384)
     rows = []
     for kind in ("random", "structured"):
         for qo in (1, 4):
