@@ -7,6 +7,10 @@ block 0 and each query's own block forced. Rows per case:
 * ``mate_cupy``: ``sparse_attention_pipeline`` (the whole pipeline, one plan);
 * ``mate_cupy.index``, ``mate_cupy.select``, ``mate_cupy.attend``: its three stages alone,
   on the same plan (filed as peers: parts of ours, not yardsticks);
+* ``mate_cupy.fp8_index`` (decode): the whole pipeline with the index branch in float8
+  e4m3 (the bf16 index inputs rounded; ``index_scale`` 1), the MiniMax Q8KV8 index; how
+  much its top-16 agrees with the bf16 index's is measured by
+  ``bench/fp8_index_agreement.py``;
 * the baseline: dense causal cuDNN (prefill; at 1M tokens one call, wall clock) or our
   dense paged decode over the same cache (decode).
 """
@@ -113,6 +117,34 @@ def _builders(batch: int, qo: int, kv: int, hq: int, hkv: int):
     return whole, index, select, attend
 
 
+def _fp8_index_builder(batch: int, qo: int, kv: int, hq: int, hkv: int):
+    """The whole pipeline on the inputs' float8 index copies (``index_q8``, ``index_k8``)."""
+
+    def whole_fp8(inputs):
+        import torch
+
+        plan = _plan(batch, qo, kv, hq, hkv)
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+
+        def run(i):
+            x = inputs[i]
+            return ours.api().sparse_attention_pipeline(x["q"], x["k_cache"], x["v_cache"], x["index_q8"],
+                                                        x["index_k8"], plan, kv_indices=x["kv_indices"],
+                                                        out=outs[i], index_scale=1.0)
+
+        return Bound(run, result=lambda o: None)
+
+    return whole_fp8
+
+
+def _with_fp8_index(x: dict) -> dict:
+    import torch
+
+    x["index_q8"] = x["index_q"].to(torch.float8_e4m3fn)
+    x["index_k8"] = x["index_k"].to(torch.float8_e4m3fn)
+    return x
+
+
 def _check(batch: int, qo: int, kv: int, hq: int, hkv: int):
     """The pipeline's output on sampled rows against fp32 attention over the blocks a fresh plan
     selects for the same inputs (the selection and scores are checked exactly in tests/)."""
@@ -185,7 +217,7 @@ def decode_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, *, target: Targ
     whole, index, select, attend = _builders(batch, 1, seqlen, hq, hkv)
 
     def make_inputs(n):
-        return [_inputs(dev, batch, 1, seqlen, hq, hkv, 21 + i) for i in range(n)]
+        return [_with_fp8_index(_inputs(dev, batch, 1, seqlen, hq, hkv, 21 + i)) for i in range(n)]
 
     def dense(inputs):
         import torch
@@ -206,6 +238,7 @@ def decode_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, *, target: Targ
         make_inputs=make_inputs, set_bytes=kv_bytes(batch, seqlen, hkv, D),
         impls=[Impl("mate_cupy", "ours", whole), Impl("mate_cupy.index", "peer", index, bytes=index_bytes),
                Impl("mate_cupy.select", "peer", select), Impl("mate_cupy.attend", "peer", attend),
+               Impl("mate_cupy.fp8_index", "peer", _fp8_index_builder(batch, 1, seqlen, hq, hkv)),
                Impl("mate_cupy.dense", "peer", dense, bytes=kv_bytes(batch, seqlen, hkv, D))],
         metric="tbps", bytes=None, baseline="mate_cupy.dense", target=target,
         check=_check(batch, 1, seqlen, hq, hkv), tol=2e-2, max_sets=1,

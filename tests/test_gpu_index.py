@@ -914,6 +914,89 @@ def test_fp8_decode_max_score(rng, d, mode, nq):
                          f"fp8 d={d} {mode} nq={nq} {config}")
 
 
+def _torch_cuda(a):
+    """Host array -> torch CUDA tensor (float8 through its bytes: CuPy has no float8 dtype)."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == FP8:
+        return torch.from_numpy(a.view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+    return torch.from_numpy(a).cuda()
+
+
+# (queries per request, Hq, Hkv, D): 1 to 32 packed rows (16 at D 256)
+FP8_MSA_SHAPES = [(1, 8, 1, 128), (2, 16, 1, 128), (8, 4, 1, 64), (32, 2, 2, 128), (4, 4, 1, 256), (1, 16, 1, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,hq,hkv,d", FP8_MSA_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("mode", ["dense", "NHD-table", "HND-csr", "NHD-csr"])
+def test_fp8_max_score_through_msa(rng, nq, hq, hkv, d, mode):
+    """msa(output_o=False, max_score=) with float8 q and k: k_scale times the float64 block max of
+    the fp8 values, into a NaN-poisoned buffer one tile wider than needed (that tile -inf)."""
+    import torch
+
+    import mate_cupy as mc
+    from msa_cases import make_problem
+
+    qo = [nq, nq, max(1, nq - 1), nq, 0, nq]
+    kv = [30000, 1, 129, 4000 + nq, 77, 12345]
+    page = {"dense": 0, "NHD-table": 64, "HND-csr": 128, "NHD-csr": 16}[mode]
+    p = make_problem(rng, qo, kv, hq, hkv, d, dtype=FP8, page_size=page, layout=mode[:3] if page else "NHD")
+    k_scale = 0.02 * 0.7  # a Q8KV8 index's q_scale * k_scale
+    nt = -(-max(kv) // BLOCK)
+    ms = torch.full((p.total_q, hq, nt + 1), float("nan"), dtype=torch.float32, device="cuda")
+    if page == 0:
+        plan = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, causal=True, device=0)
+        mc.msa(_torch_cuda(p.q), _torch_cuda(p.k), _torch_cuda(p.v), plan, max_score=ms, output_o=False,
+               k_scale=k_scale)
+        want = ref.block_max_score(p.q, p.k, p.cu_q, p.cu_k, max_k_tiles=nt + 1, k_scale=k_scale)
+    else:
+        plan = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, page_size=page, causal=True, device=0)
+        where = (dict(page_table=_torch_cuda(p.page_table)) if mode.endswith("table")
+                 else dict(kv_indices=_torch_cuda(p.kv_indices)))
+        kc = _torch_cuda(p.k_cache)
+        mc.msa(_torch_cuda(p.q), kc, kc, plan, max_score=ms, output_o=False, k_scale=k_scale, **where)
+        want = ref.paged_block_max_score(p.q, p.k_cache, p.cu_q, p.kv, p.page_table, max_k_tiles=nt + 1,
+                                         kv_layout=mode[:3], k_scale=k_scale)
+    torch.cuda.synchronize()
+    got = ms.cpu().numpy()
+    assert np.isneginf(got[..., nt]).all()
+    _check_max_score(got, want, p.q.astype(np.float64) * k_scale, p.k.reshape(-1, d).astype(np.float64),
+                     f"fp8 msa {mode} nq={nq} Hq{hq} Hkv{hkv} D{d}")
+
+
+@pytest.mark.gpu
+def test_fp8_sparse_decode_with_max_score_shares_k_scale(rng):
+    """sparse_decode_atten_func on fp8 q/k/v: attention and max score in one call, one k_scale."""
+    import torch
+
+    import mate_cupy as mc
+    from msa_cases import make_problem, random_selection
+
+    p = make_problem(rng, [1, 2, 1, 4], [9000, 300, 129, 2000], 16, 2, 128, dtype=FP8, page_size=128)
+    plan = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, kv_block_num=8, use_fp8_kvcache=True,
+                                    device=0)
+    assert plan[3].mode == "sparse_decode"
+    sel = random_selection(rng, p, 8)
+    nt = -(-int(p.kv.max()) // BLOCK)
+    ms = torch.full((p.total_q, 16, nt), float("nan"), dtype=torch.float32, device="cuda")
+    out = torch.full(p.q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    kc, vc = _torch_cuda(p.k_cache), _torch_cuda(p.v_cache)
+    res, got = mc.sparse_decode_atten_func(_torch_cuda(p.q), kc, vc, plan, kv_indices=_torch_cuda(p.kv_indices),
+                                           kv_block_indexes=_torch_cuda(sel), k_scale=0.5, v_scale=1.5, out=out,
+                                           max_score=ms)
+    torch.cuda.synchronize()
+    assert res is out and got is ms
+    want = ref.paged_block_max_score(p.q, p.k_cache, p.cu_q, p.kv, p.page_table, k_scale=0.5)
+    _check_max_score(ms.cpu().numpy(), want, p.q.astype(np.float64) * 0.5, p.k.reshape(-1, 128))
+    ref_out, _ = ref.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel, k_scale=0.5,
+                                      v_scale=1.5)
+    from helpers import assert_rel
+
+    assert_rel(out, ref_out, 4e-2, "fp8 sparse decode out")  # the fp8 error budget (docs/semantics.md, 5)
+
+
 @pytest.mark.gpu
 def test_max_score_rows_outside_requests_untouched(rng):
     """Rows of no request keep their poison; empty requests and kv_len 0 write -inf rows."""

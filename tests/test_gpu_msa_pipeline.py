@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import assert_rel, to_f64
-from msa_cases import BF16, make_problem
+from msa_cases import BF16, FP8, make_problem
 from test_msa_gpu import dev, masked_ref, poisoned
-from test_msa_pipeline import index_branch
+from test_msa_pipeline import fp8_index, index_branch
 
 import mate_cupy as mc
 from mate_cupy.reference import msa as R
@@ -78,6 +78,76 @@ def test_pipeline_windows_equal_one_window(rng):
     assert results[0][0] == 1 and results[1][0] == -(-p.total_q // 128)
     np.testing.assert_array_equal(results[0][1], results[1][1])
     np.testing.assert_array_equal(results[0][2].view(np.uint16), results[1][2].view(np.uint16))
+
+
+def _torch(x):
+    """Host array -> torch CUDA tensor (bf16 and fp8 through their bits)."""
+    import torch
+
+    x = np.ascontiguousarray(x)
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+    if x.dtype == FP8:
+        return torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+    return torch.from_numpy(x).cuda()
+
+
+def _agreement(sel_a, sel_b) -> float:
+    """Mean over rows of the share of ``sel_a``'s valid block ids that ``sel_b`` holds too."""
+    fracs = []
+    for a, b in zip(sel_a.reshape(-1, sel_a.shape[-1]), sel_b.reshape(-1, sel_b.shape[-1])):
+        sa = set(a[a >= 0].tolist())
+        if sa:
+            fracs.append(len(sa & set(b[b >= 0].tolist())) / len(sa))
+    return float(np.mean(fracs))
+
+
+def test_fp8_index_decode_pipeline(rng):
+    """A decode pipeline (1 and 4 queries per request) with the index branch in float8 e4m3 (the
+    bf16 index rounded) and index_scale: max scores = index_scale x the float64 block maxima of the
+    fp8 values, selection exact on them, attention over it; the top-16 agrees with the bf16
+    index's on the same inputs (bench/fp8_index_agreement.py measures how much)."""
+    import torch
+
+    qo = [1, 1, 1, 4, 1, 4, 1, 1]
+    kv = [30000, 5000, 129, 9000 + 4, 1, 20000, 7000, 300]
+    p = make_problem(rng, qo, kv, 16, 2, 128, page_size=128)
+    iq, ik, icache = index_branch(rng, p, d_index=128)
+    iq8, ik8, icache8 = fp8_index(iq, ik, icache)
+    scale = 0.125
+    main = (_torch(p.q), _torch(p.k_cache), _torch(p.v_cache))
+    ids = _torch(p.kv_indices)
+    sels = {}
+    for name, (q_i, k_i) in (("fp8", (iq8, icache8)), ("bf16", (iq, icache))):
+        plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, topk=16, force_begin_blocks=1, force_end_blocks=1,
+                                       device=0, head_dim=128, dtype=BF16)
+        assert len(plan.windows) == 1 and plan.attention[3].mode == "sparse_decode"
+        plan.selection.fill(-7)
+        plan.max_score.fill(np.nan)
+        out = torch.full(p.q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        res = mc.sparse_attention_pipeline(*main, _torch(q_i), _torch(k_i), plan, kv_indices=ids, out=out,
+                                           index_scale=scale)
+        assert res is out
+        torch.cuda.synchronize()
+        ms = plan.max_score[: p.total_q].get()
+        if name == "fp8":
+            ref_ms = R.block_max_score(iq8, ik8, p.cu_q, p.cu_k, causal=True, max_k_tiles=plan.max_k_tiles,
+                                       k_scale=scale)
+            bound = 2e-5 * scale * np.abs(to_f64(iq8)).max() * np.abs(to_f64(ik8)).max() * 128
+        else:  # 16-bit index inputs ignore index_scale
+            ref_ms = R.block_max_score(iq, ik, p.cu_q, p.cu_k, causal=True, max_k_tiles=plan.max_k_tiles)
+            bound = 2e-5 * np.abs(to_f64(iq)).max() * np.abs(to_f64(ik)).max() * 128
+        np.testing.assert_array_equal(np.isneginf(ms), np.isneginf(ref_ms), err_msg=f"{name}: -inf pattern")
+        fin = np.isfinite(ref_ms)
+        assert np.abs(ms[fin] - ref_ms[fin]).max() <= bound, name
+        sel = plan.selection.get()
+        ref_sel = R.topk_select(ms, 16, force_begin_blocks=1, force_end_blocks=1, query_positions=_positions(p))
+        np.testing.assert_array_equal(sel, ref_sel, err_msg=f"{name}: selection")
+        assert_rel(out, masked_ref(p, sel)[0], 1e-2, f"{name} index: out")
+        sels[name] = sel
+    agree = _agreement(sels["bf16"], sels["fp8"])
+    print(f"fp8 index top-16 agreement with the bf16 index (random data): {agree:.4f}")
+    assert agree >= 0.75, agree
 
 
 @pytest.mark.parametrize("spec", [2, 4, 8])

@@ -683,7 +683,10 @@ HOST_LIMITS = [
     ("head-dim-512", dict(d=512), {}, NotImplementedError),
     ("float32", dict(dtype=np.float32), {}, TypeError),
     ("float32-max-score", dict(dtype=np.float32), {"output_maxscore": True, "output_o": False}, TypeError),
-    ("fp8-max-score", dict(dtype=FP8), {"output_maxscore": True, "output_o": False}, TypeError),
+    ("fp8-max-score-d256-rows", dict(dtype=FP8, d=256), {"output_maxscore": True, "output_o": False},
+     NotImplementedError),  # 5 queries x Hq/Hkv 4 = 20 rows > 16 at D 256
+    ("fp8-max-score-zero-k-scale", dict(dtype=FP8), {"output_maxscore": True, "output_o": False, "k_scale": 0.0},
+     NotImplementedError),
     ("max-score-head-dim-96", dict(d=96), {"output_maxscore": True, "output_o": False}, NotImplementedError),
     ("zero-scale", {}, {"sm_scale": 0.0}, NotImplementedError),
     ("negative-scale", {}, {"sm_scale": -0.1}, NotImplementedError),
@@ -738,7 +741,7 @@ def test_sparse_limits_refused_for_host_inputs(rng):
     with pytest.raises(ValueError, match="head dim 128"):
         mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
                       kv_block_indexes=random_selection(rng, p, 4))
-    with pytest.raises(TypeError, match="max score"):  # fp8 sparse attention runs, its max score does not
+    with pytest.raises(NotImplementedError, match="decode kernel"):  # 40 queries x 8: a prefill-shaped fp8 max score
         q8 = p.q[..., :128].astype(FP8)
         info = mc.sparse_msa_plan(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
         k8 = p.k_cache[..., :128].astype(FP8)
@@ -772,3 +775,148 @@ def test_repeated_calls_reuse_the_frozen_problem(rng):
     np.testing.assert_array_equal(a, b)
     _dense_call(p, info=info, sm_scale=0.1)
     assert info[3].last_call[1] is not first and info[3].last_call[1].sm_scale == 0.1
+
+
+# ----------------------------------------------------------------------------- float8 max scores
+
+
+FP8_MS_CASES = [  # (qo, kv, Hq, Hkv, D, page_size, layout, pages): 1 to 32 packed rows per request
+    ([1, 1, 1], [300, 1, 129], 8, 1, 128, 0, "", ""),
+    ([4, 2, 0, 3], [700, 129, 5, 1000], 16, 2, 64, 64, "NHD", "table"),
+    ([32, 1], [400, 90], 4, 4, 128, 128, "HND", "csr"),
+    ([2, 1], [300, 1000], 16, 2, 256, 32, "NHD", "csr"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FP8_MS_CASES)))
+def test_fp8_max_score_on_host_is_k_scale_times_the_block_max(rng, case):
+    """fp8 q and k: ``max_score = k_scale * max_j q . k_j`` in float64, stored as float32."""
+    qo, kv, hq, hkv, d, page, layout, pages = FP8_MS_CASES[case]
+    p = make_problem(rng, qo, kv, hq, hkv, d, dtype=FP8, page_size=page, layout=layout or "NHD")
+    k_scale = 0.37
+    if page == 0:
+        info = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, causal=True)
+        _, ms = mc.msa(p.q, p.k, p.v, info, output_o=False, output_maxscore=True, k_scale=k_scale, v_scale=5.0)
+        want = R.block_max_score(p.q, p.k, p.cu_q, p.cu_k) * k_scale
+    else:
+        info = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, page_size=page, causal=True)
+        where = dict(page_table=p.page_table) if pages == "table" else dict(kv_indices=p.kv_indices)
+        _, ms = mc.msa(p.q, p.k_cache, p.v_cache, info, output_o=False, output_maxscore=True, k_scale=k_scale,
+                       **where)
+        want = R.paged_block_max_score(p.q, p.k_cache, p.cu_q, p.kv, p.page_table, kv_layout=layout) * k_scale
+    assert ms.dtype == np.float32
+    np.testing.assert_array_equal(ms, want.astype(np.float32))
+    assert np.isfinite(ms).any() and np.isneginf(ms).any()
+    # the reference's own k_scale argument is the same product
+    if page == 0:
+        np.testing.assert_array_equal(R.block_max_score(p.q, p.k, p.cu_q, p.cu_k, k_scale=k_scale), want)
+
+
+def test_fp8_max_score_with_fp8_sparse_attention_shares_k_scale(rng):
+    """sparse_decode_atten_func: the fp8 attention and its max score take the same k_scale."""
+    p = make_problem(rng, [1, 2, 1], [700, 300, 129], 16, 2, 128, dtype=FP8, page_size=128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 2, page_size=128, kv_block_num=4, use_fp8_kvcache=True)
+    assert info[3].mode == "sparse_decode"
+    sel = random_selection(rng, p, 4)
+    out, ms = mc.sparse_decode_atten_func(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
+                                          kv_block_indexes=sel, k_scale=0.5, v_scale=1.5, output_maxscore=True)
+    want = R.paged_block_max_score(p.q, p.k_cache, p.cu_q, p.kv, p.page_table, k_scale=0.5)
+    np.testing.assert_array_equal(ms, want.astype(np.float32))
+    ref_out, _ = R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel, k_scale=0.5,
+                                    v_scale=1.5)
+    assert_rel(out, ref_out, 8e-3, "fp8 sparse decode out")
+    prefill_info = mc.sparse_msa_plan(p.qo, p.kv, 16, 2, page_size=128, kv_block_num=4)  # 16 packed rows
+    _, ms_only = mc.sparse_msa(p.q, p.k_cache, p.v_cache, prefill_info, kv_indices=p.kv_indices, k_scale=0.5,
+                               output_o=False, output_maxscore=True)
+    np.testing.assert_array_equal(ms_only, ms)
+
+
+def test_16bit_max_score_ignores_k_scale(rng):
+    p = make_problem(rng, [2, 1], [300, 129], 8, 2, 64)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2)
+    _, a = mc.msa(p.q, p.k, p.v, info, output_o=False, output_maxscore=True)
+    _, b = mc.msa(p.q, p.k, p.v, info, output_o=False, output_maxscore=True, k_scale=3.0)
+    np.testing.assert_array_equal(a, b)
+
+
+STANDIN_STREAM = 0x5000
+
+
+def _cuda_standin(name, a):
+    """An Arg describing host array ``a`` as a cuda:0 array: validation reads only metadata."""
+    from mate_cupy.runtime import interop
+
+    a = np.asarray(a) if isinstance(a, (list, tuple)) else a
+    if not isinstance(a, np.ndarray):
+        return interop.wrap(name, a)
+    item = a.dtype.itemsize
+    return interop.Arg(name, a, a.dtype, "cupy", 0, a.shape, tuple(s // item for s in a.strides),
+                       a.__array_interface__["data"][0], data=a)
+
+
+@pytest.fixture
+def cuda_standins(monkeypatch):
+    """msa's validation sees NumPy arrays as cuda:0 arrays of a device of compute capability
+    ``cuda_standins.cc`` (9.0 unless a test changes it)."""
+    from mate_cupy.msa import execute
+    from mate_cupy.runtime import interop
+
+    class StandinCall(interop.Call):
+        def add(self, name, obj):
+            if obj is None:
+                return None
+            arg = self.args[name] = _cuda_standin(name, obj)
+            if self.device is None:
+                self.device, self.framework, self._first = arg.device, arg.framework, name
+            return arg
+
+    state = type("State", (), {"cc": 90})()
+    monkeypatch.setattr(execute, "Call", StandinCall)
+    monkeypatch.setattr(execute, "device_info", lambda device=None: (132, state.cc))
+    return state
+
+
+FP8_MS_REFUSALS = [  # (qo, Hq, Hkv, D, kw): prefill-shaped or wider than the decode kernel, bad scale
+    ("prefill-rows", [40, 3], 8, 1, 128, {}),
+    ("33-rows", [33], 4, 4, 64, {}),
+    ("d256-17-rows", [17], 8, 8, 256, {}),
+    ("negative-k-scale", [2], 8, 1, 128, {"k_scale": -1.0}),
+    ("nan-k-scale", [2], 8, 1, 128, {"k_scale": float("nan")}),
+]
+
+
+def _fp8_ms_call(rng, qo, hq, hkv, d, kw, plan_kw=None):
+    p = make_problem(rng, qo, [300] * len(qo), hq, hkv, d, dtype=FP8, page_size=128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, hq, hkv, page_size=128, **(plan_kw or {}))
+    return lambda: mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices, output_o=False,
+                          output_maxscore=True, **kw)
+
+
+@pytest.mark.parametrize("qo, hq, hkv, d, kw", [pytest.param(*c[1:], id=c[0]) for c in FP8_MS_REFUSALS])
+def test_fp8_max_score_refusals_are_the_same_for_host_and_cuda_inputs(rng, request, qo, hq, hkv, d, kw):
+    """NotImplementedError with the same message for NumPy inputs and their CUDA description."""
+    call = _fp8_ms_call(rng, qo, hq, hkv, d, kw)
+    with pytest.raises(NotImplementedError) as host:
+        call()
+    request.getfixturevalue("cuda_standins")
+    with pytest.raises(NotImplementedError) as cuda:
+        call()
+    assert str(host.value) == str(cuda.value)
+    assert ("decode kernel" in str(host.value)) == ("k-scale" not in request.node.callspec.id)
+
+
+def test_fp8_max_score_refused_below_sm89_on_cuda_inputs(rng, cuda_standins):
+    cuda_standins.cc = 80
+    with pytest.raises(NotImplementedError, match="compute capability 8.9"):
+        _fp8_ms_call(rng, [1, 2], 8, 1, 128, {})()
+
+
+def test_fp8_max_score_refusal_covers_each_part_of_a_mixed_plan(rng):
+    """A mixed plan's prefill part is prefill-shaped: refused before its decode part runs."""
+    p = make_problem(rng, [1, 40], [300, 300], 8, 1, 128, dtype=FP8, page_size=128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
+    assert info[0]
+    ms = np.full((p.total_q, 8, 3), np.nan, np.float32)
+    with pytest.raises(NotImplementedError, match="decode kernel"):
+        mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices, output_o=False, max_score=ms)
+    assert np.isnan(ms).all()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from msa_cases import BF16, make_problem
+from msa_cases import BF16, FP8, make_problem
 
 import mate_cupy as mc
 from mate_cupy.reference import msa as R
@@ -28,12 +28,13 @@ def index_branch(rng, p, d_index=64):
     return iq, ik, cache
 
 
-def expected(p, iq, ik, *, topk, begin, end):
+def expected(p, iq, ik, *, topk, begin, end, index_scale=1.0):
     """The pipeline composed from the references, positions computed here."""
     off = (p.kv - p.qo).astype(np.int64)
     pos = np.concatenate([np.minimum(off[b] + np.arange(p.qo[b]), p.kv[b] - 1) for b in range(len(p.qo))])
     nt = -(-int(p.kv.max()) // 128)
-    ms = R.block_max_score(iq, ik, p.cu_q, p.cu_k, causal=True, max_k_tiles=nt).astype(np.float32)
+    ms = R.block_max_score(iq, ik, p.cu_q, p.cu_k, causal=True, max_k_tiles=nt, k_scale=index_scale)
+    ms = ms.astype(np.float32)
     sel = R.topk_select(ms, topk, force_begin_blocks=begin, force_end_blocks=end, query_positions=pos)
     out, lse = R.sparse_attention(p.q, p.k_cache, p.v_cache, p.cu_q, p.kv, p.page_table, sel)
     return sel, out, lse
@@ -118,3 +119,47 @@ def test_refusals(rng):
 def test_static_plan_needs_a_gpu_and_metadata():
     with pytest.raises(ValueError, match="CUDA device"):
         mc.sparse_pipeline_static_plan(2, 4, 1024, 16, 1, device="cpu")
+
+
+def fp8_index(iq, ik, icache):
+    """The bf16 index branch rounded to float8 e4m3 (the values the fp8 index scores)."""
+    return tuple(x.astype(np.float32).astype(FP8) for x in (iq, ik, icache))
+
+
+def test_fp8_index_decode_pipeline_equals_composed_references(rng):
+    """fp8 index_q/index_k with index_scale: the plan's max scores are index_scale times the block
+    maxima of the fp8 values; selection and attention as the composed references."""
+    p = make_problem(rng, [1, 4, 2, 1], [2000, 300, 129, 700], 16, 2, 128, page_size=128)
+    iq8, ik8, icache8 = fp8_index(*index_branch(rng, p))
+    plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, num_index_kv_heads=1, topk=4, force_end_blocks=1,
+                                   device="cpu")
+    out = mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq8, icache8, plan, kv_indices=p.kv_indices,
+                                       index_scale=0.125)
+    sel, ref_out, _ = expected(p, iq8, ik8, topk=4, begin=0, end=1, index_scale=0.125)
+    want_ms = R.block_max_score(iq8, ik8, p.cu_q, p.cu_k, causal=True, max_k_tiles=plan.max_k_tiles, k_scale=0.125)
+    np.testing.assert_array_equal(plan.max_score[: p.total_q], want_ms.astype(np.float32))
+    np.testing.assert_array_equal(plan.selection, sel)
+    np.testing.assert_array_equal(out.view(np.uint16), ref_out.astype(BF16).view(np.uint16))
+    # the scale changes the stored maxima, not the selection
+    unscaled = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, topk=4, force_end_blocks=1, device="cpu")
+    mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq8, icache8, unscaled, kv_indices=p.kv_indices)
+    np.testing.assert_array_equal(unscaled.selection, plan.selection)
+
+
+@pytest.mark.parametrize("qo, kv, budget", [([1, 40], [300, 700], None),       # a prefill request
+                                            ([1] * 9 + [20], [300] * 10, 10 * 2 * 3 * 4)])  # 10-row windows
+def test_fp8_index_prefill_pipeline_is_refused_before_any_pass(rng, qo, kv, budget):
+    """More than 32 packed index rows per request in any window: NotImplementedError before the
+    first window runs (the plan's buffers and out untouched)."""
+    p = make_problem(rng, qo, kv, 16, 2, 128, page_size=128)
+    iq8, _, icache8 = fp8_index(*index_branch(rng, p, d_index=256))  # D 256: 16 packed rows at most
+    kw = {} if budget is None else {"max_score_bytes": budget}
+    plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, topk=4, device="cpu", **kw)
+    if budget is not None:  # the first window (one query per request) alone would run
+        assert plan.window_rows == 10 and len(plan.windows) == 3
+    plan.selection.fill(-7)
+    out = np.full(p.q.shape, np.nan, BF16)
+    with pytest.raises(NotImplementedError, match="decode kernel"):
+        mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq8, icache8, plan, kv_indices=p.kv_indices,
+                                     out=out)
+    assert (plan.selection == -7).all() and np.isnan(out.astype(np.float32)).all()

@@ -36,11 +36,12 @@ from . import index_launch
 from .plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, plan_page_width
 from .runtime import Lengths, resolve_lengths
 
-__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "prepare_workspace", "run", "validate"]
+__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "check_fp8_max_score", "prepare_workspace", "run",
+           "validate"]
 
 # The contract of the kernels, refused alike for host inputs.
 ATTENTION_DTYPES = (FLOAT16, BFLOAT16, FP8_E4M3)
-MAX_SCORE_DTYPES = (FLOAT16, BFLOAT16)
+MAX_SCORE_DTYPES = (FLOAT16, BFLOAT16, FP8_E4M3)
 HEAD_DIMS = (64, 128, 256)
 SPARSE_HEAD_DIM = 128
 SPARSE_GQA_RATIOS = (8, 16)
@@ -48,6 +49,11 @@ SPARSE_MAX_SEQLEN_K = 1 << 25  # the block union of one CTA (every sparse tile h
 MAX_BATCH = 65535  # grid y of the attention kernels
 MAX_KV_HEADS = 65535  # grid y of the max-score kernels
 INDEX_LIMIT = 2**31  # total_q * Hq, KV rows/pages, max_seqlen_q * group: int32 indices
+# float8 max scores run the decode kernel only: its packed rows per request (max_seqlen_q * Hq /
+# Hkv) per head dim and its compute capability, as registered in index_launch.
+FP8_MAX_SCORE_ROWS = {d: max((cfg.rows_per_cta for (dt, dd, cfg) in index_launch.MAX_SCORE_SPECS
+                              if dt == FP8_E4M3 and dd == d), default=0) for d in HEAD_DIMS}
+FP8_MAX_SCORE_MIN_SM = min(s.min_sm for (dt, _, _), s in index_launch.MAX_SCORE_SPECS.items() if dt == FP8_E4M3)
 DTYPE_CODES = {FLOAT16: al.DTYPE_FP16, BFLOAT16: al.DTYPE_BF16, FP8_E4M3: al.DTYPE_E4M3}
 LOG2E = 1.4426950408889634
 
@@ -74,6 +80,7 @@ class MsaProblem:
     ``kv_layout`` is ``"NHD"``/``"HND"`` for paged caches, ``""`` for dense K/V;
     ``k_scale``/``v_scale`` are the effective scales (the call's for fp8 sparse, else 1);
     ``scale_log2 = sm_scale * log2(e) * k_scale`` and ``v_scale`` are what the kernels take;
+    ``max_score_scale`` multiplies the block maxima (the call's ``k_scale`` for fp8, else 1);
     ``max_k_tiles`` the max-score width a call allocates.
     """
 
@@ -88,6 +95,7 @@ class MsaProblem:
     k_scale: float
     v_scale: float
     scale_log2: float
+    max_score_scale: float
     output_o: bool
     output_maxscore: bool
     want_lse: bool
@@ -256,11 +264,31 @@ def _check_head_dim_and_dtype(fn: str, sparse: bool, head_dim: int, dtype, *, at
         raise TypeError(f"{fn}: MSA attention supports float16, bfloat16 and float8_e4m3fn; "
                         f"got q dtype {dtype_name(dtype)}")
     if max_score and dtype not in MAX_SCORE_DTYPES:
-        raise TypeError(f"{fn}: the MSA block max score supports float16 and bfloat16; got q dtype {dtype_name(dtype)}")
+        raise TypeError(f"{fn}: the MSA block max score supports float16, bfloat16 and float8_e4m3fn; "
+                        f"got q dtype {dtype_name(dtype)}")
     if attention and sparse and head_dim != SPARSE_HEAD_DIM:
         raise ValueError(f"{fn}: sparse MSA needs head dim {SPARSE_HEAD_DIM}, got {head_dim}")
     if head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"{fn}: MSA kernels support head dims {HEAD_DIMS}, got {head_dim}")
+
+
+def check_fp8_max_score(fn: str, plan: MsaPlan, hq: int, head_dim: int, device: int) -> None:
+    """The float8 max score's limits for ``plan``'s requests (``NotImplementedError``): the
+    decode kernel holds ``max_seqlen_q * Hq / Hkv <= FP8_MAX_SCORE_ROWS[D]`` packed rows (32;
+    16 at D 256) and runs on compute capability 8.9 or newer (CUDA inputs)."""
+    rows = plan.prefill_plan.max_seqlen_q * (hq // plan.num_kv_heads)
+    limit = FP8_MAX_SCORE_ROWS.get(head_dim, 0)
+    if rows > limit:
+        raise NotImplementedError(
+            f"{fn}: the float8 max score runs the decode kernel only: max_seqlen_q * Hq / Hkv <= {limit} packed "
+            f"rows per request at head dim {head_dim}, got {plan.prefill_plan.max_seqlen_q} * {hq} / "
+            f"{plan.num_kv_heads} = {rows} (use float16/bfloat16 index inputs for prefill)")
+    if device >= 0:
+        cc = device_info(device)[1]
+        if cc < FP8_MAX_SCORE_MIN_SM:
+            raise NotImplementedError(f"{fn}: the float8 max score needs compute capability "
+                                      f"{FP8_MAX_SCORE_MIN_SM // 10}.{FP8_MAX_SCORE_MIN_SM % 10} or newer, "
+                                      f"got {cc // 10}.{cc % 10} (cuda:{device})")
 
 
 def attention_workspace_bytes(plan: MsaPlan, head_dim: int, dtype, device: int, total_q: int) -> int:
@@ -615,6 +643,8 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
                     >= INDEX_LIMIT:
                 raise NotImplementedError(f"{fn}: the max score needs Hkv <= {MAX_KV_HEADS}, max_seqlen_q * Hq / "
                                           "Hkv < 2**31 and ceil(max_seqlen_q * Hq / Hkv / 16) * B < 2**31")
+            if dtype == FP8_E4M3:
+                check_fp8_max_score(fn, plan, hq, d, call.device)
 
     # Scales (the kernels take sm_scale * log2(e), times k_scale for fp8).
     is_fp8 = dtype == FP8_E4M3
@@ -622,6 +652,9 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
     k_scale, v_scale = float(k_scale), float(v_scale)
     if output_o and (k_scale != 1.0 or v_scale != 1.0) and not any_sparse:
         raise ValueError("k_scale/v_scale are currently supported only by sparse MSA")
+    ms_scale = k_scale if is_fp8 and output_maxscore else 1.0
+    if not (ms_scale > 0.0 and ms_scale != math.inf):
+        raise NotImplementedError(f"{fn}: the float8 max score needs a positive finite k_scale, got {k_scale}")
     fp8_scales = is_fp8 and any_sparse
     if not fp8_scales:
         k_scale = v_scale = 1.0
@@ -732,8 +765,8 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
         parts.append((plan, row_ranges[i], attention, att_src, ms_src))
         operands.append(_PartOperands(q_part, k_part, v_part, lens, offsets, att_pages, ms_pages, part_kbi))
 
-    key = (fn, call.device, dtype, qshape, layout, sm, k_scale, v_scale, bool(output_o), bool(output_maxscore),
-           bool(want_lse), bool(check_input_valid), nt, parts)
+    key = (fn, call.device, dtype, qshape, layout, sm, k_scale, v_scale, ms_scale, bool(output_o),
+           bool(output_maxscore), bool(want_lse), bool(check_input_valid), nt, parts)
     last = first.last_call
     if last is not None and last[0] == key:
         prob = last[1]
@@ -741,6 +774,7 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
         prob = MsaProblem(
             fn=fn, is_cuda=call.device >= 0, device=call.device, dtype=dtype, out_dtype=out_dtype, head_dim=d,
             kv_layout=layout, sm_scale=sm, k_scale=k_scale, v_scale=v_scale, scale_log2=scale_log2,
+            max_score_scale=ms_scale,
             output_o=bool(output_o), output_maxscore=bool(output_maxscore), want_lse=bool(want_lse),
             check_input_valid=bool(check_input_valid), max_k_tiles=nt,
             parts=tuple(PartProblem(*part) for part in parts))
@@ -1024,7 +1058,8 @@ def _run_cuda(prob: MsaProblem, ops: _Operands) -> None:
                     cu_seqlens_k=lens.cu_seqlens_k if dense else None, page_table=table, kv_indices=indices,
                     kv_page_indptr=indptr, kv_layout=prob.kv_layout or "NHD",
                     page_size=0 if dense else part.plan.page_size,
-                    max_seqlen_q=part.plan.prefill_plan.max_seqlen_q, causal=part.plan.causal, stream=stream)
+                    max_seqlen_q=part.plan.prefill_plan.max_seqlen_q, causal=part.plan.causal, stream=stream,
+                    score_scale=prob.max_score_scale)
     finally:
         if switch:
             scope.__exit__(None, None, None)
@@ -1060,7 +1095,8 @@ def _run_host(prob: MsaProblem, ops: _Operands) -> None:
                 ops.lse.data[r0:r1] = l.astype(np.float32)
         if prob.output_maxscore:
             ms = ops.max_score.data[r0:r1]
-            common = dict(qo_offset=offsets, causal=plan.causal, max_k_tiles=ms.shape[2], qo_lens=qo_lens)
+            common = dict(qo_offset=offsets, causal=plan.causal, max_k_tiles=ms.shape[2], qo_lens=qo_lens,
+                          k_scale=prob.max_score_scale)
             if plan.mode == "dense":
                 res = ref.block_max_score(q, k, cu_q, lens.cu_seqlens_k.data, kv_lens=eff, **common)
             else:

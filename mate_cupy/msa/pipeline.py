@@ -24,7 +24,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .._logging import mate_api
-from ..runtime.interop import Call, as_dtype
+from ..runtime.interop import FP8_E4M3, Call, as_dtype
+from .execute import check_fp8_max_score
 from ..util_ops import launch_query_positions
 from .ops import msa
 from .plan import (
@@ -36,6 +37,7 @@ from .plan import (
     msa_plan_from_lengths,
     normalize_qo_offset,
     selected_block_count,
+    unpack_plan_info,
     upload_plan,
 )
 from .topk import plan_query_positions, sparse_topk_select
@@ -256,12 +258,18 @@ def sparse_pipeline_static_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k
 @mate_api
 def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePlan, *, kv_indices=None,
                               runtime_metadata=None, out=None, lse=None, sm_scale: Optional[float] = None,
-                              k_scale: float = 1.0, v_scale: float = 1.0, workspace=None):
+                              k_scale: float = 1.0, v_scale: float = 1.0, index_scale: float = 1.0, workspace=None):
     """Index max score -> top-k block selection -> block-sparse attention, on one plan.
 
     q ``[total_q, Hq, 128]`` (fp16, bf16 or fp8); k, v paged ``[P, 128, Hkv, 128]`` (or
     ``[P, Hkv, 128, 128]``); ``index_q [total_q, Hkv, Di]`` and ``index_k [P, 128, Hik, Di]``
-    (or ``[P, Hik, 128, Di]``) fp16/bf16, the index branch over the same pages;
+    (or ``[P, Hik, 128, Di]``), the index branch over the same pages: fp16/bf16, or float8
+    e4m3 for decode pipelines (every window's ``max_seqlen_q * Hkv / Hik <= 32``, 16 at
+    ``Di`` 256; compute capability 8.9+: ``NotImplementedError`` otherwise, before any
+    launch) with ``index_scale`` (positive, finite) the max-score pass's ``k_scale``: the
+    plan's max scores are ``index_scale * max(index_q . index_k)`` (a per-tensor index q
+    scale is folded in: MiniMax's Q8KV8 index passes ``q_scale * k_scale``; the selection
+    depends only on their order; 16-bit index inputs ignore it);
     ``kv_indices``: int32 flat page ids of every request (CSR by ``ceil(kv_len / 128)``),
     shared by both caches; static plans take the pages from ``runtime_metadata``
     (``page_table``, or ``kv_page_indptr`` with ``kv_indices``). ``runtime_metadata``:
@@ -299,12 +307,17 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     # The selection pass takes the plan's buffers first, so it would launch on CuPy's current
     # stream: make that the caller's (q's framework's current stream) for every pass.
     call = Call(q=q)
+    iq = call.add("index_q", index_q)
+    if iq.dtype == FP8_E4M3:  # every window's limits before the first launch
+        for w in plan.windows:
+            check_fp8_max_score("sparse_attention_pipeline", unpack_plan_info(w.plan)[3], plan.num_kv_heads,
+                                iq.shape[2], iq.device)
     with call.launch_scope():
         if plan.is_static:
             md = runtime_metadata
             window = plan.windows[0]
             msa(index_q, index_k, index_k, window.plan, kv_indices=kv_indices, runtime_metadata=md,
-                max_score=ms[:rows], output_o=False)  # validates the metadata
+                max_score=ms[:rows], k_scale=index_scale, output_o=False)  # validates the metadata
             lens = Call(cu=md.cu_seqlens_q, qo=md.qo_lens, kv=md.seqused_k, off=md.qo_offset)
             launch_query_positions(lens["cu"].ptr, lens["qo"].ptr, lens["kv"].ptr, lens["off"].ptr,
                                    int(lens["qo"].shape[0]), rows, plan.causal, _address(pos), call.stream_ptr)
@@ -316,7 +329,7 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
                     continue
                 scores = ms[:n]
                 msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices,
-                    max_score=scores, output_o=False)
+                    max_score=scores, k_scale=index_scale, output_o=False)
                 sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
                                    query_positions=pos[w.row_begin:w.row_end], **select)
         res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel[:rows], out=out, lse=lse,

@@ -382,18 +382,29 @@ def sparse_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, kv_
 
 
 def block_max_score(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset=None, causal=True, max_k_tiles=None,
-                    *, qo_lens=None, kv_lens=None):
-    """Per-128-key-block max of raw ``q . k`` (no scale; docs/semantics.md, section 3), dense K.
+                    *, qo_lens=None, kv_lens=None, k_scale=1.0):
+    """Per-128-key-block max of raw ``q . k`` times ``k_scale`` (docs/semantics.md, section 3), dense K.
 
     q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]``. Returns float64
     ``[total_q, Hq, NT]``, ``NT = max_k_tiles`` (default ``ceil(max kv_len / 128)``);
     blocks with no admissible key, and tiles past a request's blocks, are ``-inf``.
+    ``k_scale`` (positive; the float8 max score's per-tensor scale, 1 for 16-bit inputs)
+    multiplies the float64 block maxima.
     """
     q, k = _f64(q, "q"), _f64(k, "k")
     requests, nt = _dense_requests(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, max_k_tiles, qo_lens, kv_lens)
     res = np.full(q.shape[:2] + (nt,), -np.inf)
     for rows, keys, pos in requests:
         res[rows] = _block_max(q[rows], k[keys], pos, causal, None, nt)
+    return _scaled(res, k_scale)
+
+
+def _scaled(res: np.ndarray, k_scale) -> np.ndarray:
+    k_scale = float(k_scale)
+    if not (k_scale > 0.0 and np.isfinite(k_scale)):
+        raise ValueError(f"k_scale must be positive and finite, got {k_scale}")
+    if k_scale != 1.0:
+        res *= k_scale
     return res
 
 
@@ -441,7 +452,7 @@ def block_softmax_mass(q, k, cu_seqlens_q, cu_seqlens_k, *, causal=True, sm_scal
 
 
 def paged_block_max_score(q, k_cache, cu_seqlens_q, kv_lens, page_table, qo_offset=None, causal=True,
-                          max_k_tiles=None, kv_layout="NHD", *, qo_lens=None):
+                          max_k_tiles=None, kv_layout="NHD", *, qo_lens=None, k_scale=1.0):
     """:func:`block_max_score` over a paged cache (any page size; invalid pages inadmissible)."""
     q = _f64(q, "q")
     kc = _nhd(_f64(k_cache, "k_cache"), kv_layout, "k_cache")
@@ -461,7 +472,7 @@ def paged_block_max_score(q, k_cache, cu_seqlens_q, kv_lens, page_table, qo_offs
         s0, n, nk = starts[b], qlens[b], int(klens[b])
         keys, ok = _gather_pages(kc, _request_pages(table, b, nk, kc.shape[1]), nk)
         res[s0:s0 + n] = _block_max(q[s0:s0 + n], keys, offs[b] + np.arange(n), causal, ok, nt)
-    return res
+    return _scaled(res, k_scale)
 
 
 # ----------------------------------------------------------------------------- selection
