@@ -45,8 +45,8 @@ def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=Fal
         idx = rs.permutation(P)[:B * T].reshape(B, T).astype(np.int32)
         acc = rs.integers(1, T + 1, size=B).astype(np.int32) if slots == "nc" else None
     args = [q, k, v, pool, A_log, a, dt_bias, acc, None, b]
+    dev = [None if x is None else cp.asarray(x) for x in args]  # before the host call updates pool in place
     ref_out, ref_pool = m.gated_delta_rule_decode(*args, state_indices=idx, **kw)
-    dev = [None if x is None else cp.asarray(x) for x in args]
     out, _ = m.gated_delta_rule_decode(*dev, state_indices=cp.asarray(idx), **kw)
     cp.cuda.Device().synchronize()
     err = np.abs(cp.asnumpy(out).astype(np.float64) - np.asarray(ref_out, np.float64)).max()
