@@ -132,6 +132,22 @@ def case_sparse_decode_static(rng, dev):
     return call, tuple(tt(a, dev) for a in (p.q, p.k_cache, p.v_cache, sel)), ref
 
 
+def case_pipeline(rng, dev):
+    from test_msa_pipeline import index_branch
+
+    p = make_problem(rng, [1, 2, 150], [300, 129, 700], 16, 2, 128, page_size=128)
+    iq, _, icache = index_branch(rng, p)
+    kw = dict(topk=4, force_begin_blocks=1, force_end_blocks=1)
+    ref = mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq, icache,
+                                       mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, device="cpu", **kw),
+                                       kv_indices=p.kv_indices)
+    plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, device=plan_device(dev), **kw)
+
+    def call(q, kc, vc, iq, ik, idx):
+        return tops.sparse_attention_pipeline(q, kc, vc, iq, ik, plan, kv_indices=idx)
+    return call, tuple(tt(a, dev) for a in (p.q, p.k_cache, p.v_cache, iq, icache, p.kv_indices)), ref
+
+
 def case_topk(rng, dev):
     scores = rng.standard_normal((5, 4, 24)).astype(F32)
     pos = rng.integers(0, 24 * 128, 5).astype(np.int64)
@@ -241,6 +257,7 @@ CASES = {
     "sparse_decode_static": case_sparse_decode_static, "sparse_topk_select": case_topk,
     "build_page_table": case_page_table, "cast": case_cast, "chunk_kda": case_chunk_kda,
     "chunk_kda_out": case_chunk_kda_out, "gated_delta_rule_decode": case_decode,
+    "sparse_attention_pipeline": case_pipeline,
     "gated_delta_rule_decode_inplace": case_decode_inplace,
 }
 # build_page_table's output width is data-dependent: test_page_table_compiles compiles it.

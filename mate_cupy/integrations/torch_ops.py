@@ -41,6 +41,8 @@ from ..msa.ops import msa as _msa
 from ..msa.ops import sparse_decode_atten_func as _sparse_decode
 from ..msa.ops import sparse_msa as _sparse_msa
 from ..msa.page_table import build_page_table_from_flat_kv_indices as _page_table
+from ..msa.pipeline import SparsePipelinePlan, add_pipeline_plan_hook
+from ..msa.pipeline import sparse_attention_pipeline as _pipeline
 from ..msa.plan import MsaRuntimeMetadata, add_plan_hook, max_k_tiles, selected_block_count, unpack_plan_info
 from ..msa.topk import sparse_topk_select as _topk
 from ..util_ops import cast as _cast
@@ -52,6 +54,8 @@ __all__ = [
     "gated_delta_rule_decode",
     "msa",
     "register_plan",
+    "register_pipeline_plan",
+    "sparse_attention_pipeline",
     "sparse_decode_atten_func",
     "sparse_msa",
     "sparse_topk_select",
@@ -405,6 +409,91 @@ def sparse_decode_atten_func(q: Tensor, k: Tensor, v: Tensor, plan_info, *, out:
 
 
 # ----------------------------------------------------------------------------- MSA helpers
+
+
+# ----------------------------------------------------------------------------- the MSA pipeline
+
+# handle -> weakref to a SparsePipelinePlan (as _PLANS, for pipeline plans).
+_PIPELINES: dict = {}
+_PIPELINE_ATTR = "_torch_op_handle"
+
+
+def register_pipeline_plan(plan: SparsePipelinePlan) -> int:
+    """The op handle of a pipeline plan: an int, stored on the plan and freed with it (as
+    :func:`register_plan`; plans built after this module is imported are registered when
+    built)."""
+    return _register_pipeline(plan)
+
+
+@torch.compiler.assume_constant_result
+def _register_pipeline(plan) -> int:
+    handle = plan.__dict__.get(_PIPELINE_ATTR)
+    if handle is not None and handle in _PIPELINES and _PIPELINES[handle]() is plan:
+        return handle
+    if len(_PIPELINES) >= MAX_LIVE_PLANS:
+        raise RuntimeError(f"more than {MAX_LIVE_PLANS} pipeline plans registered for torch ops are alive")
+    handle = next(_HANDLES)
+    _PIPELINES[handle] = weakref.ref(plan)
+    weakref.finalize(plan, _PIPELINES.pop, handle, None)
+    setattr(plan, _PIPELINE_ATTR, handle)
+    return handle
+
+
+add_pipeline_plan_hook(register_pipeline_plan)
+
+
+def _pipeline_handle(plan) -> int:
+    if not isinstance(plan, SparsePipelinePlan):
+        raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
+    handle = getattr(plan, _PIPELINE_ATTR, None)
+    if handle is not None and not torch.compiler.is_compiling():
+        ref = _PIPELINES.get(handle)
+        if ref is None or ref() is not plan:
+            handle = None
+    return _register_pipeline(plan) if handle is None else handle
+
+
+@_op("sparse_attention_pipeline", mutates_args=("out", "lse", "workspace"))
+def _pipeline_op(q: Tensor, k: Tensor, v: Tensor, index_q: Tensor, index_k: Tensor, plan: int,
+                 kv_indices: Optional[Tensor], out: Tensor, lse: Optional[Tensor], rt_qo_lens: Optional[Tensor],
+                 rt_kv_lens: Optional[Tensor], rt_qo_offset: Optional[Tensor], rt_cu_seqlens_q: Optional[Tensor],
+                 rt_cu_seqlens_k: Optional[Tensor], rt_seqused_k: Optional[Tensor], rt_page_table: Optional[Tensor],
+                 rt_kv_page_indptr: Optional[Tensor], sm_scale: Optional[float], k_scale: float, v_scale: float,
+                 index_scale: float, workspace: Optional[Tensor]) -> None:
+    """:func:`mate_cupy.sparse_attention_pipeline` writing ``out`` (and ``lse``); the plan's own
+    buffers (max scores, selection) are the plan's state, not the op's outputs."""
+    ref = _PIPELINES.get(plan)
+    pipeline = None if ref is None else ref()
+    if pipeline is None:
+        raise ValueError(f"no live pipeline plan has handle {plan} (see register_pipeline_plan)")
+    _pipeline(q, k, v, index_q, index_k, pipeline, kv_indices=kv_indices,
+              runtime_metadata=_metadata(rt_qo_lens, rt_kv_lens, rt_qo_offset, rt_cu_seqlens_q, rt_cu_seqlens_k,
+                                         rt_seqused_k, rt_page_table, rt_kv_page_indptr),
+              out=out, lse=lse, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, index_scale=index_scale,
+              workspace=workspace)
+
+
+@_pipeline_op.register_fake
+def _pipeline_fake(q, k, v, index_q, index_k, plan, kv_indices, out, lse, rt_qo_lens, rt_kv_lens, rt_qo_offset,
+                   rt_cu_seqlens_q, rt_cu_seqlens_k, rt_seqused_k, rt_page_table, rt_kv_page_indptr, sm_scale,
+                   k_scale, v_scale, index_scale, workspace):
+    return None
+
+
+def sparse_attention_pipeline(q: Tensor, k: Tensor, v: Tensor, index_q: Tensor, index_k: Tensor,
+                              plan: SparsePipelinePlan, *, kv_indices: Optional[Tensor] = None,
+                              runtime_metadata: Optional[MsaRuntimeMetadata] = None, out: Optional[Tensor] = None,
+                              lse: Optional[Tensor] = None, sm_scale: Optional[float] = None, k_scale: float = 1.0,
+                              v_scale: float = 1.0, index_scale: float = 1.0,
+                              workspace: Optional[Tensor] = None) -> Tensor:
+    """:func:`mate_cupy.sparse_attention_pipeline` through ``torch.ops.mate_cupy.sparse_attention_pipeline``
+    (same arguments and result; ``out`` is allocated here when not given)."""
+    if out is None:
+        out = q.new_empty(q.shape, dtype=_out_dtype(q))
+    torch.ops.mate_cupy.sparse_attention_pipeline(
+        q, k, v, index_q, index_k, _pipeline_handle(plan), kv_indices, out, lse, *_runtime(runtime_metadata),
+        sm_scale, k_scale, v_scale, index_scale, workspace)
+    return out
 
 
 @_op("sparse_topk_select", mutates_args=())

@@ -47,6 +47,21 @@ __all__ = ["SparsePipelinePlan", "sparse_attention_pipeline", "sparse_pipeline_p
 #: default bound of one window's float32 block maxima (bytes)
 MAX_SCORE_BYTES = 1 << 30
 
+_PLAN_HOOKS: list = []
+
+
+def add_pipeline_plan_hook(hook) -> None:
+    """Call ``hook(plan)`` for every pipeline plan built from now on (integrations register
+    plans there, outside any tracing framework). Hooks must not raise."""
+    if hook not in _PLAN_HOOKS:
+        _PLAN_HOOKS.append(hook)
+
+
+def _built(plan: "SparsePipelinePlan") -> "SparsePipelinePlan":
+    for hook in _PLAN_HOOKS:
+        hook(plan)
+    return plan
+
 
 @dataclass(frozen=True)
 class IndexWindow:
@@ -199,7 +214,7 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
         upload_plan(attention, dev, stream, head_dim=int(head_dim), dtype=as_dtype(dtype))
         for w in windows:
             upload_plan(w.plan, dev, stream)
-    return plan
+    return _built(plan)
 
 
 @mate_api
@@ -252,7 +267,7 @@ def sparse_pipeline_static_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k
         max_score=_new_array(dev, (total_q, num_kv_heads, nt), np.float32),
         selection=_new_array(dev, (total_q, num_kv_heads, attention[3].selected_block_count), np.int32))
     upload_plan(attention, dev, None, head_dim=int(head_dim), dtype=as_dtype(dtype))
-    return plan
+    return _built(plan)
 
 
 @mate_api
