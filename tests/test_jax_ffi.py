@@ -128,6 +128,28 @@ def test_sparse_msa_and_sparse_decode(rng):
     _same(lse, lse_ref)
 
 
+def test_sparse_attention_pipeline_eager_plan(rng):
+    from test_msa_pipeline import index_branch
+
+    p = make_problem(rng, [1, 2, 300], [300, 129, 900], 16, 2, 128, page_size=128)
+    iq, _, icache = index_branch(rng, p)
+    kw = dict(topk=4, force_begin_blocks=1, force_end_blocks=1, device="cpu")
+    plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, max_score_bytes=128 * 8 * 2 * 4, **kw)  # 3 windows
+    assert len(plan.windows) == 3
+    lse_ref = np.empty((p.total_q, 16), np.float32)
+    out_ref = mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq, icache, plan, kv_indices=p.kv_indices,
+                                           lse=lse_ref)
+    with _enable_x64():
+        f = jax.jit(lambda q, k, v, a, b, idx: jf.sparse_attention_pipeline(q, k, v, a, b, plan, kv_indices=idx,
+                                                                            return_lse=True))
+        out, lse = f(*map(_cpu, (p.q, p.k_cache, p.v_cache, iq, icache, p.kv_indices)))
+    _same(out, out_ref)
+    _same(lse, lse_ref)
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        jf.sparse_attention_pipeline(*map(_cpu, (p.q, p.k_cache, p.v_cache, iq, icache)), plan,
+                                     kv_indices=_cpu(p.kv_indices))
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_chunk_kda(rng, varlen):
     x = kda_inputs(rng, 2, 20, 1, 2, gate_params=True, state=np.float32, lens=[7, 0, 13] if varlen else None)

@@ -63,6 +63,7 @@ __all__ = [
     "chunk_kda",
     "gated_delta_rule_decode",
     "msa",
+    "sparse_attention_pipeline",
     "sparse_decode_atten_func",
     "sparse_msa",
     "sparse_topk_select",
@@ -894,3 +895,44 @@ for _op, _runner in (("cast", _run_cast), ("sparse_topk_select", _run_topk), ("m
                      ("gated_delta_rule_decode", _run_decode)):
     _register(_op, _runner, _prepare_decode if _op == "gated_delta_rule_decode" else _prepare_msa
               if _op in ("msa", "sparse_msa", "sparse_decode_atten_func") else None)
+
+
+def sparse_attention_pipeline(q, k, v, index_q, index_k, plan, *, kv_indices, sm_scale: Optional[float] = None,
+                              k_scale: float = 1.0, v_scale: float = 1.0, index_scale: float = 1.0,
+                              return_lse: bool = False):
+    """:func:`mate_cupy.sparse_attention_pipeline` under ``jax.jit``, for eager pipeline plans.
+
+    The passes are staged with this module's ops, window by window of the plan: the index
+    branch's block maxima (:func:`msa` with ``output_o=False``), the top-k selection with
+    the plan's query positions (int64: needs ``jax_enable_x64``), then :func:`msa` over the
+    selection. The plan's buffers are not used: XLA allocates the intermediates. Returns
+    ``out`` (``(out, lse)`` with ``return_lse``). Static pipeline plans are a ``ValueError``
+    (their positions come from device metadata; compose the passes with ``msa`` and
+    ``sparse_topk_select`` instead).
+    """
+    import jax.numpy as jnp
+
+    from ..msa.pipeline import SparsePipelinePlan
+
+    if not isinstance(plan, SparsePipelinePlan):
+        raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
+    if plan.is_static:
+        raise ValueError("jax_ffi.sparse_attention_pipeline takes eager pipeline plans (sparse_pipeline_plan)")
+    if not jax.config.jax_enable_x64:
+        raise TypeError("jax_ffi.sparse_attention_pipeline needs jax_enable_x64: the selection's query positions "
+                        "are int64")
+    positions = np.asarray(plan.positions.get() if hasattr(plan.positions, "get") else plan.positions, np.int64)
+    parts = []
+    for w in plan.windows:
+        if w.row_end == w.row_begin:
+            continue
+        _, scores = msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices,
+                        k_scale=index_scale, output_o=False, output_maxscore=True)
+        parts.append(sparse_topk_select(scores, plan.topk, force_begin_blocks=plan.force_begin_blocks,
+                                        force_end_blocks=plan.force_end_blocks,
+                                        force_blocks_count_in_topk=plan.force_blocks_count_in_topk,
+                                        query_positions=jnp.asarray(positions[w.row_begin:w.row_end])))
+    selection = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    res = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=selection, sm_scale=sm_scale,
+              k_scale=k_scale, v_scale=v_scale, output_maxscore=False, return_lse=return_lse)
+    return (res[0], res[-1]) if return_lse else res[0]
