@@ -29,22 +29,21 @@ from bench.timing import graph_replay_us  # noqa: E402
 
 
 
-def _cases(torch, mc):
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def rn(*shape, dtype=torch.bfloat16):
-        return torch.randn(shape, generator=g, device=dev).to(dtype)
+def decode_cases(mc, rn, ints, upload, paged_batches=(1, 64), with_topk=True) -> dict:
+    """name -> call of each host-bound op with preallocated outputs, on arrays made by
+    ``rn(*shape, dtype=, scale=)`` (random floats on the device) and ``ints(t)`` (a host int
+    tensor put on the device); ``upload(plan_info)`` prepares a plan. Used on the GPU
+    (:func:`_cases`) and on the stub device (:func:`stub_cases`)."""
+    import torch
 
     cases = {}
     # KDA decode, HV32 H16, fp32 pool in place, preallocated output: B1 and B32.
     hv, h, k = 32, 16, 128
     for b in (1, 32):
-        pool = torch.randn((b, hv, k, k), generator=g, device=dev) * 0.05
-        idx = torch.arange(b, dtype=torch.int32, device=dev)
         dq = dict(q=rn(b, 1, h, k), k=rn(b, 1, h, k), v=rn(b, 1, hv, k), a=rn(b, 1, hv, k), b=rn(b, 1, hv),
-                  A_log=torch.rand(hv, device=dev, generator=g).float(), dt_bias=torch.zeros(hv, k, device=dev),
-                  out=torch.empty(b, 1, hv, k, device=dev, dtype=torch.bfloat16))
+                  A_log=rn(hv, dtype=torch.float32, scale=0.5), dt_bias=rn(hv, k, dtype=torch.float32, scale=0.0),
+                  out=rn(b, 1, hv, k))
+        pool, idx = rn(b, hv, k, k, dtype=torch.float32, scale=0.05), ints(torch.arange(b, dtype=torch.int32))
 
         def kda_decode(dq=dq, pool=pool, idx=idx):
             return mc.gated_delta_rule_decode(dq["q"], dq["k"], dq["v"], pool, dq["A_log"], dq["a"], dq["dt_bias"],
@@ -54,44 +53,41 @@ def _cases(torch, mc):
 
         cases[f"gated_delta_rule_decode B{b}"] = kda_decode
 
-    # Sparse decode B1, 128K keys, Hq64 Hkv4 top-16, page 128: eager and static plan.
+    # Sparse decode B1, 128K keys, Hq64 Hkv4 top-16, page 128, eager plan.
     page, hq, hkv, d, L = 128, 64, 4, 128, 131072
     n_pages = L // page
     kc, vc = rn(n_pages, page, hkv, d), rn(n_pages, page, hkv, d)
-    qs = rn(1, hq, d)
-    outs = torch.empty_like(qs)
-    idx_s = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)
-    sel = torch.randint(0, n_pages, (1, hkv, 16), device=dev, generator=g, dtype=torch.int32)
+    qs, outs = rn(1, hq, d), rn(1, hq, d)
+    idx_s = ints(torch.randperm(n_pages).to(torch.int32))
+    sel = ints(torch.randint(0, n_pages, (1, hkv, 16), dtype=torch.int32))
     splan = mc.msa_plan_from_lengths(torch.ones(1, dtype=torch.int32), torch.full((1,), L, dtype=torch.int32), hq,
-                                     hkv, page_size=page, kv_block_num=16, device=0)
-    mc.upload_plan(splan, device=0, head_dim=d, dtype=torch.bfloat16)
+                                     hkv, page_size=page, kv_block_num=16, device="cpu")
+    upload(splan)
 
     def sparse_decode():
         return mc.sparse_decode_atten_func(qs, kc, vc, splan, kv_indices=idx_s, kv_block_indexes=sel, out=outs)
 
     cases["sparse_decode_atten_func B1 eager"] = sparse_decode
 
-    # MSA paged decode B1 and B64 (8192 keys, page 64, Hq64 Hkv8), static plan + runtime metadata
-    # and eager plan.
+    # MSA paged decode (8192 keys, page 64, Hq64 Hkv8): static plan + runtime metadata, and eager plan.
     L, page, hq, hkv = 8192, 64, 64, 8
-    for bs in (1, 64):
+    for bs in paged_batches:
         n_pages = bs * L // page
         kc2, vc2 = rn(n_pages, page, hkv, d), rn(n_pages, page, hkv, d)
-        qd = rn(bs, hq, d)
-        outd = torch.empty_like(qd)
-        kv_indices = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)
-        qo = torch.ones(bs, dtype=torch.int32, device=dev)
-        kv = torch.full((bs,), L, dtype=torch.int32, device=dev)
-        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        qd, outd = rn(bs, hq, d), rn(bs, hq, d)
+        kv_indices = ints(torch.randperm(n_pages).to(torch.int32))
+        qo = torch.ones(bs, dtype=torch.int32)
+        kv = torch.full((bs,), L, dtype=torch.int32)
+        zero = torch.zeros(1, dtype=torch.int32)
         meta = mc.MsaRuntimeMetadata(
-            qo_lens=qo, kv_lens=kv, qo_offset=kv - qo,
-            cu_seqlens_q=torch.cat([zero, torch.cumsum(qo, 0, dtype=torch.int32)]),
-            cu_seqlens_k=torch.cat([zero, torch.cumsum(kv, 0, dtype=torch.int32)]), seqused_k=kv.clone(),
-            kv_page_indptr=torch.cat([zero, torch.cumsum(kv // page, 0, dtype=torch.int32)]))
+            qo_lens=ints(qo), kv_lens=ints(kv), qo_offset=ints(kv - qo),
+            cu_seqlens_q=ints(torch.cat([zero, torch.cumsum(qo, 0, dtype=torch.int32)])),
+            cu_seqlens_k=ints(torch.cat([zero, torch.cumsum(kv, 0, dtype=torch.int32)])), seqused_k=ints(kv),
+            kv_page_indptr=ints(torch.cat([zero, torch.cumsum(kv // page, 0, dtype=torch.int32)])))
         plan = mc.msa_plan(bs, 1, L, hq, total_seqlen_k=n_pages * page, num_kv_heads=hkv, page_size=page)
-        mc.upload_plan(plan, device=0, head_dim=d, dtype=torch.bfloat16)
-        eplan = mc.msa_plan_from_lengths(qo, kv, hq, hkv, page_size=page)  # CUDA lengths: uploaded at once
-        mc.upload_plan(eplan, device=0, head_dim=d, dtype=torch.bfloat16)
+        upload(plan)
+        eplan = mc.msa_plan_from_lengths(qo, kv, hq, hkv, page_size=page, device="cpu")
+        upload(eplan)
 
         def paged_static(a=(qd, kc2, vc2, plan), kw=dict(kv_indices=kv_indices, out=outd, runtime_metadata=meta)):
             return mc.msa(*a, **kw)
@@ -102,14 +98,29 @@ def _cases(torch, mc):
         cases[f"msa paged decode static B{bs}"] = paged_static
         cases[f"msa paged decode eager B{bs}"] = paged_eager
 
-    scores = torch.randn((64, 64, 8192), generator=g, device=dev)
-    selk = torch.empty((64, 64, 16), dtype=torch.int32, device=dev)
+    if with_topk:
+        scores = rn(64, 64, 8192, dtype=torch.float32)
+        selk = ints(torch.empty((64, 64, 16), dtype=torch.int32))
 
-    def topk():
-        return mc.sparse_topk_select(scores, 16, output=selk)
+        def topk():
+            return mc.sparse_topk_select(scores, 16, output=selk)
 
-    cases["sparse_topk_select [64,64,8192]"] = topk
+        cases["sparse_topk_select [64,64,8192]"] = topk
     return cases
+
+
+def _cases(torch, mc):
+    """:func:`decode_cases` on the GPU (torch CUDA tensors, plans uploaded with their dtypes)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rn(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+
+    def upload(plan):
+        mc.upload_plan(plan, device=0, head_dim=128, dtype=torch.bfloat16)
+
+    torch.manual_seed(0)
+    return decode_cases(mc, rn, lambda t: t.to("cuda"), upload)
 
 
 def _host_us(torch, fn, calls: int, repeats: int = 5) -> float:
@@ -274,76 +285,16 @@ def stub_upload(plan_info, head_dim: int = 128, dtype="bfloat16") -> None:
 
 
 def stub_cases(mc) -> dict:
-    """The four host-bound ops of :func:`_cases` (B1) on the stub device, plus KDA decode B32."""
+    """The ops of :func:`_cases` (paged decode at B1, no top-k) on the stub device."""
     import torch
 
     torch.manual_seed(0)
 
-    def fk(*shape, dtype=torch.bfloat16):
+    def rn(*shape, dtype=torch.bfloat16, scale=1.0):
         return FakeCudaTensor(torch.empty(shape, dtype=dtype))
 
-    def fv(t):
-        return FakeCudaTensor(t.contiguous())
-
-    cases = {}
-    hv, h, k = 32, 16, 128
-    for b in (1, 32):
-        dq = dict(q=fk(b, 1, h, k), k=fk(b, 1, h, k), v=fk(b, 1, hv, k), a=fk(b, 1, hv, k), b=fk(b, 1, hv),
-                  A_log=fk(hv, dtype=torch.float32), dt_bias=fk(hv, k, dtype=torch.float32),
-                  out=fk(b, 1, hv, k))
-        pool, idx = fk(b, hv, k, k, dtype=torch.float32), fv(torch.arange(b, dtype=torch.int32))
-
-        def kda_decode(dq=dq, pool=pool, idx=idx):
-            return mc.gated_delta_rule_decode(dq["q"], dq["k"], dq["v"], pool, dq["A_log"], dq["a"], dq["dt_bias"],
-                                              None, None, dq["b"], state_indices=idx, output=dq["out"],
-                                              use_lower_bound=True, apply_beta_sigmoid=True,
-                                              inplace_final_state=True)
-
-        cases[f"gated_delta_rule_decode B{b}"] = kda_decode
-
-    page, hq, hkv, d, L = 128, 64, 4, 128, 131072
-    n_pages = L // page
-    kc, vc = fk(n_pages, page, hkv, d), fk(n_pages, page, hkv, d)
-    qs = fk(1, hq, d)
-    outs = fk(1, hq, d)
-    idx_s = fv(torch.randperm(n_pages).to(torch.int32))
-    sel = fv(torch.randint(0, n_pages, (1, hkv, 16), dtype=torch.int32))
-    splan = mc.msa_plan_from_lengths(torch.ones(1, dtype=torch.int32), torch.full((1,), L, dtype=torch.int32), hq,
-                                     hkv, page_size=page, kv_block_num=16)
-    stub_upload(splan)
-
-    def sparse_decode():
-        return mc.sparse_decode_atten_func(qs, kc, vc, splan, kv_indices=idx_s, kv_block_indexes=sel, out=outs)
-
-    cases["sparse_decode_atten_func B1 eager"] = sparse_decode
-
-    L, page, hq, hkv, bs = 8192, 64, 64, 8, 1
-    n_pages = bs * L // page
-    kc2, vc2 = fk(n_pages, page, hkv, d), fk(n_pages, page, hkv, d)
-    qd, outd = fk(bs, hq, d), fk(bs, hq, d)
-    kv_indices = fv(torch.randperm(n_pages).to(torch.int32))
-    qo = torch.ones(bs, dtype=torch.int32)
-    kv = torch.full((bs,), L, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
-    meta = mc.MsaRuntimeMetadata(
-        qo_lens=fv(qo), kv_lens=fv(kv), qo_offset=fv(kv - qo),
-        cu_seqlens_q=fv(torch.cat([zero, torch.cumsum(qo, 0, dtype=torch.int32)])),
-        cu_seqlens_k=fv(torch.cat([zero, torch.cumsum(kv, 0, dtype=torch.int32)])), seqused_k=fv(kv.clone()),
-        kv_page_indptr=fv(torch.cat([zero, torch.cumsum(kv // page, 0, dtype=torch.int32)])))
-    plan = mc.msa_plan(bs, 1, L, hq, total_seqlen_k=n_pages * page, num_kv_heads=hkv, page_size=page)
-    stub_upload(plan)
-    eplan = mc.msa_plan_from_lengths(qo, kv, hq, hkv, page_size=page)
-    stub_upload(eplan)
-
-    def paged_static(a=(qd, kc2, vc2, plan), kw=dict(kv_indices=kv_indices, out=outd, runtime_metadata=meta)):
-        return mc.msa(*a, **kw)
-
-    def paged_eager(a=(qd, kc2, vc2, eplan), kw=dict(kv_indices=kv_indices, out=outd)):
-        return mc.msa(*a, **kw)
-
-    cases[f"msa paged decode static B{bs}"] = paged_static
-    cases[f"msa paged decode eager B{bs}"] = paged_eager
-    return cases
+    return decode_cases(mc, rn, lambda t: FakeCudaTensor(t.contiguous()), stub_upload, paged_batches=(1,),
+                        with_topk=False)
 
 
 def _stub_us(fn, calls: int, repeats: int) -> float:
