@@ -267,7 +267,7 @@ SRC = Path(il.__file__).resolve().parent.parent / "cuda_src" / il.SOURCE
 
 def c_params(kernel: str, src: Path = SRC) -> list:
     """(name, kind) of each parameter of ``kernel`` as declared in ``src``."""
-    return kernel_params(src, kernel)
+    return kernel_params(src, kernel, macros=("MAX_SCORE_KERNEL_ARGS",))
 
 
 @pytest.mark.parametrize("kernel,params", [("msa_block_max_score_kernel", il.MAX_SCORE_PARAMS),

@@ -796,6 +796,19 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
 }
 
+// The parameter list of both max-score kernels (one launcher table, MAX_SCORE_PARAMS); T is
+// the kernel's element type.
+#define MAX_SCORE_KERNEL_ARGS                                                                              \
+    const T *__restrict__ q, const T *__restrict__ kc, float *__restrict__ max_score,                     \
+        const int *__restrict__ cu_seqlens_q, const int *__restrict__ qo_lens, const int *__restrict__ kv_lens, \
+        const int *__restrict__ qo_offset, const int *__restrict__ cu_seqlens_k,                           \
+        const int *__restrict__ page_table, const int *__restrict__ kv_indices,                            \
+        const int *__restrict__ kv_page_indptr, int kv_mode, long long q_stride_tok, long long q_stride_head, \
+        long long k_stride_outer, long long k_stride_slot, long long k_stride_head, long long total_q,    \
+        long long k_extent, int page_shift, int page_table_cols, long long num_kv_indices, int batch,      \
+        int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal, int tiles_per_split,       \
+        float score_scale
+
 // q [total_q, Hq, D] (row strides q_stride_tok / q_stride_head, D contiguous).
 // K (kv_mode): 0 dense [total_k, Hkv, D], key j of request b at row cu_seqlens_k[b] + j;
 //   1 paged by page_table [batch, page_table_cols]; 2 paged by CSR kv_indices +
@@ -807,16 +820,7 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
 // no merge, so short-query batches spread the key range over more CTAs).
 template <typename T, int D, int NWARPS, int MMA>
 __global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
-msa_block_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
-                           const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
-                           const int* __restrict__ kv_lens, const int* __restrict__ qo_offset,
-                           const int* __restrict__ cu_seqlens_k, const int* __restrict__ page_table,
-                           const int* __restrict__ kv_indices, const int* __restrict__ kv_page_indptr,
-                           int kv_mode, long long q_stride_tok, long long q_stride_head, long long k_stride_outer,
-                           long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
-                           int page_shift, int page_table_cols, long long num_kv_indices, int batch,
-                           int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
-                           int tiles_per_split, float score_scale) {
+msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     using Cfg = MaxScoreTile<T, D, NWARPS, MMA>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1104,16 +1108,7 @@ struct DecodeTile {
 // Hkv): CTA x owns request x % batch and blocks [(x / batch) * tiles_per_split, ...).
 template <typename T, int D, int NB>
 __global__ void __launch_bounds__(32 * kDecWarps, D * sizeof(T) <= 256 ? 2 : 1)
-msa_decode_max_score_kernel(const T* __restrict__ q, const T* __restrict__ kc, float* __restrict__ max_score,
-                            const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens,
-                            const int* __restrict__ kv_lens, const int* __restrict__ qo_offset,
-                            const int* __restrict__ cu_seqlens_k, const int* __restrict__ page_table,
-                            const int* __restrict__ kv_indices, const int* __restrict__ kv_page_indptr,
-                            int kv_mode, long long q_stride_tok, long long q_stride_head, long long k_stride_outer,
-                            long long k_stride_slot, long long k_stride_head, long long total_q, long long k_extent,
-                            int page_shift, int page_table_cols, long long num_kv_indices, int batch,
-                            int num_m_tiles, int num_heads_q, int num_heads_kv, int nt, int causal,
-                            int tiles_per_split, float score_scale) {
+msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     using Cfg = DecodeTile<T, D, NB>;
     constexpr int WS = Cfg::WS, CPR = Cfg::CPR, ROWS = 8 * NB, RB = Cfg::RB, KSTEPS = Cfg::KSTEPS;
     constexpr int RPI = 32 / CPR;           // keys per cp.async instruction of the warp
