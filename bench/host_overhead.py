@@ -205,6 +205,16 @@ class StubLaunches:
         packed = b"".join(ctypes.string_at(ptrs[i], _SIZE[k]) for i, k in enumerate(params.kinds))
         self.records.append((name, (gx, gy, gz), (bx, by, bz), smem, stream, packed))
 
+    def record(self, fn) -> list:
+        """The launches of one ``fn()`` call."""
+        self.records.clear()
+        self.recording = True
+        try:
+            fn()
+        finally:
+            self.recording = False
+        return list(self.records)
+
 
 def _params_of_table(table: int):
     """The ``KernelParams`` whose packing table (this thread's) is at ``table``."""
@@ -318,11 +328,7 @@ def main_stub(outdir: str, calls: int, repeats: int) -> int:
     for name, fn in stub_cases(mc).items():
         for _ in range(5):
             fn()
-        rec.records.clear()
-        rec.recording = True
-        fn()
-        rec.recording = False
-        launches = [(r[0], r[1], r[2], r[3]) for r in rec.records]
+        launches = [(r[0], r[1], r[2], r[3]) for r in rec.record(fn)]
         us = _stub_us(fn, calls, repeats)
         pr = cProfile.Profile()
         pr.enable()

@@ -299,16 +299,6 @@ def stub_cuda(monkeypatch):
     return rec
 
 
-def _recorded(rec, fn):
-    rec.records.clear()
-    rec.recording = True
-    try:
-        fn()
-    finally:
-        rec.recording = False
-    return list(rec.records)
-
-
 def _decode_frame(x, **options):
     return _bench()[0].decode_frame(x, **options)
 
@@ -318,14 +308,14 @@ def test_cuda_handler_prepared_call_launches_what_the_public_function_launches(s
     frame = _decode_frame(x, apply_beta_sigmoid=True, lower_bound=-3.5)
     handle = lambda: jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True,  # noqa: E731
                                 frame.address)
-    miss = _recorded(stub_cuda, handle)  # validates, prepares, launches the prepared launch
+    miss = stub_cuda.record(handle)  # validates, prepares, launches the prepared launch
     assert len(jf.PREPARED_CALLS) == 1
-    hit = _recorded(stub_cuda, handle)  # the prepared launch only
+    hit = stub_cuda.record(handle)  # the prepared launch only
     assert not frame.errors
     assert miss and hit == miss and all(r[4] == _bench()[1].STUB_STREAM for r in hit)
     # The public function on the same buffers (the unprepared launcher, CuPy's stream = XLA's).
     args, rets, attrs, _ = _frame_buffers(frame)
-    plain = _recorded(stub_cuda, lambda: jf._run_decode(args, rets, attrs, True))
+    plain = stub_cuda.record(lambda: jf._run_decode(args, rets, attrs, True))
     assert plain == miss
 
 
@@ -335,7 +325,7 @@ def test_cuda_handler_refusals_are_not_stored_and_the_memo_is_bounded(stub_cuda,
     x = _decode_inputs(rng, T=1)
     bad = _decode_frame({**x, "q": x["q"].astype(np.float32)})  # q must be fp16/bf16
     for _ in range(2):  # refused every time, before any launch, nothing stored
-        assert _recorded(stub_cuda, lambda: jf._handle("gated_delta_rule_decode", jf._run_decode,
+        assert stub_cuda.record(lambda: jf._handle("gated_delta_rule_decode", jf._run_decode,
                                                        jf._prepare_decode, True, bad.address)) == []
         assert len(jf.PREPARED_CALLS) == 0
     assert len(bad.errors) == 2 and bad.errors[0][0] == jf._ERR_UNIMPLEMENTED
@@ -375,7 +365,7 @@ def test_cuda_handler_prepares_only_calls_that_allocate_nothing(stub_cuda, monke
         return
     handle = lambda: jf._handle("gated_delta_rule_decode", jf._run_decode, jf._prepare_decode, True,  # noqa: E731
                                 frame.address)
-    miss, hit = _recorded(stub_cuda, handle), _recorded(stub_cuda, handle)
+    miss, hit = stub_cuda.record(handle), stub_cuda.record(handle)
     assert not frame.errors and miss and hit == miss
     assert len(jf.PREPARED_CALLS) == 1  # the pool only read, the output XLA's
 
@@ -409,17 +399,17 @@ def test_cuda_handler_prepared_msa_launches_what_the_public_function_launches(st
     plan, qkv, kw = _msa_stub_case(static)
     frame = fo.msa_frame(*qkv, plan, **kw)
     handle = lambda: jf._handle("msa", jf._run_msa, jf._prepare_msa, True, frame.address)  # noqa: E731
-    miss = _recorded(stub_cuda, handle)
-    hit = _recorded(stub_cuda, handle)
+    miss = stub_cuda.record(handle)
+    hit = stub_cuda.record(handle)
     assert not frame.errors, frame.errors
     entries = list(jf.PREPARED_CALLS._items.values())
     assert len(entries) == 1 and isinstance(entries[0], jf.PreparedPlanCall)
     assert miss and hit == miss and all(r[4] == ho.STUB_STREAM for r in hit)
     args, rets, attrs, _ = _frame_buffers(frame)
-    assert _recorded(stub_cuda, lambda: jf._run_msa(args, rets, attrs, True)) == miss
+    assert stub_cuda.record(lambda: jf._run_msa(args, rets, attrs, True)) == miss
     # the plan drops its prepared calls (as on a new upload): the next execution prepares again
     from mate_cupy.msa.plan import unpack_plan_info
 
     held = unpack_plan_info(plan)[3].prepared_calls
     held.clear()
-    assert _recorded(stub_cuda, handle) == miss and len(held) == 1
+    assert stub_cuda.record(handle) == miss and len(held) == 1

@@ -37,16 +37,6 @@ def stub(monkeypatch):
     return rec
 
 
-def _record(rec, fn):
-    rec.records.clear()
-    rec.recording = True
-    try:
-        fn()
-    finally:
-        rec.recording = False
-    return list(rec.records)
-
-
 OPS = ("gated_delta_rule_decode B1", "sparse_decode_atten_func B1 eager", "msa paged decode static B1",
        "msa paged decode eager B1")
 
@@ -55,8 +45,8 @@ OPS = ("gated_delta_rule_decode B1", "sparse_decode_atten_func B1 eager", "msa p
 def test_a_prepared_call_launches_what_its_miss_and_the_launcher_launch(stub, op):
     cases = ho.stub_cases(mc)
     fn = cases[op]
-    miss = _record(stub, fn)  # validates, prepares, launches the prepared launch
-    hit = _record(stub, fn)  # the prepared launch only
+    miss = stub.record(fn)  # validates, prepares, launches the prepared launch
+    hit = stub.record(fn)  # the prepared launch only
     assert miss and hit == miss
     assert all(r[4] == ho.STUB_STREAM for r in hit)
     # The unprepared launcher on the same arrays.
@@ -67,10 +57,10 @@ def test_a_prepared_call_launches_what_its_miss_and_the_launcher_launch(stub, op
                     dt_bias=dq["dt_bias"], state_indices=idx, output=dq["out"])
         problem = decode._check(call, None, None, None, None, True, True, None, None, None, False, False, True,
                                 None)
-        plain = _record(stub, lambda: decode_launch.run(call, problem))
+        plain = stub.record(lambda: decode_launch.run(call, problem))
         assert len(decode._PREPARED) == 1
     else:
-        plain = _record(stub, lambda: _unprepared_msa(fn))
+        plain = stub.record(lambda: _unprepared_msa(fn))
     assert plain == miss
 
 
