@@ -802,6 +802,34 @@ def test_decode_max_score_dense(rng, dtype, d, heads, nq, causal):
         _check_max_score(got, want, q, k, f"decode nq={nq} causal={causal} {config}")
 
 
+def _paged_decode_problem(rng, qo, kv, off, cu_q, *, hq, hkv, d, dtype, page_size, kv_layout, source, spare_pages,
+                          corrupt, table_columns):
+    """A paged max-score problem over shuffled pages with invalid ids: ``corrupt(kv_indices,
+    indptr, counts, num_pages)`` spoils the CSR in place; a page table keeps
+    ``table_columns(counts)`` columns. Returns ``(kw, q, k_cache, nt, want, k_rows)``: the
+    page arguments of the launch, the inputs, the float64 reference and K as rows."""
+    counts = -(-kv // page_size)
+    num_pages = int(counts.sum()) + spare_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    kv_indices = perm[: int(counts.sum())].copy()
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    corrupt(kv_indices, indptr, counts, num_pages)
+    table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
+    if source == "table":
+        table = np.ascontiguousarray(table[:, : table_columns(counts)])
+        kw = dict(page_table=table)
+    else:
+        kw = dict(kv_indices=kv_indices, indptr=indptr)
+    shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+    k_cache = _rand(rng, shape, dtype)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                     kv_layout=kv_layout, qo_lens=qo)
+    k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+    return kw, q, k_cache, nt, want, k_nhd.reshape(-1, d)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -815,32 +843,20 @@ def test_decode_max_score_paged(rng, page_size, kv_layout, source, nq):
     for hq, hkv in ((4, 1), (8, 2)):
         qo, kv, off = _decode_lengths(rng, nq, 30000)
         cu_q, _, _ = _meta(qo, kv, off)
-        counts = -(-kv // page_size)
-        num_pages = int(counts.sum()) + 7
-        perm = rng.permutation(num_pages).astype(np.int32)
-        kv_indices = perm[: int(counts.sum())].copy()
-        kv_indices[rng.integers(0, counts[0], size=3)] = -1
-        kv_indices[rng.integers(0, counts[0], size=2)] = num_pages + rng.integers(0, 100, size=2)
-        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        indptr[3] -= 1
-        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
-        if source == "table":
-            table = np.ascontiguousarray(table[:, : int(counts[0]) - 5])
-            kw = dict(page_table=table)
-        else:
-            kw = dict(kv_indices=kv_indices, indptr=indptr)
-        shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
-        k_cache = _rand(rng, shape, dtype)
-        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
-        nt = -(-int(kv.max()) // BLOCK) + 1
-        want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True,
-                                         max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
-        k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+
+        def corrupt(kv_indices, indptr, counts, num_pages):
+            kv_indices[rng.integers(0, counts[0], size=3)] = -1
+            kv_indices[rng.integers(0, counts[0], size=2)] = num_pages + rng.integers(0, 100, size=2)
+            indptr[3] -= 1
+
+        kw, q, k_cache, nt, want, k_rows = _paged_decode_problem(
+            rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=d, dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+            source=source, spare_pages=7, corrupt=corrupt, table_columns=lambda counts: int(counts[0]) - 5)
         rows = nq * hq // hkv
         for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
             got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
                                     config=config, **kw)
-            _check_max_score(got, want, q, k_nhd.reshape(-1, d),
+            _check_max_score(got, want, q, k_rows,
                              f"{source} {kv_layout} page={page_size} Hq{hq} Hkv{hkv} nq={nq} {config}")
 
 

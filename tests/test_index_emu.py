@@ -20,8 +20,8 @@ from mate_cupy.msa import index_launch as il
 from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 
-from test_gpu_index import (BF16, F16, SCORE_KINDS, _check_max_score, _lengths, _meta, _positions, _rand,
-                            _scores, _width)
+from test_gpu_index import (BF16, F16, SCORE_KINDS, _check_max_score, _lengths, _meta, _paged_decode_problem,
+                            _positions, _rand, _scores, _width)
 
 BLOCK = 128
 
@@ -353,34 +353,22 @@ def test_decode_max_score_paged_emulated(emu, rng, kv_layout, source, page_size,
     for qo in (np.array([1, 1, 1, 0], dtype=np.int32), np.array([4, 1, 3, 2], dtype=np.int32)):
         kv = np.array([2100, 300, 129, 40], dtype=np.int32)
         cu_q, _, off = _meta(qo, kv, None)
-        counts = -(-kv // page_size)
-        num_pages = int(counts.sum()) + 3
-        perm = rng.permutation(num_pages).astype(np.int32)
-        kv_indices = perm[: int(counts.sum())].copy()
-        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        # invalid ids: -1 and >= P in request 0; request 1's CSR range one page short
-        kv_indices[1] = -1
-        kv_indices[min(3, counts[0] - 1)] = num_pages + 5
-        indptr[2] -= 1
-        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
-        if source == "table":  # a table narrower than request 0's pages: columns past it
-            table = np.ascontiguousarray(table[:, : max(2, counts[0] - 2)])
-            kw = dict(page_table=table)
-        else:
-            kw = dict(kv_indices=kv_indices, indptr=indptr)
-        shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
-        k_cache = _rand(rng, shape, dtype)
-        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
-        nt = -(-int(kv.max()) // BLOCK) + 1
-        want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True,
-                                         max_k_tiles=nt, kv_layout=kv_layout, qo_lens=qo)
+
+        def corrupt(kv_indices, indptr, counts, num_pages):
+            # invalid ids: -1 and >= P in request 0; request 1's CSR range one page short
+            kv_indices[1] = -1
+            kv_indices[min(3, counts[0] - 1)] = num_pages + 5
+            indptr[2] -= 1
+
+        # (a page table narrower than request 0's pages: columns past it)
+        kw, q, k_cache, nt, want, k_rows = _paged_decode_problem(
+            rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=d, dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+            source=source, spare_pages=3, corrupt=corrupt, table_columns=lambda counts: max(2, counts[0] - 2))
         assert np.isneginf(want).any()  # some block lost every key to invalid pages
-        k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
         for config in _decode_configs(int(qo.max()) * (hq // hkv)):
             got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout,
                                  page_size=page_size, lazy=lazy, config=config, **kw)
-            _check_max_score(got, want, q, k_nhd.reshape(-1, d),
-                             f"{source} {kv_layout} page={page_size} qo={qo.tolist()} {config}")
+            _check_max_score(got, want, q, k_rows, f"{source} {kv_layout} page={page_size} qo={qo.tolist()} {config}")
 
 
 def test_decode_splits_fill_whole_waves():
