@@ -42,6 +42,47 @@ def _gate_params(g, hv, device):
 
 # --------------------------------------------------------------------------- decode
 
+def _ours_decode(inputs, v_first: bool, states) -> Bound:
+    """Our in-place decode step over a copy of the inputs' pool (every impl starts from the same
+    state); optional ``acc`` / ``cu`` inputs are the speculative and varlen arguments.
+    ``states(pool, inputs[0])``: the updated states the check compares."""
+    import torch
+
+    pool = inputs[0]["pool"].clone()
+    outs = [torch.empty_like(x["v"]) for x in inputs]
+
+    def run(i):
+        x = inputs[i]
+        return ours.first(ours.gated_delta_rule_decode(
+            x["q"], x["k"], x["v"], pool, x["A_log"], x["a"], x["dt_bias"], x.get("acc"), x.get("cu"), x["b"],
+            state_indices=x["idx"], output=outs[i], use_qk_l2norm=True, lower_bound=LOWER_BOUND,
+            use_gate_in_kernel=True, use_lower_bound=True, apply_beta_sigmoid=True, inplace_final_state=True,
+            state_v_first=v_first))
+
+    return Bound(run, result=lambda out: (out, states(pool, inputs[0])))
+
+
+def _fla_decode(session, inputs, v_first: bool, states) -> Bound:
+    """fla's ``fused_recurrent_kda_fwd`` on the same step as :func:`_ours_decode` (``cu64``:
+    its int64 ``cu_seqlens``)."""
+    import torch
+
+    fla = session.load()
+    pool = inputs[0]["pool"].clone()
+    outs = [torch.empty_like(x["v"]) for x in inputs]
+
+    def run(i):
+        x = inputs[i]
+        return fla.fused_recurrent_kda_fwd(
+            q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            initial_state=pool, scale=None, output_final_state=False, inplace_final_state=True,
+            state_v_first=v_first, cu_seqlens=x.get("cu64"), ssm_state_indices=x["idx"],
+            num_accepted_tokens=x.get("acc"), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=outs[i])[0]
+
+    return Bound(run, result=lambda out: (out, states(pool, inputs[0])))
+
+
 def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target: Target | None,
                 v_first: bool = True, identity_slots: bool = False, state_dtype: str = "float32") -> Case:
     """One in-place decode step over a float32 or bfloat16 pool of ``batch * n_sets`` slots:
@@ -69,41 +110,14 @@ def decode_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession, target
                  "b": _randn((batch, 1, hv), g, dev), "idx": perm[i * batch:(i + 1) * batch].contiguous(),
                  "pool": pool, "A_log": a_log, "dt_bias": dt_bias} for i in range(n)]
 
+    def states(pool, x):
+        return pool[x["idx"].long()]
+
     def ours_build(inputs):
-        import torch
-
-        pool = inputs[0]["pool"].clone()  # own copy: every impl starts from the same state
-        outs = [torch.empty_like(x["v"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return ours.first(ours.gated_delta_rule_decode(
-                x["q"], x["k"], x["v"], pool, x["A_log"], x["a"], x["dt_bias"], None, None, x["b"],
-                state_indices=x["idx"], output=outs[i], use_qk_l2norm=True, lower_bound=LOWER_BOUND,
-                use_gate_in_kernel=True, use_lower_bound=True, apply_beta_sigmoid=True,
-                inplace_final_state=True, state_v_first=v_first))
-
-        idx0 = inputs[0]["idx"].long()
-        return Bound(run, result=lambda out: (out, pool[idx0]))
+        return _ours_decode(inputs, v_first, states)
 
     def fla_build(inputs):
-        import torch
-
-        fla = session.load()
-        pool = inputs[0]["pool"].clone()
-        outs = [torch.empty_like(x["v"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return fla.fused_recurrent_kda_fwd(
-                q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                initial_state=pool, scale=None, output_final_state=False, inplace_final_state=True,
-                state_v_first=v_first, ssm_state_indices=x["idx"], use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND,
-                out=outs[i])[0]
-
-        idx0 = inputs[0]["idx"].long()
-        return Bound(run, result=lambda out: (out, pool[idx0]))
+        return _fla_decode(session, inputs, v_first, states)
 
     def check(results, inp):
         idx = inp["idx"].long()
@@ -176,45 +190,17 @@ def decode_tokens_case(cfg, batch: int, hv: int, h: int, *, session: FlaSession,
                  "acc": acc, "cu": cu if varlen else None, "cu64": cu.long() if varlen else None,
                  "pool": pool, "A_log": a_log, "dt_bias": dt_bias} for i in range(n)]
 
-    def written(pool, idx):
+    def written(pool, x):
         """The states each sequence's tokens wrote, [total, HV, V, K] in token order."""
         import torch
 
-        return torch.cat([pool[idx[i, :ln].long()] for i, ln in enumerate(lens)])
+        return torch.cat([pool[x["idx"][i, :ln].long()] for i, ln in enumerate(lens)])
 
     def ours_build(inputs):
-        import torch
-
-        pool = inputs[0]["pool"].clone()
-        outs = [torch.empty_like(x["v"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return ours.first(ours.gated_delta_rule_decode(
-                x["q"], x["k"], x["v"], pool, x["A_log"], x["a"], x["dt_bias"], x["acc"], x["cu"], x["b"],
-                state_indices=x["idx"], output=outs[i], use_qk_l2norm=True, lower_bound=LOWER_BOUND,
-                use_gate_in_kernel=True, use_lower_bound=True, apply_beta_sigmoid=True,
-                inplace_final_state=True, state_v_first=True))
-
-        return Bound(run, result=lambda out: (out, written(pool, inputs[0]["idx"])))
+        return _ours_decode(inputs, True, written)
 
     def fla_build(inputs):
-        import torch
-
-        fla = session.load()
-        pool = inputs[0]["pool"].clone()
-        outs = [torch.empty_like(x["v"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return fla.fused_recurrent_kda_fwd(
-                q=x["q"], k=x["k"], v=x["v"], g=x["a"], beta=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                initial_state=pool, scale=None, output_final_state=False, inplace_final_state=True,
-                state_v_first=True, cu_seqlens=x["cu64"], ssm_state_indices=x["idx"],
-                num_accepted_tokens=x["acc"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=outs[i])[0]
-
-        return Bound(run, result=lambda out: (out, written(pool, inputs[0]["idx"])))
+        return _fla_decode(session, inputs, True, written)
 
     def check(results, inp):
         o_ref, s_ref = decode_tokens_reference(inp, lens)
