@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from . import ours
-from .bench_attention import D, _gen, _randn
+from .bench_attention import D, _gen, _paged_decode_eager, _randn
 from .checks import attention_rows, rel_err, sample_rows
 from .harness import Bound, Case, Impl, sized
 from .models import BLOCK, attention_flops, kv_bytes, max_score_flops
@@ -70,30 +70,31 @@ def _builders(batch: int, qo: int, kv: int, hq: int, hkv: int):
         return Bound(run)
 
     def index(inputs):
+        from mate_cupy.msa.pipeline import index_window
+
         plan = _plan(batch, qo, kv, hq, hkv)
 
         def run(i):
             x = inputs[i]
             for w in plan.windows:
-                n = w.row_end - w.row_begin
-                mc().msa(x["index_q"][w.row_begin:w.row_end], x["index_k"], x["index_k"], w.plan,
-                         kv_indices=x["kv_indices"], max_score=plan.max_score[:n], output_o=False)
+                index_window(plan, w, x["index_q"], x["index_k"], kv_indices=x["kv_indices"])
             return plan.max_score
 
         return Bound(run, result=lambda o: None)
 
     def select(inputs):
+        from mate_cupy.msa.pipeline import select_window
+        from mate_cupy.runtime.interop import Call
+
         plan = _plan(batch, qo, kv, hq, hkv)
         x = inputs[0]
         mc().sparse_attention_pipeline(x["q"], x["k_cache"], x["v_cache"], x["index_q"], x["index_k"], plan,
                                        kv_indices=x["kv_indices"])  # real scores in the buffer
 
         def run(i):
-            for w in plan.windows:
-                n = w.row_end - w.row_begin
-                mc().sparse_topk_select(plan.max_score[:n], TOPK, output=plan.selection[w.row_begin:w.row_end],
-                                        force_begin_blocks=BEGIN, force_end_blocks=END,
-                                        query_positions=plan.positions[w.row_begin:w.row_end])
+            with Call(q=inputs[i]["q"]).launch_scope():  # the caller's stream, as the pipeline
+                for w in plan.windows:
+                    select_window(plan, w)
             return plan.selection
 
         return Bound(run, result=lambda o: None)
@@ -220,17 +221,7 @@ def decode_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, *, target: Targ
         return [_with_fp8_index(_inputs(dev, batch, 1, seqlen, hq, hkv, 21 + i)) for i in range(n)]
 
     def dense(inputs):
-        import torch
-
-        plan = ours.eager_plan([1] * batch, [seqlen] * batch, hq, hkv, page_size=BLOCK, causal=True)
-        outs = [torch.empty_like(x["q"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return ours.first(ours.msa(x["q"], x["k_cache"], x["v_cache"], plan, kv_indices=x["kv_indices"],
-                                       out=outs[i]))
-
-        return Bound(run, result=lambda o: None)
+        return _paged_decode_eager(inputs, batch, seqlen, hq, hkv, BLOCK)
 
     index_bytes = float(batch) * seqlen * D * 2
     return Case(

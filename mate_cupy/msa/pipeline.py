@@ -339,18 +339,36 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
             sparse_topk_select(ms[:rows], plan.topk, output=sel[:rows], query_positions=pos[:rows], **select)
         else:
             for w in plan.windows:
-                n = w.row_end - w.row_begin
-                if n == 0:
-                    continue
-                scores = ms[:n]
-                msa(index_q[w.row_begin:w.row_end], index_k, index_k, w.plan, kv_indices=kv_indices,
-                    max_score=scores, k_scale=index_scale, output_o=False)
-                sparse_topk_select(scores, plan.topk, output=sel[w.row_begin:w.row_end],
-                                   query_positions=pos[w.row_begin:w.row_end], **select)
+                if w.row_end > w.row_begin:
+                    index_window(plan, w, index_q, index_k, kv_indices=kv_indices, index_scale=index_scale)
+                    select_window(plan, w)
         res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel[:rows], out=out, lse=lse,
                      sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, runtime_metadata=runtime_metadata,
                      output_maxscore=False, workspace=workspace)
     return res
+
+
+def index_window(plan: SparsePipelinePlan, window: IndexWindow, index_q, index_k, *, kv_indices=None,
+                 index_scale: float = 1.0):
+    """The index branch's block maxima of one query window of an eager plan into the plan's
+    ``max_score`` buffer (``msa(..., output_o=False)``); returns the window's rows of it.
+    Launches on ``index_q``'s framework's current stream."""
+    scores = plan.max_score[: window.row_end - window.row_begin]
+    msa(index_q[window.row_begin:window.row_end], index_k, index_k, window.plan, kv_indices=kv_indices,
+        max_score=scores, k_scale=index_scale, output_o=False)
+    return scores
+
+
+def select_window(plan: SparsePipelinePlan, window: IndexWindow):
+    """Top-k block lists of one window's scores (the plan's ``max_score`` buffer, as
+    :func:`index_window` left it) into the window's rows of ``plan.selection``, with the
+    plan's query positions. Launches on CuPy's current stream (the plan's buffers come
+    first): :func:`sparse_attention_pipeline` sets it to the caller's."""
+    rows = slice(window.row_begin, window.row_end)
+    sparse_topk_select(plan.max_score[: window.row_end - window.row_begin], plan.topk, output=plan.selection[rows],
+                       query_positions=plan.positions[rows], force_begin_blocks=plan.force_begin_blocks,
+                       force_end_blocks=plan.force_end_blocks,
+                       force_blocks_count_in_topk=plan.force_blocks_count_in_topk)
 
 
 def _address(arr) -> int:
