@@ -82,14 +82,19 @@ def _builders(batch: int, qo: int, kv: int, hq: int, hkv: int):
 
         return Bound(run, result=lambda o: None)
 
+    def run_once(inputs):
+        """A plan whose buffers hold one run's scores and selection (what the later stages read)."""
+        plan = _plan(batch, qo, kv, hq, hkv)
+        x = inputs[0]
+        mc().sparse_attention_pipeline(x["q"], x["k_cache"], x["v_cache"], x["index_q"], x["index_k"], plan,
+                                       kv_indices=x["kv_indices"])
+        return plan
+
     def select(inputs):
         from mate_cupy.msa.pipeline import select_window
         from mate_cupy.runtime.interop import Call
 
-        plan = _plan(batch, qo, kv, hq, hkv)
-        x = inputs[0]
-        mc().sparse_attention_pipeline(x["q"], x["k_cache"], x["v_cache"], x["index_q"], x["index_k"], plan,
-                                       kv_indices=x["kv_indices"])  # real scores in the buffer
+        plan = run_once(inputs)
 
         def run(i):
             with Call(q=inputs[i]["q"]).launch_scope():  # the caller's stream, as the pipeline
@@ -102,10 +107,7 @@ def _builders(batch: int, qo: int, kv: int, hq: int, hkv: int):
     def attend(inputs):
         import torch
 
-        plan = _plan(batch, qo, kv, hq, hkv)
-        x = inputs[0]
-        mc().sparse_attention_pipeline(x["q"], x["k_cache"], x["v_cache"], x["index_q"], x["index_k"], plan,
-                                       kv_indices=x["kv_indices"])
+        plan = run_once(inputs)
         outs = [torch.empty_like(x["q"]) for x in inputs]
 
         def run(i):
