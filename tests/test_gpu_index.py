@@ -367,12 +367,16 @@ def test_run_max_score_packs_decode_launch(monkeypatch, paged):
 
 
 def test_decode_splits_cover_and_fill_waves():
+    """Splits cover every block once, give each CTA at least 8 blocks where the blocks
+    allow, and fill whole waves at the benchmark shapes."""
     for units in (1, 7, 8, 64, 264, 5000):
         for nt in (1, 5, 9, 64, 1024, 8192, 12289):
             s, per = il.decode_splits(units, nt, 264)
             assert s >= 1 and s * per >= nt > (s - 1) * per, (units, nt)
             assert s == 1 or per >= il.DECODE_MIN_TILES, (units, nt, s, per)
     assert il.decode_splits(8, 8192, 264) == (33, 249)      # B8, 1M keys: one full wave
+    s, per = il.decode_splits(64, 1024, 264)                 # B64, 128K keys
+    assert -(-64 * s // 264) * per <= 1.04 * 64 * 1024 / 264
 
 
 def test_run_max_score_empty_launches_nothing(monkeypatch):

@@ -222,6 +222,17 @@ MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land at the wait
 ]
 
 
+def _dense_problem(rng, qo, kv, offsets, hq, hkv, d, dtype, causal):
+    """Dense K for the max-score kernels: ``(cu_q, cu_k, offsets, q, k, nt, float64 reference)``."""
+    cu_q, cu_k, off = _meta(qo, kv, offsets)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    k = _rand(rng, (max(int(cu_k[-1]), 1), hkv, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
+                               kv_lens=kv)
+    return cu_q, cu_k, off, q, k, nt, want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,d,heads,causal,lazy", MS_CASES)
 def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy):
@@ -236,12 +247,7 @@ def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy):
         else:
             qo, kv = np.ones(3, dtype=np.int32), np.array([1, 700, 129], dtype=np.int32)
             offsets = None
-        cu_q, cu_k, off = _meta(qo, kv, offsets)
-        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
-        k = _rand(rng, (max(int(cu_k[-1]), 1), hkv, d), dtype)
-        nt = -(-int(kv.max()) // BLOCK) + 1
-        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
-                                   qo_lens=qo, kv_lens=kv)
+        cu_q, cu_k, off, q, k, nt, want = _dense_problem(rng, qo, kv, offsets, hq, hkv, d, dtype, causal)
         for config in CONFIGS:
             got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy,
                                  config=config)
@@ -325,12 +331,7 @@ def test_decode_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy
             qo = np.array([nq, 2, nq - 1, 1], dtype=np.int32)
             kv = np.array([700, 260, 90, 1], dtype=np.int32)
             offsets = (kv - qo + np.array([0, -3, -200, 0])).astype(np.int32)
-        cu_q, cu_k, off = _meta(qo, kv, offsets)
-        q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
-        k = _rand(rng, (max(int(cu_k[-1]), 1), hkv, d), dtype)
-        nt = -(-int(kv.max()) // BLOCK) + 1
-        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
-                                   qo_lens=qo, kv_lens=kv)
+        cu_q, cu_k, off, q, k, nt, want = _dense_problem(rng, qo, kv, offsets, hq, hkv, d, dtype, causal)
         for config in _decode_configs(int(qo.max()) * r):
             n0 = len(run.launches)
             got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy,
@@ -369,19 +370,6 @@ def test_decode_max_score_paged_emulated(emu, rng, kv_layout, source, page_size,
             got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout,
                                  page_size=page_size, lazy=lazy, config=config, **kw)
             _check_max_score(got, want, q, k_rows, f"{source} {kv_layout} page={page_size} qo={qo.tolist()} {config}")
-
-
-def test_decode_splits_fill_whole_waves():
-    """Splits cover every block once, give each CTA at least 8 blocks where the blocks
-    allow, and fill whole waves at the benchmark shapes."""
-    for units in (1, 7, 8, 64, 264, 5000):
-        for nt in (1, 5, 9, 64, 1024, 8192, 12289):
-            s, per = il.decode_splits(units, nt, 264)
-            assert s >= 1 and s * per >= nt > (s - 1) * per, (units, nt)
-            assert s == 1 or per >= il.DECODE_MIN_TILES, (units, nt, s, per)
-    assert il.decode_splits(8, 8192, 264) == (33, 249)      # B8, 1M keys: one full wave
-    s, per = il.decode_splits(64, 1024, 264)                 # B64, 128K keys
-    assert -(-64 * s // 264) * per <= 1.04 * 64 * 1024 / 264
 
 
 # ============================================================================ fp8 decode max score
