@@ -142,19 +142,25 @@ def register_plan(plan_info) -> int:
     return _register(bool(mixed), int(split), int(batch), first, second if mixed else None)
 
 
+def _new_handle(registry: dict, owner, attr: str, entry, what: str) -> int:
+    """A fresh handle for ``entry`` in ``registry``, dropped when ``owner`` is collected and
+    stored on it as ``attr``."""
+    if len(registry) >= MAX_LIVE_PLANS:
+        raise RuntimeError(f"more than {MAX_LIVE_PLANS} {what} registered for torch ops are alive")
+    handle = next(_HANDLES)
+    registry[handle] = entry
+    weakref.finalize(owner, registry.pop, handle, None)
+    setattr(owner, attr, handle)
+    return handle
+
+
 @torch.compiler.assume_constant_result
 def _register(mixed: bool, split: int, batch: int, first, second) -> int:
     attr = _handle_attr(mixed)
     handle = first.__dict__.get(attr)
     if handle is not None and handle in _PLANS and _PLANS[handle][3]() is first:
         return handle  # (a copy of a registered plan carries the attribute, not the entry)
-    if len(_PLANS) >= MAX_LIVE_PLANS:
-        raise RuntimeError(f"more than {MAX_LIVE_PLANS} MSA plans registered for torch ops are alive")
-    handle = next(_HANDLES)
-    _PLANS[handle] = (mixed, split, batch, weakref.ref(first), second)
-    weakref.finalize(first, _PLANS.pop, handle, None)
-    setattr(first, attr, handle)
-    return handle
+    return _new_handle(_PLANS, first, attr, (mixed, split, batch, weakref.ref(first), second), "MSA plans")
 
 
 # Plans built from now on are registered when built: under torch.compile their handle is
@@ -430,13 +436,7 @@ def _register_pipeline(plan) -> int:
     handle = plan.__dict__.get(_PIPELINE_ATTR)
     if handle is not None and handle in _PIPELINES and _PIPELINES[handle]() is plan:
         return handle
-    if len(_PIPELINES) >= MAX_LIVE_PLANS:
-        raise RuntimeError(f"more than {MAX_LIVE_PLANS} pipeline plans registered for torch ops are alive")
-    handle = next(_HANDLES)
-    _PIPELINES[handle] = weakref.ref(plan)
-    weakref.finalize(plan, _PIPELINES.pop, handle, None)
-    setattr(plan, _PIPELINE_ATTR, handle)
-    return handle
+    return _new_handle(_PIPELINES, plan, _PIPELINE_ATTR, weakref.ref(plan), "pipeline plans")
 
 
 add_pipeline_plan_hook(register_pipeline_plan)
