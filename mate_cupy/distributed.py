@@ -37,7 +37,7 @@ from .kda_interface import chunk_kda
 from .msa.pipeline import SparsePipelinePlan, sparse_attention_pipeline, sparse_pipeline_plan
 from .msa.plan import SPARSE_BLOCK_SIZE, msa_plan_from_lengths, upload_plan
 from .msa.ops import msa
-from .runtime.interop import as_dtype
+from .runtime.interop import as_dtype, framework_of
 
 __all__ = [
     "ContextParallelPlan",
@@ -60,13 +60,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def _array_library(x, name: str) -> str:
-    if isinstance(x, torch.Tensor):
-        return "torch"
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if type(x).__module__.split(".", 1)[0] == "cupy":
-        return "cupy"
-    raise TypeError(f"{name} must be a NumPy array, a CuPy array or a torch tensor, got {type(x).__name__}")
+    fw = framework_of(x)
+    if fw not in ("numpy", "cupy", "torch"):
+        raise TypeError(f"{name} must be a NumPy array, a CuPy array or a torch tensor, got {type(x).__name__}")
+    return fw
 
 
 def _is_float(x) -> bool:

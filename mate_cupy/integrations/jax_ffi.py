@@ -913,6 +913,7 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan, *, kv_indices, sm
     import jax.numpy as jnp
 
     from ..msa.pipeline import SparsePipelinePlan
+    from ..msa.topk import plan_query_positions
 
     if not isinstance(plan, SparsePipelinePlan):
         raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
@@ -921,7 +922,7 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan, *, kv_indices, sm
     if not jax.config.jax_enable_x64:
         raise TypeError("jax_ffi.sparse_attention_pipeline needs jax_enable_x64: the selection's query positions "
                         "are int64")
-    positions = np.asarray(plan.positions.get() if hasattr(plan.positions, "get") else plan.positions, np.int64)
+    positions = plan_query_positions(plan.attention)  # host int64, as the plan's own buffer holds
     parts = []
     for w in plan.windows:
         if w.row_end == w.row_begin:

@@ -18,20 +18,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference.kda import kda_segment_combine
+from ..runtime.interop import framework_of
 
 __all__ = ["compose_transitions", "combine_segments"]
 
 
 def _library(x):
     """The array library of ``x`` (numpy, cupy or torch) for stacking and zeros."""
-    root = type(x).__module__.split(".", 1)[0]
-    if root == "numpy":
+    fw = framework_of(x)
+    if fw == "numpy":
         return np
-    if root == "cupy":
+    if fw == "cupy":
         import cupy
 
         return cupy
-    if root == "torch":
+    if fw == "torch":
         import torch
 
         return torch
