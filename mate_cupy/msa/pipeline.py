@@ -97,15 +97,27 @@ class SparsePipelinePlan:
     force_begin_blocks: int
     force_end_blocks: int
     force_blocks_count_in_topk: bool
-    total_q: int
-    max_k_tiles: int
-    window_rows: int
     device: Optional[int]
     is_static: bool
     causal: bool
     positions: Any = field(repr=False)
     max_score: Any = field(repr=False)
     selection: Any = field(repr=False)
+
+    @property
+    def total_q(self) -> int:
+        """Query rows (static plans: the row capacity ``batch_size * max_seqlen_q``)."""
+        return int(self.positions.shape[0])
+
+    @property
+    def window_rows(self) -> int:
+        """Rows of one query window (the ``max_score`` buffer's)."""
+        return int(self.max_score.shape[0])
+
+    @property
+    def max_k_tiles(self) -> int:
+        """``ceil(max kv_len / 128)``: blocks per row of ``max_score``."""
+        return int(self.max_score.shape[2])
 
     @property
     def width(self) -> int:
@@ -205,8 +217,8 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
         attention=attention, windows=tuple(windows), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         num_index_kv_heads=int(num_index_kv_heads), topk=int(topk),
         force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
-        force_blocks_count_in_topk=bool(force_blocks_count_in_topk), total_q=total_q, max_k_tiles=nt,
-        window_rows=window_rows, device=dev, is_static=False, causal=bool(causal),
+        force_blocks_count_in_topk=bool(force_blocks_count_in_topk), device=dev, is_static=False,
+        causal=bool(causal),
         positions=_new_array(dev, (total_q,), np.int64, plan_query_positions(attention)),
         max_score=_new_array(dev, (window_rows, num_kv_heads, nt), np.float32),
         selection=_new_array(dev, (total_q, num_kv_heads, width), np.int32))
@@ -261,8 +273,8 @@ def sparse_pipeline_static_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k
         attention=attention, windows=(IndexWindow(0, total_q, index),), num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, num_index_kv_heads=int(num_index_kv_heads), topk=int(topk),
         force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
-        force_blocks_count_in_topk=bool(force_blocks_count_in_topk), total_q=total_q, max_k_tiles=nt,
-        window_rows=total_q, device=dev, is_static=True, causal=bool(causal),
+        force_blocks_count_in_topk=bool(force_blocks_count_in_topk), device=dev, is_static=True,
+        causal=bool(causal),
         positions=_new_array(dev, (total_q,), np.int64),
         max_score=_new_array(dev, (total_q, num_kv_heads, nt), np.float32),
         selection=_new_array(dev, (total_q, num_kv_heads, attention[3].selected_block_count), np.int32))
