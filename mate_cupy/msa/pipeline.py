@@ -328,9 +328,6 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
                              "an eager pipeline plan holds its lengths")
         if rows != plan.total_q:
             raise ValueError(f"q must have the plan's {plan.total_q} rows (sum of qo_segment_lens), got {rows}")
-    ms, sel, pos = plan.max_score, plan.selection, plan.positions
-    select = dict(force_begin_blocks=plan.force_begin_blocks, force_end_blocks=plan.force_end_blocks,
-                  force_blocks_count_in_topk=plan.force_blocks_count_in_topk)
     # The selection pass takes the plan's buffers first, so it would launch on CuPy's current
     # stream: make that the caller's (q's framework's current stream) for every pass.
     call = Call(q=q)
@@ -342,32 +339,33 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     with call.launch_scope():
         if plan.is_static:
             md = runtime_metadata
-            window = plan.windows[0]
-            msa(index_q, index_k, index_k, window.plan, kv_indices=kv_indices, runtime_metadata=md,
-                max_score=ms[:rows], k_scale=index_scale, output_o=False)  # validates the metadata
+            w = IndexWindow(0, rows, plan.windows[0].plan)  # q's rows of the capacity
+            index_window(plan, w, index_q, index_k, kv_indices=kv_indices, runtime_metadata=md,
+                         index_scale=index_scale)  # validates the metadata
             lens = Call(cu=md.cu_seqlens_q, qo=md.qo_lens, kv=md.seqused_k, off=md.qo_offset)
             launch_query_positions(lens["cu"].ptr, lens["qo"].ptr, lens["kv"].ptr, lens["off"].ptr,
-                                   int(lens["qo"].shape[0]), rows, plan.causal, _address(pos), call.stream_ptr)
-            sparse_topk_select(ms[:rows], plan.topk, output=sel[:rows], query_positions=pos[:rows], **select)
+                                   int(lens["qo"].shape[0]), rows, plan.causal, _address(plan.positions),
+                                   call.stream_ptr)
+            select_window(plan, w)
         else:
             for w in plan.windows:
                 if w.row_end > w.row_begin:
                     index_window(plan, w, index_q, index_k, kv_indices=kv_indices, index_scale=index_scale)
                     select_window(plan, w)
-        res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=sel[:rows], out=out, lse=lse,
+        res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=plan.selection[:rows], out=out, lse=lse,
                      sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, runtime_metadata=runtime_metadata,
                      output_maxscore=False, workspace=workspace)
     return res
 
 
 def index_window(plan: SparsePipelinePlan, window: IndexWindow, index_q, index_k, *, kv_indices=None,
-                 index_scale: float = 1.0):
-    """The index branch's block maxima of one query window of an eager plan into the plan's
-    ``max_score`` buffer (``msa(..., output_o=False)``); returns the window's rows of it.
-    Launches on ``index_q``'s framework's current stream."""
+                 runtime_metadata=None, index_scale: float = 1.0):
+    """The index branch's block maxima of one query window into the plan's ``max_score``
+    buffer (``msa(..., output_o=False)``; static plans: with ``runtime_metadata``); returns the
+    window's rows of it. Launches on ``index_q``'s framework's current stream."""
     scores = plan.max_score[: window.row_end - window.row_begin]
     msa(index_q[window.row_begin:window.row_end], index_k, index_k, window.plan, kv_indices=kv_indices,
-        max_score=scores, k_scale=index_scale, output_o=False)
+        runtime_metadata=runtime_metadata, max_score=scores, k_scale=index_scale, output_o=False)
     return scores
 
 
