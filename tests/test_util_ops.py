@@ -10,7 +10,7 @@ import mate_cupy as mc
 from mate_cupy import util_ops
 from mate_cupy.runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, Arg, wrap
 
-from test_gpu_index import c_params
+from helpers import kernel_params
 
 SRC = util_ops.__file__.rsplit("/", 1)[0] + "/cuda_src/util.cu"
 
@@ -89,7 +89,7 @@ def test_cast_refusals_are_the_same_for_host_and_cuda_inputs(make, exc):
 def test_launcher_parameters_match_kernel_signature(kernel, params):
     from pathlib import Path
 
-    assert c_params(kernel, Path(SRC)) == list(params.params)
+    assert kernel_params(Path(SRC), kernel) == list(params.params)
 
 
 def _recording(monkeypatch):
