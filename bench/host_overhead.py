@@ -157,14 +157,15 @@ def _python_us(torch, fn, calls: int) -> float:
 
 class FakeCudaTensor:
     """A torch CPU tensor that reports CUDA device 0: ``shape``, ``dtype``, ``stride()``,
-    ``data_ptr()`` are the tensor's own (the same C calls a CUDA tensor answers),
+    ``data_ptr()``, ``is_contiguous()`` are the tensor's own (the same C calls a CUDA tensor answers),
     ``get_device()`` returns 0. The stub device's arrays; never read by a kernel."""
 
-    __slots__ = ("tensor", "shape", "dtype", "stride", "data_ptr", "get_device", "is_cuda", "device")
+    __slots__ = ("tensor", "shape", "dtype", "stride", "data_ptr", "is_contiguous", "get_device", "is_cuda", "device")
 
     def __init__(self, tensor):
         self.tensor = tensor
         self.shape, self.dtype, self.stride, self.data_ptr = tensor.shape, tensor.dtype, tensor.stride, tensor.data_ptr
+        self.is_contiguous = tensor.is_contiguous
         self.get_device = (0).__int__
         self.is_cuda = True
         self.device = "cuda:0"
@@ -217,16 +218,23 @@ class StubLaunches:
 
 
 def _params_of_table(table: int):
-    """The ``KernelParams`` whose packing table (this thread's) is at ``table``."""
+    """The ``KernelParams`` whose packing table (this thread's, or that of one of this
+    thread's prepared launches) is at ``table``."""
+    import gc
     import sys as _sys
 
-    from mate_cupy.jit.launch import KernelParams
+    from mate_cupy.jit.launch import KernelParams, PreparedLaunch
 
     for mod in list(_sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("mate_cupy"):
             for value in list(vars(mod).values()):
                 if isinstance(value, KernelParams) and value._buffers()[2] == table:
                     return value
+    for obj in gc.get_objects():
+        if isinstance(obj, PreparedLaunch):
+            bufs = getattr(obj._tls, "bufs", None)
+            if bufs is not None and bufs[2] == table:
+                return obj.params
     raise LookupError(f"no KernelParams packs at {table:#x}")
 
 

@@ -277,3 +277,44 @@ def test_prepared_launch_fills_sources_into_fixed_values():
         PreparedLaunch(K(), (1,), (1,), params, (0, Source(0), 0, 0.5, 0), n_addresses=1)
     with pytest.raises(ValueError, match="c"):
         PreparedLaunch(K(), (1,), (1,), params, (0, 1, 0, 0.5, Source(2)), n_addresses=2)
+
+
+def test_prepared_launch_run_packs_what_launch_packs(monkeypatch):
+    """A run repacks only the span of sourced slots into its per-thread buffer: the bytes
+    handed to cuLaunchKernel equal those of :func:`launch` with the same values, for fixed
+    values before, inside and after the span, run after run and in a second thread."""
+    import ctypes
+    import importlib
+    import threading
+
+    from mate_cupy.jit import KernelParams, PreparedLaunch, Source, launch
+
+    launch_mod = importlib.import_module("mate_cupy.jit.launch")  # the module (``jit.launch`` is its function)
+    params = KernelParams((("n0", "i32"), ("a", "ptr"), ("n", "i32"), ("b", "ptr"), ("x", "f32"), ("c", "ptr"),
+                           ("m", "i64"), ("y", "f32")))
+    seen = []
+
+    def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, table, extra):
+        ptrs = (ctypes.c_void_p * len(params.kinds)).from_address(table)
+        sizes = {"ptr": 8, "i32": 4, "f32": 4, "i64": 8}
+        seen.append((f, (gx, gy, gz), (bx, by, bz), smem, stream,
+                     b"".join(ctypes.string_at(ptrs[i], sizes[k]) for i, k in enumerate(params.kinds))))
+
+    monkeypatch.setattr(launch_mod, "_launch_kernel", fake_launch)
+
+    class K:
+        ptr, name = 11, "k"
+
+    fixed = (-3, Source(1), 7, 0x900, 0.5, Source(0), 1 << 40, -2.25)
+    pl = PreparedLaunch(K(), (3, 2), (128,), params, fixed, n_addresses=2)
+    for addrs in ((0x100, 0x200), (0x300, 0x400), (0x100, 0x200)):
+        seen.clear()
+        pl.run(addrs, 5)
+        launch(K(), (3, 2), (128,), params, (-3, addrs[1], 7, 0x900, 0.5, addrs[0], 1 << 40, -2.25), stream=5)
+        assert len(seen) == 2 and seen[0] == seen[1], addrs
+    seen.clear()
+    t = threading.Thread(target=pl.run, args=((0x500, 0x600), 9))
+    t.start()
+    t.join()
+    launch(K(), (3, 2), (128,), params, (-3, 0x600, 7, 0x900, 0.5, 0x500, 1 << 40, -2.25), stream=9)
+    assert len(seen) == 2 and seen[0] == seen[1]

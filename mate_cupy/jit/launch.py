@@ -144,13 +144,16 @@ class PreparedLaunch:
     """One kernel launch with every argument fixed but the addresses of a call's arrays.
 
     ``values`` follow ``params``; a :class:`Source` in a pointer slot stands for
-    ``addresses[source.index]`` of each :meth:`run`, every other value is fixed. A run
-    builds the argument tuple with one C-level pick from ``addresses + fixed values``,
-    packs it into ``params``' per-thread buffer and calls ``cuLaunchKernel``: the launch
-    :func:`launch` makes with the same values, without recomputing anything from the call.
+    ``addresses[source.index]`` of each :meth:`run`, every other value is fixed. Each thread
+    that runs the launch holds its own parameter buffer with the fixed values packed once;
+    a run packs only the span of parameters from the first to the last source (one C-level
+    pick from ``addresses + fixed values`` and one ``struct`` call) and calls
+    ``cuLaunchKernel``: the launch :func:`launch` makes with the same values, without
+    recomputing anything from the call.
     """
 
-    __slots__ = ("kernel", "grid", "block", "params", "shared_mem", "n_addresses", "_fixed", "_pick")
+    __slots__ = ("kernel", "grid", "block", "params", "shared_mem", "n_addresses", "_fixed", "_pick",
+                 "_span", "_span_offset", "_span_pick", "_tls")
 
     def __init__(self, kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, n_addresses: int):
         import operator
@@ -162,19 +165,29 @@ class PreparedLaunch:
         self.grid = (tuple(int(x) for x in grid) + (1, 1))[:3]
         self.block = (tuple(int(x) for x in block) + (1, 1))[:3]
         self.n_addresses = n = int(n_addresses)
-        fixed, picks = [], []
+        fixed, picks, sourced = [], [], []
         for i, v in enumerate(values):
             if v.__class__ is Source:
                 if params.kinds[i] != "ptr" or not 0 <= v.index < n:
                     raise ValueError(f"parameter {params.names[i]}: a source must fill a pointer slot in [0, {n})")
                 fixed.append(0)
                 picks.append(v.index)
+                sourced.append(i)
             else:
                 fixed.append(address(v) if params.kinds[i] == "ptr" else v)
                 picks.append(n + i)
         self._fixed = tuple(fixed)
         params._struct.pack(*self._fixed)  # every fixed value packs (refused here, not at a launch)
-        self._pick = operator.itemgetter(*picks) if len(picks) > 1 else (lambda t, i=picks[0]: (t[i],))
+        self._pick = _itemgetter(operator, picks)
+        # The packed span [first source, last source]: its layout from the parameter offsets.
+        lo, hi = (sourced[0], sourced[-1]) if sourced else (0, -1)
+        fmt, end = "<", params._offsets[lo] if sourced else 0
+        for i in range(lo, hi + 1):
+            fmt += "x" * (params._offsets[i] - end) + _FORMAT[params.kinds[i]]
+            end = params._offsets[i] + _SIZE[params.kinds[i]]
+        self._span, self._span_offset = struct.Struct(fmt), (params._offsets[lo] if sourced else 0)
+        self._span_pick = _itemgetter(operator, picks[lo:hi + 1]) if sourced else (lambda t: ())
+        self._tls = threading.local()
         if self.shared_mem > 48 * 1024:
             kernel.reserve_shared_memory(self.shared_mem)
 
@@ -182,11 +195,24 @@ class PreparedLaunch:
         """The kernel arguments of a call with ``addresses`` (``n_addresses`` integers)."""
         return self._pick(addresses + self._fixed)
 
+    def _buffers(self):
+        """This thread's ``(buffer, table, table address)`` with the fixed values packed."""
+        data = ctypes.create_string_buffer(max(1, self.params._struct.size))
+        self.params._struct.pack_into(data, 0, *self._fixed)
+        base = ctypes.addressof(data)
+        table = (ctypes.c_void_p * max(1, len(self.params._offsets)))(*[base + o for o in self.params._offsets])
+        bufs = self._tls.bufs = (data, table, ctypes.addressof(table))
+        return bufs
+
     def run(self, addresses: tuple, stream: int) -> None:
         """Launch on the stream address ``stream`` with the call's ``addresses``."""
-        params = self.params
-        bufs = getattr(params._tls, "bufs", None) or params._buffers()
-        params._struct.pack_into(bufs[0], 0, *self._pick(addresses + self._fixed))
+        bufs = getattr(self._tls, "bufs", None) or self._buffers()
+        self._span.pack_into(bufs[0], self._span_offset, *self._span_pick(addresses + self._fixed))
         g, b = self.grid, self.block
         (_launch_kernel or _driver_launch())(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
                                              stream, bufs[2], 0)
+
+
+def _itemgetter(operator, picks):
+    """``t -> tuple(t[i] for i in picks)`` as one C-level call (a tuple for one pick too)."""
+    return operator.itemgetter(*picks) if len(picks) > 1 else (lambda t, i=picks[0]: (t[i],))

@@ -246,18 +246,21 @@ def torch_cuda_addresses(arrays: tuple) -> Optional[tuple]:
     ``metadata`` holds per array what :meth:`Call.signature` holds (device, dtype, shape,
     strides in elements, address modulo 16; None for None), read with one attribute pass
     per tensor; ``addresses`` the data addresses (0 for None). A key for memos of calls
-    whose validation reads nothing else of the arrays.
+    whose validation reads nothing else of the arrays. The strides of a C-contiguous
+    tensor are held as ``True``: they are fixed by the shape up to dimensions of extent 1,
+    whose strides no kernel multiplies by a non-zero index.
     """
     types = _TORCH_TYPES
     meta, ptrs = [], []
+    add_meta, add_ptr = meta.append, ptrs.append
     for t in arrays:
         if t is None:
-            meta.append(None)
-            ptrs.append(0)
+            add_meta(None)
+            add_ptr(0)
         elif t.__class__ in types:
             p = t.data_ptr()
-            meta.append((t.get_device(), t.dtype, t.shape, t.stride(), p & 15))
-            ptrs.append(p)
+            add_meta((t.get_device(), t.dtype, t.shape, t.is_contiguous() or t.stride(), p & 15))
+            add_ptr(p)
         else:
             return None
     return tuple(meta), tuple(ptrs)
