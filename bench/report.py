@@ -52,7 +52,7 @@ class Target:
 
     kind ``"speedup"``: ``vs_ms / ms >= value`` (at least ``value`` x as fast as impl ``vs``);
     kind ``"time_ratio"``: ``ms / vs_ms <= value`` (at most ``value`` x the time of ``vs``);
-    kind ``"tbps"``: ``tbps >= value``;
+    kind ``"tbps"``: ``tbps >= value``; kind ``"tflops"``: ``tflops >= value``;
     kind ``"ms"``: ``ms <= value`` (an absolute time budget).
     """
 
@@ -61,9 +61,9 @@ class Target:
     vs: Optional[str] = None
 
     def __post_init__(self):
-        if self.kind not in ("speedup", "time_ratio", "tbps", "ms"):
+        if self.kind not in ("speedup", "time_ratio", "tbps", "tflops", "ms"):
             raise ValueError(f"unknown target kind {self.kind!r}")
-        if self.kind not in ("tbps", "ms") and not self.vs:
+        if self.kind not in ("tbps", "tflops", "ms") and not self.vs:
             raise ValueError(f"target kind {self.kind!r} needs vs=<impl name>")
 
     @property
@@ -74,6 +74,8 @@ class Target:
             return f"<={self.value:g}x time of {self.vs}"
         if self.kind == "ms":
             return f"<={self.value:g} ms"
+        if self.kind == "tflops":
+            return f">={self.value:g} TFLOP/s"
         return f">={self.value:g} TB/s"
 
     def evaluate(self, rec: dict, case_records: Iterable[dict]) -> Optional[bool]:
@@ -81,8 +83,8 @@ class Target:
         ms = rec.get("ms")
         if not _num(ms):
             return None
-        if self.kind == "tbps":
-            return rec.get("tbps") is not None and rec["tbps"] >= self.value
+        if self.kind in ("tbps", "tflops"):
+            return rec.get(self.kind) is not None and rec[self.kind] >= self.value
         if self.kind == "ms":
             return ms <= self.value
         other = next((r for r in case_records if r["impl"] == self.vs and _num(r.get("ms"))), None)

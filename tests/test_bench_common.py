@@ -91,7 +91,7 @@ def test_new_record_has_the_schema():
 
 
 def test_targets():
-    ours = new_record("op", "c", "mate_cupy", "ours", ms=2.0, tbps=3.5)
+    ours = new_record("op", "c", "mate_cupy", "ours", ms=2.0, tbps=3.5, tflops=550.0)
     peer = new_record("op", "c", "flash", "peer", ms=3.0)
     recs = [ours, peer]
     assert Target("speedup", 1.0, "flash").evaluate(ours, recs) is True
@@ -99,6 +99,8 @@ def test_targets():
     assert Target("time_ratio", 0.6, "flash").evaluate(ours, recs) is False   # 2/3 > 0.6
     assert Target("time_ratio", 0.7, "flash").evaluate(ours, recs) is True
     assert Target("tbps", 3.0).evaluate(ours, recs) is True
+    assert Target("tflops", 600).evaluate(ours, recs) is False and Target("tflops", 500).evaluate(ours, recs) is True
+    assert Target("tflops", 600).text == ">=600 TFLOP/s"
     assert Target("ms", 2.5).evaluate(ours, recs) is True and Target("ms", 1.5).evaluate(ours, recs) is False
     assert Target("ms", 8.0).text == "<=8 ms"
     assert Target("speedup", 1.0, "missing").evaluate(ours, recs) is None
