@@ -308,11 +308,13 @@ def test_max_score_config_choice():
 def test_max_score_smem_bytes():
     """Dynamic shared memory of the block kernel (MaxScoreTile::SMEM_BYTES): K stages, the wgmma
     Q tile (rows of whole 128-byte column-block rows: e4m3 D 64 pads each row to 128 bytes), the
-    row-max stash, the key flags and the wgmma alignment slack."""
+    row-max stash, the key flags and the wgmma alignment slack; e4m3 wgmma runs three K stages)."""
     wg8, mma8 = il.MaxScoreConfig("wgmma", 8), il.MaxScoreConfig("mma_sync", 8)
     stash, flags = 128 * 17 * 4, lambda stages: stages * 128
     for d, elem, row in ((64, 2, 128), (128, 2, 256), (256, 2, 512), (64, 1, 128), (128, 1, 128), (256, 1, 256)):
-        assert il.max_score_smem_bytes(d, wg8, elem) == 2 * 128 * row + 128 * row + stash + flags(2) + 1024
+        stages = 3 if elem == 1 else 2   # e4m3: three K stages
+        assert wg8.stages(d, elem) == stages
+        assert il.max_score_smem_bytes(d, wg8, elem) == stages * 128 * row + 128 * row + stash + flags(stages) + 1024
     assert il.max_score_smem_bytes(128, mma8) == 3 * 128 * 256 + stash + flags(3)
 
 

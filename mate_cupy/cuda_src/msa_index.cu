@@ -731,7 +731,7 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 //             fragments) and runs m16n8k16 MMAs on ldmatrix'd K fragments; tiles are
 //             stored [rows][D] with 16-byte chunks XOR-swizzled by row % 8
 //             (conflict-free ldmatrix).
-//   kWgmma    (sm_90a, 2 K stages) each warpgroup (4 warps, 64 rows) runs wgmma
+//   kWgmma    (sm_90a, 2 K stages, 3 for e4m3) each warpgroup (4 warps, 64 rows) runs wgmma
 //             m64n128k16 (float8 e4m3: m64n128k32) with Q and K read from shared memory
 //             by descriptor; tiles are stored as 128-byte-swizzled column blocks
 //             (common/attention_wgmma.cuh; e4m3 rows of D 64 fill half a block row).
@@ -750,7 +750,9 @@ struct MaxScoreTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
     static_assert(MMA != kWgmma || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
     static_assert(sizeof(T) == 2 || MMA == kWgmma, "float8 runs the wgmma path only");
-    static constexpr int STAGES = MMA == kWgmma ? 2 : 3;  // K tiles in flight
+    // K tiles in flight. e4m3 wgmma: three (its tiles are half the bytes and its MMAs half the
+    // time of 16-bit ones, so two iterations cover the L2 latency; still two CTAs per SM).
+    static constexpr int STAGES = MMA == kWgmma ? (sizeof(T) == 1 ? 3 : 2) : 3;
     static constexpr int BM = 16 * NWARPS;                // packed (query, head) rows per CTA
     static_assert(BM <= 128, "the Q tile must fit a K stage");
     static constexpr int THREADS = 32 * NWARPS;

@@ -67,7 +67,7 @@ class MaxScoreConfig:
     each streaming its own K blocks through a private cp.async ring; keys are the MMA's M,
     ``8 * row_blocks`` packed rows its N, Q in registers), ``"mma_sync"`` (each warp holds
     16 rows of Q in registers; three K stages) or ``"wgmma"`` (sm_90a warpgroup MMA, Q and
-    K from shared memory; two K stages); the last two are ``msa_block_max_score_kernel``.
+    K from shared memory; two K stages, three for float8); the last two are ``msa_block_max_score_kernel``.
     ``num_warps``: warps per CTA. ``row_blocks`` (decode only): n-blocks of 8 packed rows.
     """
 
@@ -83,7 +83,9 @@ class MaxScoreConfig:
         """K stages: per warp (sub-tiles of 32 keys) for decode, per CTA (128 keys) otherwise."""
         if self.decode:
             return 6 if d * elem_bytes <= 128 else 3   # DecodeTile::WS
-        return 2 if self.mma == "wgmma" else 3
+        if self.mma == "wgmma":
+            return 3 if elem_bytes == 1 else 2      # MaxScoreTile::STAGES
+        return 3
 
     @property
     def rows_per_cta(self) -> int:
@@ -159,7 +161,7 @@ def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) ->
     if config.decode:
         ws = config.stages(d, elem_bytes)
         return config.num_warps * ws * (DECODE_SUB_KEYS * d * elem_bytes + 4)
-    stages = config.stages(d)
+    stages = config.stages(d, elem_bytes)
     bm = config.rows_per_cta
     row = d * elem_bytes
     if config.mma == "wgmma":   # whole 128-byte column-block rows
