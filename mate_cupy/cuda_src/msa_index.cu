@@ -751,7 +751,7 @@ struct MaxScoreTile {
     static_assert(MMA != kWgmma || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
     static_assert(sizeof(T) == 2 || MMA == kWgmma, "float8 runs the wgmma path only");
     // K tiles in flight. e4m3 wgmma: three (its tiles are half the bytes and its MMAs half the
-    // time of 16-bit ones, so two iterations cover the L2 latency; still two CTAs per SM).
+    // time of 16-bit ones: a tile's loads get two iterations to land; still two CTAs per SM).
     static constexpr int STAGES = MMA == kWgmma ? (sizeof(T) == 1 ? 3 : 2) : 3;
     static constexpr int BM = 16 * NWARPS;                // packed (query, head) rows per CTA
     static_assert(BM <= 128, "the Q tile must fit a K stage");
