@@ -445,17 +445,21 @@ def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,causal,paged,lazy", [(128, True, False, False), (64, False, False, True),
-                                                 (256, True, True, False), (128, False, True, True)])
-def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy):
+@pytest.mark.parametrize("d,causal,paged,lazy,heads", [(128, True, False, False, (8, 2)), (64, False, False, True, (8, 2)),
+                                                       (256, True, True, False, (8, 2)), (128, False, True, True, (8, 2)),
+                                                       (128, True, False, True, (12, 4))])
+def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads):
     """float8 e4m3 q and k with more packed rows than the decode kernel holds: the block
     kernel's wgmma m64n128k32 path (e4m3 tiles in 128-byte-swizzled column blocks, D 64 rows
     padded to 128 bytes) with a score scale, dense and paged (HND, CSR, an invalid page),
-    causal with offsets and not, against the float64 reference of the fp8 values."""
+    causal with offsets and not, GQA 4 and 3 (the last case: a 2100-key request, so the key
+    range is split over several CTAs), against the float64 reference of the fp8 values."""
     H, run = emu
-    hq, hkv, page_size, scale = 8, 2, 32, 0.37 * 1.9
-    qo, kv = np.array([37, 20, 1], dtype=np.int32), np.array([300, 129, 77], dtype=np.int32)
-    cu_q, cu_k, off = _meta(qo, kv, (kv - qo + np.array([0, -40, 3])).astype(np.int32))
+    (hq, hkv), page_size, scale = heads, 32, 0.37 * 1.9
+    long_kv = hq // hkv == 3
+    qo = np.array([37, 20, 1] if not long_kv else [12, 30], dtype=np.int32)
+    kv = np.array([300, 129, 77] if not long_kv else [2100, 200], dtype=np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, (kv - qo + np.array([0, -40, 3][: len(qo)])).astype(np.int32))
     q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32).astype(FP8)
     nt = -(-int(kv.max()) // BLOCK) + 1
     if paged:
@@ -476,7 +480,9 @@ def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy):
                                    kv_lens=kv)
         kw = dict(cu_k=cu_k)
         k_rows = k
-    assert il.select_max_score_config(37 * hq // hkv, 90, fp8=True, head_dim=d) == il.FP8_PREFILL_CONFIG
+    assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d) == il.FP8_PREFILL_CONFIG
+    if long_kv:
+        assert il.max_score_splits(-(-int(qo.max()) * 3 // 128) * len(qo) * hkv, nt, 132)[0] > 1
     first = len(run.launches)
     got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, causal=causal, lazy=lazy, score_scale=scale, **kw)
     assert [r[0] for r in run.launches[first:]] == [f"msa_block_max_score_kernel<fp8_t, {d}, 8, 1>"]
