@@ -445,9 +445,9 @@ def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,causal,paged,lazy,heads", [(128, True, False, False, (8, 2)), (64, False, False, True, (8, 2)),
-                                                       (256, True, True, False, (8, 2)), (128, False, True, True, (8, 2)),
-                                                       (128, True, False, True, (12, 4))])
+@pytest.mark.parametrize("d,causal,paged,lazy,heads", [
+    (128, True, False, False, (8, 2)), (64, False, False, True, (8, 2)), (256, True, True, False, (8, 2)),
+    (128, False, True, True, (8, 2)), (128, True, False, True, (12, 4))])
 def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads):
     """float8 e4m3 q and k with more packed rows than the decode kernel holds: the block
     kernel's wgmma m64n128k32 path (e4m3 tiles in 128-byte-swizzled column blocks, D 64 rows
