@@ -4,6 +4,8 @@
 * Block max score (``msa(..., max_score=..., output_o=False)``) beside our own dense
   attention on the same shape: the target is GEMM speed, 600 TFLOP/s counting 2 D FLOPs
   per admissible (query, key) pair.
+* Block max score with float8 e4m3 q and k (per-tensor scales) against the same pass in
+  bfloat16 (target 1.7x): causal prefill (the sm_90a wgmma m64n128k32 kernel) and decode.
 * Block max score at decode (the M3 index branch: Hq 4 over Hkv 1, D 128, paged K, one
   query per request): B8 over 1M keys and B64 over 128K keys, TB/s of K read against
   the measured copy ceiling (target 4.0 TB/s).
@@ -130,6 +132,67 @@ def max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Target |
         metric="tflops", baseline="mate_cupy.msa", target=target, check=check, tol=2e-2,
         params=dict(Sq=sq, Sk=sk, qo_offset=off, Hq=hq, Hkv=hkv, D=D, causal=True, dtype="bfloat16",
                     max_k_tiles=n_tiles),
+    )
+
+
+def fp8_max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Target | None) -> Case:
+    """The prefill max score with float8 e4m3 q and k (per-tensor scales, MiniMax's Q8KV8:
+    ``msa(..., k_scale=q_scale * k_scale)``) against the same ``msa`` pass in bfloat16. One
+    request: ``sq`` queries at the end of ``sk`` keys (causal, bottom-right), dense K."""
+    dev = cfg.device
+    off = sk - sq
+    n_tiles = math.ceil(sk / BLOCK)
+    q_scale, k_scale = 0.05, 0.03
+
+    def make_inputs(n):
+        import torch
+
+        g = _gen(dev, 9)
+        sets = []
+        for _ in range(n):
+            q, k = _randn((sq, hq, D), g, dev), _randn((sk, hkv, D), g, dev)
+            sets.append({"q": q, "k": k, "q8": (q.float() / q_scale).to(torch.float8_e4m3fn),
+                         "k8": (k.float() / k_scale).to(torch.float8_e4m3fn)})
+        return sets
+
+    def launcher(fp8: bool):
+        def build(inputs):
+            import torch
+
+            plan = ours.eager_plan([sq], [sk], hq, hkv, causal=True)
+            bufs = [torch.empty((sq, hq, n_tiles), dtype=torch.float32, device=x["q"].device) for x in inputs]
+            qk = ("q8", "k8") if fp8 else ("q", "k")
+            kw = dict(k_scale=q_scale * k_scale) if fp8 else {}
+
+            def run(i):
+                x = inputs[i]   # V is not read without output_o: K stands in for it
+                ours.msa(x[qk[0]], x[qk[1]], x[qk[1]], plan, max_score=bufs[i], output_o=False, **kw)
+                return bufs[i]
+
+            return Bound(run)
+        return build
+
+    def check(results, inp):
+        rows = sample_rows(sq, 32, dev)
+        pos = rows + off
+        out = {}
+        for name, (qk, kk, scale) in (("mate_cupy.fp8", ("q8", "k8", q_scale * k_scale)),
+                                      ("mate_cupy.bf16", ("q", "k", 1.0))):
+            if name in results:
+                ref = block_max_rows(inp[qk][rows].float(), inp[kk].float(), pos, sk, True, n_tiles) * scale
+                out[name] = {"err": rel_err(results[name][rows], ref),
+                             "err_vs": "fp32 block max of the (fp8) values on sampled rows (-inf pattern must match)"}
+        return out
+
+    flops = max_score_flops(1, hq, sq, sk, D, True)
+    return Case(
+        op="msa max score fp8", name=f"Sq{sq} Sk{sk} Hq{hq} Hkv{hkv} causal",
+        make_inputs=make_inputs, set_bytes=3.0 * (sq * hq + sk * hkv) * D,
+        impls=[Impl("mate_cupy.fp8", "ours", launcher(True), flops=flops),
+               Impl("mate_cupy.bf16", "baseline", launcher(False), flops=flops)],
+        metric="tflops", baseline="mate_cupy.bf16", target=target, check=check, tol=2e-2,
+        params=dict(Sq=sq, Sk=sk, qo_offset=off, Hq=hq, Hkv=hkv, D=D, causal=True, dtype="float8_e4m3fn",
+                    q_scale=q_scale, k_scale=k_scale, max_k_tiles=n_tiles),
     )
 
 
@@ -290,7 +353,9 @@ def cases(cfg) -> list:
     for full, quick, tiny in (((8, 1 << 20), (8, 1 << 18), (2, 4096)), ((64, 1 << 17), (64, 1 << 15), (4, 2048))):
         b, sk = sized(cfg, full, quick, tiny)
         out.append(decode_max_score_case(cfg, b, sk, 4, 1, 128, target=four))
-    if cfg.device != "cpu":   # a launcher-level case: CUDA arrays only
+    if cfg.device != "cpu":   # float8: CUDA arrays only (the fp8 prefill kernel: sm_90a)
+        sq, sk, hq, hkv = sized(cfg, (8192, 131072, 4, 1), (2048, 32768, 4, 1), (128, 1024, 4, 1))
+        out.append(fp8_max_score_case(cfg, sq, sk, hq, hkv, target=Target("speedup", 1.7, "mate_cupy.bf16")))
         b, sk = sized(cfg, (8, 1 << 20), (8, 1 << 18), (2, 4096))
         out.append(fp8_decode_max_score_case(cfg, b, sk, 4, 1, 128, target=Target("speedup", 1.7, "mate_cupy.bf16")))
     return out

@@ -241,6 +241,9 @@ def test_choices_reach_every_registered_variant_and_only_those():
                for cc in (80, 86, 89, 90, 100)}
     assert configs == set(il.MAX_SCORE_CONFIGS)
     assert {cfg for _, _, cfg in il.MAX_SCORE_SPECS} == configs
+    fp8 = {(d, il.select_max_score_config(rows, 90, fp8=True, head_dim=d)) for d in il.MAX_SCORE_HEAD_DIMS
+           for rows in (1, 9, 16, 17, 32, 33, 1 << 20)}
+    assert fp8 == {(d, cfg) for dt, d, cfg in il.MAX_SCORE_SPECS if dt == FP8_DT}
 
 
 def test_max_score_launch_geometry():
@@ -258,6 +261,9 @@ def test_max_score_launch_geometry():
             assert smem <= 227 * 1024, (d, cfg)
             per_sm = il.max_score_ctas_per_sm(d, cfg)  # the launch bounds' promise
             assert per_sm == (2 if d <= 128 else 1) and per_sm * (smem + 1024) <= 228 * 1024, (d, cfg)
+        smem = il.max_score_smem_bytes(d, il.FP8_PREFILL_CONFIG, 1)   # fp8 wgmma: three stages of half the bytes
+        assert smem <= 227 * 1024
+        assert il.max_score_ctas_per_sm(d, il.FP8_PREFILL_CONFIG, 1) * (smem + 1024) <= 228 * 1024
 
 
 # ---------------------------------------------------------------------------- launchers vs the source
@@ -331,6 +337,32 @@ def test_run_max_score_packs_its_launch(monkeypatch, paged, cc):
         assert v["page_table_cols"] == (11 if paged == "table" else 0)
         assert v["num_kv_indices"] == (16 if paged == "csr" else 0)
     assert (v["batch"], v["num_heads_q"], v["num_heads_kv"], v["nt"], v["causal"]) == (2, hq, hkv, 6, 1)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_run_max_score_packs_fp8_prefill_launch(monkeypatch, d):
+    """float8 q and k with more packed rows than the decode kernel holds: 8 warps of the sm_90a
+    wgmma variant (e4m3 tiles: three K stages of half the 16-bit bytes, D 64 rows padded to 128 bytes)."""
+    launches = _recording(monkeypatch, cc=90)
+    hq, hkv = 4, 1
+    qo, kv = np.array([300, 5], np.int32), np.array([1000, 77], np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    q = wrap("q", np.zeros((int(cu_q[-1]), hq, d), FP8_DT))
+    k = wrap("k", np.zeros((int(cu_k[-1]), hkv, d), FP8_DT))
+    ms = wrap("max_score", np.zeros((q.shape[0], hq, 8), np.float32))
+    w = lambda n, a: wrap(n, a)  # noqa: E731
+    il.run_max_score(q, k, ms, cu_seqlens_q=w("cu_q", cu_q), qo_lens=w("qo", qo), kv_lens=w("kv", kv),
+                     qo_offset=w("off", off), cu_seqlens_k=w("cu_k", cu_k), max_seqlen_q=300, causal=True, stream=7,
+                     score_scale=0.25)
+    (kern, grid, block, params, values, smem, stream), = launches
+    cfg = il.FP8_PREFILL_CONFIG
+    assert kern == f"msa_block_max_score_kernel<fp8_t, {d}, 8, 1>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
+    m_tiles = -(-300 * 4 // 128)
+    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (256,)
+    assert smem == il.max_score_smem_bytes(d, cfg, 1) == (4 * 128 * max(d, 128) + 128 * 17 * 4 + 3 * 128 + 1024)
+    params.pack(values)
+    v = dict(zip(params.names, values))
+    assert v["q_stride_tok"] == hq * d and v["k_stride_outer"] == hkv * d and v["score_scale"] == 0.25
 
 
 @pytest.mark.parametrize("paged", ["dense", "csr"])
@@ -430,7 +462,8 @@ def test_index_variants_compile(arch):
     skipped = {r["name"] for r in results if "skipped" in r}
     wgmma = {s.name for s in il.MAX_SCORE_SPECS.values() if s.min_sm == 90}
     fp8 = {s.name for (dt, _, _), s in il.MAX_SCORE_SPECS.items() if dt == FP8_DT}
-    assert all(il.MAX_SCORE_SPECS[k].min_sm == 89 for k in il.MAX_SCORE_SPECS if k[0] == FP8_DT)
+    assert all(s.min_sm == 89 if k[2].decode else s.only_arch == "sm_90a"
+               for k, s in il.MAX_SCORE_SPECS.items() if k[0] == FP8_DT)
     assert skipped == (set() if arch == "sm_90a" else wgmma | fp8)
 
 
@@ -634,8 +667,9 @@ def _rand(rng, shape, dtype):
     return (rng.standard_normal(shape)).astype(np.float32).astype(dtype)
 
 
-def _check_max_score(got, want, q, k_rows, what=""):
-    """-inf exactly where the reference has it; values within fp32 accumulation error."""
+def _check_max_score(got, want, q, k_rows, what="", rel=2e-5):
+    """-inf exactly where the reference has it; values within fp32 accumulation error
+    (``rel * |q| * max |k|``)."""
     got = np.asarray(got, dtype=np.float64)
     assert got.shape == want.shape, (got.shape, want.shape)
     assert not np.isnan(got).any(), f"{what}: unwritten (NaN) elements at {np.argwhere(np.isnan(got))[:5]}"
@@ -645,7 +679,7 @@ def _check_max_score(got, want, q, k_rows, what=""):
     assert np.array_equal(got[~fin], want[~fin]), what
     qn = np.linalg.norm(q.astype(np.float64), axis=-1)                   # [total_q, Hq]
     kmax = float(np.linalg.norm(k_rows.astype(np.float64), axis=-1).max(initial=1.0))
-    tol = 2e-5 * qn[..., None] * kmax + 1e-30
+    tol = rel * qn[..., None] * kmax + 1e-30
     err = np.where(fin, np.abs(np.where(fin, got, 0.0) - np.where(fin, want, 0.0)), 0.0)
     worst = np.unravel_index(np.argmax(np.where(fin, err / tol, 0)), err.shape)
     assert np.all(np.where(fin, err <= tol, True)), f"{what}: error {err[worst]:.3e} > tol {tol[worst]:.3e} at {worst}"
@@ -871,7 +905,7 @@ def _fp8(rng, shape):
     return (1.5 * rng.standard_normal(shape)).astype(np.float32).astype(FP8)
 
 
-def _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, *, score_scale, config=None, **kw):
+def _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, *, score_scale, config=None, causal=True, **kw):
     """The launcher on torch CUDA tensors (float8 arrays: CuPy has no float8 dtype)."""
     import torch
 
@@ -888,7 +922,7 @@ def _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, *, score_scale, config=
                      kv_lens=w("kv", kv), qo_offset=w("off", off), cu_seqlens_k=w("cu_k", kw.get("cu_k")),
                      page_table=w("table", kw.get("page_table")), kv_indices=w("idx", kw.get("kv_indices")),
                      kv_page_indptr=w("indptr", kw.get("indptr")), kv_layout=kw.get("kv_layout", "NHD"),
-                     page_size=kw.get("page_size", 0), max_seqlen_q=int(qo.max(initial=0)), causal=True,
+                     page_size=kw.get("page_size", 0), max_seqlen_q=int(qo.max(initial=0)), causal=causal,
                      stream=torch.cuda.current_stream().cuda_stream, config=config, score_scale=score_scale)
     torch.cuda.synchronize()
     return ms.cpu().numpy()
@@ -934,6 +968,86 @@ def test_fp8_decode_max_score(rng, d, mode, nq):
                          f"fp8 d={d} {mode} nq={nq} {config}")
 
 
+# Hopper's fp8 wgmma adds each k32 step's products into the accumulator with about 14 bits
+# aligned to the largest term (not a full fp32 sum): random e4m3 inputs are checked at
+# 1e-3 |q| max|k|; small-integer inputs (every partial sum below 2**13, so exact either way)
+# at the fp32 tolerance.
+FP8_WGMMA_REL = 1e-3
+
+
+def _fp8_ints(rng, shape):
+    return rng.integers(-3, 4, size=shape).astype(np.float32).astype(FP8)
+
+
+def _needs_sm90():
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fp8 prefill max score (wgmma) runs on compute capability 9.0 only")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2), (6, 6), (12, 4)], ids=lambda h: f"Hq{h[0]}Hkv{h[1]}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("values", ["normal", "ints"])
+def test_fp8_prefill_max_score_dense(rng, d, heads, causal, values):
+    """float8 e4m3 q and k, more packed rows than the decode kernel holds: the sm_90a wgmma
+    m64n128k32 variant vs the float64 reference of the fp8 values (NaN-poisoned output,
+    lengths not multiples of 128, GQA, shifted query offsets, tiles past every request)."""
+    _needs_sm90()
+    hq, hkv = heads
+    scale = 0.02 * 0.7
+    gen = _fp8 if values == "normal" else _fp8_ints
+    rel = FP8_WGMMA_REL if values == "normal" else 2e-5
+    for case in ("mixed", "prefill"):
+        qo, kv = _lengths(rng, case)
+        offsets = None if rng.random() < 0.5 else (kv - qo + rng.integers(-150, 40, size=qo.shape)).astype(np.int32)
+        cu_q, cu_k, off = _meta(qo, kv, offsets)
+        total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+        q = gen(rng, (total_q, hq, d))
+        k = gen(rng, (max(total_k, 1), hkv, d))
+        nt = -(-int(kv.max()) // BLOCK) + 2
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d).mma == "wgmma"
+        for config in (None, il.FP8_PREFILL_CONFIG):
+            got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=scale, config=config,
+                                          causal=causal, cu_k=cu_k)
+            _check_max_score(got, want * scale, q.astype(np.float64) * scale, k.astype(np.float64),
+                             f"fp8 wgmma {values} {case} d={d} Hq{hq} Hkv{hkv} causal={causal} {config}", rel=rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("source", ["table", "csr"])
+def test_fp8_prefill_max_score_paged(rng, page_size, kv_layout, source):
+    """The fp8 wgmma variant on scattered pages, with invalid page ids (-1, past the cache)."""
+    _needs_sm90()
+    hq, hkv, d, scale = 8, 2, 128, 0.37
+    qo, kv = _lengths(rng, "mixed")
+    cu_q, _, off = _meta(qo, kv, None)
+    counts = -(-kv // page_size)
+    num_pages = int(counts.sum()) + 5
+    kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+    kv_indices[[0, 3]] = -1, num_pages + 2
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()) + 1)
+    shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+    k_cache = _fp8(rng, shape)
+    q = _fp8(rng, (int(cu_q[-1]), hq, d))
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    kw = dict(page_table=table) if source == "table" else dict(kv_indices=kv_indices, indptr=indptr)
+    want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                     kv_layout=kv_layout, qo_lens=qo)
+    k_nhd = k_cache if kv_layout == "NHD" else k_cache.transpose(0, 2, 1, 3)
+    got = _launch_max_score_torch(q, k_cache, nt, qo, kv, off, cu_q, score_scale=scale, kv_layout=kv_layout,
+                                  page_size=page_size, **kw)
+    _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_nhd.reshape(-1, d).astype(np.float64),
+                     f"fp8 wgmma {source} {kv_layout} page={page_size}", rel=FP8_WGMMA_REL)
+
+
 def _torch_cuda(a):
     """Host array -> torch CUDA tensor (float8 through its bytes: CuPy has no float8 dtype)."""
     import torch
@@ -948,8 +1062,12 @@ def _torch_cuda(a):
 FP8_MSA_SHAPES = [(1, 8, 1, 128), (2, 16, 1, 128), (8, 4, 1, 64), (32, 2, 2, 128), (4, 4, 1, 256), (1, 16, 1, 256)]
 
 
+# more than the decode kernel's rows: the wgmma variant (compute capability 9.0)
+FP8_MSA_PREFILL_SHAPES = [(40, 8, 1, 128), (33, 4, 4, 64), (17, 8, 8, 256), (200, 4, 1, 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("nq,hq,hkv,d", FP8_MSA_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("nq,hq,hkv,d", FP8_MSA_SHAPES + FP8_MSA_PREFILL_SHAPES, ids=lambda x: str(x))
 @pytest.mark.parametrize("mode", ["dense", "NHD-table", "HND-csr", "NHD-csr"])
 def test_fp8_max_score_through_msa(rng, nq, hq, hkv, d, mode):
     """msa(output_o=False, max_score=) with float8 q and k: k_scale times the float64 block max of
@@ -958,6 +1076,10 @@ def test_fp8_max_score_through_msa(rng, nq, hq, hkv, d, mode):
 
     import mate_cupy as mc
     from msa_cases import make_problem
+
+    prefill = nq * hq // hkv > il.FP8_DECODE_MAX_ROWS[d]
+    if prefill:
+        _needs_sm90()
 
     qo = [nq, nq, max(1, nq - 1), nq, 0, nq]
     kv = [30000, 1, 129, 4000 + nq, 77, 12345]
@@ -983,7 +1105,7 @@ def test_fp8_max_score_through_msa(rng, nq, hq, hkv, d, mode):
     got = ms.cpu().numpy()
     assert np.isneginf(got[..., nt]).all()
     _check_max_score(got, want, p.q.astype(np.float64) * k_scale, p.k.reshape(-1, d).astype(np.float64),
-                     f"fp8 msa {mode} nq={nq} Hq{hq} Hkv{hkv} D{d}")
+                     f"fp8 msa {mode} nq={nq} Hq{hq} Hkv{hkv} D{d}", rel=FP8_WGMMA_REL if prefill else 2e-5)
 
 
 @pytest.mark.gpu

@@ -295,6 +295,27 @@ def test_max_score_config_choice():
     assert il.select_max_score_config(65, 80) == mma8 and il.select_max_score_config(4096, 100) == mma8
     assert [c.stages() for c in (mma4, mma8, wg8)] == [3, 3, 2]
     assert [dec1.stages(d) for d in (64, 128, 256)] == [6, 3, 3]
+    # float8: the decode kernel up to 32 rows (16 at D 256), else 8 warps of wgmma
+    assert il.FP8_DECODE_MAX_ROWS == {64: 32, 128: 32, 256: 16}
+    for cc in (89, 90):
+        for d in (64, 128):
+            assert [il.select_max_score_config(r, cc, fp8=True, head_dim=d) for r in (1, 9, 17, 32, 33, 4096)] \
+                == [dec1, dec2, dec4, dec4, wg8, wg8]
+        assert [il.select_max_score_config(r, cc, fp8=True, head_dim=256) for r in (8, 16, 17, 64)] \
+            == [dec1, dec2, wg8, wg8]
+
+
+def test_max_score_smem_bytes():
+    """Dynamic shared memory of the block kernel (MaxScoreTile::SMEM_BYTES): K stages, the wgmma
+    Q tile (rows of whole 128-byte column-block rows: e4m3 D 64 pads each row to 128 bytes), the
+    row-max stash, the key flags and the wgmma alignment slack; e4m3 wgmma runs three K stages)."""
+    wg8, mma8 = il.MaxScoreConfig("wgmma", 8), il.MaxScoreConfig("mma_sync", 8)
+    stash, flags = 128 * 17 * 4, lambda stages: stages * 128
+    for d, elem, row in ((64, 2, 128), (128, 2, 256), (256, 2, 512), (64, 1, 128), (128, 1, 128), (256, 1, 256)):
+        stages = 3 if elem == 1 else 2   # e4m3: three K stages
+        assert wg8.stages(d, elem) == stages
+        assert il.max_score_smem_bytes(d, wg8, elem) == stages * 128 * row + 128 * row + stash + flags(stages) + 1024
+    assert il.max_score_smem_bytes(128, mma8) == 3 * 128 * 256 + stash + flags(3)
 
 
 # ============================================================================ decode max score
@@ -418,3 +439,52 @@ def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
                                  **kw)
             _check_max_score(got, want, q.astype(np.float64) * scale, k_rows.astype(np.float64),
                              f"fp8 d={d} paged={paged} qo={qo.tolist()} {config}")
+
+
+# ============================================================================ fp8 prefill max score (wgmma)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,causal,paged,lazy,heads", [
+    (128, True, False, False, (8, 2)), (64, False, False, True, (8, 2)), (256, True, True, False, (8, 2)),
+    (128, False, True, True, (8, 2)), (128, True, False, True, (12, 4))])
+def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads):
+    """float8 e4m3 q and k with more packed rows than the decode kernel holds: the block
+    kernel's wgmma m64n128k32 path (e4m3 tiles in 128-byte-swizzled column blocks, D 64 rows
+    padded to 128 bytes) with a score scale, dense and paged (HND, CSR, an invalid page),
+    causal with offsets and not, GQA 4 and 3 (the last case: a 2100-key request, so the key
+    range is split over several CTAs), against the float64 reference of the fp8 values."""
+    H, run = emu
+    (hq, hkv), page_size, scale = heads, 32, 0.37 * 1.9
+    long_kv = hq // hkv == 3
+    qo = np.array([37, 20, 1] if not long_kv else [12, 30], dtype=np.int32)
+    kv = np.array([300, 129, 77] if not long_kv else [2100, 200], dtype=np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, (kv - qo + np.array([0, -40, 3][: len(qo)])).astype(np.int32))
+    q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32).astype(FP8)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    if paged:
+        counts = -(-kv // page_size)
+        num_pages = int(counts.sum()) + 2
+        kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+        kv_indices[2] = -1
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        k = rng.standard_normal((num_pages, hkv, page_size, d)).astype(np.float32).astype(FP8)
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+        want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=causal, max_k_tiles=nt,
+                                         kv_layout="HND", qo_lens=qo)
+        kw = dict(kv_indices=kv_indices, indptr=indptr, kv_layout="HND", page_size=page_size)
+        k_rows = k.transpose(0, 2, 1, 3).reshape(-1, d)
+    else:
+        k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float32).astype(FP8)
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        kw = dict(cu_k=cu_k)
+        k_rows = k
+    assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d) == il.FP8_PREFILL_CONFIG
+    if long_kv:
+        assert il.max_score_splits(-(-int(qo.max()) * 3 // 128) * len(qo) * hkv, nt, 132)[0] > 1
+    first = len(run.launches)
+    got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, causal=causal, lazy=lazy, score_scale=scale, **kw)
+    assert [r[0] for r in run.launches[first:]] == [f"msa_block_max_score_kernel<fp8_t, {d}, 8, 1>"]
+    _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.astype(np.float64),
+                     f"fp8 wgmma d={d} causal={causal} paged={paged}")

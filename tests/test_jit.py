@@ -104,7 +104,7 @@ def _is_wgmma(spec) -> bool:
 def test_hopper_only_variants_build_for_sm90a_alone():
     specs = registered()
     hopper = [s for s in specs if _is_wgmma(s)]
-    assert len(hopper) == 22 and len(specs) == 154
+    assert len(hopper) == 25 and len(specs) == 157
     for s in specs:
         if _is_wgmma(s):
             assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90
@@ -169,7 +169,7 @@ def test_dispatch_picks_only_variants_the_gpu_builds(cc):
     from mate_cupy.jit import arch_for_capability
     from mate_cupy.msa import attention_launch as al
     from mate_cupy.msa import index_launch as il
-    from mate_cupy.runtime.interop import BFLOAT16, FLOAT16
+    from mate_cupy.runtime.interop import BFLOAT16, FLOAT16, FP8_E4M3
 
     arch = arch_for_capability(cc)
     tiles = set()
@@ -186,6 +186,15 @@ def test_dispatch_picks_only_variants_the_gpu_builds(cc):
         for dt in (FLOAT16, BFLOAT16):
             for d in il.MAX_SCORE_HEAD_DIMS:
                 assert il.MAX_SCORE_SPECS[(dt, d, cfg)].builds_for(arch)
+    # float8 (sm_89+): the decode kernel up to FP8_DECODE_MAX_ROWS[D] rows, wgmma above, which the
+    # validation admits on compute capability 9.0 only (execute.check_fp8_max_score)
+    for d in il.MAX_SCORE_HEAD_DIMS:
+        for rows in (1, 16, 17, 32, 33, 8192):
+            cfg = il.select_max_score_config(rows, cc, fp8=True, head_dim=d)
+            decode = rows <= il.FP8_DECODE_MAX_ROWS[d]
+            assert cfg.decode == decode and (decode or cfg.mma == "wgmma")
+            if cc >= 89 and (decode or cc == 90):
+                assert il.MAX_SCORE_SPECS[(FP8_E4M3, d, cfg)].builds_for(arch), (cc, d, rows)
 
 
 @pytest.mark.parametrize("cc,arch", [(100, "sm_100"), (120, "sm_120")])

@@ -683,8 +683,6 @@ HOST_LIMITS = [
     ("head-dim-512", dict(d=512), {}, NotImplementedError),
     ("float32", dict(dtype=np.float32), {}, TypeError),
     ("float32-max-score", dict(dtype=np.float32), {"output_maxscore": True, "output_o": False}, TypeError),
-    ("fp8-max-score-d256-rows", dict(dtype=FP8, d=256), {"output_maxscore": True, "output_o": False},
-     NotImplementedError),  # 5 queries x Hq/Hkv 4 = 20 rows > 16 at D 256
     ("fp8-max-score-zero-k-scale", dict(dtype=FP8), {"output_maxscore": True, "output_o": False, "k_scale": 0.0},
      NotImplementedError),
     ("max-score-head-dim-96", dict(d=96), {"output_maxscore": True, "output_o": False}, NotImplementedError),
@@ -741,11 +739,6 @@ def test_sparse_limits_refused_for_host_inputs(rng):
     with pytest.raises(ValueError, match="head dim 128"):
         mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices,
                       kv_block_indexes=random_selection(rng, p, 4))
-    with pytest.raises(NotImplementedError, match="decode kernel"):  # 40 queries x 8: a prefill-shaped fp8 max score
-        q8 = p.q[..., :128].astype(FP8)
-        info = mc.sparse_msa_plan(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
-        k8 = p.k_cache[..., :128].astype(FP8)
-        mc.sparse_msa(q8, k8, k8, info, kv_indices=p.kv_indices, output_o=False, output_maxscore=True)
 
 
 def test_workspace_is_not_used_by_host_inputs(rng):
@@ -780,11 +773,14 @@ def test_repeated_calls_reuse_the_frozen_problem(rng):
 # ----------------------------------------------------------------------------- float8 max scores
 
 
-FP8_MS_CASES = [  # (qo, kv, Hq, Hkv, D, page_size, layout, pages): 1 to 32 packed rows per request
+FP8_MS_CASES = [  # (qo, kv, Hq, Hkv, D, page_size, layout, pages): decode (<= 32 packed rows) and prefill shapes
     ([1, 1, 1], [300, 1, 129], 8, 1, 128, 0, "", ""),
     ([4, 2, 0, 3], [700, 129, 5, 1000], 16, 2, 64, 64, "NHD", "table"),
     ([32, 1], [400, 90], 4, 4, 128, 128, "HND", "csr"),
     ([2, 1], [300, 1000], 16, 2, 256, 32, "NHD", "csr"),
+    ([40, 3], [300, 700], 8, 1, 128, 0, "", ""),             # 320 packed rows
+    ([33], [400], 4, 4, 64, 128, "NHD", "table"),            # 33
+    ([17, 5], [1000, 200], 8, 8, 256, 64, "HND", "csr"),     # 17 at D 256
 ]
 
 
@@ -876,10 +872,8 @@ def cuda_standins(monkeypatch):
     return state
 
 
-FP8_MS_REFUSALS = [  # (qo, Hq, Hkv, D, kw): prefill-shaped or wider than the decode kernel, bad scale
-    ("prefill-rows", [40, 3], 8, 1, 128, {}),
-    ("33-rows", [33], 4, 4, 64, {}),
-    ("d256-17-rows", [17], 8, 8, 256, {}),
+FP8_MS_REFUSALS = [  # (qo, Hq, Hkv, D, kw): bad scale, decode- and prefill-shaped
+    ("zero-k-scale-prefill", [40, 3], 8, 1, 128, {"k_scale": 0.0}),
     ("negative-k-scale", [2], 8, 1, 128, {"k_scale": -1.0}),
     ("nan-k-scale", [2], 8, 1, 128, {"k_scale": float("nan")}),
 ]
@@ -902,7 +896,41 @@ def test_fp8_max_score_refusals_are_the_same_for_host_and_cuda_inputs(rng, reque
     with pytest.raises(NotImplementedError) as cuda:
         call()
     assert str(host.value) == str(cuda.value)
-    assert ("decode kernel" in str(host.value)) == ("k-scale" not in request.node.callspec.id)
+    assert "k_scale" in str(host.value)
+
+
+FP8_PREFILL_SHAPES = [  # (qo, Hq, Hkv, D): more packed rows than the decode kernel holds
+    ("prefill-rows", [40, 3], 8, 1, 128),
+    ("33-rows", [33], 4, 4, 64),
+    ("d256-17-rows", [17], 8, 8, 256),
+]
+
+
+@pytest.mark.parametrize("cc", [89, 100, 120])
+@pytest.mark.parametrize("qo, hq, hkv, d", [pytest.param(*c[1:], id=c[0]) for c in FP8_PREFILL_SHAPES])
+def test_fp8_prefill_max_score_needs_sm90_on_cuda_inputs(rng, cuda_standins, cc, qo, hq, hkv, d):
+    """Above the decode kernel's rows the fp8 max score runs the sm_90a wgmma kernel only."""
+    cuda_standins.cc = cc
+    with pytest.raises(NotImplementedError, match=r"runs the wgmma kernel, compute capability 9\.0 only"):
+        _fp8_ms_call(rng, qo, hq, hkv, d, {})()
+
+
+@pytest.mark.parametrize("qo, hq, hkv, d", [pytest.param(*c[1:], id=c[0]) for c in FP8_PREFILL_SHAPES])
+def test_fp8_prefill_max_score_is_admitted_on_sm90(rng, cuda_standins, qo, hq, hkv, d):
+    """The same shapes pass the float8 check on compute capability 9.0 and on host inputs (which
+    run: test_fp8_max_score_on_host_is_k_scale_times_the_block_max)."""
+    from mate_cupy.msa import execute
+    from mate_cupy.msa.plan import unpack_plan_info
+
+    info = mc.msa_plan_from_lengths(np.array(qo, np.int32), np.full(len(qo), 300, np.int32), hq, hkv, page_size=128)
+    plan = unpack_plan_info(info)[3]
+    assert plan.prefill_plan.max_seqlen_q * hq // hkv > execute.FP8_MAX_SCORE_ROWS[d]
+    for device in (0, -1):
+        execute.check_fp8_max_score("msa", plan, hq, d, device)
+    cuda_standins.cc = 89
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        execute.check_fp8_max_score("msa", plan, hq, d, 0)
+    execute.check_fp8_max_score("msa", plan, hq, d, -1)
 
 
 def test_fp8_max_score_refused_below_sm89_on_cuda_inputs(rng, cuda_standins):
@@ -911,12 +939,14 @@ def test_fp8_max_score_refused_below_sm89_on_cuda_inputs(rng, cuda_standins):
         _fp8_ms_call(rng, [1, 2], 8, 1, 128, {})()
 
 
-def test_fp8_max_score_refusal_covers_each_part_of_a_mixed_plan(rng):
-    """A mixed plan's prefill part is prefill-shaped: refused before its decode part runs."""
+def test_fp8_max_score_refusal_covers_each_part_of_a_mixed_plan(rng, cuda_standins):
+    """A mixed plan's prefill part is prefill-shaped: on a device without the wgmma kernel it is
+    refused before its decode part runs."""
+    cuda_standins.cc = 89
     p = make_problem(rng, [1, 40], [300, 300], 8, 1, 128, dtype=FP8, page_size=128)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, kv_block_num=4)
     assert info[0]
     ms = np.full((p.total_q, 8, 3), np.nan, np.float32)
-    with pytest.raises(NotImplementedError, match="decode kernel"):
+    with pytest.raises(NotImplementedError, match="wgmma kernel"):
         mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices, output_o=False, max_score=ms)
     assert np.isnan(ms).all()

@@ -361,17 +361,15 @@ def test_upload_with_head_dim_allocates_the_workspace(rng):
     assert info[3].workspace is ws
 
 
-@pytest.mark.parametrize("case, exc", [("head-dim-96", NotImplementedError), ("float32", TypeError),
-                                       ("fp8-max-score-prefill", NotImplementedError)])
+@pytest.mark.parametrize("case, exc", [("head-dim-96", NotImplementedError), ("float32", TypeError)])
 def test_cuda_refusals_match_the_host_ones(rng, case, exc):
     d = 96 if case == "head-dim-96" else 128
-    dtype = {"float32": np.float32, "fp8-max-score-prefill": FP8}.get(case, BF16)
-    p = make_problem(rng, [3, 9], [20, 9], 8, 2, d, dtype=dtype)  # 9 queries x 4 = 36 packed rows > 32
-    kw = dict(output_o=False, output_maxscore=True) if case == "fp8-max-score-prefill" else {}
+    dtype = {"float32": np.float32}.get(case, BF16)
+    p = make_problem(rng, [3, 9], [20, 9], 8, 2, d, dtype=dtype)
     for arrays, info in (((p.q, p.k, p.v), mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2)),
                          ((dev(p.q), dev(p.k), dev(p.v)), mc.msa_plan_from_lengths(p.qo, p.kv, 8, 2, device=0))):
         with pytest.raises(exc):
-            mc.msa(*arrays, info, **kw)
+            mc.msa(*arrays, info)
 
 
 # ----------------------------------------------------------------------------- capture without warm-up

@@ -126,10 +126,12 @@ def fp8_index(iq, ik, icache):
     return tuple(x.astype(np.float32).astype(FP8) for x in (iq, ik, icache))
 
 
-def test_fp8_index_decode_pipeline_equals_composed_references(rng):
+@pytest.mark.parametrize("qo, kv", [([1, 4, 2, 1], [2000, 300, 129, 700]),   # decode
+                                     ([40, 3, 1], [700, 300, 129])])          # prefill (wgmma on sm_90a)
+def test_fp8_index_pipeline_equals_composed_references(rng, qo, kv):
     """fp8 index_q/index_k with index_scale: the plan's max scores are index_scale times the block
     maxima of the fp8 values; selection and attention as the composed references."""
-    p = make_problem(rng, [1, 4, 2, 1], [2000, 300, 129, 700], 16, 2, 128, page_size=128)
+    p = make_problem(rng, qo, kv, 16, 2, 128, page_size=128)
     iq8, ik8, icache8 = fp8_index(*index_branch(rng, p))
     plan = mc.sparse_pipeline_plan(p.qo, p.kv, 16, 2, num_index_kv_heads=1, topk=4, force_end_blocks=1,
                                    device="cpu")
@@ -148,9 +150,15 @@ def test_fp8_index_decode_pipeline_equals_composed_references(rng):
 
 @pytest.mark.parametrize("qo, kv, budget", [([1, 40], [300, 700], None),       # a prefill request
                                             ([1] * 9 + [20], [300] * 10, 10 * 2 * 3 * 4)])  # 10-row windows
-def test_fp8_index_prefill_pipeline_is_refused_before_any_pass(rng, qo, kv, budget):
-    """More than 32 packed index rows per request in any window: NotImplementedError before the
-    first window runs (the plan's buffers and out untouched)."""
+def test_fp8_index_prefill_pipeline_is_refused_before_any_pass(rng, monkeypatch, qo, kv, budget):
+    """More than 16 packed index rows per request (D 256) in any window on a device without the
+    wgmma kernel (here compute capability 8.9): NotImplementedError before the first window runs
+    (the plan's buffers and out untouched)."""
+    from mate_cupy.msa import execute, pipeline
+
+    check = pipeline.check_fp8_max_score
+    monkeypatch.setattr(execute, "device_info", lambda device=None: (132, 89))
+    monkeypatch.setattr(pipeline, "check_fp8_max_score", lambda fn, plan, hq, d, device: check(fn, plan, hq, d, 0))
     p = make_problem(rng, qo, kv, 16, 2, 128, page_size=128)
     iq8, _, icache8 = fp8_index(*index_branch(rng, p, d_index=256))  # D 256: 16 packed rows at most
     kw = {} if budget is None else {"max_score_bytes": budget}
@@ -159,7 +167,7 @@ def test_fp8_index_prefill_pipeline_is_refused_before_any_pass(rng, qo, kv, budg
         assert plan.window_rows == 10 and len(plan.windows) == 3
     plan.selection.fill(-7)
     out = np.full(p.q.shape, np.nan, BF16)
-    with pytest.raises(NotImplementedError, match="decode kernel"):
+    with pytest.raises(NotImplementedError, match="wgmma kernel, compute capability 9.0 only"):
         mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq8, icache8, plan, kv_indices=p.kv_indices,
                                      out=out)
     assert (plan.selection == -7).all() and np.isnan(out.astype(np.float32)).all()

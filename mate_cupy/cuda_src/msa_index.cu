@@ -731,9 +731,10 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 //             fragments) and runs m16n8k16 MMAs on ldmatrix'd K fragments; tiles are
 //             stored [rows][D] with 16-byte chunks XOR-swizzled by row % 8
 //             (conflict-free ldmatrix).
-//   kWgmma    (sm_90a, 2 K stages) each warpgroup (4 warps, 64 rows) runs wgmma
-//             m64n128k16 with Q and K read from shared memory by descriptor; tiles are
-//             stored as 128-byte-swizzled column blocks (common/attention_wgmma.cuh).
+//   kWgmma    (sm_90a, 2 K stages, 3 for e4m3) each warpgroup (4 warps, 64 rows) runs wgmma
+//             m64n128k16 (float8 e4m3: m64n128k32) with Q and K read from shared memory
+//             by descriptor; tiles are stored as 128-byte-swizzled column blocks
+//             (common/attention_wgmma.cuh; e4m3 rows of D 64 fill half a block row).
 // Both leave each warp the same accumulator layout (rows g and g + 8, column
 // 8 i + 2 t + e of n-block i), so masking and the epilogue are shared. Row maxima are
 // staged in shared memory and stored kMsStash blocks at a time. Blocks past the tile's
@@ -748,14 +749,23 @@ template <typename T, int D, int NWARPS, int MMA>
 struct MaxScoreTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
     static_assert(MMA != kWgmma || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
-    static constexpr int STAGES = MMA == kWgmma ? 2 : 3;  // K tiles in flight
+    static_assert(sizeof(T) == 2 || MMA == kWgmma, "float8 runs the wgmma path only");
+    // K tiles in flight. e4m3 wgmma: three (its tiles are half the bytes and its MMAs half the
+    // time of 16-bit ones: a tile's loads get two iterations to land; still two CTAs per SM).
+    static constexpr int STAGES = MMA == kWgmma ? (sizeof(T) == 1 ? 3 : 2) : 3;
     static constexpr int BM = 16 * NWARPS;                // packed (query, head) rows per CTA
     static_assert(BM <= 128, "the Q tile must fit a K stage");
     static constexpr int THREADS = 32 * NWARPS;
-    static constexpr int CPR = D / 8;            // 16-byte chunks per row
-    static constexpr int K_TILE_BYTES = kMsBlock * D * (int)sizeof(T);
+    static constexpr int RB = D * (int)sizeof(T);  // bytes per row
+    static constexpr int CPR = RB / 16;            // 16-byte chunks per row
+    static constexpr int EPC = 16 / (int)sizeof(T);  // values per chunk
+    // Bytes per row in shared memory: wgmma column blocks are whole 128-byte rows (e4m3 D 64
+    // uses half of each); wgmma k-steps of 32 bytes each (16 values, 32 for e4m3).
+    static constexpr int SRB = MMA == kWgmma ? (RB + 127) / 128 * 128 : RB;
+    static constexpr int KSTEPS = RB / 32;
+    static constexpr int K_TILE_BYTES = kMsBlock * SRB;
     static constexpr int K_BYTES = STAGES * K_TILE_BYTES;
-    static constexpr int Q_BYTES = BM * D * (int)sizeof(T);
+    static constexpr int Q_BYTES = BM * SRB;
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
     // Q: wgmma reads it from shared memory for the whole kernel (after the stages).
     // mma.sync holds it in registers after the prologue: it is staged in the last stage
@@ -767,13 +777,13 @@ struct MaxScoreTile {
     static constexpr int SMEM_BYTES = KVALID_OFFSET + STAGES * kMsBlock + ALIGN_SLACK;
 };
 
-// Byte offset of 16-byte chunk ch of row `row` in a tile of ROWS rows x D 16-bit values.
-template <int MMA, int ROWS, int D>
+// Byte offset of 16-byte chunk ch of row `row` in a tile of ROWS rows of RB bytes.
+template <int MMA, int ROWS, int RB>
 __device__ __forceinline__ int ms_tile_offset(int row, int ch) {
     if constexpr (MMA == kWgmma)  // column blocks of ROWS x 128 bytes, chunk c of row r at c ^ (r & 7)
         return (ch >> 3) * (ROWS * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
-    else  // [ROWS][D], chunks XOR-swizzled by row % 8
-        return row * (2 * D) + ((ch ^ (row & 7)) << 4);
+    else  // [ROWS][RB bytes], chunks XOR-swizzled by row % 8
+        return row * RB + ((ch ^ (row & 7)) << 4);
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -822,7 +832,8 @@ template <typename T, int D, int NWARPS, int MMA>
 __global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
 msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     using Cfg = MaxScoreTile<T, D, NWARPS, MMA>;
-    constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES;
+    constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES, RB = Cfg::RB;
+    constexpr int EPC = Cfg::EPC;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw;
     if constexpr (MMA == kWgmma) smem += (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
@@ -914,8 +925,8 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         for (int i = 0; i < kMsBlock / LD_STEP; ++i) {
             const int row = ld_row0 + i * LD_STEP;
             const long long o = key_offset(t * kMsBlock + row);
-            cp_async_16_at(dst + (u32)ms_tile_offset<MMA, kMsBlock, D>(row, ld_ch), o >= 0 ? kc + o + ld_ch * 8 : kc,
-                           o >= 0);
+            cp_async_16_at(dst + (u32)ms_tile_offset<MMA, kMsBlock, RB>(row, ld_ch),
+                           o >= 0 ? kc + o + ld_ch * EPC : kc, o >= 0);
             if (ld_ch == 0) kvalid[stage * kMsBlock + row] = o >= 0 ? 1 : 0;
         }
     };
@@ -928,8 +939,9 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         const int p = cid / CPR, ch = cid % CPR;
         int qi;
         const bool ok = row_valid(p, qi);
-        const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * 8 : q;
-        cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(p, ch)), src, ok);
+        const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * EPC
+                          : q;
+        cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, RB>(p, ch)), src, ok);
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -947,7 +959,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         for (int kk = 0; kk < D / 16; ++kk) {
             const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
             ldmatrix_x4_at(qf[kk],
-                           smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, D>(row, 2 * kk + (mi >> 1))));
+                           smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, RB>(row, 2 * kk + (mi >> 1))));
         }
         // (The loop's first barrier orders these reads before the Q area is reused.)
     }
@@ -1001,14 +1013,14 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
                 mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
             }
         } else {
-            // S = Q K^T for this warpgroup's 64 rows: k-step ks reads 32 bytes of column block
-            // ks / 4 of the Q tile and of the K tile.
+            // S = Q K^T for this warpgroup's 64 rows: k-step ks (16 values, 32 for e4m3) reads
+            // 32 bytes of column block ks / 4 of the Q tile and of the K tile.
             const int wg = warp >> 2;
             const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
             const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
             attn::wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
+            for (int ks = 0; ks < Cfg::KSTEPS; ++ks) {
                 const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
                 const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
                 if (ks == 0)

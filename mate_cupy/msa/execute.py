@@ -49,11 +49,12 @@ SPARSE_MAX_SEQLEN_K = 1 << 25  # the block union of one CTA (every sparse tile h
 MAX_BATCH = 65535  # grid y of the attention kernels
 MAX_KV_HEADS = 65535  # grid y of the max-score kernels
 INDEX_LIMIT = 2**31  # total_q * Hq, KV rows/pages, max_seqlen_q * group: int32 indices
-# float8 max scores run the decode kernel only: its packed rows per request (max_seqlen_q * Hq /
-# Hkv) per head dim and its compute capability, as registered in index_launch.
-FP8_MAX_SCORE_ROWS = {d: max((cfg.rows_per_cta for (dt, dd, cfg) in index_launch.MAX_SCORE_SPECS
-                              if dt == FP8_E4M3 and dd == d), default=0) for d in HEAD_DIMS}
+# float8 max scores: the decode kernel up to FP8_MAX_SCORE_ROWS[D] packed rows per request
+# (max_seqlen_q * Hq / Hkv) from compute capability 8.9, the wgmma kernel above on 9.0 only,
+# as registered in index_launch.
+FP8_MAX_SCORE_ROWS = index_launch.FP8_DECODE_MAX_ROWS
 FP8_MAX_SCORE_MIN_SM = min(s.min_sm for (dt, _, _), s in index_launch.MAX_SCORE_SPECS.items() if dt == FP8_E4M3)
+FP8_PREFILL_MAX_SCORE_SM = index_launch.FP8_PREFILL_SM
 DTYPE_CODES = {FLOAT16: al.DTYPE_FP16, BFLOAT16: al.DTYPE_BF16, FP8_E4M3: al.DTYPE_E4M3}
 LOG2E = 1.4426950408889634
 
@@ -273,22 +274,26 @@ def _check_head_dim_and_dtype(fn: str, sparse: bool, head_dim: int, dtype, *, at
 
 
 def check_fp8_max_score(fn: str, plan: MsaPlan, hq: int, head_dim: int, device: int) -> None:
-    """The float8 max score's limits for ``plan``'s requests (``NotImplementedError``): the
-    decode kernel holds ``max_seqlen_q * Hq / Hkv <= FP8_MAX_SCORE_ROWS[D]`` packed rows (32;
-    16 at D 256) and runs on compute capability 8.9 or newer (CUDA inputs)."""
+    """The float8 max score's device limits for ``plan``'s requests (CUDA inputs,
+    ``NotImplementedError``; host inputs run the float64 reference at any shape): compute
+    capability 8.9 or newer, and 9.0 exactly (the wgmma kernel) above the decode kernel's
+    ``max_seqlen_q * Hq / Hkv <= FP8_MAX_SCORE_ROWS[D]`` packed rows (32; 16 at D 256)."""
+    if device < 0:
+        return
+    cc = device_info(device)[1]
+    if cc < FP8_MAX_SCORE_MIN_SM:
+        raise NotImplementedError(f"{fn}: the float8 max score needs compute capability "
+                                  f"{FP8_MAX_SCORE_MIN_SM // 10}.{FP8_MAX_SCORE_MIN_SM % 10} or newer, "
+                                  f"got {cc // 10}.{cc % 10} (cuda:{device})")
     rows = plan.prefill_plan.max_seqlen_q * (hq // plan.num_kv_heads)
-    limit = FP8_MAX_SCORE_ROWS.get(head_dim, 0)
-    if rows > limit:
+    limit = FP8_MAX_SCORE_ROWS[head_dim]
+    if rows > limit and cc != FP8_PREFILL_MAX_SCORE_SM:
+        sm = FP8_PREFILL_MAX_SCORE_SM
         raise NotImplementedError(
-            f"{fn}: the float8 max score runs the decode kernel only: max_seqlen_q * Hq / Hkv <= {limit} packed "
-            f"rows per request at head dim {head_dim}, got {plan.prefill_plan.max_seqlen_q} * {hq} / "
-            f"{plan.num_kv_heads} = {rows} (use float16/bfloat16 index inputs for prefill)")
-    if device >= 0:
-        cc = device_info(device)[1]
-        if cc < FP8_MAX_SCORE_MIN_SM:
-            raise NotImplementedError(f"{fn}: the float8 max score needs compute capability "
-                                      f"{FP8_MAX_SCORE_MIN_SM // 10}.{FP8_MAX_SCORE_MIN_SM % 10} or newer, "
-                                      f"got {cc // 10}.{cc % 10} (cuda:{device})")
+            f"{fn}: a float8 max score of more than {limit} packed rows per request at head dim {head_dim} "
+            f"(max_seqlen_q * Hq / Hkv = {plan.prefill_plan.max_seqlen_q} * {hq} / {plan.num_kv_heads} = {rows}) "
+            f"runs the wgmma kernel, compute capability {sm // 10}.{sm % 10} only; got {cc // 10}.{cc % 10} "
+            f"(cuda:{device}); use float16/bfloat16 index inputs there")
 
 
 def attention_workspace_bytes(plan: MsaPlan, head_dim: int, dtype, device: int, total_q: int) -> int:

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from .topk import TopkProblem
 
 __all__ = [
-    "DECODE_CONFIGS", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
+    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig",
+    "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
     "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
 ]
 
@@ -66,7 +67,7 @@ class MaxScoreConfig:
     each streaming its own K blocks through a private cp.async ring; keys are the MMA's M,
     ``8 * row_blocks`` packed rows its N, Q in registers), ``"mma_sync"`` (each warp holds
     16 rows of Q in registers; three K stages) or ``"wgmma"`` (sm_90a warpgroup MMA, Q and
-    K from shared memory; two K stages); the last two are ``msa_block_max_score_kernel``.
+    K from shared memory; two K stages, three for float8); the last two are ``msa_block_max_score_kernel``.
     ``num_warps``: warps per CTA. ``row_blocks`` (decode only): n-blocks of 8 packed rows.
     """
 
@@ -82,7 +83,9 @@ class MaxScoreConfig:
         """K stages: per warp (sub-tiles of 32 keys) for decode, per CTA (128 keys) otherwise."""
         if self.decode:
             return 6 if d * elem_bytes <= 128 else 3   # DecodeTile::WS
-        return 2 if self.mma == "wgmma" else 3
+        if self.mma == "wgmma":
+            return 3 if elem_bytes == 1 else 2      # MaxScoreTile::STAGES
+        return 3
 
     @property
     def rows_per_cta(self) -> int:
@@ -110,23 +113,42 @@ MAX_SCORE_SPECS = {
     for d in MAX_SCORE_HEAD_DIMS
     for cfg in MAX_SCORE_CONFIGS
 }
-# fp8 e4m3 q and k (mma.sync k32, sm_89+): the decode kernel only, up to 16 rows for D 256
-# (32 rows of D 256 spill on sm_90, where fp8 mma.sync runs as f16 MMAs on converted values).
+# fp8 e4m3 q and k: the decode kernel (mma.sync k32, sm_89+) up to 16 rows for D 256 (32 rows
+# of D 256 spill on sm_90, where fp8 mma.sync runs as f16 MMAs on converted values), and more
+# rows on sm_90a only, by 8 warps of wgmma m64n128k32.
 MAX_SCORE_SPECS.update({
     (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), min_sm=89)
     for d in MAX_SCORE_HEAD_DIMS
     for cfg in DECODE_CONFIGS
     if d < 256 or cfg.row_blocks <= 2
 })
+FP8_PREFILL_CONFIG = MAX_SCORE_CONFIGS[5]   # wgmma, 8 warps
+MAX_SCORE_SPECS.update({
+    (FP8_E4M3, d, FP8_PREFILL_CONFIG): register(SOURCE, _max_score_name(FP8_E4M3, d, FP8_PREFILL_CONFIG),
+                                                only_arch=SM90A)
+    for d in MAX_SCORE_HEAD_DIMS
+})
+# Packed rows per request the fp8 decode kernel holds, per head dim (32; 16 at D 256); more
+# rows take the wgmma variant (compute capability 9.0).
+FP8_DECODE_MAX_ROWS = {d: max(cfg.rows_per_cta for (dt, dd, cfg) in MAX_SCORE_SPECS
+                              if dt == FP8_E4M3 and dd == d and cfg.decode) for d in MAX_SCORE_HEAD_DIMS}
+FP8_PREFILL_SM = 90
 
 
-def select_max_score_config(rows: int, compute_capability: int) -> MaxScoreConfig:
+def select_max_score_config(rows: int, compute_capability: int, *, fp8: bool = False,
+                            head_dim: int = 128) -> MaxScoreConfig:
     """The kernel for requests of up to ``rows = max_seqlen_q * Hq / Hkv`` packed rows.
 
     Decode-shaped requests (``rows <= 32``: a few queries, memory bound on K) take the
     decode kernel with the fewest 8-row n-blocks holding them; up to 64 rows 4 warps of
     mma.sync (64-row CTAs); above, 8 warps of wgmma on sm_90 (H200: 1.45 ms against 2.08 ms
-    for 8 warps of mma.sync at S8192 Hq64 Hkv8 D128), 8 warps of mma.sync elsewhere."""
+    for 8 warps of mma.sync at S8192 Hq64 Hkv8 D128), 8 warps of mma.sync elsewhere.
+    ``fp8`` (e4m3 q and k): the decode kernel up to ``FP8_DECODE_MAX_ROWS[head_dim]`` rows,
+    else 8 warps of wgmma (registered for sm_90a only: callers refuse other devices)."""
+    if fp8:
+        if rows <= FP8_DECODE_MAX_ROWS[head_dim]:
+            return next(c for c in DECODE_CONFIGS if c.rows_per_cta >= rows)
+        return FP8_PREFILL_CONFIG
     if rows <= DECODE_MAX_ROWS:
         return next(c for c in DECODE_CONFIGS if c.rows_per_cta >= rows)
     if rows <= 64:
@@ -139,11 +161,14 @@ def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) ->
     if config.decode:
         ws = config.stages(d, elem_bytes)
         return config.num_warps * ws * (DECODE_SUB_KEYS * d * elem_bytes + 4)
-    stages = config.stages(d)
+    stages = config.stages(d, elem_bytes)
     bm = config.rows_per_cta
-    k_bytes = stages * BLOCK * d * elem_bytes
+    row = d * elem_bytes
+    if config.mma == "wgmma":   # whole 128-byte column-block rows
+        row = -(-row // 128) * 128
+    k_bytes = stages * BLOCK * row
     stash = bm * (_MS_STASH + 1) * 4
-    end = k_bytes + (bm * d * elem_bytes if config.mma == "wgmma" else 0) + stash
+    end = k_bytes + (bm * row if config.mma == "wgmma" else 0) + stash
     return end + stages * BLOCK + (1024 if config.mma == "wgmma" else 0)
 
 
@@ -227,8 +252,9 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
     * the current CUDA device is the arrays' device and ``stream`` belongs to it;
     * ``q``: ``[total_q, Hq, D]``, float16 or bfloat16, ``D`` in {64, 128, 256},
       ``q.strides[2] == 1``, ``q.strides[0]`` and ``q.strides[1]`` multiples of 16 bytes,
-      ``q.ptr`` 16-byte aligned; or float8 e4m3 (``max_seqlen_q * Hq / Hkv <= 32``: the
-      decode kernel, ``<= 16`` for D 256; compute capability 8.9 or newer) with
+      ``q.ptr`` 16-byte aligned; or float8 e4m3 (``max_seqlen_q * Hq / Hkv <=
+      FP8_DECODE_MAX_ROWS[D]`` (32, 16 for D 256): the decode kernel, compute capability 8.9
+      or newer; more rows: the wgmma variant, compute capability 9.0 only) with
       ``score_scale`` the product of the per-tensor q and k scales;
     * ``k``: ``q``'s dtype, the rank and shape above for its mode with head dim ``D``,
       ``k.strides[-1] == 1``, the other strides multiples of 16 bytes, ``k.ptr`` 16-byte
@@ -272,13 +298,13 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
     if batch == 0 or rows <= 0 or total_q == 0 or nt == 0:
         return
     sm_count, cc = device_info(q.device)
-    cfg = select_max_score_config(rows, cc) if config is None else config
+    cfg = select_max_score_config(rows, cc, fp8=q.dtype == FP8_E4M3, head_dim=d) if config is None else config
     if cfg.decode and rows > cfg.rows_per_cta:
         raise ValueError(f"config {cfg} holds {cfg.rows_per_cta} packed rows, got max_seqlen_q * Hq / Hkv = {rows}")
     if (q.dtype, d, cfg) not in MAX_SCORE_SPECS:
         raise ValueError(f"max score: no {dtype_name(q.dtype)} variant {cfg} for D {d} ({rows} packed rows per "
-                         f"request; float8 runs the decode kernel: max_seqlen_q * Hq / Hkv <= {DECODE_MAX_ROWS}, "
-                         f"<= 16 for D 256)")
+                         f"request; float8 runs the decode kernel up to max_seqlen_q * Hq / Hkv <= "
+                         f"{DECODE_MAX_ROWS} (16 for D 256), else 8 warps of wgmma)")
     kernel = get_kernel(MAX_SCORE_SPECS[(q.dtype, d, cfg)])
     smem = max_score_smem_bytes(d, cfg, q.dtype.itemsize)
     if cfg.decode:

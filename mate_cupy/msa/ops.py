@@ -55,8 +55,8 @@ def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_ove
     ``kv_block_indexes [total_q, Hkv or Hq, W]`` int32. ``q_offset_override``: an int or
     ``[B]`` (eager plans). ``sm_scale`` (default ``D ** -0.5``); ``lse`` (preallocated float32
     ``[total_q, Hq]``, filled in every mode); ``k_scale``/``v_scale`` (fp8 sparse attention;
-    an fp8 max score of any plan is ``k_scale`` times the block max: decode shapes only,
-    ``max_seqlen_q * Hq / Hkv <= 32`` packed rows, 16 at D 256, sm_89+);
+    an fp8 max score of any plan is ``k_scale`` times the block max: sm_89+ up to
+    ``max_seqlen_q * Hq / Hkv <= 32`` packed rows, 16 at D 256, sm_90 only above);
     ``runtime_metadata`` (required by static plans); ``output_o``; ``output_maxscore``
     (default: the plan's; a given ``max_score`` implies it); ``check_input_valid`` (read the
     indices on the host and refuse invalid ones: a synchronisation on CUDA); ``workspace``

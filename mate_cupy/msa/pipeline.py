@@ -291,9 +291,9 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     q ``[total_q, Hq, 128]`` (fp16, bf16 or fp8); k, v paged ``[P, 128, Hkv, 128]`` (or
     ``[P, Hkv, 128, 128]``); ``index_q [total_q, Hkv, Di]`` and ``index_k [P, 128, Hik, Di]``
     (or ``[P, Hik, 128, Di]``), the index branch over the same pages: fp16/bf16, or float8
-    e4m3 for decode pipelines (every window's ``max_seqlen_q * Hkv / Hik <= 32``, 16 at
-    ``Di`` 256; compute capability 8.9+: ``NotImplementedError`` otherwise, before any
-    launch) with ``index_scale`` (positive, finite) the max-score pass's ``k_scale``: the
+    e4m3 (CUDA inputs: compute capability 8.9+ while every window's ``max_seqlen_q * Hkv /
+    Hik <= 32``, 16 at ``Di`` 256, 9.0 for more rows: ``NotImplementedError`` otherwise,
+    before any launch) with ``index_scale`` (positive, finite) the max-score pass's ``k_scale``: the
     plan's max scores are ``index_scale * max(index_q . index_k)`` (a per-tensor index q
     scale is folded in: MiniMax's Q8KV8 index passes ``q_scale * k_scale``; the selection
     depends only on their order; 16-bit index inputs ignore it);

@@ -8,8 +8,9 @@
 // wgmma (sm_90a) with both operands in shared memory, K-major, 128-byte swizzle: every
 // thread computes its own accumulator elements from the descriptors (no exchange needed).
 // Descriptor: start >> 4 in bits [0,14), LBO >> 4 in [16,30), SBO >> 4 in [32,46),
-// layout type in [62,64) (1: 128-byte swizzle). Element (r, k) of a k16 step sits at
-// start + (r / 8) SBO + (r % 8) 128 + 2 k, with address bits [4,7) ^= bits [7,10).
+// layout type in [62,64) (1: 128-byte swizzle). Element (r, k) of a k-step (k16 for 16-bit
+// types, k32 for e4m3: 32 bytes of each row either way) sits at byte
+// start + (r / 8) SBO + (r % 8) 128 + k sizeof(E), with address bits [4,7) ^= bits [7,10).
 namespace mate {
 // cp.async with an L2 prefetch hint: the hint has no effect on the result.
 inline void cp_async_16_l2_at(u32 saddr, const void* gmem, bool pred) { cp_async_16_at(saddr, gmem, pred); }
@@ -57,25 +58,31 @@ template <typename E>
 inline float wg_elem(u64 desc, int r, int k) {
     if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0) { std::fprintf(stderr, "wgmma: unexpected descriptor mode\n"); std::abort(); }
     const u32 start = (u32)(desc & 0x3FFFu) << 4, sbo = (u32)((desc >> 32) & 0x3FFFu) << 4;
-    u32 addr = start + (u32)(r / 8) * sbo + (u32)(r % 8) * 128u + 2u * (u32)k;
+    u32 addr = start + (u32)(r / 8) * sbo + (u32)(r % 8) * 128u + (u32)sizeof(E) * (u32)k;
     addr ^= ((addr >> 7) & 7u) << 4;
-    if (addr + 2 > emu::g_block->smem_bytes) { std::fprintf(stderr, "wgmma operand past shared memory\n"); std::abort(); }
-    uint16_t bits;
-    std::memcpy(&bits, emu::dyn_smem() + addr, 2);
-    return h2f<E>(bits);
+    if (addr + sizeof(E) > emu::g_block->smem_bytes) { std::fprintf(stderr, "wgmma operand past shared memory\n"); std::abort(); }
+    if constexpr (sizeof(E) == 1) {
+        return e4m3_to_float(emu::dyn_smem()[addr]);
+    } else {
+        uint16_t bits;
+        std::memcpy(&bits, emu::dyn_smem() + addr, 2);
+        return h2f<E>(bits);
+    }
 }
 
 template <int N, typename E>
 struct WgmmaSS {
-    // D[64 x N] (+)= A[64 x 16] B[16 x N]; this thread's d[4 i + j] is row 16 w + g + 8 (j / 2),
-    // column 8 i + 2 t + (j % 2) (w: warp in the warpgroup, g = lane / 4, t = lane % 4).
+    // D[64 x N] (+)= A[64 x K] B[K x N] (K = 32 bytes / sizeof(E)); this thread's d[4 i + j] is
+    // row 16 w + g + 8 (j / 2), column 8 i + 2 t + (j % 2) (w: warp in the warpgroup, g = lane / 4,
+    // t = lane % 4).
     static void run(float* d, u64 da, u64 db, int scale_d) {
+        constexpr int K = 32 / (int)sizeof(E);
         const int w = (threadIdx.x / 32) % 4, l = emu::my_lane(), g = l / 4, t = l % 4;
         for (int i = 0; i < N / 8; ++i)
             for (int j = 0; j < 4; ++j) {
                 const int row = 16 * w + g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
                 float s = scale_d ? d[4 * i + j] : 0.f;
-                for (int k = 0; k < 16; ++k) s += wg_elem<E>(da, row, k) * wg_elem<E>(db, col, k);
+                for (int k = 0; k < K; ++k) s += wg_elem<E>(da, row, k) * wg_elem<E>(db, col, k);
                 d[4 * i + j] = s;
             }
     }

@@ -2,12 +2,12 @@
 //
 // Shared-memory operand layout ("column blocks", the 128-byte-swizzled
 // canonical layout of wgmma): a tile of ROWS rows x D 16-bit values is stored
-// as D / 64 column blocks of ROWS x 128 bytes; 16-byte chunk c (0..7) of row r
+// as D / 64 column blocks of ROWS x 128 bytes (8-bit values: 128 per block row); 16-byte chunk c (0..7) of row r
 // of a block sits at physical chunk c ^ (r & 7). Every tile starts on a
 // 1024-byte boundary, so the hardware swizzle (address bits [4,7) ^= [7,10))
 // matches this XOR. The same bytes serve both operand kinds:
 //   K-major (Q, K as A / B of S = Q K^T): rows are M / N, 8-row groups 1024 B
-//     apart (SBO); a k-step of 16 values is +32 B inside a block.
+//     apart (SBO); a k-step of 16 values (32 for e4m3, k32) is +32 B inside a block.
 //   MN-major (V as B of O = P V, transposed): rows are the K (key) dimension,
 //     8-key groups 1024 B apart (SBO), one 64-value block per instruction
 //     (N = 64), a k-step of 16 keys is +2048 B.
@@ -101,22 +101,25 @@ template <int N, typename E> struct WgmmaRS {
     "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
     "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// D[64 x N] (+)= A[64 x 16] B[16 x N]: A and B K-major in shared memory (descriptors).
-// ACC lists the N / 2 accumulator registers; A, B, P are the operand numbers after them.
-#define MATE_WG_SS(N, ELEM, TY, REGS, ACC, A, B, P)                                                   \
+// D[64 x N] (+)= A[64 x K] B[K x N]: A and B K-major in shared memory (descriptors); K is 16
+// for 16-bit types, 32 for e4m3 (32 bytes per row either way). ACC lists the N / 2
+// accumulator registers; A, B, P are the operand numbers after them. IMM: the immediate
+// operands after scale-d (scale-a, scale-b, and for 16-bit types the transpose flags: 0,
+// K-major; 8-bit types have none and are always K-major).
+#define MATE_WG_SS(N, K, ELEM, TY, IMM, REGS, ACC, A, B, P)                                           \
     template <> struct WgmmaSS<N, ELEM> {                                                             \
         static __device__ __forceinline__ void run(float* d, u64 da, u64 db, int scale_d) {           \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                              \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", "     \
-                         "%" #A ", %" #B ", p, 1, 1, 0, 0;\n}\n"                                      \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TY "." TY " " REGS ", " \
+                         "%" #A ", %" #B ", p, " IMM ";\n}\n"                                         \
                          : ACC("+f")                                                                  \
                          : "l"(da), "l"(db), "r"(scale_d));                                           \
         }                                                                                             \
         /* D = A B (accumulator not read: the registers are pure outputs). */                         \
         static __device__ __forceinline__ void first(float* d, u64 da, u64 db) {                      \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                              \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", "     \
-                         "%" #A ", %" #B ", p, 1, 1, 0, 0;\n}\n"                                      \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TY "." TY " " REGS ", " \
+                         "%" #A ", %" #B ", p, " IMM ";\n}\n"                                         \
                          : ACC("=f")                                                                  \
                          : "l"(da), "l"(db), "r"(0));                                                 \
         }                                                                                             \
@@ -143,12 +146,13 @@ template <int N, typename E> struct WgmmaRS {
         }                                                                                             \
     };
 
-MATE_WG_SS(64, half_t, "f16", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
-MATE_WG_SS(128, half_t, "f16", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
+MATE_WG_SS(64, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
+MATE_WG_SS(128, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS64(half_t, "f16")
-MATE_WG_SS(64, bf16_t, "bf16", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
-MATE_WG_SS(128, bf16_t, "bf16", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
+MATE_WG_SS(64, 16, bf16_t, "bf16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
+MATE_WG_SS(128, 16, bf16_t, "bf16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS64(bf16_t, "bf16")
+MATE_WG_SS(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 
 #undef MATE_WG_SS
 #undef MATE_WG_RS64
