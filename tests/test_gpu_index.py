@@ -864,6 +864,35 @@ def test_decode_max_score_paged(rng, page_size, kv_layout, source, nq):
                              f"{source} {kv_layout} page={page_size} Hq{hq} Hkv{hkv} nq={nq} {config}")
 
 
+def _in_order_pages(kv_indices, indptr, counts, num_pages):
+    """Pages in storage order (a 32-key sub-tile of pages smaller than 32 keys lies at one
+    stride for NHD, and for HND with one KV head), the run broken by two swapped pages and
+    an invalid id in request 0."""
+    kv_indices[:] = np.arange(kv_indices.size)
+    kv_indices[[5, 9]] = kv_indices[[9, 5]]
+    kv_indices[17] = -1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_decode_max_score_in_order_small_pages(rng, page_size, kv_layout):
+    """Pages of 8 or 16 keys in storage order: sub-tiles spanning adjacent pages copy from
+    one base address, those touching the swapped pages, the invalid id or a request's end
+    copy key by key (HND with two KV heads always: its pages are not at one key stride)."""
+    d, dtype = 128, BF16
+    for hq, hkv in ((4, 1), (8, 2)):
+        qo, kv, off = _decode_lengths(rng, 1, 20000)
+        cu_q, _, _ = _meta(qo, kv, off)
+        kw, q, k_cache, nt, want, k_rows = _paged_decode_problem(
+            rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=d, dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+            source="csr", spare_pages=2, corrupt=_in_order_pages, table_columns=None)
+        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= hq // hkv]:
+            got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
+                                    config=config, **kw)
+            _check_max_score(got, want, q, k_rows, f"in-order pages {kv_layout} page={page_size} Hq{hq} Hkv{hkv} {config}")
+
+
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 

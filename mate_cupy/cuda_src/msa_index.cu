@@ -796,6 +796,17 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
 }
 
+// Four e4m3 bytes -> two f16x2 words: bytes 0, 1 -> lo and bytes 2, 3 -> hi (low byte in
+// the low half; exact: every e4m3 value is an f16 value). sm_89+.
+__device__ __forceinline__ void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+#else
+    lo = hi = 0u;  // (no float8 kernel is built below sm_89)
+#endif
+}
+
 // The parameter list of both max-score kernels (one launcher table, MAX_SCORE_PARAMS); T is
 // the kernel's element type.
 #define MAX_SCORE_KERNEL_ARGS                                                                              \
@@ -1090,6 +1101,15 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 
 constexpr int kDecSubKeys = 32;  // keys per sub-tile (one warp's cp.async stage)
 constexpr int kDecWarps = 4;
+// float8 MMAs: mma.sync m16n8k32 e4m3 where the tensor cores run it (sm_89, sm_120+); on
+// sm_90 and sm_100 - sm_110, where ptxas lowers it to f16 MMAs on values converted at every
+// MMA (Q included) with the two halves added in f32, the kernel converts Q once and K's
+// fragments itself and runs two m16n8k16 f16 MMAs per 32-byte k-step into the accumulator.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+constexpr bool kDecFp8Native = true;
+#else
+constexpr bool kDecFp8Native = false;
+#endif
 
 template <typename T, int D, int NB>
 struct DecodeTile {
@@ -1248,6 +1268,7 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     // 32 kk + 4 (lane % 4) .. + 3 and 16 bytes further (16-bit: values 16 kk + 2 (lane % 4),
     // +1 and +8, +9; fp8: values 32 kk + 4 (lane % 4) .. +3 and +16 .. +19)
     const int fg = lane >> 2, ft = lane & 3;
+    constexpr bool F16K = Cfg::FP8 && !kDecFp8Native;  // fp8 through f16 MMAs (sm_90, sm_100)
     u32 qf[NB][KSTEPS][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
@@ -1261,6 +1282,20 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
             qf[nb][kk][0] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk) : 0u;
             qf[nb][kk][1] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk + 16) : 0u;
         }
+    }
+    // F16K: qh[nb][kk] = f16 pairs of Q bytes (32 kk + 4 ft, +1), (+2, +3), (+16, +17), (+18, +19):
+    // the B fragments of two m16n8k16 MMAs whose k pairs (2 ft, 2 ft + 1) and (2 ft + 8, 2 ft + 9)
+    // stand for those bytes (the A side converts K the same way; a dot product is blind to
+    // the order of its k).
+    u32 qh[NB][KSTEPS][F16K ? 4 : 1];
+    if constexpr (F16K) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                e4m3x4_to_f16x2(qf[nb][kk][0], qh[nb][kk][0], qh[nb][kk][1]);
+                e4m3x4_to_f16x2(qf[nb][kk][1], qh[nb][kk][2], qh[nb][kk][3]);
+            }
     }
     // This lane's accumulator rows 8 nb + 2 ft + e: limits and output offsets.
     int lim[NB][2];
@@ -1313,10 +1348,23 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
             for (int mt = 0; mt < 2; ++mt) {
                 u32 a[4];
                 ldmatrix_x4_at(a, st + (u32)(mt * 16 * RB) + a_chunk[kk % 4] + (u32)((kk / 4) * 128));
+                if constexpr (F16K) {
+                    // a[0..3]: bytes 4 ft .. + 3 of keys g, g + 8, then 16 bytes further
+                    u32 lo[4], hi[4];
 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) {
-                    if constexpr (Cfg::FP8) mma_16x8x32_e4m3(acc[mt][nb], a, qf[nb][kk]);
-                    else mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                    for (int r = 0; r < 4; ++r) e4m3x4_to_f16x2(a[r], lo[r], hi[r]);
+                    const u32 a0[4] = {lo[0], lo[1], hi[0], hi[1]}, a1[4] = {lo[2], lo[3], hi[2], hi[3]};
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) {
+                        mma_16x8x16<half_t>(acc[mt][nb], a0, &qh[nb][kk][0]);
+                        mma_16x8x16<half_t>(acc[mt][nb], a1, &qh[nb][kk][2]);
+                    }
+                } else {
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) {
+                        if constexpr (Cfg::FP8) mma_16x8x32_e4m3(acc[mt][nb], a, qf[nb][kk]);
+                        else mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                    }
                 }
             }
         }
