@@ -1150,6 +1150,10 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     const int lk = max(kv_lens[b], 0);
     const long long q0 = cu_seqlens_q[b];
     const long long off = qo_offset[b];
+    // (read with the lengths: the first page lookups need them)
+    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
+    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
+    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
     const int nrows = (int)min((long long)qlen * r, (long long)ROWS);  // packed rows [0, nrows)
 
     auto row_valid = [&](int p, int& qi) {
@@ -1191,9 +1195,6 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     // sub-tile before the copies need it, so the page-table read is off the issue path;
     // `key_offset` makes the element offset of key (head g), -1 when not admissible or
     // not in memory.
-    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
-    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
-    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
     const int slot_mask = (1 << page_shift) - 1;
     const long long head_off = (long long)g * k_stride_head;
     // Sub-tile s of this warp: keys [128 (t_begin + warp + 4 (s / 4)) + 32 (s % 4), + 32).
@@ -1257,12 +1258,16 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         if (lane == 0) masks[stage] = valid;
     };
 
+    // Prologue: the first WS sub-tiles' lookups in flight together, then WS - 1 sub-tiles' copies.
+    long long first_id[WS];
+#pragma unroll
+    for (int s = 0; s < WS; ++s) first_id[s] = fetch_key(s);
 #pragma unroll
     for (int s = 0; s < WS - 1; ++s) {
-        if (s < n_sub) load_sub(s, fetch_key(s));
+        if (s < n_sub) load_sub(s, first_id[s]);
         cp_async_commit();
     }
-    long long next_id = fetch_key(WS - 1);  // key of this lane in the next sub-tile to copy
+    long long next_id = first_id[WS - 1];  // key of this lane in the next sub-tile to copy
 
     // ---- Q as mma B fragments: n-block nb, k-step kk: row 8 nb + lane / 4, bytes
     // 32 kk + 4 (lane % 4) .. + 3 and 16 bytes further (16-bit: values 16 kk + 2 (lane % 4),
