@@ -898,6 +898,84 @@ def test_decode_max_score_paged(rng, page_size, kv_layout, source, nq):
                              f"{source} {kv_layout} page={page_size} Hq{hq} Hkv{hkv} nq={nq} {config}")
 
 
+def _in_order_pages(kv_indices, indptr, counts, num_pages):
+    """Pages in storage order (a 32-key sub-tile of pages smaller than 32 keys lies at one
+    stride for NHD, and for HND with one KV head), the run broken by two swapped pages and
+    an invalid id in request 0."""
+    kv_indices[:] = np.arange(kv_indices.size)
+    kv_indices[[5, 9]] = kv_indices[[9, 5]]
+    kv_indices[17] = -1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_decode_max_score_in_order_small_pages(rng, page_size, kv_layout):
+    """Pages of 8 or 16 keys in storage order: sub-tiles spanning adjacent pages copy from
+    one base address, those touching the swapped pages, the invalid id or a request's end
+    copy key by key (HND with two KV heads always: its pages are not at one key stride)."""
+    d, dtype = 128, BF16
+    for hq, hkv in ((4, 1), (8, 2)):
+        qo, kv, off = _decode_lengths(rng, 1, 20000)
+        cu_q, _, _ = _meta(qo, kv, off)
+        kw, q, k_cache, nt, want, k_rows = _paged_decode_problem(
+            rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=d, dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+            source="csr", spare_pages=2, corrupt=_in_order_pages, table_columns=None)
+        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= hq // hkv]:
+            got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
+                                    config=config, **kw)
+            _check_max_score(got, want, q, k_rows, f"in-order pages {kv_layout} page={page_size} Hq{hq} Hkv{hkv} {config}")
+
+
+K_VIEW_LAYOUTS = ("dense-padded", "NHD-kv-pages", "HND-kv-pages")
+
+
+def _k_view_decode_problem(rng, layout, qo, kv, hq=8, hkv=2, d=128, page=64):
+    """A float16 decode max-score problem whose K is a view with strides other than its
+    shape's: ``dense-padded`` rows padded past D, ``*-kv-pages`` the K half of pages holding
+    K and V (``[P, 2, ...]``). Returns ``(cu_q, q, k_base, view, nt, want, kw, k_rows,
+    offsets)`` with K = ``view(k_base)`` (on the host or, sliced there, on the device)."""
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), F16)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    if layout == "dense-padded":
+        k_base = _rand(rng, (int(cu_k[-1]), hkv, d + 24), F16)
+        view = lambda a: a[:, :, :d]  # noqa: E731
+        k = view(k_base)
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        return cu_q, q, k_base, view, nt, want, dict(cu_k=cu_k), k.reshape(-1, d), off
+    kl = layout[:3]
+    counts = -(-kv // page)
+    num_pages = int(counts.sum()) + 2
+    kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    inner = (page, hkv, d) if kl == "NHD" else (hkv, page, d)
+    k_base = _rand(rng, (num_pages, 2) + inner, F16)
+    view = lambda a: a[:, 0]  # noqa: E731
+    k = view(k_base)
+    table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+    want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                     kv_layout=kl, qo_lens=qo)
+    k_rows = (k if kl == "NHD" else k.transpose(0, 2, 1, 3)).reshape(-1, d)
+    return cu_q, q, k_base, view, nt, want, dict(page_table=table, kv_layout=kl, page_size=page), k_rows, off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", K_VIEW_LAYOUTS)
+def test_decode_max_score_k_views(rng, layout):
+    """K as a view with strides other than its shape's (rows padded past D; the K half of
+    pages holding K and V), sliced on the device: the decode kernel's copies follow the
+    strides."""
+    qo, kv, _ = _decode_lengths(rng, 1, 20000)
+    cu_q, q, k_base, view, nt, want, kw, k_rows, off = _k_view_decode_problem(rng, layout, qo, kv)
+    k_dev = view(_dev(k_base))
+    assert not k_dev.flags.c_contiguous
+    for config in [None] + list(il.DECODE_CONFIGS):
+        got = _launch_max_score(q, k_dev, nt, qo, kv, off, cu_q, config=config, **kw)
+        _check_max_score(got, want, q, k_rows, f"K view {layout} {config}")
+
+
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 

@@ -20,8 +20,9 @@ from mate_cupy.msa import index_launch as il
 from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 
-from test_gpu_index import (BF16, F16, SCORE_KINDS, _check_max_score, _lengths, _meta, _paged_decode_problem,
-                            _positions, _rand, _scores, _width)
+from test_gpu_index import (BF16, F16, K_VIEW_LAYOUTS, SCORE_KINDS, _check_max_score, _in_order_pages,
+                            _k_view_decode_problem, _lengths, _meta, _paged_decode_problem, _positions, _rand, _scores,
+                            _width)
 
 BLOCK = 128
 
@@ -391,6 +392,38 @@ def test_decode_max_score_paged_emulated(emu, rng, kv_layout, source, page_size,
             got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout,
                                  page_size=page_size, lazy=lazy, config=config, **kw)
             _check_max_score(got, want, q, k_rows, f"{source} {kv_layout} page={page_size} qo={qo.tolist()} {config}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_layout,page_size,heads", [("NHD", 8, (4, 1)), ("HND", 16, (4, 1)), ("HND", 16, (8, 2))])
+def test_decode_max_score_in_order_small_pages_emulated(emu, rng, kv_layout, page_size, heads):
+    """Pages smaller than a sub-tile in storage order: one-base copies across page
+    boundaries, key-by-key copies around two swapped pages, an invalid id and request ends
+    (HND with two KV heads: every sub-tile key by key)."""
+    H, run = emu
+    hq, hkv = heads
+    qo = np.array([1, 1, 0, 1], dtype=np.int32)
+    kv = np.array([700, 300, 40, 129], dtype=np.int32)
+    cu_q, _, off = _meta(qo, kv, None)
+    kw, q, k_cache, nt, want, k_rows = _paged_decode_problem(
+        rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=128, dtype=BF16, page_size=page_size, kv_layout=kv_layout,
+        source="csr", spare_pages=2, corrupt=_in_order_pages, table_columns=None)
+    got = _emu_max_score(H, run, q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
+                         lazy=True, **kw)
+    _check_max_score(got, want, q, k_rows, f"in-order pages {kv_layout} page={page_size} Hq{hq} Hkv{hkv}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", K_VIEW_LAYOUTS)
+def test_decode_max_score_k_views_emulated(emu, rng, layout):
+    """K as a view with strides other than its shape's (rows padded past D; the K half of
+    pages holding K and V): the one-base copies follow the strides (Hq 8 over Hkv 2)."""
+    H, run = emu
+    qo = np.array([1, 2, 0, 1], dtype=np.int32)
+    kv = np.array([900, 333, 40, 129], dtype=np.int32)
+    cu_q, q, k_base, view, nt, want, kw, k_rows, off = _k_view_decode_problem(rng, layout, qo, kv)
+    got = _emu_max_score(H, run, q, view(k_base), nt, qo, kv, off, cu_q, **kw)
+    _check_max_score(got, want, q, k_rows, f"K view {layout}")
 
 
 # ============================================================================ fp8 decode max score

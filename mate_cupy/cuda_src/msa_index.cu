@@ -806,6 +806,17 @@ __device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 saddr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr));
 }
 
+// Four e4m3 bytes -> two f16x2 words: bytes 0, 1 -> lo and bytes 2, 3 -> hi (low byte in
+// the low half; exact: every e4m3 value is an f16 value). sm_89+.
+__device__ __forceinline__ void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+#else
+    lo = hi = 0u;  // (no float8 kernel is built below sm_89)
+#endif
+}
+
 // The parameter list of both max-score kernels (one launcher table, MAX_SCORE_PARAMS); T is
 // the kernel's element type.
 #define MAX_SCORE_KERNEL_ARGS                                                                              \
@@ -1094,12 +1105,23 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 // XOR-swizzled stage) and B = 8 packed rows of Q held in registers (NB n-blocks, up to
 // 8 NB rows). Accumulator element (key g (+ 8), row 2 t + e) of each n-block: a lane
 // keeps the running max of its two rows per n-block over the block's 128 keys, the 8
-// lanes of a row (g) reduce it by shuffles and lanes 0..3 store it. Key validity (j <
-// kv_len, page ids in range) is a 32-bit mask per sub-tile built by ballots at issue;
-// causal limits apply per row; sub-tiles entirely admissible for every row skip masking.
+// lanes of a row (g) reduce it by shuffles and lanes 0..3 store it. Lane l looks up key l
+// of a sub-tile (page id one sub-tile ahead); key validity (j < kv_len, page ids in range)
+// is the ballot of those lookups, a 32-bit mask per sub-tile; sub-tiles whose keys lie at
+// one stride copy from one base address. Causal limits apply per row; sub-tiles entirely
+// admissible for every row skip masking.
 
 constexpr int kDecSubKeys = 32;  // keys per sub-tile (one warp's cp.async stage)
 constexpr int kDecWarps = 4;
+// float8 MMAs: mma.sync m16n8k32 e4m3 where the tensor cores run it (sm_89, sm_120+); on
+// sm_90 and sm_100 - sm_110, where ptxas lowers it to f16 MMAs on values converted at every
+// MMA (Q included) with the two halves added in f32, the kernel converts Q once and K's
+// fragments itself and runs two m16n8k16 f16 MMAs per 32-byte k-step into the accumulator.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+constexpr bool kDecFp8Native = true;
+#else
+constexpr bool kDecFp8Native = false;
+#endif
 
 template <typename T, int D, int NB>
 struct DecodeTile {
@@ -1140,6 +1162,10 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     const int lk = max(kv_lens[b], 0);
     const long long q0 = cu_seqlens_q[b];
     const long long off = qo_offset[b];
+    // (read with the lengths: the first page lookups need them)
+    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
+    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
+    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
     const int nrows = (int)min((long long)qlen * r, (long long)ROWS);  // packed rows [0, nrows)
 
     auto row_valid = [&](int p, int& qi) {
@@ -1176,71 +1202,90 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     const int nblk = max(0, (t_end - t_begin - warp + kDecWarps - 1) / kDecWarps);  // this warp's blocks
     if (nblk == 0) return;
 
-    // ---- address of key j (head g) or -1 when not admissible / not in memory; the page
-    // id of the last page looked up is kept (a lane's keys rise within a sub-tile)
-    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
-    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
-    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
+    // ---- key addressing, one key per lane: lane l of sub-tile s stands for key sub_key0(s) + l.
+    // `fetch_key` reads what the key's address needs (its page id; dense: its row) one
+    // sub-tile before the copies need it, so the page-table read is off the issue path;
+    // `key_offset` makes the element offset of key (head g), -1 when not admissible or
+    // not in memory.
     const int slot_mask = (1 << page_shift) - 1;
-    int cached_pi = -1;
-    long long cached_page = -1;
-    auto key_offset = [&](int j) -> long long {
-        if (j >= lk) return -1;
-        if (kv_mode == 0) {
-            const long long row = dense_start + j;
-            return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
-        }
-        const int pi = j >> page_shift;
-        if (pi != cached_pi) {
-            long long page = -1;
-            if (kv_mode == 1) {
-                if (pi < page_table_cols) page = page_table[(long long)b * page_table_cols + pi];
-            } else {
-                const long long at = csr_lo + pi;
-                if (at >= 0 && at < csr_hi && at < num_kv_indices) page = kv_indices[at];
-            }
-            cached_pi = pi;
-            cached_page = page >= 0 && page < k_extent ? page : -1;
-        }
-        if (cached_page < 0) return -1;
-        return cached_page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
-    };
-
-    const u32 warp_smem = smem_base + (u32)(warp * Cfg::WARP_BYTES);
-    u32* masks = reinterpret_cast<u32*>(smem_raw + Cfg::MASK_OFFSET) + warp * WS;
-    const int ld_ch = lane % CPR, ld_row0 = lane / CPR;
+    const long long head_off = (long long)g * k_stride_head;
     // Sub-tile s of this warp: keys [128 (t_begin + warp + 4 (s / 4)) + 32 (s % 4), + 32).
     auto sub_key0 = [&](int s) { return (t_begin + warp + kDecWarps * (s >> 2)) * kMsBlock + (s & 3) * kDecSubKeys; };
-    auto load_sub = [&](int s) {
-        const int stage = s % WS, j0 = sub_key0(s);
+    const int n_sub = 4 * nblk;
+    auto fetch_key = [&](int s) -> long long {
+        const int j = sub_key0(s) + lane;
+        if (s >= n_sub || j >= lk) return -1;
+        if (kv_mode == 0) return dense_start + j;
+        const int pi = j >> page_shift;
+        if (kv_mode == 1) return pi < page_table_cols ? (long long)page_table[(long long)b * page_table_cols + pi] : -1;
+        const long long at = csr_lo + pi;
+        return at >= 0 && at < csr_hi && at < num_kv_indices ? (long long)kv_indices[at] : -1;
+    };
+    auto key_offset = [&](long long id, int s) -> long long {
+        if (id < 0 || id >= k_extent) return -1;
+        const long long o = id * k_stride_outer + head_off;
+        return kv_mode == 0 ? o : o + (long long)((sub_key0(s) + lane) & slot_mask) * k_stride_slot;
+    };
+
+    // Copies of a sub-tile: instruction i moves 16-byte chunk ld_ch of keys RPI i + ld_row0
+    // into the stage (chunk XOR-swizzled by key % (SWZ + 1); the swizzle repeats every SWP
+    // instructions, so its offsets are computed once). A sub-tile whose 32 keys are all in
+    // memory at one stride (one page of >= 32 keys, or dense rows) streams from one base
+    // address; any other (a page boundary inside it, invalid or absent keys) takes each
+    // key's offset from its lane by shuffles.
+    constexpr int SWP = (Cfg::SWZ + 1) / RPI > 1 ? (Cfg::SWZ + 1) / RPI : 1;
+    const int ld_ch = lane % CPR, ld_row0 = lane / CPR;
+    u32 dst_sw[SWP];
+#pragma unroll
+    for (int p = 0; p < SWP; ++p) {
+        const int row = ld_row0 + RPI * p;
+        dst_sw[p] = (u32)(row * RB + ((ld_ch ^ (row & Cfg::SWZ)) << 4));
+    }
+    const long long key_stride = kv_mode == 0 ? k_stride_outer : k_stride_slot;  // elements between keys
+    const long long lane_stride = lane * key_stride;
+    const long long lane_src = (long long)ld_row0 * key_stride * (long long)sizeof(T) + ld_ch * 16;
+    const long long inst_step = (long long)RPI * key_stride * (long long)sizeof(T);
+    const unsigned char* kbytes = reinterpret_cast<const unsigned char*>(kc);
+    const u32 warp_smem = smem_base + (u32)(warp * Cfg::WARP_BYTES);
+    u32* masks = reinterpret_cast<u32*>(smem_raw + Cfg::MASK_OFFSET) + warp * WS;
+    auto load_sub = [&](int s, long long id) {
+        const int stage = s % WS;
         const u32 dst = warp_smem + (u32)(stage * Cfg::SUB_BYTES);
-        u32 valid = 0;
+        const long long o = key_offset(id, s);
+        const u32 valid = __ballot_sync(kFullMask, o >= 0);
+        const long long o0 = __shfl_sync(kFullMask, o, 0);
+        if (__all_sync(kFullMask, o >= 0 && o == o0 + lane_stride)) {
+            const unsigned char* src = kbytes + o0 * (long long)sizeof(T) + lane_src;
 #pragma unroll
-        for (int i = 0; i < NI; ++i) {
-            const int row = ld_row0 + RPI * i;
-            const long long o = key_offset(j0 + row);
-            cp_async_16_l2_at(dst + (u32)(row * RB + ((ld_ch ^ (row & Cfg::SWZ)) << 4)),
-                              o >= 0 ? reinterpret_cast<const unsigned char*>(kc + o) + ld_ch * 16
-                                     : reinterpret_cast<const unsigned char*>(kc),
-                              o >= 0);
-            const u32 bal = __ballot_sync(kFullMask, o >= 0);
+            for (int i = 0; i < NI; ++i)
+                cp_async_16_l2_at(dst + dst_sw[i % SWP] + (u32)((i / SWP) * SWP * RPI * RB), src + i * inst_step, true);
+        } else {
 #pragma unroll
-            for (int rr = 0; rr < RPI; ++rr) valid |= ((bal >> (rr * CPR)) & 1u) << (RPI * i + rr);
+            for (int i = 0; i < NI; ++i) {
+                const long long oi = __shfl_sync(kFullMask, o, ld_row0 + RPI * i);
+                cp_async_16_l2_at(dst + dst_sw[i % SWP] + (u32)((i / SWP) * SWP * RPI * RB),
+                                  oi >= 0 ? kbytes + oi * (long long)sizeof(T) + ld_ch * 16 : kbytes, oi >= 0);
+            }
         }
         if (lane == 0) masks[stage] = valid;
     };
 
-    const int n_sub = 4 * nblk;
+    // Prologue: the first WS sub-tiles' lookups in flight together, then WS - 1 sub-tiles' copies.
+    long long first_id[WS];
+#pragma unroll
+    for (int s = 0; s < WS; ++s) first_id[s] = fetch_key(s);
 #pragma unroll
     for (int s = 0; s < WS - 1; ++s) {
-        if (s < n_sub) load_sub(s);
+        if (s < n_sub) load_sub(s, first_id[s]);
         cp_async_commit();
     }
+    long long next_id = first_id[WS - 1];  // key of this lane in the next sub-tile to copy
 
     // ---- Q as mma B fragments: n-block nb, k-step kk: row 8 nb + lane / 4, bytes
     // 32 kk + 4 (lane % 4) .. + 3 and 16 bytes further (16-bit: values 16 kk + 2 (lane % 4),
     // +1 and +8, +9; fp8: values 32 kk + 4 (lane % 4) .. +3 and +16 .. +19)
     const int fg = lane >> 2, ft = lane & 3;
+    constexpr bool F16K = Cfg::FP8 && !kDecFp8Native;  // fp8 through f16 MMAs (sm_90, sm_100)
     u32 qf[NB][KSTEPS][2];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
@@ -1254,6 +1299,20 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
             qf[nb][kk][0] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk) : 0u;
             qf[nb][kk][1] = ok ? *reinterpret_cast<const u32*>(src + 32 * kk + 16) : 0u;
         }
+    }
+    // F16K: qh[nb][kk] = f16 pairs of Q bytes (32 kk + 4 ft, +1), (+2, +3), (+16, +17), (+18, +19):
+    // the B fragments of two m16n8k16 MMAs whose k pairs (2 ft, 2 ft + 1) and (2 ft + 8, 2 ft + 9)
+    // stand for those bytes (the A side converts K the same way; a dot product is blind to
+    // the order of its k).
+    u32 qh[NB][KSTEPS][F16K ? 4 : 1];
+    if constexpr (F16K) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                e4m3x4_to_f16x2(qf[nb][kk][0], qh[nb][kk][0], qh[nb][kk][1]);
+                e4m3x4_to_f16x2(qf[nb][kk][1], qh[nb][kk][2], qh[nb][kk][3]);
+            }
     }
     // This lane's accumulator rows 8 nb + 2 ft + e: limits and output offsets.
     int lim[NB][2];
@@ -1285,8 +1344,9 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         const int stage = s % WS;
         cp_async_wait<WS - 2>();  // sub-tile s landed (this lane's copies)
         __syncwarp();             // ... every lane's; every lane is done with sub-tile s - 1
-        if (s + WS - 1 < n_sub) load_sub(s + WS - 1);
+        if (s + WS - 1 < n_sub) load_sub(s + WS - 1, next_id);
         cp_async_commit();
+        next_id = fetch_key(s + WS);
         if ((s & 3) == 0) {
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) mx[nb][0] = mx[nb][1] = neg_inf();
@@ -1305,10 +1365,23 @@ msa_decode_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
             for (int mt = 0; mt < 2; ++mt) {
                 u32 a[4];
                 ldmatrix_x4_at(a, st + (u32)(mt * 16 * RB) + a_chunk[kk % 4] + (u32)((kk / 4) * 128));
+                if constexpr (F16K) {
+                    // a[0..3]: bytes 4 ft .. + 3 of keys g, g + 8, then 16 bytes further
+                    u32 lo[4], hi[4];
 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) {
-                    if constexpr (Cfg::FP8) mma_16x8x32_e4m3(acc[mt][nb], a, qf[nb][kk]);
-                    else mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                    for (int r = 0; r < 4; ++r) e4m3x4_to_f16x2(a[r], lo[r], hi[r]);
+                    const u32 a0[4] = {lo[0], lo[1], hi[0], hi[1]}, a1[4] = {lo[2], lo[3], hi[2], hi[3]};
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) {
+                        mma_16x8x16<half_t>(acc[mt][nb], a0, &qh[nb][kk][0]);
+                        mma_16x8x16<half_t>(acc[mt][nb], a1, &qh[nb][kk][2]);
+                    }
+                } else {
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) {
+                        if constexpr (Cfg::FP8) mma_16x8x32_e4m3(acc[mt][nb], a, qf[nb][kk]);
+                        else mma_16x8x16<T>(acc[mt][nb], a, qf[nb][kk]);
+                    }
                 }
             }
         }

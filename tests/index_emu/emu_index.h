@@ -25,6 +25,18 @@ inline float e4m3_to_float(unsigned v) {
     return (v & 0x80u) ? -x : x;
 }
 
+// cvt.rn.f16x2.e4m3x2 twice: bytes 0, 1 of x -> lo, bytes 2, 3 -> hi (low byte in the low half).
+inline void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
+    auto h = [](u32 byte) -> u32 {
+        const __half v = __float2half_rn(e4m3_to_float(byte & 0xffu));
+        uint16_t r;
+        std::memcpy(&r, &v, 2);
+        return r;
+    };
+    lo = h(x) | h(x >> 8) << 16;
+    hi = h(x >> 16) | h(x >> 24) << 16;
+}
+
 // mma.sync m16n8k32 e4m3 x e4m3 -> f32: a[i] holds 4 bytes of row g (+ 8 for a[1], a[3]) at
 // k = 4 t .. (+ 16 for a[2], a[3]); b[i] 4 bytes of column g at k = 4 t .. (+ 16 for b[1]).
 inline void mma_16x8x32_e4m3(float* d, const u32* a, const u32* b) {

@@ -23,7 +23,7 @@ from mate_cupy.runtime.interop import Arg
 HERE = Path(__file__).resolve().parent
 CUDA_SRC = Path(il.__file__).resolve().parent.parent / "cuda_src"
 # Inline-PTX helpers of msa_index.cu that the emulator (tests/cuda_emu/emu_cuda.h) supplies.
-EMULATED_FUNCTIONS = ("cp_async_16_at", "cp_async_16_l2_at", "ldmatrix_x4_at")
+EMULATED_FUNCTIONS = ("cp_async_16_at", "cp_async_16_l2_at", "ldmatrix_x4_at", "e4m3x4_to_f16x2")
 
 
 def _drop_function(src: str, name: str) -> str:
