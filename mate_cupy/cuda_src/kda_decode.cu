@@ -202,6 +202,7 @@ template <typename StateT> struct Chunk;
 
 template <> struct Chunk<float> {
     typedef float4 Vec;
+    typedef float Reg;  // a register of the raw chunk (V-first kernel)
     static constexpr int kElems = 4;
     static __device__ __forceinline__ void unpack(const float4& x, float* d) {
         d[0] = x.x; d[1] = x.y; d[2] = x.z; d[3] = x.w;
@@ -212,9 +213,14 @@ template <> struct Chunk<float> {
 
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+// The same values by byte permutes: a second widening the compiler does not merge with the
+// first, so the V-first update recomputes decayed values instead of keeping them live.
+__device__ __forceinline__ float bf16_lo_prmt(u32 w) { return __uint_as_float(__byte_perm(w, 0u, 0x1044)); }
+__device__ __forceinline__ float bf16_hi_prmt(u32 w) { return __uint_as_float(__byte_perm(w, 0u, 0x3244)); }
 
 template <> struct Chunk<bf16_t> {
     typedef uint4 Vec;
+    typedef u32 Reg;  // a bf16 pair
     static constexpr int kElems = 8;
     static __device__ __forceinline__ void unpack(const uint4& x, float* d) {
         d[0] = bf16_lo(x.x); d[1] = bf16_hi(x.x); d[2] = bf16_lo(x.y); d[3] = bf16_hi(x.y);
@@ -412,8 +418,35 @@ struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
     static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
     static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
-    static constexpr int kRows = 4;                     // rows per lane (64 state floats)
+    static constexpr int kRows = 4;                     // rows per lane (64 state values)
     static constexpr int kRowsPerWarp = 4 * kRows;      // 16
+    // The lane's state stays in registers as stored: chunk j of row r is S[r][4j .. 4j+3]
+    // (4 fp32, or 8 bf16 as 4 pairs, widened where used). A bf16 lane holds its 64 values in
+    // 32 registers, so the bf16 kernel fits in 64 registers per thread: twice the CTAs of the
+    // fp32 kernel (128) per SM, the same state bytes in flight per SM.
+    static constexpr bool kPacked = sizeof(StateT) == 2;
+    static constexpr int kRegCols = 4 * kChunks;        // registers per row: 16 / 8
+    static constexpr int kMaxRegs = kPacked ? 96 : 128;
+    typedef typename Chunk<StateT>::Vec Vec;
+    typedef typename Chunk<StateT>::Reg Reg;
+    // Element e (< kEPC) of the chunk held at x[0..3], widened to float.
+    static __device__ __forceinline__ float elem(const Reg* x, int e) {
+        if constexpr (kPacked) return (e & 1) ? bf16_hi(x[e >> 1]) : bf16_lo(x[e >> 1]);
+        else return x[e];
+    }
+    static __device__ __forceinline__ void load(const StateT* src, Reg* x) {
+        const Vec v = *reinterpret_cast<const Vec*>(src);
+        x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+    }
+    static __device__ __forceinline__ Vec vec(const Reg* x) {
+        Vec v;
+        v.x = x[0]; v.y = x[1]; v.z = x[2]; v.w = x[3];
+        return v;
+    }
+    static __device__ __forceinline__ void store(StateT* smem, const Reg* x) { *reinterpret_cast<Vec*>(smem) = vec(x); }
+    static __device__ __forceinline__ void store_global(StateT* gmem, const Reg* x) {
+        __stcs(reinterpret_cast<Vec*>(gmem), vec(x));  // streaming: every byte is touched once
+    }
     // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
     // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
     static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
@@ -426,7 +459,7 @@ struct VFirst {
 // sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
 // instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
 template <typename StateT>
-__global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+__global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
     using C = VFirst<StateT>;
     __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
@@ -485,7 +518,7 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
     if (s.pad) zero_outputs(p, s, hv, v0, VS);
     const int len = s.pad ? 0 : s.len;
     bool changed = false;
-    float S[C::kRows][C::kCols];
+    typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
     // Registers <- own staged chunks (zeros for rows past V and without an initial state).
     auto stage_to_regs = [&](bool from_stage) {
 #pragma unroll
@@ -493,10 +526,10 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j) {
                 if (from_stage && row_ok[r]) {
-                    chunk_to_regs(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                    C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 } else {
 #pragma unroll
-                    for (int e = 0; e < C::kEPC; ++e) S[r][j * C::kEPC + e] = 0.f;
+                    for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
                 }
             }
         }
@@ -541,8 +574,9 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
                     for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            float& x = S[r][j * C::kEPC + e4 + e];
-                            x *= ea[e];
+                            // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
+                            const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
+                            if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
                             dk[r] = fmaf(x, ka[e], dk[r]);
                             dq[r] = fmaf(x, qa[e], dq[r]);
                         }
@@ -570,14 +604,31 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
             for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
                 for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                    const float4 kv = *reinterpret_cast<const float4*>(ks + C::chunk_offset(j) + e4);
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
                     const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    if constexpr (C::kPacked) {
+                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
+                        for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float& x = S[r][j * C::kEPC + e4 + e];
-                            x = Chunk<StateT>::round(fmaf(bu[r], ka[e], x));
+                            for (int e = 0; e < 4; e += 2) {
+                                u32& w = S[r][4 * j + (e4 + e) / 2];
+                                const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
+                                const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
+                                w = pack2<bf16_t>(x0, x1);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                float& x = S[r][4 * j + e4 + e];
+                                x = fmaf(bu[r], ka[e], x);
+                            }
                         }
                     }
                 }
@@ -590,7 +641,7 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
                     if (!row_ok[r]) continue;
 #pragma unroll
                     for (int j = 0; j < C::kChunks; ++j)
-                        regs_to_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                        C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 }
             }
         }
@@ -599,7 +650,7 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
             for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
                 for (int j = 0; j < C::kChunks; ++j)
-                    regs_to_chunk(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                    C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
             }
         }
     }
@@ -622,7 +673,7 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
             if (!row_ok[r]) continue;
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j)
-                regs_to_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
         }
     }
 }
