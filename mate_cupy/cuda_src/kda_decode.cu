@@ -47,6 +47,7 @@ namespace kda_decode {
 
 constexpr int kDim = 128;     // K: head dim of q/k, the length of a state row
 constexpr int kMaxChunk = 8;  // tokens prepared per prologue (the launcher's `tc` <= this)
+constexpr int kMaxPasses = 8;  // V-first register passes per CTA (v_slice <= 8 * 16 * warps)
 
 // Element dtype codes of the inputs/outputs (runtime; loads are outside the hot loop).
 enum : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
@@ -67,7 +68,7 @@ enum : int {
     kAccepted64 = 1 << 10,
     kCu64 = 1 << 11,
     kHasAccepted = 1 << 12,
-    kBulk = 1 << 13,  // V-first, V % VS == 0, sm_90: the slice staged by one bulk copy
+    kBulk = 1 << 13,  // V-first, V % VS == 0, sm_90: the slice staged by bulk copies (one per pass)
 };
 // Per-token slot codes held in shared memory (>= 0: store the state there).
 constexpr long long kNoStore = -1;
@@ -98,6 +99,7 @@ struct Params {
     int flags, dtypes;
     float scale, lower_bound;
     int n_splits, tc;
+    int v_slice;  // V rows (V-first) / columns (K-first) of one CTA
 };
 
 #define KDA_DECODE_KERNEL_ARGS                                                                            \
@@ -106,13 +108,13 @@ struct Params {
         const void *cu_seqlens, void *out, void *final_state, long long pool_size, int q_sb, int q_st,    \
         int q_sh, int k_sb, int k_st, int k_sh, int v_sb, int v_st, int v_sh, int a_sb, int a_st, int a_sh, \
         int b_sb, int b_st, int b_sh, int N, int T, int H, int HV, int V, int idx_cols, int flags,        \
-        int dtypes, float scale, float lower_bound, int n_splits, int tc
+        int dtypes, float scale, float lower_bound, int n_splits, int tc, int v_slice
 
 #define KDA_DECODE_PARAMS                                                                                  \
     Params{q,    k,    v,    a,    b,    A_log, dt_bias, state, state_indices, num_accepted, cu_seqlens, \
            out,  final_state, pool_size, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, a_sb,     \
            a_st, a_sh, b_sb, b_st, b_sh, N, T, H, HV, V, idx_cols, flags, dtypes, scale, lower_bound,     \
-           n_splits, tc}
+           n_splits, tc, v_slice}
 
 // ------------------------------------------------------------------ scalar loads / stores
 
@@ -202,6 +204,7 @@ template <typename StateT> struct Chunk;
 
 template <> struct Chunk<float> {
     typedef float4 Vec;
+    typedef float Reg;  // a register of the raw chunk (V-first kernel)
     static constexpr int kElems = 4;
     static __device__ __forceinline__ void unpack(const float4& x, float* d) {
         d[0] = x.x; d[1] = x.y; d[2] = x.z; d[3] = x.w;
@@ -212,9 +215,14 @@ template <> struct Chunk<float> {
 
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+// The same values by byte permutes: a second widening the compiler does not merge with the
+// first, so the V-first update recomputes decayed values instead of keeping them live.
+__device__ __forceinline__ float bf16_lo_prmt(u32 w) { return __uint_as_float(__byte_perm(w, 0u, 0x1044)); }
+__device__ __forceinline__ float bf16_hi_prmt(u32 w) { return __uint_as_float(__byte_perm(w, 0u, 0x3244)); }
 
 template <> struct Chunk<bf16_t> {
     typedef uint4 Vec;
+    typedef u32 Reg;  // a bf16 pair
     static constexpr int kElems = 8;
     static __device__ __forceinline__ void unpack(const uint4& x, float* d) {
         d[0] = bf16_lo(x.x); d[1] = bf16_hi(x.x); d[2] = bf16_lo(x.y); d[3] = bf16_hi(x.y);
@@ -412,8 +420,35 @@ struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
     static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
     static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
-    static constexpr int kRows = 4;                     // rows per lane (64 state floats)
+    static constexpr int kRows = 4;                     // rows per lane (64 state values)
     static constexpr int kRowsPerWarp = 4 * kRows;      // 16
+    // The lane's state stays in registers as stored: chunk j of row r is S[r][4j .. 4j+3]
+    // (4 fp32, or 8 bf16 as 4 pairs, widened where used). A bf16 lane holds its 64 values in
+    // 32 registers, so the bf16 kernel fits in 64 registers per thread: twice the CTAs of the
+    // fp32 kernel (128) per SM, the same state bytes in flight per SM.
+    static constexpr bool kPacked = sizeof(StateT) == 2;
+    static constexpr int kRegCols = 4 * kChunks;        // registers per row: 16 / 8
+    static constexpr int kMaxRegs = kPacked ? 96 : 128;
+    typedef typename Chunk<StateT>::Vec Vec;
+    typedef typename Chunk<StateT>::Reg Reg;
+    // Element e (< kEPC) of the chunk held at x[0..3], widened to float.
+    static __device__ __forceinline__ float elem(const Reg* x, int e) {
+        if constexpr (kPacked) return (e & 1) ? bf16_hi(x[e >> 1]) : bf16_lo(x[e >> 1]);
+        else return x[e];
+    }
+    static __device__ __forceinline__ void load(const StateT* src, Reg* x) {
+        const Vec v = *reinterpret_cast<const Vec*>(src);
+        x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+    }
+    static __device__ __forceinline__ Vec vec(const Reg* x) {
+        Vec v;
+        v.x = x[0]; v.y = x[1]; v.z = x[2]; v.w = x[3];
+        return v;
+    }
+    static __device__ __forceinline__ void store(StateT* smem, const Reg* x) { *reinterpret_cast<Vec*>(smem) = vec(x); }
+    static __device__ __forceinline__ void store_global(StateT* gmem, const Reg* x) {
+        __stcs(reinterpret_cast<Vec*>(gmem), vec(x));  // streaming: every byte is touched once
+    }
     // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
     // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
     static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
@@ -422,19 +457,27 @@ struct VFirst {
 
 // State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
 // (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
-// VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices,
-// sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
-// instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
+// VS = v_slice, a multiple of the WR = nwarps * 16 rows the warps hold at once: the slice is
+// staged whole, and the warps run the tokens over it in VS / WR passes of WR rows (more state
+// bytes in flight per CTA than its registers hold). Lane, pass ps: rows ps*WR + warp*16 +
+// (lane>>3) + 4r, r < 4. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous
+// slice with one bulk copy per pass, each completing on its own mbarrier (a pass starts when
+// its rows have landed), instead of per-lane cp.async. Register
+// budget: C::kMaxRegs per thread (at most 256 threads).
 template <typename StateT>
-__global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+__global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
     using C = VFirst<StateT>;
-    __shared__ unsigned long long bulk_bar;
+    __shared__ unsigned long long bulk_bar[kMaxPasses];
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
+    const int WR = (blockDim.x >> 5) * C::kRowsPerWarp;  // rows of one pass
+    const int VS = p.v_slice;
+    const int passes = VS / WR;
     const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
-    if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
+    if (bulk && threadIdx.x == 0) {
+        for (int ps = 0; ps < passes; ++ps) mbarrier_init_one(&bulk_bar[ps]);
+    }
 
     const int split = blockIdx.x % p.n_splits;
     const int nh = blockIdx.x / p.n_splits;
@@ -442,8 +485,8 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
     const int h = hv / (p.HV / p.H);
     const int v0 = split * VS;
     const Seq s = sequence_of(p, n);
-    // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
-    // arrive below, every thread's wait after the prologue) by a CTA barrier, not by program
+    // Thread 0's mbarrier.init is ordered before every other access to the barriers (its own
+    // arrives below, every thread's waits in the passes) by a CTA barrier, not by program
     // order: the init is a warp-wide instruction, so the sanitizer sees the whole warp write
     // the barrier word (docs/kda_decode.md, "Shared-memory ordering").
     if (bulk) __syncthreads();
@@ -451,29 +494,32 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
     const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
-    const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
-    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
+    const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0 in a pass
+    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within a pass
     const int stage_elems = VS * kDim;
-    StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
-    bool row_ok[C::kRows];
-#pragma unroll
-    for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
+    StateT* const stage0 = reinterpret_cast<StateT*>(kda_decode_smem);
 
-    // Stage the initial slice (the stage base is the lane's stage minus its offset).
+    // Stage the initial slice.
     const bool load = !s.pad && (p.flags & kInitialState);
     if (load) {
         const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
         if (bulk) {
-            if (threadIdx.x == 0)
-                bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
+            if (threadIdx.x == 0) {
+                for (int ps = 0; ps < passes; ++ps)
+                    bulk_load(stage0 + ps * WR * kDim, src + ps * WR * kDim,
+                              static_cast<unsigned>(WR * kDim * sizeof(StateT)), &bulk_bar[ps]);
+            }
         } else {
+            for (int ps = 0; ps < passes; ++ps) {
+                const int o0 = ps * WR * kDim + lane_off;
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-                if (!row_ok[r]) continue;
+                for (int r = 0; r < C::kRows; ++r) {
+                    if (v0 + ps * WR + lrow0 + 4 * r >= p.V) continue;
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    const int o = C::row_offset(r) + C::chunk_offset(j);
-                    cp_async_16(stage + o, src + lane_off + o);
+                    for (int j = 0; j < C::kChunks; ++j) {
+                        const int o = o0 + C::row_offset(r) + C::chunk_offset(j);
+                        cp_async_16(stage0 + o, src + o);
+                    }
                 }
             }
         }
@@ -485,144 +531,172 @@ __global__ void __maxnreg__(128) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS
     if (s.pad) zero_outputs(p, s, hv, v0, VS);
     const int len = s.pad ? 0 : s.len;
     bool changed = false;
-    float S[C::kRows][C::kCols];
-    // Registers <- own staged chunks (zeros for rows past V and without an initial state).
-    auto stage_to_regs = [&](bool from_stage) {
+    typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
+    // One token chunk (c0, cn) at a time (one empty chunk when there is no token), each over
+    // the passes: registers <- the pass's staged rows, its tokens, then the rows are parked
+    // in the stage (more chunks) or stored as the final state (last chunk).
+    for (int c0 = 0; c0 < max(len, 1); c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);  // 0 when there is no token
+        if (cn > 0) {
+            if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
+            prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+        }
+        cp_async_wait<0>();
+        if (cn > 0) __syncthreads();
+        const bool from_stage = c0 > 0 || load;
+        const bool last = c0 + p.tc >= len;
+        for (int ps = 0; ps < passes; ++ps) {
+            const int prow0 = ps * WR + lrow0;  // local row (in the slice) of r = 0
+            StateT* const stage = stage0 + ps * WR * kDim + lane_off;
+            bool row_ok[C::kRows];
 #pragma unroll
-        for (int r = 0; r < C::kRows; ++r) {
+            for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + prow0 + 4 * r < p.V;
+            if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar[ps], 0);
+            // Registers <- own staged chunks (zeros for rows past V and without an initial state).
 #pragma unroll
-            for (int j = 0; j < C::kChunks; ++j) {
-                if (from_stage && row_ok[r]) {
-                    chunk_to_regs(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
-                } else {
+            for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
-                    for (int e = 0; e < C::kEPC; ++e) S[r][j * C::kEPC + e] = 0.f;
+                for (int j = 0; j < C::kChunks; ++j) {
+                    if (from_stage && row_ok[r]) {
+                        C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
+                    }
                 }
             }
-        }
-    };
-    for (int c0 = 0; c0 < len; c0 += p.tc) {
-        const int cn = min(p.tc, len - c0);
-        if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
-        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
-        cp_async_wait<0>();
-        __syncthreads();
-        if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
-        stage_to_regs(c0 > 0 || load);
-        for (int t = 0; t < cn; ++t) {
-            const long long slot = m.slot[t];
-            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
-            if (slot == kPadToken) {
-                if (g == 0) {
+            for (int t = 0; t < cn; ++t) {
+                const long long slot = m.slot[t];
+                const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + prow0;
+                if (slot == kPadToken) {
+                    if (g == 0) {
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r)
-                        if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                        for (int r = 0; r < C::kRows; ++r)
+                            if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                    }
+                    continue;
+                }
+                const float* qs = m.q + t * kDim + g * C::kEPC;
+                const float* ks = m.k + t * kDim + g * C::kEPC;
+                const float* es = m.e + t * kDim + g * C::kEPC;
+                float dk[C::kRows], dq[C::kRows];
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                        const int col = C::chunk_offset(j) + e4;
+                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
+                                const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
+                                if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
+                                dk[r] = fmaf(x, ka[e], dk[r]);
+                                dq[r] = fmaf(x, qa[e], dq[r]);
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                    for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                        dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                        dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                    }
+                }
+                const float kq = m.kq[t];
+                float bu[C::kRows];
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+                    const int i = t * VS + prow0 + 4 * r;
+                    bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                    const float o = (dq[r] + bu[r] * kq) * p.scale;
+                    if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
+                }
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                        const int col = C::chunk_offset(j) + e4;
+                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                        if constexpr (C::kPacked) {
+                            // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                            const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                            const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+#pragma unroll
+                            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                                for (int e = 0; e < 4; e += 2) {
+                                    u32& w = S[r][4 * j + (e4 + e) / 2];
+                                    const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
+                                    const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
+                                    w = pack2<bf16_t>(x0, x1);
+                                }
+                            }
+                        } else {
+#pragma unroll
+                            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    float& x = S[r][4 * j + e4 + e];
+                                    x = fmaf(bu[r], ka[e], x);
+                                }
+                            }
+                        }
+                    }
+                }
+                changed = true;
+                if (slot >= 0) {
+                    StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + ps * WR * kDim + lane_off;
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+                        if (!row_ok[r]) continue;
+#pragma unroll
+                        for (int j = 0; j < C::kChunks; ++j)
+                            C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                    }
+                }
+            }
+            if (!last) {  // more tokens: park the rows in the stage during the next prologue
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                    for (int j = 0; j < C::kChunks; ++j)
+                        C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 }
                 continue;
             }
-            const float* qs = m.q + t * kDim + g * C::kEPC;
-            const float* ks = m.k + t * kDim + g * C::kEPC;
-            const float* es = m.e + t * kDim + g * C::kEPC;
-            float dk[C::kRows], dq[C::kRows];
+            // Last chunk: the final state of the pass's rows, back into the read slot (no / [N]
+            // indices, in place, after a computed token: `changed` is the same for every pass)
+            // and/or into final_state[n].
+            const long long rows_off = slice + ps * WR * kDim + lane_off;
+            StateT* dsts[2] = {nullptr, nullptr};
+            if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+                dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + rows_off;
+            if (p.final_state != nullptr) dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + rows_off;
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
-#pragma unroll
-            for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                    const int col = C::chunk_offset(j) + e4;
-                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
-                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float& x = S[r][j * C::kEPC + e4 + e];
-                            x *= ea[e];
-                            dk[r] = fmaf(x, ka[e], dk[r]);
-                            dq[r] = fmaf(x, qa[e], dq[r]);
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
-                }
-            }
-            const float kq = m.kq[t];
-            float bu[C::kRows];
-#pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-                const int i = t * VS + lrow0 + 4 * r;
-                bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                const float o = (dq[r] + bu[r] * kq) * p.scale;
-                if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
-            }
-#pragma unroll
-            for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                    const float4 kv = *reinterpret_cast<const float4*>(ks + C::chunk_offset(j) + e4);
-                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float& x = S[r][j * C::kEPC + e4 + e];
-                            x = Chunk<StateT>::round(fmaf(bu[r], ka[e], x));
-                        }
-                    }
-                }
-            }
-            changed = true;
-            if (slot >= 0) {
-                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
+            for (int d = 0; d < 2; ++d) {
+                if (dsts[d] == nullptr) continue;
+                StateT* const dst = dsts[d];
 #pragma unroll
                 for (int r = 0; r < C::kRows; ++r) {
                     if (!row_ok[r]) continue;
 #pragma unroll
                     for (int j = 0; j < C::kChunks; ++j)
-                        regs_to_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
+                        C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 }
             }
-        }
-        if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
-#pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j)
-                    regs_to_chunk(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
-            }
-        }
-    }
-    if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
-        cp_async_wait<0>();
-        if (bulk && load) mbarrier_wait(&bulk_bar, 0);
-        stage_to_regs(load);
-    }
-    // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
-    StateT* dsts[2] = {nullptr, nullptr};
-    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
-        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
-    if (p.final_state != nullptr)
-        dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
-#pragma unroll
-    for (int d = 0; d < 2; ++d) {
-        if (dsts[d] == nullptr) continue;
-#pragma unroll
-        for (int r = 0; r < C::kRows; ++r) {
-            if (!row_ok[r]) continue;
-#pragma unroll
-            for (int j = 0; j < C::kChunks; ++j)
-                regs_to_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][j * C::kEPC]);
         }
     }
 }
