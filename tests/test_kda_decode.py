@@ -820,7 +820,6 @@ def test_vfirst_warps_fill_the_gpu(rng):
 
 @pytest.mark.torch
 def test_vfirst_bf16_slices_take_two_register_passes(rng):
-    from mate_cupy.kda import decode_launch as dl
     from mate_cupy.kda.decode_launch import K_DIM, select_config, smem_bytes, vfirst_passes
 
     assert vfirst_passes(BF16, 256 * 32, 128, 4, 132) == 2  # 128 rows (32 KB) per CTA
@@ -836,8 +835,6 @@ def test_vfirst_bf16_slices_take_two_register_passes(rng):
         assert cfg.bulk_stage and cfg.smem == smem_bytes(rows * K_DIM * 2, 1, rows, 0)
     cfg = select_config(_problem(rng, B=256, sdt=BF16, T=12), 132, 90)
     assert cfg.passes == 2 and cfg.smem <= 227 * 1024  # eight prepared tokens beside a 32 KB stage
-    src = (Path(dl.__file__).resolve().parent.parent / "cuda_src" / dl.SOURCE).read_text()
-    assert f"constexpr int kMaxPasses = {dl.MAX_PASSES};" in src
 
 
 @pytest.mark.torch
@@ -906,9 +903,9 @@ def test_bulk_barrier_init_is_ordered_by_a_cta_barrier():
     src = (Path(dl.__file__).resolve().parent.parent / "cuda_src" / dl.SOURCE).read_text()
     body = src[src.index("kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS)"):]
     body = body[:body.index("kda_decode_kfirst_kernel")]
-    init, sync, use, wait = (body.index(s) for s in ("mbarrier_init_one(&bulk_bar[ps])", "if (bulk) __syncthreads();",
-                                                     "bulk_load(", "mbarrier_wait(&bulk_bar[ps], 0)"))
-    assert init < sync < use < wait
+    init, sync, use = (body.index(s) for s in ("mbarrier_init_one(&bulk_bar)", "if (bulk) __syncthreads();",
+                                               "bulk_load("))
+    assert init < sync < use
 
 
 def test_decode_variants_registered():
@@ -966,9 +963,8 @@ def test_vfirst_kernel_source_emulated_same_bits_for_every_slicing(tmp_path):
     """cuda_src/kda_decode.cu's V-first kernel itself, run on the CPU emulator
     (tests/kda_decode_emu) over its case grid (fp32 and bf16 pools, 1/2/4 warps, 1/3/10
     tokens, no / [N] / [N, C] slots with padding, V = 128 and 48, in place and final
-    states): one, two and four register passes per CTA give the same bits (rows are
-    independent): one pass with cp.async staging, two with whole slices staged by bulk
-    copies that land at the mbarrier wait, four with cp.async copies landing only at theirs."""
+    states): one, two and four register passes per CTA (four with cp.async copies landing
+    only at their wait) give the same bits (rows are independent)."""
     import os
     import shutil
     import subprocess
@@ -995,10 +991,10 @@ def test_vfirst_kernel_source_emulated_same_bits_for_every_slicing(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
     results = []
-    for passes, lazy, bulk in ((1, 0, 0), (2, 0, 1), (4, 1, 0)):
+    for passes, lazy in ((1, 0), (2, 0), (4, 1)):
         out = tmp_path / f"p{passes}.bin"
-        r = subprocess.run([str(exe), str(out), str(passes), str(lazy), str(bulk)], capture_output=True, text=True,
-                           timeout=1800, env=env)
+        r = subprocess.run([str(exe), str(out), str(passes), str(lazy)], capture_output=True, text=True, timeout=1800,
+                           env=env)
         assert r.returncode == 0, r.stderr[-4000:]
         results.append(out.read_bytes())
     assert len(results[0]) > 0 and results[1] == results[0] and results[2] == results[0]

@@ -129,7 +129,7 @@ def main(argv) -> int:
             bits = cp.uint16 if problem.state_dtype.itemsize == 2 else cp.uint32
             ref = None
             for warps in (1, 2, 4):
-                for passes in (1, 2, 4):  # <= dl.MAX_PASSES
+                for passes in (1, 2, 4):
                     if problem.V % (dl.ROWS_PER_WARP * warps * passes):
                         continue
                     cfg = _shape(chosen, problem, warps, passes, cc)

@@ -47,7 +47,6 @@ namespace kda_decode {
 
 constexpr int kDim = 128;     // K: head dim of q/k, the length of a state row
 constexpr int kMaxChunk = 8;  // tokens prepared per prologue (the launcher's `tc` <= this)
-constexpr int kMaxPasses = 8;  // V-first register passes per CTA (v_slice <= 8 * 16 * warps)
 
 // Element dtype codes of the inputs/outputs (runtime; loads are outside the hot loop).
 enum : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
@@ -68,7 +67,7 @@ enum : int {
     kAccepted64 = 1 << 10,
     kCu64 = 1 << 11,
     kHasAccepted = 1 << 12,
-    kBulk = 1 << 13,  // V-first, V % VS == 0, sm_90: the slice staged by bulk copies (one per pass)
+    kBulk = 1 << 13,  // V-first, V % VS == 0, sm_90: the slice staged by one bulk copy
 };
 // Per-token slot codes held in shared memory (>= 0: store the state there).
 constexpr long long kNoStore = -1;
@@ -461,13 +460,12 @@ struct VFirst {
 // staged whole, and the warps run the tokens over it in VS / WR passes of WR rows (more state
 // bytes in flight per CTA than its registers hold). Lane, pass ps: rows ps*WR + warp*16 +
 // (lane>>3) + 4r, r < 4. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous
-// slice with one bulk copy per pass, each completing on its own mbarrier (a pass starts when
-// its rows have landed), instead of per-lane cp.async. Register
+// slice with one bulk copy completing on an mbarrier instead of per-lane cp.async. Register
 // budget: C::kMaxRegs per thread (at most 256 threads).
 template <typename StateT>
 __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
     using C = VFirst<StateT>;
-    __shared__ unsigned long long bulk_bar[kMaxPasses];
+    __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int WR = (blockDim.x >> 5) * C::kRowsPerWarp;  // rows of one pass
@@ -475,9 +473,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int passes = VS / WR;
     const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
-    if (bulk && threadIdx.x == 0) {
-        for (int ps = 0; ps < passes; ++ps) mbarrier_init_one(&bulk_bar[ps]);
-    }
+    if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
 
     const int split = blockIdx.x % p.n_splits;
     const int nh = blockIdx.x / p.n_splits;
@@ -485,8 +481,8 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int h = hv / (p.HV / p.H);
     const int v0 = split * VS;
     const Seq s = sequence_of(p, n);
-    // Thread 0's mbarrier.init is ordered before every other access to the barriers (its own
-    // arrives below, every thread's waits in the passes) by a CTA barrier, not by program
+    // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
+    // arrive below, every thread's wait after the prologue) by a CTA barrier, not by program
     // order: the init is a warp-wide instruction, so the sanitizer sees the whole warp write
     // the barrier word (docs/kda_decode.md, "Shared-memory ordering").
     if (bulk) __syncthreads();
@@ -504,11 +500,8 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     if (load) {
         const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
         if (bulk) {
-            if (threadIdx.x == 0) {
-                for (int ps = 0; ps < passes; ++ps)
-                    bulk_load(stage0 + ps * WR * kDim, src + ps * WR * kDim,
-                              static_cast<unsigned>(WR * kDim * sizeof(StateT)), &bulk_bar[ps]);
-            }
+            if (threadIdx.x == 0)
+                bulk_load(stage0, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
         } else {
             for (int ps = 0; ps < passes; ++ps) {
                 const int o0 = ps * WR * kDim + lane_off;
@@ -543,6 +536,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         }
         cp_async_wait<0>();
         if (cn > 0) __syncthreads();
+        if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
         const bool from_stage = c0 > 0 || load;
         const bool last = c0 + p.tc >= len;
         for (int ps = 0; ps < passes; ++ps) {
@@ -551,7 +545,6 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             bool row_ok[C::kRows];
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + prow0 + 4 * r < p.V;
-            if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar[ps], 0);
             // Registers <- own staged chunks (zeros for rows past V and without an initial state).
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) {

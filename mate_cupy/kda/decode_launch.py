@@ -36,7 +36,6 @@ SPECS = {
 K_DIM = 128  # the kernels' q/k head dim (one state row)
 STATE_CHUNK_BYTES = 16  # the kernels move the state in 16-byte chunks (K-first: along V)
 MAX_CHUNK = 8  # tokens prepared per prologue (kMaxChunk in the kernel)
-MAX_PASSES = 8  # V-first register passes per CTA at most (kMaxPasses: one bulk-copy mbarrier each)
 ROWS_PER_WARP = 16  # V rows of one V-first warp: 4 rows per lane x 4 row groups of 8 lanes
 MIN_V_SLICE = ROWS_PER_WARP  # the smallest V-slice of any configuration (bounds the grid)
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).

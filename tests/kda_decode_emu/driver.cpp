@@ -1,11 +1,9 @@
 // Host driver: runs the V-first KDA decode kernel (cuda_src/kda_decode.cu) in the CPU
 // emulator over a fixed grid of cases (state dtype, warps, tokens, slot modes, V) and
 // writes every output and pool byte to one file, so two kernel sources or two slicings can
-// be compared bit for bit. Usage: driver OUTFILE [PASSES [LAZY_CP_ASYNC [BULK]]] (the kernel
-// source is included as kda_decode_emu.inc; PASSES: register passes per V-first CTA; BULK:
-// whole slices staged by bulk copies, as on sm_90).
+// be compared bit for bit. Usage: driver OUTFILE [PASSES [LAZY_CP_ASYNC]] (the kernel source
+// is included as kda_decode_emu.inc; PASSES: register passes per V-first CTA).
 #include "emu_cuda.h"
-struct PendingBulk { void* dst; const void* src; unsigned bytes; unsigned long long* bar; };
 #undef __maxnreg__
 #define __maxnreg__(n)
 #define kda_decode_smem (emu::dyn_smem())
@@ -18,34 +16,11 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 }
 inline void __stcs(float4* p, float4 v) { *p = v; }
 inline void __stcs(uint4* p, uint4 v) { *p = v; }
-#include <mutex>
-// Bulk copies (sm_90): issued into a list, copied by the first thread that waits on their
-// mbarrier (a read of the stage before its wait sees 0xFF bytes).
 namespace mate {
-constexpr bool kBulkCopy = true;
-namespace bulk_emu {
-inline std::mutex mu;
-inline std::vector<PendingBulk> pending;
-}  // namespace bulk_emu
-inline void mbarrier_init_one(unsigned long long* bar) {
-    std::lock_guard<std::mutex> g(bulk_emu::mu);
-    std::erase_if(bulk_emu::pending, [&](const PendingBulk& c) { return c.bar == bar; });
-}
-inline void bulk_load(void* smem, const void* gmem, unsigned bytes, unsigned long long* bar) {
-    if ((uintptr_t)smem % 16 || (uintptr_t)gmem % 16 || bytes % 16 ||
-        (unsigned char*)smem + bytes > emu::dyn_smem() + emu::g_block->smem_bytes) {
-        std::fprintf(stderr, "bad bulk copy\n");
-        std::abort();
-    }
-    std::lock_guard<std::mutex> g(bulk_emu::mu);
-    bulk_emu::pending.push_back({smem, gmem, bytes, bar});
-}
-inline void mbarrier_wait(unsigned long long* bar, unsigned) {
-    std::lock_guard<std::mutex> g(bulk_emu::mu);
-    for (auto& c : bulk_emu::pending)
-        if (c.bar == bar) std::memcpy(c.dst, c.src, c.bytes);
-    std::erase_if(bulk_emu::pending, [&](const PendingBulk& c) { return c.bar == bar; });
-}
+constexpr bool kBulkCopy = false;
+inline void mbarrier_init_one(unsigned long long*) {}
+inline void bulk_load(void*, const void*, unsigned, unsigned long long*) {}
+inline void mbarrier_wait(unsigned long long*, unsigned) {}
 }  // namespace mate
 #include "kda_decode_emu.inc"
 #include <random>
@@ -54,7 +29,6 @@ using namespace mate;
 using namespace kda_decode;
 
 static std::mt19937 rng(1234);
-static bool g_bulk = false;  // stage whole slices with (emulated) bulk copies
 static float rnd(float s) { return std::normal_distribution<float>(0.f, s)(rng); }
 template <typename T> static std::vector<T> randv(size_t n, float s) {
     std::vector<T> v(n);
@@ -84,7 +58,6 @@ static void run_case(FILE* f, int nw, int passes, int T, int idx_mode, int V, in
     int flags = kL2Norm | kGateInKernel | kLowerBound | kBetaSigmoid | kInitialState;
     if (inplace) flags |= kInplace;
     if (idx_mode == 2) flags |= kHasAccepted;
-    if (g_bulk && V % VS == 0) flags |= kBulk;
     const int dtypes = (kBF16 << kDtQ) | (kBF16 << kDtK) | (kBF16 << kDtV) | (kBF16 << kDtA) | (kBF16 << kDtB) |
                        (kF32 << kDtBias) | (kF32 << kDtOut);
     const int tc = std::min(T, 8);
@@ -107,7 +80,6 @@ int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "wb");
     const int passes = argc > 2 ? std::atoi(argv[2]) : 1;
     emu::g_lazy_cp_async = argc > 3 && std::atoi(argv[3]) != 0;  // copies land at their wait
-    g_bulk = argc > 4 && std::atoi(argv[4]) != 0;
     int n = 0;
     for (int nw : {1, 2, 4})
         for (int T : {1, 3, 10})
