@@ -4,9 +4,8 @@
     compute-sanitizer --tool racecheck --racecheck-report all python tests/racecheck_kda.py decode-vfirst-t1
 
 Cases (all by default, or the names given): single-token in-place decode on V-first fp32
-and bf16 pools (the bulk-copy staging on sm_90, one-warp CTAs, bf16 slices run in two
-register passes), K-first pools, a 12-token decode (two prologue chunks, the state parked in
-shared memory between them; also in two passes), [N, C]
+and bf16 pools (the bulk-copy staging on sm_90, one-warp CTAs), K-first pools, a 12-token
+decode (two prologue chunks, the state parked in shared memory between them), [N, C]
 slots with accepted counts, and chunk_kda dense and varlen with mild and extreme gates
 (the prepare kernel's element-wise diagonal blocks). Each case checks its output against
 the float64 reference, so a run that completes also ran the kernels it names.
@@ -81,10 +80,6 @@ CASES = {
     "decode-vfirst-t1": lambda rs: _decode(rs, B=1, T=1, H=4, HV=8, state_dtype="float32"),
     "decode-vfirst-t1-b8": lambda rs: _decode(rs, B=8, T=1, H=4, HV=8, state_dtype="float32"),
     "decode-vfirst-t1-bf16": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="bfloat16"),
-    # 264 heads: two-warp CTAs with two register passes over a bf16 slice (on 132 SMs)
-    "decode-vfirst-t1-bf16-2pass": lambda rs: _decode(rs, B=33, T=1, H=4, HV=8, state_dtype="bfloat16"),
-    "decode-vfirst-t12-bf16-2pass": lambda rs: _decode(rs, B=33, T=12, H=2, HV=8, state_dtype="bfloat16",
-                                                       slots="nc0"),
     "decode-vfirst-t12": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="float32", slots="nc0"),
     "decode-vfirst-spec": lambda rs: _decode(rs, B=3, T=4, H=2, HV=4, state_dtype="float32", slots="nc"),
     "decode-kfirst-t1": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="float32", v_first=False),

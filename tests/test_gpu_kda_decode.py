@@ -302,19 +302,6 @@ CASES = {
     "v_odd_kfirst": replace(_BASE, V=40, v_first=False),
     "v_odd_kfirst_bf16": replace(_BASE, V=72, v_first=False, state_dtype="bfloat16", T=2, slots="2d"),
 }
-# bf16 V-first problems with enough heads for two register passes per CTA (MULTIPASS_CASES:
-# the slice staged whole, the warps run over it twice; checked against the configuration).
-_MULTIPASS = replace(_BASE, B=70, H=2, HV=8, state_dtype="bfloat16")  # 560 heads: 2 warps x 2 passes
-MULTIPASS_CASES = {
-    "multipass_bf16_t1_pad_oob": replace(_MULTIPASS, pad_seq=True, oob=True),
-    "multipass_bf16_4warps": replace(_MULTIPASS, B=132, out_dtype="float32"),  # 1056 heads: 4 warps x 2 passes
-    "multipass_bf16_t12_2d_pad_tok": replace(_MULTIPASS, T=12, slots="2d", pad_tok=True, pad_seq=True),
-    "multipass_bf16_varlen_store": replace(_MULTIPASS, lens=tuple((3 * i) % 5 for i in range(70)), slots="none",
-                                           inplace=False, store_final=True, pad_seq=True),
-    "multipass_bf16_zero_init_store": replace(_MULTIPASS, initial_state=False, inplace=False, store_final=True,
-                                              slots="none"),
-}
-CASES.update(MULTIPASS_CASES)
 
 
 # ------------------------------------------------------------------ GPU tests
@@ -384,21 +371,6 @@ def test_decode_matches_reference(name, rng):
     prep = build_case(c, rng)
     out, pool, final = _run_case(c, prep, preallocate=True)  # NaN-poisoned output
     check_results(c, prep, out, pool, final)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(MULTIPASS_CASES))
-def test_decode_multipass_cases_take_two_passes(name):
-    """The MULTIPASS_CASES run two register passes per CTA on this GPU (so the case grid
-    covers them); a GPU with fewer SMs would need more heads."""
-    from mate_cupy.kda.decode_launch import vfirst_passes, vfirst_warps
-    from mate_cupy.runtime.device import device_info
-    from mate_cupy.runtime.interop import BFLOAT16
-
-    c = CASES[name]
-    n_heads = (len(c.lens) if c.lens is not None else c.B) * c.HV
-    sm_count = device_info(_cupy().cuda.Device().id)[0]
-    assert vfirst_passes(BFLOAT16, n_heads, c.V, vfirst_warps(n_heads, c.V, sm_count), sm_count) == 2
 
 
 @pytest.mark.gpu

@@ -98,7 +98,6 @@ struct Params {
     int flags, dtypes;
     float scale, lower_bound;
     int n_splits, tc;
-    int v_slice;  // V rows (V-first) / columns (K-first) of one CTA
 };
 
 #define KDA_DECODE_KERNEL_ARGS                                                                            \
@@ -107,13 +106,13 @@ struct Params {
         const void *cu_seqlens, void *out, void *final_state, long long pool_size, int q_sb, int q_st,    \
         int q_sh, int k_sb, int k_st, int k_sh, int v_sb, int v_st, int v_sh, int a_sb, int a_st, int a_sh, \
         int b_sb, int b_st, int b_sh, int N, int T, int H, int HV, int V, int idx_cols, int flags,        \
-        int dtypes, float scale, float lower_bound, int n_splits, int tc, int v_slice
+        int dtypes, float scale, float lower_bound, int n_splits, int tc
 
 #define KDA_DECODE_PARAMS                                                                                  \
     Params{q,    k,    v,    a,    b,    A_log, dt_bias, state, state_indices, num_accepted, cu_seqlens, \
            out,  final_state, pool_size, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, a_sb,     \
            a_st, a_sh, b_sb, b_st, b_sh, N, T, H, HV, V, idx_cols, flags, dtypes, scale, lower_bound,     \
-           n_splits, tc, v_slice}
+           n_splits, tc}
 
 // ------------------------------------------------------------------ scalar loads / stores
 
@@ -456,21 +455,16 @@ struct VFirst {
 
 // State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
 // (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
-// VS = v_slice, a multiple of the WR = nwarps * 16 rows the warps hold at once: the slice is
-// staged whole, and the warps run the tokens over it in VS / WR passes of WR rows (more state
-// bytes in flight per CTA than its registers hold). Lane, pass ps: rows ps*WR + warp*16 +
-// (lane>>3) + 4r, r < 4. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous
-// slice with one bulk copy completing on an mbarrier instead of per-lane cp.async. Register
-// budget: C::kMaxRegs per thread (at most 256 threads).
+// VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices,
+// sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
+// instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
 template <typename StateT>
 __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
     using C = VFirst<StateT>;
     __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int WR = (blockDim.x >> 5) * C::kRowsPerWarp;  // rows of one pass
-    const int VS = p.v_slice;
-    const int passes = VS / WR;
+    const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
     const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
     if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
@@ -490,29 +484,29 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
     const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
-    const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0 in a pass
-    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within a pass
+    const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
+    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
     const int stage_elems = VS * kDim;
-    StateT* const stage0 = reinterpret_cast<StateT*>(kda_decode_smem);
+    StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
+    bool row_ok[C::kRows];
+#pragma unroll
+    for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
 
-    // Stage the initial slice.
+    // Stage the initial slice (the stage base is the lane's stage minus its offset).
     const bool load = !s.pad && (p.flags & kInitialState);
     if (load) {
         const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
         if (bulk) {
             if (threadIdx.x == 0)
-                bulk_load(stage0, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
+                bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
         } else {
-            for (int ps = 0; ps < passes; ++ps) {
-                const int o0 = ps * WR * kDim + lane_off;
 #pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    if (v0 + ps * WR + lrow0 + 4 * r >= p.V) continue;
+            for (int r = 0; r < C::kRows; ++r) {
+                if (!row_ok[r]) continue;
 #pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j) {
-                        const int o = o0 + C::row_offset(r) + C::chunk_offset(j);
-                        cp_async_16(stage0 + o, src + o);
-                    }
+                for (int j = 0; j < C::kChunks; ++j) {
+                    const int o = C::row_offset(r) + C::chunk_offset(j);
+                    cp_async_16(stage + o, src + lane_off + o);
                 }
             }
         }
@@ -525,163 +519,123 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int len = s.pad ? 0 : s.len;
     bool changed = false;
     typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
-    // One token chunk (c0, cn) at a time (one empty chunk when there is no token), each over
-    // the passes: registers <- the pass's staged rows, its tokens, then the rows are parked
-    // in the stage (more chunks) or stored as the final state (last chunk).
-    for (int c0 = 0; c0 < max(len, 1); c0 += p.tc) {
-        const int cn = min(p.tc, len - c0);  // 0 when there is no token
-        if (cn > 0) {
-            if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
-            prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+    // Registers <- own staged chunks (zeros for rows past V and without an initial state).
+    auto stage_to_regs = [&](bool from_stage) {
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                if (from_stage && row_ok[r]) {
+                    C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
+                }
+            }
         }
+    };
+    for (int c0 = 0; c0 < len; c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);
+        if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
+        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
         cp_async_wait<0>();
-        if (cn > 0) __syncthreads();
+        __syncthreads();
         if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
-        const bool from_stage = c0 > 0 || load;
-        const bool last = c0 + p.tc >= len;
-        for (int ps = 0; ps < passes; ++ps) {
-            const int prow0 = ps * WR + lrow0;  // local row (in the slice) of r = 0
-            StateT* const stage = stage0 + ps * WR * kDim + lane_off;
-            bool row_ok[C::kRows];
+        stage_to_regs(c0 > 0 || load);
+        for (int t = 0; t < cn; ++t) {
+            const long long slot = m.slot[t];
+            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
+            if (slot == kPadToken) {
+                if (g == 0) {
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + prow0 + 4 * r < p.V;
-            // Registers <- own staged chunks (zeros for rows past V and without an initial state).
+                    for (int r = 0; r < C::kRows; ++r)
+                        if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                }
+                continue;
+            }
+            const float* qs = m.q + t * kDim + g * C::kEPC;
+            const float* ks = m.k + t * kDim + g * C::kEPC;
+            const float* es = m.e + t * kDim + g * C::kEPC;
+            float dk[C::kRows], dq[C::kRows];
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    if (from_stage && row_ok[r]) {
-                        C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                    } else {
+            for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
+                            const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
+                            if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
+                            dk[r] = fmaf(x, ka[e], dk[r]);
+                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        }
                     }
                 }
             }
-            for (int t = 0; t < cn; ++t) {
-                const long long slot = m.slot[t];
-                const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + prow0;
-                if (slot == kPadToken) {
-                    if (g == 0) {
 #pragma unroll
-                        for (int r = 0; r < C::kRows; ++r)
-                            if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
-                    }
-                    continue;
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
                 }
-                const float* qs = m.q + t * kDim + g * C::kEPC;
-                const float* ks = m.k + t * kDim + g * C::kEPC;
-                const float* es = m.e + t * kDim + g * C::kEPC;
-                float dk[C::kRows], dq[C::kRows];
+            }
+            const float kq = m.kq[t];
+            float bu[C::kRows];
 #pragma unroll
-                for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+            for (int r = 0; r < C::kRows; ++r) {
+                const int i = t * VS + lrow0 + 4 * r;
+                bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                const float o = (dq[r] + bu[r] * kq) * p.scale;
+                if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
+            }
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
+            for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    if constexpr (C::kPacked) {
+                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
                         const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
                         const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; e += 2) {
+                                u32& w = S[r][4 * j + (e4 + e) / 2];
+                                const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
+                                const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
+                                w = pack2<bf16_t>(x0, x1);
+                            }
+                        }
+                    } else {
 #pragma unroll
                         for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
-                                const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
-                                if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
-                                dk[r] = fmaf(x, ka[e], dk[r]);
-                                dq[r] = fmaf(x, qa[e], dq[r]);
+                                float& x = S[r][4 * j + e4 + e];
+                                x = fmaf(bu[r], ka[e], x);
                             }
                         }
                     }
                 }
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                        dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                        dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
-                    }
-                }
-                const float kq = m.kq[t];
-                float bu[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    const int i = t * VS + prow0 + 4 * r;
-                    bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                    const float o = (dq[r] + bu[r] * kq) * p.scale;
-                    if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
-                }
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        if constexpr (C::kPacked) {
-                            // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
-                            const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                            const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; e += 2) {
-                                    u32& w = S[r][4 * j + (e4 + e) / 2];
-                                    const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
-                                    const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
-                                    w = pack2<bf16_t>(x0, x1);
-                                }
-                            }
-                        } else {
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    float& x = S[r][4 * j + e4 + e];
-                                    x = fmaf(bu[r], ka[e], x);
-                                }
-                            }
-                        }
-                    }
-                }
-                changed = true;
-                if (slot >= 0) {
-                    StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + ps * WR * kDim + lane_off;
-#pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-                        if (!row_ok[r]) continue;
-#pragma unroll
-                        for (int j = 0; j < C::kChunks; ++j)
-                            C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                    }
-                }
             }
-            if (!last) {  // more tokens: park the rows in the stage during the next prologue
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j)
-                        C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                }
-                continue;
-            }
-            // Last chunk: the final state of the pass's rows, back into the read slot (no / [N]
-            // indices, in place, after a computed token: `changed` is the same for every pass)
-            // and/or into final_state[n].
-            const long long rows_off = slice + ps * WR * kDim + lane_off;
-            StateT* dsts[2] = {nullptr, nullptr};
-            if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
-                dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + rows_off;
-            if (p.final_state != nullptr) dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + rows_off;
-#pragma unroll
-            for (int d = 0; d < 2; ++d) {
-                if (dsts[d] == nullptr) continue;
-                StateT* const dst = dsts[d];
+            changed = true;
+            if (slot >= 0) {
+                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
 #pragma unroll
                 for (int r = 0; r < C::kRows; ++r) {
                     if (!row_ok[r]) continue;
@@ -690,6 +644,36 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                         C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 }
             }
+        }
+        if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j)
+                    C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+            }
+        }
+    }
+    if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
+        cp_async_wait<0>();
+        if (bulk && load) mbarrier_wait(&bulk_bar, 0);
+        stage_to_regs(load);
+    }
+    // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
+    StateT* dsts[2] = {nullptr, nullptr};
+    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
+    if (p.final_state != nullptr)
+        dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        if (dsts[d] == nullptr) continue;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+            if (!row_ok[r]) continue;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j)
+                C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
         }
     }
 }

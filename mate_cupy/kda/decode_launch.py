@@ -52,8 +52,8 @@ NO_POOL = (1 << 63) - 1  # pool_size without a pool: every non-negative slot rea
 
 #: The parameter list of both kernels (``KDA_DECODE_KERNEL_ARGS`` in the source): the
 #: arrays, the pool's slot count, the (batch, token, head) element strides of q, k, v, a, b,
-#: sizes, slot columns, option flags, dtype codes, scale, lower bound, V-slices per head,
-#: tokens per prologue and the V-slice (rows or columns of one CTA).
+#: sizes, slot columns, option flags, dtype codes, scale, lower bound, V-slices per head
+#: and tokens per prologue.
 PARAMS = KernelParams((
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("a", "ptr"), ("b", "ptr"), ("A_log", "ptr"), ("dt_bias", "ptr"),
     ("state", "ptr"), ("state_indices", "ptr"), ("num_accepted", "ptr"), ("cu_seqlens", "ptr"), ("out", "ptr"),
@@ -63,7 +63,6 @@ PARAMS = KernelParams((
     ("b_sb", "i32"), ("b_st", "i32"), ("b_sh", "i32"),
     ("N", "i32"), ("T", "i32"), ("H", "i32"), ("HV", "i32"), ("V", "i32"), ("idx_cols", "i32"), ("flags", "i32"),
     ("dtypes", "i32"), ("scale", "f32"), ("lower_bound", "f32"), ("n_splits", "i32"), ("tc", "i32"),
-    ("v_slice", "i32"),
 ))
 #: Kernel name -> its parameter list (checked against the source by the CPU tests).
 KERNEL_PARAMS = {"kda_decode_vfirst_kernel": PARAMS, "kda_decode_kfirst_kernel": PARAMS}
@@ -73,9 +72,8 @@ KERNEL_PARAMS = {"kda_decode_vfirst_kernel": PARAMS, "kda_decode_kfirst_kernel":
 class DecodeConfig:
     """How one decode problem is launched on one device.
 
-    ``v_slice``: V rows (V-first) or V columns (K-first) of one head a CTA owns (V-first:
-    ``passes`` register passes of ``16 * warps`` rows); ``n_splits`` slices per head,
-    ``grid = N * HV * n_splits`` CTAs of ``threads``;
+    ``v_slice``: V rows (V-first) or V columns (K-first) of one head a CTA owns;
+    ``n_splits`` slices per head, ``grid = N * HV * n_splits`` CTAs of ``threads``;
     ``token_chunk`` tokens prepared per prologue; ``smem`` dynamic shared memory bytes;
     ``bulk_stage``: the V-first slice is staged by one bulk copy (sm_90, whole slices);
     ``option_flags`` / ``dtype_codes``: the kernel's flag word and packed dtype codes.
@@ -84,7 +82,6 @@ class DecodeConfig:
     spec: KernelSpec
     warps: int
     threads: int
-    passes: int
     v_slice: int
     n_splits: int
     grid: int
@@ -112,16 +109,6 @@ def vfirst_warps(n_heads: int, V: int, sm_count: int) -> int:
     if ctas(4) >= 16 * sm_count:
         return 4
     if ctas(2) >= 4 * sm_count:
-        return 2
-    return 1
-
-
-def vfirst_passes(state_dtype, n_heads: int, V: int, warps: int, sm_count: int) -> int:
-    """Register passes of a V-first CTA over its staged slice: 2 for a bf16 state when the
-    doubled slice still divides V and gives >= 4 CTAs per SM, else 1. A bf16 pass holds half
-    the bytes of an fp32 one (same registers), so two passes stage as many bytes per CTA."""
-    rows = 2 * ROWS_PER_WARP * warps
-    if state_dtype == BFLOAT16 and V % rows == 0 and n_heads * (V // rows) >= 4 * sm_count:
         return 2
     return 1
 
@@ -160,18 +147,17 @@ def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     p = problem
     if p.state_v_first:
         warps = vfirst_warps(p.N * p.HV, p.V, sm_count)
-        passes = vfirst_passes(p.state_dtype, p.N * p.HV, p.V, warps, sm_count)
-        v_slice = ROWS_PER_WARP * warps * passes
+        v_slice = ROWS_PER_WARP * warps
         red_floats = 0
     else:
         threads, v_slice = KFIRST_SHAPE[p.state_dtype]
-        warps, passes = threads // 32, 1
+        warps = threads // 32
         red_floats = 2 * warps * 2 * v_slice  # [2 parities][warps][S_dec k, S_dec q][v_slice]
     n_splits = -(-p.V // v_slice)
     token_chunk = max(1, min(p.T, MAX_CHUNK))
     bulk_stage = p.state_v_first and cc >= 90 and p.V % v_slice == 0
     return DecodeConfig(
-        spec=SPECS[(p.state_dtype, p.state_v_first)], warps=warps, threads=32 * warps, passes=passes, v_slice=v_slice,
+        spec=SPECS[(p.state_dtype, p.state_v_first)], warps=warps, threads=32 * warps, v_slice=v_slice,
         n_splits=n_splits, grid=p.N * p.HV * n_splits, token_chunk=token_chunk,
         smem=smem_bytes(v_slice * K_DIM * p.state_dtype.itemsize, token_chunk, v_slice, red_floats),
         bulk_stage=bulk_stage, option_flags=_option_flags(p) | (F_BULK if bulk_stage else 0),
@@ -281,7 +267,7 @@ def kernel_values(problem, config: DecodeConfig, ptrs: dict) -> tuple:
         ptrs["state"] if pool else 0, get("state_indices", 0), get("num_accepted_tokens", 0), get("cu_seqlens", 0),
         ptrs["output"], get("final_state", 0), p.pool_size if pool else NO_POOL, *p.token_strides,
         p.N, p.T, p.H, p.HV, p.V, p.slot_columns, config.option_flags, config.dtype_codes, p.scale, p.lower_bound,
-        config.n_splits, config.token_chunk, config.v_slice,
+        config.n_splits, config.token_chunk,
     )
 
 
