@@ -12,6 +12,7 @@ replays it with new runtime lengths.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -299,7 +300,12 @@ def test_wgmma_descriptor_bits():
     kernel = SRC.read_text()
     # Q/K descriptors: SBO 1024 (8-row groups); V: the same, transposed (imm-trans-b = 1)
     assert kernel.count("wg_desc(") == 3 and kernel.count(", 16, 1024)") == 3
-    assert "p, 1, 1, 1;" in text and "p, 1, 1, 0, 0;" in text
+    # immediates after scale-d: RS (V transposed) "1, 1, 1"; SS 16-bit K-major "1, 1, 0, 0";
+    # SS e4m3 (no transpose operands, always K-major) "1, 1"
+    assert "p, 1, 1, 1;" in text and 'p, " IMM ";' in text
+    ss = re.findall(r'^MATE_WG_SS\((\d+), (\d+), (\w+), "(\w+)", "([\d, ]+)"', text, re.M)
+    assert {(ty, k, imm) for _, k, _, ty, imm in ss} == {("f16", "16", "1, 1, 0, 0"), ("bf16", "16", "1, 1, 0, 0"),
+                                                         ("e4m3", "32", "1, 1")}, ss
 
 
 
