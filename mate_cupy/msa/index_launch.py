@@ -122,7 +122,7 @@ MAX_SCORE_SPECS.update({
     for cfg in DECODE_CONFIGS
     if d < 256 or cfg.row_blocks <= 2
 })
-FP8_PREFILL_CONFIG = MAX_SCORE_CONFIGS[5]   # wgmma, 8 warps
+FP8_PREFILL_CONFIG = MaxScoreConfig("wgmma", 8)   # the 16-bit prefill shape: 8 warps of wgmma
 MAX_SCORE_SPECS.update({
     (FP8_E4M3, d, FP8_PREFILL_CONFIG): register(SOURCE, _max_score_name(FP8_E4M3, d, FP8_PREFILL_CONFIG),
                                                 only_arch=SM90A)
@@ -132,7 +132,7 @@ MAX_SCORE_SPECS.update({
 # rows take the wgmma variant (compute capability 9.0).
 FP8_DECODE_MAX_ROWS = {d: max(cfg.rows_per_cta for (dt, dd, cfg) in MAX_SCORE_SPECS
                               if dt == FP8_E4M3 and dd == d and cfg.decode) for d in MAX_SCORE_HEAD_DIMS}
-FP8_PREFILL_SM = 90
+FP8_PREFILL_SM = 90   # the compute capability the fp8 prefill variant is built for (sm_90a)
 
 
 def select_max_score_config(rows: int, compute_capability: int, *, fp8: bool = False,
