@@ -431,6 +431,27 @@ def test_decode_max_score_k_views_emulated(emu, rng, layout):
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+def _fp8_keys(rng, q, qo, kv, cu_q, cu_k, off, nt, *, hkv, d, paged, causal, page_size):
+    """Random e4m3 K, dense ``[total_k, Hkv, D]`` or paged HND (CSR page ids, one invalid), with
+    the float64 block max of the fp8 values: ``(k, want, launch kwargs, K rows for the error bound)``."""
+    if paged:
+        counts = -(-kv // page_size)
+        num_pages = int(counts.sum()) + 2
+        kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+        kv_indices[2] = -1
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        k = rng.standard_normal((num_pages, hkv, page_size, d)).astype(np.float32).astype(FP8)
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+        want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=causal, max_k_tiles=nt,
+                                         kv_layout="HND", qo_lens=qo)
+        kw = dict(kv_indices=kv_indices, indptr=indptr, kv_layout="HND", page_size=page_size)
+        return k, want, kw, k.transpose(0, 2, 1, 3).reshape(-1, d)
+    k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float32).astype(FP8)
+    want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
+                               kv_lens=kv)
+    return k, want, dict(cu_k=cu_k), k
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d,paged,lazy", [(128, False, False), (64, True, True), (256, True, False),
                                           (128, True, True)])
@@ -446,24 +467,8 @@ def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
         cu_q, cu_k, off = _meta(qo, kv, None)
         q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32).astype(FP8)
         nt = -(-int(kv.max()) // BLOCK) + 1
-        if paged:
-            counts = -(-kv // page_size)
-            num_pages = int(counts.sum()) + 2
-            kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
-            kv_indices[2] = -1
-            indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-            k = rng.standard_normal((num_pages, hkv, page_size, d)).astype(np.float32).astype(FP8)
-            table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
-            want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
-                                             kv_layout="HND", qo_lens=qo)
-            kw = dict(kv_indices=kv_indices, indptr=indptr, kv_layout="HND", page_size=page_size)
-            k_rows = k.transpose(0, 2, 1, 3).reshape(-1, d)
-        else:
-            k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float32).astype(FP8)
-            want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt,
-                                       qo_lens=qo, kv_lens=kv)
-            kw = dict(cu_k=cu_k)
-            k_rows = k
+        k, want, kw, k_rows = _fp8_keys(rng, q, qo, kv, cu_q, cu_k, off, nt, hkv=hkv, d=d, paged=paged,
+                                        causal=True, page_size=page_size)
         want = want * scale
         for config in _decode_configs(int(qo.max()) * r):
             if config is not None and (FP8, d, config) not in il.MAX_SCORE_SPECS:
@@ -495,24 +500,8 @@ def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads)
     cu_q, cu_k, off = _meta(qo, kv, (kv - qo + np.array([0, -40, 3][: len(qo)])).astype(np.int32))
     q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32).astype(FP8)
     nt = -(-int(kv.max()) // BLOCK) + 1
-    if paged:
-        counts = -(-kv // page_size)
-        num_pages = int(counts.sum()) + 2
-        kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
-        kv_indices[2] = -1
-        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        k = rng.standard_normal((num_pages, hkv, page_size, d)).astype(np.float32).astype(FP8)
-        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
-        want = ref.paged_block_max_score(q, k, cu_q, kv, table, qo_offset=off, causal=causal, max_k_tiles=nt,
-                                         kv_layout="HND", qo_lens=qo)
-        kw = dict(kv_indices=kv_indices, indptr=indptr, kv_layout="HND", page_size=page_size)
-        k_rows = k.transpose(0, 2, 1, 3).reshape(-1, d)
-    else:
-        k = rng.standard_normal((int(cu_k[-1]), hkv, d)).astype(np.float32).astype(FP8)
-        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
-                                   kv_lens=kv)
-        kw = dict(cu_k=cu_k)
-        k_rows = k
+    k, want, kw, k_rows = _fp8_keys(rng, q, qo, kv, cu_q, cu_k, off, nt, hkv=hkv, d=d, paged=paged, causal=causal,
+                                    page_size=page_size)
     assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d) == il.FP8_PREFILL_CONFIG
     if long_kv:
         assert il.max_score_splits(-(-int(qo.max()) * 3 // 128) * len(qo) * hkv, nt, 132)[0] > 1
