@@ -48,18 +48,11 @@ def _checker(ref_fn, what: str):
 
 # --------------------------------------------------------------------------- dense prefill
 
-def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | None, causal: bool = True) -> Case:
-    """Dense prefill, ``batch`` sequences of ``s`` tokens (packed [B*S, H, D]), beside SDPA's
-    flash and cuDNN backends; the baseline is cuDNN, the strongest peer on Hopper."""
-    dev = cfg.device
-    scale = D ** -0.5
+def _dense_prefill_build(batch: int, s: int, hq: int, hkv: int, causal: bool):
+    """Impl builder: our dense prefill (eager plan, ``out=``) on set["q"], set["k"], set["v"]
+    ([B*S, H, D])."""
 
-    def make_inputs(n):
-        g = _gen(dev, 1)
-        return [{"q": _randn((batch * s, hq, D), g, dev), "k": _randn((batch * s, hkv, D), g, dev),
-                 "v": _randn((batch * s, hkv, D), g, dev)} for _ in range(n)]
-
-    def ours_build(inputs):
+    def build(inputs):
         import torch
 
         plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=causal)
@@ -71,10 +64,17 @@ def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | N
 
         return Bound(run)
 
+    return build
+
+
+def _dense_prefill_ref(dev, batch: int, s: int, hkv: int, causal: bool, n_rows: int):
+    """Case reference: fp32 attention of ``n_rows`` sampled query rows over set["k"], set["v"]."""
+    scale = D ** -0.5
+
     def ref(inp):
         import torch
 
-        rows = sample_rows(batch * s, 48 if s * batch <= 65536 else 24, dev)
+        rows = sample_rows(batch * s, n_rows, dev)
         b, pos = rows // s, rows % s
         if batch == 1:
             k, v = inp["k"], inp["v"]
@@ -83,11 +83,25 @@ def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | N
             v = inp["v"].view(batch, s, hkv, D)[b]
         return rows, attention_rows(inp["q"][rows], k, v, pos, torch.full_like(pos, s), causal, scale)
 
+    return ref
+
+
+def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | None, causal: bool = True) -> Case:
+    """Dense prefill, ``batch`` sequences of ``s`` tokens (packed [B*S, H, D]), beside SDPA's
+    flash and cuDNN backends; the baseline is cuDNN, the strongest peer on Hopper."""
+    dev = cfg.device
+
+    def make_inputs(n):
+        g = _gen(dev, 1)
+        return [{"q": _randn((batch * s, hq, D), g, dev), "k": _randn((batch * s, hkv, D), g, dev),
+                 "v": _randn((batch * s, hkv, D), g, dev)} for _ in range(n)]
+
+    ref = _dense_prefill_ref(dev, batch, s, hkv, causal, 48 if s * batch <= 65536 else 24)
     return Case(
         op="msa dense prefill", name=f"B{batch} S{s} Hq{hq} Hkv{hkv} " + ("causal" if causal else "non-causal"),
         make_inputs=make_inputs, set_bytes=2.0 * batch * s * (hq + 2 * hkv) * D,
         impls=[
-            Impl("mate_cupy", "ours", ours_build),
+            Impl("mate_cupy", "ours", _dense_prefill_build(batch, s, hq, hkv, causal)),
             Impl("sdpa_flash", "peer", sdpa_build("flash", batch, s, s, hq, hkv, D, causal=causal),
                  family="sdpa_flash"),
             Impl("sdpa_cudnn", "peer", sdpa_build("cudnn", batch, s, s, hq, hkv, D, causal=causal),
@@ -106,7 +120,6 @@ def paged_prefill_case(cfg, batch: int, s: int, page: int, hq: int, hkv: int, *,
     ([pages, page, Hkv, D], pages in random order, CSR ``kv_indices``), beside our dense
     prefill and cuDNN on the same values laid out contiguously (copies made untimed)."""
     dev = cfg.device
-    scale = D ** -0.5
     ppr = math.ceil(s / page)
     n_pages = batch * ppr
 
@@ -138,33 +151,13 @@ def paged_prefill_case(cfg, batch: int, s: int, page: int, hq: int, hkv: int, *,
 
         return Bound(run)
 
-    def dense_build(inputs):
-        import torch
-
-        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=True)
-        outs = [torch.empty_like(x["q"]) for x in inputs]
-
-        def run(i):
-            x = inputs[i]
-            return ours.first(ours.msa(x["q"], x["k"], x["v"], plan, out=outs[i]))
-
-        return Bound(run)
-
-    def ref(inp):
-        import torch
-
-        rows = sample_rows(batch * s, 24, dev)
-        b, pos = rows // s, rows % s
-        k = inp["k"].view(batch, s, hkv, D)[b]
-        v = inp["v"].view(batch, s, hkv, D)[b]
-        return rows, attention_rows(inp["q"][rows], k, v, pos, torch.full_like(pos, s), True, scale)
-
+    ref = _dense_prefill_ref(dev, batch, s, hkv, True, 24)
     return Case(
         op="msa paged prefill", name=f"B{batch} S{s} page{page} Hq{hq} Hkv{hkv} causal",
         make_inputs=make_inputs, set_bytes=2.0 * batch * s * (hq + 4 * hkv) * D,
         impls=[
             Impl("mate_cupy", "ours", paged_build),
-            Impl("mate_cupy.dense", "baseline", dense_build),
+            Impl("mate_cupy.dense", "baseline", _dense_prefill_build(batch, s, hq, hkv, True)),
             Impl("sdpa_cudnn", "peer", sdpa_build("cudnn", batch, s, s, hq, hkv, D, causal=True),
                  family="sdpa_cudnn"),
         ],
