@@ -135,6 +135,13 @@ def max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Target |
     )
 
 
+def _e4m3(x, scale: float):
+    """``x / scale`` rounded to float8 e4m3 (a per-tensor scale, as MiniMax's Q8KV8 index)."""
+    import torch
+
+    return (x.float() / scale).to(torch.float8_e4m3fn)
+
+
 def fp8_max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Target | None) -> Case:
     """The prefill max score with float8 e4m3 q and k (per-tensor scales, MiniMax's Q8KV8:
     ``msa(..., k_scale=q_scale * k_scale)``) against the same ``msa`` pass in bfloat16. One
@@ -145,14 +152,11 @@ def fp8_max_score_case(cfg, sq: int, sk: int, hq: int, hkv: int, *, target: Targ
     q_scale, k_scale = 0.05, 0.03
 
     def make_inputs(n):
-        import torch
-
         g = _gen(dev, 9)
         sets = []
         for _ in range(n):
             q, k = _randn((sq, hq, D), g, dev), _randn((sk, hkv, D), g, dev)
-            sets.append({"q": q, "k": k, "q8": (q.float() / q_scale).to(torch.float8_e4m3fn),
-                         "k8": (k.float() / k_scale).to(torch.float8_e4m3fn)})
+            sets.append({"q": q, "k": k, "q8": _e4m3(q, q_scale), "k8": _e4m3(k, k_scale)})
         return sets
 
     def launcher(fp8: bool):
@@ -256,9 +260,9 @@ def decode_max_score_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, page:
 def fp8_decode_max_score_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, page: int, *,
                               target: Target | None) -> Case:
     """The decode max score with float8 e4m3 q and k (per-tensor scales) against the same
-    launch in bfloat16, both through ``index_launch.run_max_score`` (the MSA engine does not
-    take fp8 for the max-score pass yet). Paged NHD, CSR ``kv_indices``, one query per
-    request; bytes = the K cache each reads."""
+    launch in bfloat16, both through ``index_launch.run_max_score`` (the kernel alone, no
+    plan). Paged NHD, CSR ``kv_indices``, one query per request; bytes = the K cache each
+    reads."""
     dev = cfg.device
     ppr = math.ceil(seqlen / page)
     n_pages = batch * ppr
@@ -273,8 +277,7 @@ def fp8_decode_max_score_case(cfg, batch: int, seqlen: int, hq: int, hkv: int, p
         for _ in range(n):
             q = _randn((batch, hq, D), g, dev)
             k = _randn((n_pages, page, hkv, D), g, dev)
-            sets.append({"q": q, "k_cache": k, "q8": (q.float() / q_scale).to(torch.float8_e4m3fn),
-                         "k8": (k.float() / k_scale).to(torch.float8_e4m3fn),
+            sets.append({"q": q, "k_cache": k, "q8": _e4m3(q, q_scale), "k8": _e4m3(k, k_scale),
                          "kv_indices": torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)})
         return sets
 
