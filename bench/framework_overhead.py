@@ -46,6 +46,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import captured_graph  # noqa: E402
 
 
 def _timed(fn, calls: int, busy=None, sync=None, repeats: int = 5) -> float:
@@ -148,15 +149,7 @@ def _torch_rows(torch, mc, tops, dev: str, calls: int) -> list:
         return lambda: step(*args)
 
     def captured(fn):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
+        return captured_graph(torch, fn).replay
 
     cases = {"gated_delta_rule_decode B1": (decode, decode_graphed),
              "msa paged decode static B1": (paged, paged_graphed)}

@@ -168,18 +168,26 @@ class CpuTimer:
         raise NotImplementedError("CUDA graphs need a GPU")
 
 
+def captured_graph(torch, fn):
+    """``fn()`` run once on a side stream (allocator and lazy initialisation), then captured
+    in a ``torch.cuda.CUDAGraph``, which is returned (not yet replayed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fn()
+    return gr
+
+
 def graph_replay_us(torch, fn, replays: int = 20, err_chars: int = 120):
     """GPU microseconds per call of ``fn()`` captured once in a CUDA graph (warmed on a side
-    stream first) and replayed ``replays`` times; a string saying why when capture fails."""
+    stream first, :func:`captured_graph`) and replayed ``replays`` times; a string saying why
+    when capture fails."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            fn()
+        gr = captured_graph(torch, fn)
         gr.replay()
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
