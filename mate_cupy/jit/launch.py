@@ -14,6 +14,7 @@ accepted too (``.data.ptr``).
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import threading
 
@@ -65,11 +66,15 @@ class KernelParams:
         tls = self._tls
         bufs = getattr(tls, "bufs", None)
         if bufs is None:
-            data = ctypes.create_string_buffer(max(1, self._struct.size))
-            base = ctypes.addressof(data)
-            table = (ctypes.c_void_p * max(1, len(self._offsets)))(*[base + o for o in self._offsets])
-            bufs = tls.bufs = (data, table, ctypes.addressof(table))
+            bufs = tls.bufs = self.new_buffers()
         return bufs
+
+    def new_buffers(self) -> tuple:
+        """A parameter buffer and its ``void**`` table: ``(buffer, table, table address)``."""
+        data = ctypes.create_string_buffer(max(1, self._struct.size))
+        base = ctypes.addressof(data)
+        table = (ctypes.c_void_p * max(1, len(self._offsets)))(*[base + o for o in self._offsets])
+        return data, table, ctypes.addressof(table)
 
     def pack(self, values) -> bytes:
         """The packed parameter bytes of ``values`` (in parameter order): for tests."""
@@ -156,8 +161,6 @@ class PreparedLaunch:
                  "_span", "_span_offset", "_span_pick", "_tls")
 
     def __init__(self, kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, n_addresses: int):
-        import operator
-
         values = tuple(values)
         if len(values) != len(params.kinds):
             raise TypeError(f"kernel takes {len(params.kinds)} parameters, got {len(values)}")
@@ -178,7 +181,7 @@ class PreparedLaunch:
                 picks.append(n + i)
         self._fixed = tuple(fixed)
         params._struct.pack(*self._fixed)  # every fixed value packs (refused here, not at a launch)
-        self._pick = _itemgetter(operator, picks)
+        self._pick = _itemgetter(picks)
         # The packed span [first source, last source]: its layout from the parameter offsets.
         lo, hi = (sourced[0], sourced[-1]) if sourced else (0, -1)
         fmt, end = "<", params._offsets[lo] if sourced else 0
@@ -186,7 +189,7 @@ class PreparedLaunch:
             fmt += "x" * (params._offsets[i] - end) + _FORMAT[params.kinds[i]]
             end = params._offsets[i] + _SIZE[params.kinds[i]]
         self._span, self._span_offset = struct.Struct(fmt), (params._offsets[lo] if sourced else 0)
-        self._span_pick = _itemgetter(operator, picks[lo:hi + 1]) if sourced else (lambda t: ())
+        self._span_pick = _itemgetter(picks[lo:hi + 1]) if sourced else (lambda t: ())
         self._tls = threading.local()
         if self.shared_mem > 48 * 1024:
             kernel.reserve_shared_memory(self.shared_mem)
@@ -197,11 +200,8 @@ class PreparedLaunch:
 
     def _buffers(self):
         """This thread's ``(buffer, table, table address)`` with the fixed values packed."""
-        data = ctypes.create_string_buffer(max(1, self.params._struct.size))
-        self.params._struct.pack_into(data, 0, *self._fixed)
-        base = ctypes.addressof(data)
-        table = (ctypes.c_void_p * max(1, len(self.params._offsets)))(*[base + o for o in self.params._offsets])
-        bufs = self._tls.bufs = (data, table, ctypes.addressof(table))
+        bufs = self._tls.bufs = self.params.new_buffers()
+        self.params._struct.pack_into(bufs[0], 0, *self._fixed)
         return bufs
 
     def run(self, addresses: tuple, stream: int) -> None:
@@ -213,6 +213,6 @@ class PreparedLaunch:
                                              stream, bufs[2], 0)
 
 
-def _itemgetter(operator, picks):
+def _itemgetter(picks):
     """``t -> tuple(t[i] for i in picks)`` as one C-level call (a tuple for one pick too)."""
     return operator.itemgetter(*picks) if len(picks) > 1 else (lambda t, i=picks[0]: (t[i],))
