@@ -54,7 +54,6 @@ INDEX_LIMIT = 2**31  # total_q * Hq, KV rows/pages, max_seqlen_q * group: int32 
 # as registered in index_launch.
 FP8_MAX_SCORE_ROWS = index_launch.FP8_DECODE_MAX_ROWS
 FP8_MAX_SCORE_MIN_SM = min(s.min_sm for (dt, _, _), s in index_launch.MAX_SCORE_SPECS.items() if dt == FP8_E4M3)
-FP8_PREFILL_MAX_SCORE_SM = index_launch.FP8_PREFILL_SM
 DTYPE_CODES = {FLOAT16: al.DTYPE_FP16, BFLOAT16: al.DTYPE_BF16, FP8_E4M3: al.DTYPE_E4M3}
 LOG2E = 1.4426950408889634
 
@@ -287,8 +286,8 @@ def check_fp8_max_score(fn: str, plan: MsaPlan, hq: int, head_dim: int, device: 
                                   f"got {cc // 10}.{cc % 10} (cuda:{device})")
     rows = plan.prefill_plan.max_seqlen_q * (hq // plan.num_kv_heads)
     limit = FP8_MAX_SCORE_ROWS[head_dim]
-    if rows > limit and cc != FP8_PREFILL_MAX_SCORE_SM:
-        sm = FP8_PREFILL_MAX_SCORE_SM
+    if rows > limit and cc != index_launch.FP8_PREFILL_SM:
+        sm = index_launch.FP8_PREFILL_SM
         raise NotImplementedError(
             f"{fn}: a float8 max score of more than {limit} packed rows per request at head dim {head_dim} "
             f"(max_seqlen_q * Hq / Hkv = {plan.prefill_plan.max_seqlen_q} * {hq} / {plan.num_kv_heads} = {rows}) "
