@@ -158,7 +158,8 @@ def _new_array(device: Optional[int], shape: tuple, dtype, host: Optional[np.nda
         return arr
 
 
-def _heads(num_qo_heads, num_kv_heads) -> tuple:
+def _resolved_heads(num_qo_heads, num_kv_heads) -> tuple:
+    """``(Hq, Hkv)`` with ``num_kv_heads`` None or non-positive meaning ``Hq`` (checked by the plans)."""
     num_qo_heads = int(num_qo_heads)
     return num_qo_heads, num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
 
@@ -191,7 +192,7 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
 
     qo = _int32_vector("qo_segment_lens", qo_segment_lens)
     kv = _int32_vector("kv_segment_lens", kv_segment_lens)
-    num_qo_heads, num_kv_heads = _heads(num_qo_heads, num_kv_heads)
+    num_qo_heads, num_kv_heads = _resolved_heads(num_qo_heads, num_kv_heads)
     if int(max_score_bytes) <= 0:
         raise ValueError(f"max_score_bytes must be positive, got {max_score_bytes}")
     dev = _current_cuda_device() if device is None else device_index(device)  # None: a host plan
@@ -251,7 +252,7 @@ def sparse_pipeline_static_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k
     """
     from .plan import _current_cuda_device
 
-    num_qo_heads, num_kv_heads = _heads(num_qo_heads, num_kv_heads)
+    num_qo_heads, num_kv_heads = _resolved_heads(num_qo_heads, num_kv_heads)
     dev = _current_cuda_device() if device is None else device_index(device)
     if dev is None:
         raise ValueError("sparse_pipeline_static_plan needs a CUDA device (static plans run on the kernels)")
