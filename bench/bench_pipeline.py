@@ -7,7 +7,7 @@ block 0 and each query's own block forced. Rows per case:
 * ``mate_cupy``: ``sparse_attention_pipeline`` (the whole pipeline, one plan);
 * ``mate_cupy.index``, ``mate_cupy.select``, ``mate_cupy.attend``: its three stages alone,
   on the same plan (filed as peers: parts of ours, not yardsticks);
-* ``mate_cupy.fp8_index`` (decode): the whole pipeline with the index branch in float8
+* ``mate_cupy.fp8_index``: the whole pipeline with the index branch in float8
   e4m3 (the bf16 index inputs rounded; ``index_scale`` 1), the MiniMax Q8KV8 index; how
   much its top-16 agrees with the bf16 index's is measured by
   ``bench/fp8_index_agreement.py``;
@@ -191,7 +191,7 @@ def prefill_case(cfg, s: int, hq: int, hkv: int, *, target: Target | None) -> Ca
     whole, index, select, attend = _builders(1, s, s, hq, hkv)
 
     def make_inputs(n):
-        return [_inputs(dev, 1, s, s, hq, hkv, 11 + i) for i in range(n)]
+        return [_with_fp8_index(_inputs(dev, 1, s, s, hq, hkv, 11 + i)) for i in range(n)]
 
     def linear_kv(x):
         p = x["kv_indices"].long()
@@ -205,7 +205,8 @@ def prefill_case(cfg, s: int, hq: int, hkv: int, *, target: Target | None) -> Ca
         make_inputs=make_inputs, set_bytes=2.0 * s * (hq + hkv) * D + 6.0 * s * hkv * D,
         impls=[Impl("mate_cupy", "ours", whole),
                Impl("mate_cupy.index", "peer", index, flops=max_score_flops(1, hkv, s, s, D, True)),
-               Impl("mate_cupy.select", "peer", select), Impl("mate_cupy.attend", "peer", attend), cudnn],
+               Impl("mate_cupy.select", "peer", select), Impl("mate_cupy.attend", "peer", attend),
+               Impl("mate_cupy.fp8_index", "peer", _fp8_index_builder(1, s, s, hq, hkv)), cudnn],
         metric="tflops", flops=None, baseline="sdpa_cudnn", target=target,
         check=_check(1, s, s, hq, hkv), tol=2e-2, max_sets=1,
         params=dict(S=s, Hq=hq, Hkv=hkv, D=D, index_heads=hkv, index_kv_heads=1, topk=TOPK,
