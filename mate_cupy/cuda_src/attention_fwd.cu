@@ -34,7 +34,9 @@
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
 // ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
 // ATT_WGMMA (0 mma.sync, 1 warpgroup MMA), ATT_WG_ROT (1: warpgroup 1 one phase
-// behind warpgroup 0), ATT_SMEM_FIXED (host's view of the
+// behind warpgroup 0), ATT_WS (1: the warp-specialised dense mainloop of
+// attention/mainloop_sm90.cuh: a producer warpgroup and ATT_WARPS_M / 4 = 2 consumer
+// warpgroups, mbarrier-tracked K/V stages), ATT_SMEM_FIXED (host's view of the
 // fixed shared-memory bytes, checked below; wgmma variants get 1024 more bytes
 // from the host to align the tiles).
 #include "common/dtype.cuh"
@@ -47,6 +49,7 @@
 #include "common/attention_wgmma.cuh"
 #include "attention/mask.cuh"
 #include "attention/epilogue.cuh"
+#include "attention/mainloop_sm90.cuh"
 
 using namespace mate;
 using namespace mate::attn;
@@ -82,7 +85,12 @@ constexpr int kBN = ATT_BLOCK_N;
 constexpr int kStages = ATT_STAGES;
 constexpr bool kSparse = ATT_KV == 2;  // union of selected 128-key blocks
 constexpr bool kPaged = ATT_KV >= 1;   // keys reached through a page list
-constexpr int kThreads = 32 * kWM * kWN;
+#ifndef ATT_WS
+#define ATT_WS 0
+#endif
+// Warp-specialised dense mainloop (sm_90a): the kWM consumer warps plus a producer warpgroup.
+constexpr bool kWS = ATT_WS != 0;
+constexpr int kThreads = 32 * kWM * kWN + (kWS ? 128 : 0);
 constexpr int kM = kWM * kMT * 16;          // rows per CTA
 constexpr int kKW = kBN / kWN;               // keys per warp per tile
 constexpr int kNT = kKW / 8;                 // S n-tiles per warp
@@ -117,6 +125,8 @@ static_assert(!kWG || (!kFp8 && (kD == 64 || kD == 128) && kWN == 1 && kMT == 1 
                        (kBN == 64 || kBN == 128)),
               "wgmma tiles: fp16/bf16, D 64/128, one 16-row m-tile per warp, warpgroups of 4 warps, 64/128 keys");
 static_assert(!kRot || (kWM == 8 && kStages >= 3), "rotated wgmma tiles: two warpgroups, three or more stages");
+static_assert(!kWS || (kWG && !kRot && kWM == 8 && ATT_KV == 0),
+              "warp-specialised tiles: dense KV, two consumer warpgroups of wgmma");
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -132,6 +142,13 @@ constexpr int kSmemFixed = kQBytes + kRegionBytes + kFlagBytes;
 static_assert(kSmemFixed == ATT_SMEM_FIXED, "host and device disagree on the shared-memory layout");
 // Sparse scratch (bitmap + prefix words) aliases the region.
 constexpr int kUnionWords = kRegionBytes / 8;
+#if ATT_WS
+// Warp-specialised tiles: the ring is the region, the mbarriers sit in the page-flag bytes.
+typedef DenseMainloopSm90<kD, kBN, kStages, Elem> WsMainloop;
+static_assert(WsMainloop::kThreads == kThreads && WsMainloop::kM == kM && WsMainloop::kBarBytes <= kFlagBytes &&
+                  WsMainloop::kStageBytes == kStageBytes,
+              "warp-specialised tile: shape and shared-memory layout");
+#endif
 
 }  // namespace
 
@@ -152,6 +169,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     unsigned char* sQ = smem;
     unsigned char* sR = smem + kQBytes;
     unsigned char* sFlags = sR + kRegionBytes;
+#if ATT_WS
+    WsMainloop::run(q, k, v, out, lse, ws_o, ws_lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k,
+                    q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, k_slot_stride, k_head_stride,
+                    v_slot_stride, v_head_stride, total_q, kv_extent, num_heads_q, group, causal, num_splits,
+                    scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags), sQ);
+}
+#else
     int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);
     int* sPage = sList + nq_cap * list_width;
     u32* sQmask = reinterpret_cast<u32*>(sPage + nq_cap * list_width);
@@ -627,6 +651,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         O, m_run, l_run, sR, tid, m_base, g, t4, wn, row0, rows_total, group, q_start, kvh, num_heads_q, total_q,
         split, out, lse, ws_o, ws_lse, out_tok_stride, out_head_stride, scale_log2, out_scale);
 }
+#endif  // ATT_WS
 
 // Combine split-KV partials: one warp per (query, head) row of request blockIdx.y.
 //   ws_o [splits, total_q*Hq, D] f32 (normalised per split), ws_lse [splits, total_q*Hq];
