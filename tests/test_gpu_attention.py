@@ -114,7 +114,7 @@ def test_select_config_choices():
     assert _config(num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768).tile == "ws2n128s3"
     assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "wg3n64s3"
     g = _config()
-    assert g.threads == 384 and g.grid == (8192 * 8 // 128, 1, 8) and g.splits == 1
+    assert g.threads == 384 and g.grid == (132, 1, 1) and g.row_tiles == 8192 * 8 // 128 and g.splits == 1
     # paged prefill keeps the cp.async tiles
     paged = dict(kv_mode=al.KV_PAGED, page_size=64)
     assert _config(**paged).tile == "wg2n128s3r"

@@ -114,7 +114,7 @@ struct DenseMainloopSm90 {
     static constexpr int kDT = kD / 8;              // O n-tiles per warp
     static constexpr int kTileBytes = kBN * kRowBytes;
     static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
-    static constexpr int kBarBytes = 4 * kStages * 8;   // full/empty x K/V x stages
+    static constexpr int kBarBytes = 4 * kStages * 8 + 16;  // full/empty x K/V x stages, Q full/empty
     // Named barriers: 1 + w: consumer warpgroup w's issue turn; 3 + w: warpgroup w alone.
     static constexpr int kBarTurn = 1, kBarGroup = 3;
     typedef ColumnBlockTile<kM> QTile;
@@ -125,6 +125,52 @@ struct DenseMainloopSm90 {
     static_assert(128 % kChunks == 0 && kBN % (128 / kChunks) == 0, "K/V tile loads cover whole rows per pass");
     static_assert((128 / kChunks) % 8 == 0, "a producer thread's rows share one swizzle phase");
 
+    // One work item: row tile, request and (KV head, split) of a CTA in the non-persistent
+    // grid; every role derives the same geometry from the item index.
+    struct Item {
+        int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count;
+        long long k_row0, qoff;
+    };
+    // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
+    // false when the row tile lies past the request.
+    static __device__ __forceinline__ bool item_at(int i, int row_tiles, int batch, int heads_splits,
+                                                   int num_splits, const int* __restrict__ cu_seqlens_q,
+                                                   const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
+                                                   const int* __restrict__ qo_offset,
+                                                   const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
+                                                   int group, int causal, Item& it) {
+        const int per_rt = batch * heads_splits;
+        const int rt = i / per_rt, rem = i - rt * per_rt;
+        const int b = rem / heads_splits, z = rem - b * heads_splits;
+        it.kvh = z / num_splits;
+        it.split = z - it.kvh * num_splits;
+        it.row0 = (row_tiles - 1 - rt) * kM;
+        const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
+        it.q_start = qr.start;
+        it.rows_total = qr.len * group;
+        if (it.row0 >= it.rows_total) return false;
+        int Lk = max(kv_lens[b], 0);
+        it.k_row0 = 0;
+        const int ks = cu_seqlens_k[b];
+        if (ks < 0 || ks > kv_extent) {
+            Lk = 0;
+        } else {
+            Lk = min(Lk, kv_extent - ks);
+            it.k_row0 = ks;
+        }
+        it.Lk = Lk;
+        it.qoff = qo_offset[b];
+        it.qi_first = it.row0 / group;
+        const int qi_last = min(qr.len - 1, (it.row0 + kM - 1) / group);
+        const int kend = causal ? (int)max(0LL, min((long long)Lk, it.qoff + qi_last + 1)) : Lk;
+        const int n_tiles = (kend + kBN - 1) / kBN;
+        const int per_split = (n_tiles + num_splits - 1) / num_splits;
+        it.t_begin = min(n_tiles, it.split * per_split);
+        it.n_count = min(n_tiles, it.t_begin + per_split) - it.t_begin;
+        return true;
+    }
+
+    // Persistent: CTA c takes items c, c + gridDim.x, ... of row_tiles x batch x (Hkv * splits).
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
     // of shared memory (8-byte aligned); qstage: the Q tile as a generic pointer (epilogue).
     template <typename OutT>
@@ -135,43 +181,20 @@ struct DenseMainloopSm90 {
         const int* __restrict__ qo_offset, const int* __restrict__ cu_seqlens_k, long long q_tok_stride,
         long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_slot_stride,
         long long k_head_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
-        int num_heads_q, int group, int causal, int num_splits, float scale_log2, u32 sQ, u32 sKV, u32 bars,
-        unsigned char* qstage) {
+        int num_heads_q, int num_heads_kv, int group, int causal, int num_splits, int row_tiles, int batch,
+        float scale_log2, u32 sQ, u32 sKV, u32 bars, unsigned char* qstage) {
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
+        const int heads_splits = num_heads_kv * num_splits;
+        const int n_items = row_tiles * batch * heads_splits;
+        auto item = [&](int i, Item& it) {
+            return item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
+                           cu_seqlens_k, total_q, kv_extent, group, causal, it);
+        };
 
-        const int b = blockIdx.y;
-        const int kvh = blockIdx.z / num_splits, split = blockIdx.z - kvh * num_splits;
-        const int row0 = (gridDim.x - 1 - blockIdx.x) * kM;  // heaviest row tiles first
-
-        // ---- request geometry, clamped to the arrays (CTA-uniform) ----
-        const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
-        const int q_start = qr.start, Lq = qr.len;
-        const int rows_total = Lq * group;
-        if (row0 >= rows_total) return;
-        int Lk = max(kv_lens[b], 0);
-        long long k_row0 = 0;
-        {
-            const int ks = cu_seqlens_k[b];
-            if (ks < 0 || ks > kv_extent) {
-                Lk = 0;
-            } else {
-                Lk = min(Lk, kv_extent - ks);
-                k_row0 = ks;
-            }
-        }
-        const long long qoff = qo_offset[b];
-        const int qi_first = row0 / group;
-        const int qi_last = min(Lq - 1, (row0 + kM - 1) / group);
-        const int kend = causal ? (int)max(0LL, min((long long)Lk, qoff + qi_last + 1)) : Lk;
-        const int n_tiles = (kend + kBN - 1) / kBN;
-        const int per_split = (n_tiles + num_splits - 1) / num_splits;
-        const int t_begin = min(n_tiles, split * per_split);
-        const int n_count = min(n_tiles, t_begin + per_split) - t_begin;  // tiles of this CTA
-
-        // Barriers: full K [s], full V [s], empty K [s], empty V [s].
+        // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty.
         const u32 full_k = bars, full_v = bars + 8 * kStages, empty_k = bars + 16 * kStages,
-                  empty_v = bars + 24 * kStages;
+                  empty_v = bars + 24 * kStages, q_full = bars + 32 * kStages, q_empty = q_full + 8;
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
@@ -180,6 +203,8 @@ struct DenseMainloopSm90 {
                 mbar_init(empty_k + 8 * s, 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
+            mbar_init(q_full, 128);
+            mbar_init(q_empty, 8);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         __syncthreads();
@@ -188,38 +213,62 @@ struct DenseMainloopSm90 {
             // ================= producer =================
             regs_release<kProducerRegs>();
             constexpr int kStep = 128 / kChunks;  // rows between one thread's chunks
-            constexpr int kPasses = kBN / kStep;
             const int c = tid % kChunks, r0 = tid / kChunks;
-            const Elem* kb = k + (long long)kvh * k_head_stride + c * 8;
-            const Elem* vb = v + (long long)kvh * v_head_stride + c * 8;
-            const u32 soff = sKV + KvTile::offset(r0, c);
-            // Tile t of an operand (base, stride) into the shared tile at dst; keys past the
-            // request are zero-filled. Completes on `full` (this thread's arrival).
-            auto load_tile = [&](const Elem* base, long long stride, int t, u32 dst, u32 full) {
-                const int kstart = t * kBN;
-                const Elem* p = base + (k_row0 + kstart + r0) * stride;
-                const long long step = kStep * stride;
+            const u32 kv_off = sKV + KvTile::offset(r0, c);
+            const u32 q_off = sQ + QTile::offset(r0, c);
+            int kv_n = 0;  // K/V tiles loaded so far (ring position)
+            int q_n = 0;   // Q tiles loaded so far
+            for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
+                Item it;
+                if (!item(i, it)) continue;
+                // Q: the item's 128 packed rows (zero past the request), once the consumers are
+                // done with the previous item's rows (its epilogue stages through them).
+                mbar_wait(q_empty, (q_n & 1) ^ 1);
+#pragma unroll 4
+                for (int j = 0; j < kM / kStep; ++j) {
+                    const int P = it.row0 + r0 + j * kStep;
+                    const bool ok = P < it.rows_total;
+                    const Elem* src = q;
+                    if (ok) {
+                        const int qi = P / group, h = P - qi * group;
+                        src = q + (long long)(it.q_start + qi) * q_tok_stride +
+                              (long long)(it.kvh * group + h) * q_head_stride + c * 8;
+                    }
+                    cp_async_16_u32(q_off + j * kStep * 128, src, ok);
+                }
+                cp_async_mbar_arrive_noinc(q_full);
+                ++q_n;
+                const Elem* kb = k + (long long)it.kvh * k_head_stride + c * 8;
+                const Elem* vb = v + (long long)it.kvh * v_head_stride + c * 8;
+                // Tile t of an operand (base, stride) into the shared tile at dst; keys past the
+                // request are zero-filled. Completes on `full` (this thread's arrival).
+                auto load_tile = [&](const Elem* base, long long stride, int t, u32 dst, u32 full) {
+                    const int kstart = t * kBN;
+                    const Elem* p = base + (it.k_row0 + kstart + r0) * stride;
+                    const long long step = kStep * stride;
 #pragma unroll
-                for (int i = 0; i < kPasses; ++i) {
-                    const bool ok = kstart + r0 + i * kStep < Lk;
-                    cp_async_16_u32(dst + i * kStep * 128, ok ? p : base, ok);
-                    p += step;
+                    for (int j = 0; j < kBN / kStep; ++j) {
+                        const bool ok = kstart + r0 + j * kStep < it.Lk;
+                        cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
+                        p += step;
+                    }
+                    cp_async_mbar_arrive_noinc(full);
+                };
+                // K of tile n, then V of tile n - 1 (the order the consumers read them in).
+                for (int n = 0; n <= it.n_count; ++n) {
+                    if (n < it.n_count) {
+                        const int g = kv_n + n, s = g % kStages;
+                        mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
+                        load_tile(kb, k_slot_stride, it.t_begin + n, kv_off + s * kStageBytes, full_k + 8 * s);
+                    }
+                    if (n >= 1) {
+                        const int g = kv_n + n - 1, s = g % kStages;
+                        mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
+                        load_tile(vb, v_slot_stride, it.t_begin + n - 1, kv_off + s * kStageBytes + kTileBytes,
+                                  full_v + 8 * s);
+                    }
                 }
-                cp_async_mbar_arrive_noinc(full);
-            };
-            // K of tile n, then V of tile n - 1 (the order the consumers read them in).
-            for (int n = 0; n <= n_count; ++n) {
-                if (n < n_count) {
-                    const int s = n % kStages;
-                    mbar_wait(empty_k + 8 * s, ((n / kStages) & 1) ^ 1);
-                    load_tile(kb, k_slot_stride, t_begin + n, soff + s * kStageBytes, full_k + 8 * s);
-                }
-                if (n >= 1) {
-                    const int s = (n - 1) % kStages;
-                    mbar_wait(empty_v + 8 * s, (((n - 1) / kStages) & 1) ^ 1);
-                    load_tile(vb, v_slot_stride, t_begin + n - 1, soff + s * kStageBytes + kTileBytes,
-                              full_v + 8 * s);
-                }
+                kv_n += it.n_count;
             }
             cp_async_wait_all();  // nothing in flight when the warpgroup exits
             return;
@@ -227,59 +276,19 @@ struct DenseMainloopSm90 {
 
         // ================= consumers =================
         regs_claim<kConsumerRegs>();
-        const int cw = wg - 1;           // consumer warpgroup 0 / 1
-        const int wtid = tid & 127;      // thread in the warpgroup
+        const int cw = wg - 1;       // consumer warpgroup 0 / 1
+        const int wtid = tid & 127;  // thread in the warpgroup
         const int g = lane >> 2, t4 = lane & 3;
         const int m_base = cw * 64 + (warp & 3) * 16;  // first CTA row of this warp
-
-        // ---- this warpgroup's 64 rows of Q (zero rows past the request) ----
-        {
-            constexpr int kStep = 128 / kChunks;
-            const int c = wtid % kChunks;
-#pragma unroll
-            for (int i = 0; i < 64 / kStep; ++i) {
-                const int r = cw * 64 + wtid / kChunks + i * kStep;
-                const int P = row0 + r;
-                const bool ok = P < rows_total;
-                const Elem* src = q;
-                if (ok) {
-                    const int qi = P / group, h = P - qi * group;
-                    src = q + (long long)(q_start + qi) * q_tok_stride + (long long)(kvh * group + h) * q_head_stride +
-                          c * 8;
-                }
-                cp_async_16_u32(sQ + QTile::offset(r, c), src, ok);
-            }
-            cp_async_commit();
-            cp_async_wait<0>();
-            fence_proxy_async_smem();
-            named_sync(kBarGroup + cw, 128);
-        }
-
-        // ---- this thread's rows: local query (0xff padding) and key limits ----
-        const RowLimits row_limit{(int)max(-(1LL << 30), min(1LL << 30, qoff + qi_first + 1)), Lk, causal != 0};
-        u32 row_qls = 0;
-        int lim_lo = 0x7fffffff;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int P = row0 + m_base + h * 8 + g;
-            int ql = 0xff;
-            if (P < rows_total) {
-                ql = P / group - qi_first;
-                lim_lo = min(lim_lo, row_limit(ql));
-            }
-            row_qls |= (u32)ql << (8 * h);
-        }
-        const int warp_lim_lo = __reduce_min_sync(0xffffffffu, lim_lo);
+        const u64 q_desc = wg_desc(sQ + cw * 64 * 128, 16, 1024);
+        const int turn_mine = kBarTurn + cw, turn_other = kBarTurn + (cw ^ 1);
+        const long long split_rows = (long long)total_q * num_heads_q;
+        int kv_n = 0, q_n = 0;
 
         float S[1][kNT][4];
         float O[kDT][4];
-        float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
         u32 P[kBN / 16][4];
-#pragma unroll
-        for (int d = 0; d < kDT; ++d) O[d][0] = O[d][1] = O[d][2] = O[d][3] = 0.f;
-
-        const u64 q_desc = wg_desc(sQ + cw * 64 * 128, 16, 1024);
-        const int turn_mine = kBarTurn + cw, turn_other = kBarTurn + (cw ^ 1);
+        float m_run[2], l_run[2], alpha[2];
 
         // S = Q K^T of the K tile at kaddr (issued, not waited for).
         auto issue_qk = [&](u32 kaddr) {
@@ -311,12 +320,6 @@ struct DenseMainloopSm90 {
             }
             wg_commit();
         };
-        // Mask (where this warp's rows need it) and the online softmax of tile t's scores.
-        auto softmax = [&](int t) {
-            const int kstart = t * kBN;
-            if (kstart + kBN > warp_lim_lo) mask_scores<1, kNT>(S, row_qls, 0xffffffffu, row_limit, kstart, t4, nullptr, kstart);
-            online_softmax_scores<kNT>(S[0], m_run, l_run, scale_log2, alpha);
-        };
         auto pack_p = [&]() {
 #pragma unroll
             for (int kk = 0; kk < kBN / 16; ++kk) {
@@ -340,103 +343,151 @@ struct DenseMainloopSm90 {
             if (lane == 0) mbar_arrive(bar);
         };
 
-        if (n_count > 0) {
-            // Issue sections alternate between the warpgroups: warpgroup 0 goes first, and
-            // warpgroup 1 skips its last hand-over so every barrier phase is completed.
-            if (cw == 1) named_arrive(turn_other, 256);
-            mbar_wait(full_k, 0);
-            fence_proxy_async_smem();
-            named_sync(turn_mine, 256);
-            issue_qk(sKV);
-            if (!(cw == 1 && n_count == 1)) named_arrive(turn_other, 256);
-            wg_wait<0>();
-            wg_fence_regs<kNT * 4>(&S[0][0][0]);
-            release(empty_k);
-            softmax(t_begin);
-            pack_p();
-            for (int n = 1; n < n_count; ++n) {
-                const int s = n % kStages, sp = (n - 1) % kStages;
-                mbar_wait(full_k + 8 * s, (n / kStages) & 1);
-                fence_proxy_async_smem();
-                named_sync(turn_mine, 256);
-                issue_qk(sKV + s * kStageBytes);
-                rescale_o();
-                mbar_wait(full_v + 8 * sp, ((n - 1) / kStages) & 1);
-                fence_proxy_async_smem();
-                issue_pv(sKV + sp * kStageBytes + kTileBytes);
-                if (!(cw == 1 && n == n_count - 1)) named_arrive(turn_other, 256);
-                wg_wait<1>();  // S_n has landed; the PV product is still in flight
-                wg_fence_regs<kNT * 4>(&S[0][0][0]);
-                release(empty_k + 8 * s);
-                softmax(t_begin + n);
-                wg_wait<0>();
-                wg_fence_regs<kDT * 4>(&O[0][0]);
-                release(empty_v + 8 * sp);
-                pack_p();
-            }
-            const int sl = (n_count - 1) % kStages;
-            rescale_o();
-            mbar_wait(full_v + 8 * sl, ((n_count - 1) / kStages) & 1);
-            fence_proxy_async_smem();
-            issue_pv(sKV + sl * kStageBytes + kTileBytes);
-            wg_wait<0>();
-            wg_fence_regs<kDT * 4>(&O[0][0]);
-        }
+        for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
+            Item it;
+            if (!item(i, it)) continue;
+            const int n_count = it.n_count;
 
-        // ================= epilogue =================
-        const long long split_rows = (long long)total_q * num_heads_q;
-        float inv[2];
-        long long ridx[2];
-        bool live[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float l = quad_sum(l_run[h]);
-            inv[h] = l > 0.f ? 1.f / l : 0.f;
-            const int Prow = row0 + m_base + h * 8 + g;
-            live[h] = Prow < rows_total;
-            const int qi = Prow / group, hh = Prow - qi * group;
-            ridx[h] = (long long)(q_start + qi) * num_heads_q + kvh * group + hh;
-            if (live[h] && t4 == 0) {
-                const float row_lse = l > 0.f ? (m_run[h] * scale_log2 + __log2f(l)) * 0.69314718055994531f : kNegInf;
-                if (ws_lse != nullptr) {
-                    ws_lse[split * split_rows + ridx[h]] = row_lse;
-                } else if (lse != nullptr) {
-                    lse[ridx[h]] = row_lse;
-                }
-            }
-        }
-        if (ws_o != nullptr) {
+            // ---- this thread's rows: local query (0xff padding) and key limits ----
+            const RowLimits row_limit{(int)max(-(1LL << 30), min(1LL << 30, it.qoff + it.qi_first + 1)), it.Lk,
+                                      causal != 0};
+            u32 row_qls = 0;
+            int lim_lo = 0x7fffffff;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (!live[h]) continue;
-                float* dst = ws_o + (split * split_rows + ridx[h]) * kD + 2 * t4;
-#pragma unroll
-                for (int d = 0; d < kDT; ++d)
-                    *reinterpret_cast<float2*>(dst + 8 * d) = make_float2(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
+                const int Prow = it.row0 + m_base + h * 8 + g;
+                int ql = 0xff;
+                if (Prow < it.rows_total) {
+                    ql = Prow / group - it.qi_first;
+                    lim_lo = min(lim_lo, row_limit(ql));
+                }
+                row_qls |= (u32)ql << (8 * h);
             }
-            return;
-        }
-        // Stage the normalised rows in this warpgroup's rows of the Q tile (its MMAs are done
-        // with them), then 16-byte coalesced stores.
+            const int warp_lim_lo = __reduce_min_sync(0xffffffffu, lim_lo);
+            // Mask (where this warp's rows need it) and the online softmax of tile t's scores.
+            auto softmax = [&](int t) {
+                const int kstart = t * kBN;
+                if (kstart + kBN > warp_lim_lo)
+                    mask_scores<1, kNT>(S, row_qls, 0xffffffffu, row_limit, kstart, t4, nullptr, kstart);
+                online_softmax_scores<kNT>(S[0], m_run, l_run, scale_log2, alpha);
+            };
+
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = m_base + h * 8 + g;
+            for (int d = 0; d < kDT; ++d) O[d][0] = O[d][1] = O[d][2] = O[d][3] = 0.f;
+            m_run[0] = m_run[1] = kNegInf;
+            l_run[0] = l_run[1] = 0.f;
+            mbar_wait(q_full, q_n & 1);
+            ++q_n;
+
+            if (n_count > 0) {
+                // Issue sections alternate between the warpgroups: warpgroup 0 goes first, and
+                // warpgroup 1 skips its last hand-over, so each item completes every barrier phase.
+                if (cw == 1) named_arrive(turn_other, 256);
+                {
+                    const int s = kv_n % kStages;
+                    mbar_wait(full_k + 8 * s, (kv_n / kStages) & 1);
+                    fence_proxy_async_smem();
+                    named_sync(turn_mine, 256);
+                    issue_qk(sKV + s * kStageBytes);
+                    if (!(cw == 1 && n_count == 1)) named_arrive(turn_other, 256);
+                    wg_wait<0>();
+                    wg_fence_regs<kNT * 4>(&S[0][0][0]);
+                    release(empty_k + 8 * s);
+                    softmax(it.t_begin);
+                    pack_p();
+                }
+                for (int n = 1; n < n_count; ++n) {
+                    const int gk = kv_n + n, gv = gk - 1;
+                    const int s = gk % kStages, sp = gv % kStages;
+                    mbar_wait(full_k + 8 * s, (gk / kStages) & 1);
+                    fence_proxy_async_smem();
+                    named_sync(turn_mine, 256);
+                    issue_qk(sKV + s * kStageBytes);
+                    rescale_o();
+                    mbar_wait(full_v + 8 * sp, (gv / kStages) & 1);
+                    fence_proxy_async_smem();
+                    issue_pv(sKV + sp * kStageBytes + kTileBytes);
+                    if (!(cw == 1 && n == n_count - 1)) named_arrive(turn_other, 256);
+                    wg_wait<1>();  // S_n has landed; the PV product is still in flight
+                    wg_fence_regs<kNT * 4>(&S[0][0][0]);
+                    release(empty_k + 8 * s);
+                    softmax(it.t_begin + n);
+                    wg_wait<0>();
+                    wg_fence_regs<kDT * 4>(&O[0][0]);
+                    release(empty_v + 8 * sp);
+                    pack_p();
+                }
+                const int gl = kv_n + n_count - 1, sl = gl % kStages;
+                rescale_o();
+                mbar_wait(full_v + 8 * sl, (gl / kStages) & 1);
+                fence_proxy_async_smem();
+                issue_pv(sKV + sl * kStageBytes + kTileBytes);
+                wg_wait<0>();
+                wg_fence_regs<kDT * 4>(&O[0][0]);
+                release(empty_v + 8 * sl);
+                kv_n += n_count;
+            }
+
+            // ---- epilogue: normalise, lse, store ----
+            float inv[2];
+            long long ridx[2];
+            bool live[2];
 #pragma unroll
-            for (int d = 0; d < kDT; ++d)
-                *reinterpret_cast<u32*>(qstage + QTile::offset(r, d) + 4 * t4) =
-                    pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
-        }
-        named_sync(kBarGroup + cw, 128);
+            for (int h = 0; h < 2; ++h) {
+                const float l = quad_sum(l_run[h]);
+                inv[h] = l > 0.f ? 1.f / l : 0.f;
+                const int Prow = it.row0 + m_base + h * 8 + g;
+                live[h] = Prow < it.rows_total;
+                const int qi = Prow / group, hh = Prow - qi * group;
+                ridx[h] = (long long)(it.q_start + qi) * num_heads_q + it.kvh * group + hh;
+                if (live[h] && t4 == 0) {
+                    const float row_lse =
+                        l > 0.f ? (m_run[h] * scale_log2 + __log2f(l)) * 0.69314718055994531f : kNegInf;
+                    if (ws_lse != nullptr) {
+                        ws_lse[it.split * split_rows + ridx[h]] = row_lse;
+                    } else if (lse != nullptr) {
+                        lse[ridx[h]] = row_lse;
+                    }
+                }
+            }
+            if (ws_o != nullptr) {
+                // split-KV partials (f32), straight from the registers
 #pragma unroll
-        for (int i = 0; i < 64 * kChunks / 128; ++i) {
-            const int it = wtid + i * 128;
-            const int r = cw * 64 + it / kChunks, c = it % kChunks;
-            const int Prow = row0 + r;
-            if (Prow >= rows_total) continue;
-            const int qi = Prow / group, hh = Prow - qi * group;
-            const vec16 x = *reinterpret_cast<const vec16*>(qstage + QTile::offset(r, c));
-            *reinterpret_cast<vec16*>(out + (long long)(q_start + qi) * out_tok_stride +
-                                      (long long)(kvh * group + hh) * out_head_stride + c * 8) = x;
+                for (int h = 0; h < 2; ++h) {
+                    if (!live[h]) continue;
+                    float* dst = ws_o + (it.split * split_rows + ridx[h]) * kD + 2 * t4;
+#pragma unroll
+                    for (int d = 0; d < kDT; ++d)
+                        *reinterpret_cast<float2*>(dst + 8 * d) =
+                            make_float2(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
+                }
+            } else {
+                // Stage the normalised rows in this warpgroup's rows of the Q tile (its MMAs are
+                // done with them), then 16-byte coalesced stores.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = m_base + h * 8 + g;
+#pragma unroll
+                    for (int d = 0; d < kDT; ++d)
+                        *reinterpret_cast<u32*>(qstage + QTile::offset(r, d) + 4 * t4) =
+                            pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
+                }
+                named_sync(kBarGroup + cw, 128);
+#pragma unroll
+                for (int j = 0; j < 64 * kChunks / 128; ++j) {
+                    const int e = wtid + j * 128;
+                    const int r = cw * 64 + e / kChunks, c = e % kChunks;
+                    const int Prow = it.row0 + r;
+                    if (Prow >= it.rows_total) continue;
+                    const int qi = Prow / group, hh = Prow - qi * group;
+                    const vec16 x = *reinterpret_cast<const vec16*>(qstage + QTile::offset(r, c));
+                    *reinterpret_cast<vec16*>(out + (long long)(it.q_start + qi) * out_tok_stride +
+                                              (long long)(it.kvh * group + hh) * out_head_stride + c * 8) = x;
+                }
+            }
+            // The Q tile (and the staged rows) may be refilled once every consumer warp is done.
+            __syncwarp();
+            release(q_empty);
         }
     }
 };
