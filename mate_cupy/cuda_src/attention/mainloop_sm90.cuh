@@ -19,11 +19,14 @@
 //     Between the warpgroups the issue sections (the MMAs of one iteration) alternate
 //     through two named barriers, so one warpgroup's softmax runs under the other's MMAs.
 //
-// Causal CTAs walk only the key tiles their rows can see ([0, kend)); rows past a query's
+// The CTA is persistent: it walks work items (row tile, request, KV head and split) in a
+// static heaviest-first order, and the producer runs ahead into the next item: it loads
+// the next Q tile (one buffer, with its own full/empty mbarriers) as soon as the consumers'
+// last Q K^T of the current item has completed, then that item's K/V tiles.
+// Causal items walk only the key tiles their rows can see ([0, kend)); rows past a query's
 // limit are masked where a warp's rows need it (mask.cuh). Keys past the request are
 // zero-filled (never NaN garbage under a zero weight). The epilogue normalises in
-// registers and stores each warpgroup's rows through its own (no longer read) rows of
-// the Q tile, 16 bytes per thread and store; split-KV partials are stored directly.
+// registers and stores straight from them (split-KV: f32 partials).
 #pragma once
 #include "../common/dtype.cuh"
 #include "../common/mma.cuh"
@@ -115,8 +118,8 @@ struct DenseMainloopSm90 {
     static constexpr int kTileBytes = kBN * kRowBytes;
     static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
     static constexpr int kBarBytes = 4 * kStages * 8 + 16;  // full/empty x K/V x stages, Q full/empty
-    // Named barriers: 1 + w: consumer warpgroup w's issue turn; 3 + w: warpgroup w alone.
-    static constexpr int kBarTurn = 1, kBarGroup = 3;
+    // Named barriers: 1 + w: consumer warpgroup w's issue turn.
+    static constexpr int kBarTurn = 1;
     typedef ColumnBlockTile<kM> QTile;
     typedef ColumnBlockTile<kBN> KvTile;
     static_assert(kD == 64 || kD == 128, "head dim");
@@ -133,15 +136,16 @@ struct DenseMainloopSm90 {
     };
     // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
     // false when the row tile lies past the request.
-    static __device__ __forceinline__ bool item_at(int i, int row_tiles, int batch, int heads_splits,
+    static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
                                                    int num_splits, const int* __restrict__ cu_seqlens_q,
                                                    const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
                                                    const int* __restrict__ qo_offset,
                                                    const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
                                                    int group, int causal, Item& it) {
-        const int per_rt = batch * heads_splits;
-        const int rt = i / per_rt, rem = i - rt * per_rt;
-        const int b = rem / heads_splits, z = rem - b * heads_splits;
+        const long long per_rt = (long long)batch * heads_splits;
+        const int rt = (int)(i / per_rt);
+        const long long rem = i - rt * per_rt;
+        const int b = (int)(rem / heads_splits), z = (int)(rem - (long long)b * heads_splits);
         it.kvh = z / num_splits;
         it.split = z - it.kvh * num_splits;
         it.row0 = (row_tiles - 1 - rt) * kM;
@@ -172,7 +176,7 @@ struct DenseMainloopSm90 {
 
     // Persistent: CTA c takes items c, c + gridDim.x, ... of row_tiles x batch x (Hkv * splits).
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
-    // of shared memory (8-byte aligned); qstage: the Q tile as a generic pointer (epilogue).
+    // of shared memory (8-byte aligned).
     template <typename OutT>
     static __device__ __forceinline__ void run(
         const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v, OutT* __restrict__ out,
@@ -182,12 +186,12 @@ struct DenseMainloopSm90 {
         long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_slot_stride,
         long long k_head_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
         int num_heads_q, int num_heads_kv, int group, int causal, int num_splits, int row_tiles, int batch,
-        float scale_log2, u32 sQ, u32 sKV, u32 bars, unsigned char* qstage) {
+        float scale_log2, u32 sQ, u32 sKV, u32 bars) {
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
-        const int n_items = row_tiles * batch * heads_splits;
-        auto item = [&](int i, Item& it) {
+        const long long n_items = (long long)row_tiles * batch * heads_splits;
+        auto item = [&](long long i, Item& it) {
             return item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
                            cu_seqlens_k, total_q, kv_extent, group, causal, it);
         };
@@ -218,11 +222,11 @@ struct DenseMainloopSm90 {
             const u32 q_off = sQ + QTile::offset(r0, c);
             int kv_n = 0;  // K/V tiles loaded so far (ring position)
             int q_n = 0;   // Q tiles loaded so far
-            for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
+            for (long long i = blockIdx.x; i < n_items; i += gridDim.x) {
                 Item it;
                 if (!item(i, it)) continue;
-                // Q: the item's 128 packed rows (zero past the request), once the consumers are
-                // done with the previous item's rows (its epilogue stages through them).
+                // Q: the item's 128 packed rows (zero past the request), once the consumers'
+                // last Q K^T of the previous item has completed.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
 #pragma unroll 4
                 for (int j = 0; j < kM / kStep; ++j) {
@@ -277,7 +281,6 @@ struct DenseMainloopSm90 {
         // ================= consumers =================
         regs_claim<kConsumerRegs>();
         const int cw = wg - 1;       // consumer warpgroup 0 / 1
-        const int wtid = tid & 127;  // thread in the warpgroup
         const int g = lane >> 2, t4 = lane & 3;
         const int m_base = cw * 64 + (warp & 3) * 16;  // first CTA row of this warp
         const u64 q_desc = wg_desc(sQ + cw * 64 * 128, 16, 1024);
@@ -343,7 +346,7 @@ struct DenseMainloopSm90 {
             if (lane == 0) mbar_arrive(bar);
         };
 
-        for (int i = blockIdx.x; i < n_items; i += gridDim.x) {
+        for (long long i = blockIdx.x; i < n_items; i += gridDim.x) {
             Item it;
             if (!item(i, it)) continue;
             const int n_count = it.n_count;
@@ -393,24 +396,26 @@ struct DenseMainloopSm90 {
                     wg_wait<0>();
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
                     release(empty_k + 8 * s);
+                    if (n_count == 1) release(q_empty);
                     softmax(it.t_begin);
                     pack_p();
                 }
                 for (int n = 1; n < n_count; ++n) {
                     const int gk = kv_n + n, gv = gk - 1;
                     const int s = gk % kStages, sp = gv % kStages;
+                    // (V_{n-1} was loaded right after K_n: one proxy fence covers both.)
                     mbar_wait(full_k + 8 * s, (gk / kStages) & 1);
+                    mbar_wait(full_v + 8 * sp, (gv / kStages) & 1);
                     fence_proxy_async_smem();
                     named_sync(turn_mine, 256);
                     issue_qk(sKV + s * kStageBytes);
                     rescale_o();
-                    mbar_wait(full_v + 8 * sp, (gv / kStages) & 1);
-                    fence_proxy_async_smem();
                     issue_pv(sKV + sp * kStageBytes + kTileBytes);
                     if (!(cw == 1 && n == n_count - 1)) named_arrive(turn_other, 256);
                     wg_wait<1>();  // S_n has landed; the PV product is still in flight
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
                     release(empty_k + 8 * s);
+                    if (n == n_count - 1) release(q_empty);  // the producer may load the next Q
                     softmax(it.t_begin + n);
                     wg_wait<0>();
                     wg_fence_regs<kDT * 4>(&O[0][0]);
@@ -426,11 +431,14 @@ struct DenseMainloopSm90 {
                 wg_fence_regs<kDT * 4>(&O[0][0]);
                 release(empty_v + 8 * sl);
                 kv_n += n_count;
+            } else {
+                release(q_empty);
             }
 
             // ---- epilogue: normalise, lse, store ----
             float inv[2];
             long long ridx[2];
+            int tok[2], head[2];
             bool live[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -439,7 +447,9 @@ struct DenseMainloopSm90 {
                 const int Prow = it.row0 + m_base + h * 8 + g;
                 live[h] = Prow < it.rows_total;
                 const int qi = Prow / group, hh = Prow - qi * group;
-                ridx[h] = (long long)(it.q_start + qi) * num_heads_q + it.kvh * group + hh;
+                tok[h] = it.q_start + qi;
+                head[h] = it.kvh * group + hh;
+                ridx[h] = (long long)tok[h] * num_heads_q + head[h];
                 if (live[h] && t4 == 0) {
                     const float row_lse =
                         l > 0.f ? (m_run[h] * scale_log2 + __log2f(l)) * 0.69314718055994531f : kNegInf;
@@ -450,44 +460,24 @@ struct DenseMainloopSm90 {
                     }
                 }
             }
-            if (ws_o != nullptr) {
-                // split-KV partials (f32), straight from the registers
+            // Straight from the registers: a quad writes 16 contiguous bytes of a row per
+            // n-tile (the Q tile is being refilled, the ring holds the next item's K/V).
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (!live[h]) continue;
+            for (int h = 0; h < 2; ++h) {
+                if (!live[h]) continue;
+                if (ws_o != nullptr) {
                     float* dst = ws_o + (it.split * split_rows + ridx[h]) * kD + 2 * t4;
 #pragma unroll
                     for (int d = 0; d < kDT; ++d)
                         *reinterpret_cast<float2*>(dst + 8 * d) =
                             make_float2(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
-                }
-            } else {
-                // Stage the normalised rows in this warpgroup's rows of the Q tile (its MMAs are
-                // done with them), then 16-byte coalesced stores.
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = m_base + h * 8 + g;
+                } else {
+                    OutT* dst = out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 2 * t4;
 #pragma unroll
                     for (int d = 0; d < kDT; ++d)
-                        *reinterpret_cast<u32*>(qstage + QTile::offset(r, d) + 4 * t4) =
-                            pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
-                }
-                named_sync(kBarGroup + cw, 128);
-#pragma unroll
-                for (int j = 0; j < 64 * kChunks / 128; ++j) {
-                    const int e = wtid + j * 128;
-                    const int r = cw * 64 + e / kChunks, c = e % kChunks;
-                    const int Prow = it.row0 + r;
-                    if (Prow >= it.rows_total) continue;
-                    const int qi = Prow / group, hh = Prow - qi * group;
-                    const vec16 x = *reinterpret_cast<const vec16*>(qstage + QTile::offset(r, c));
-                    *reinterpret_cast<vec16*>(out + (long long)(it.q_start + qi) * out_tok_stride +
-                                              (long long)(it.kvh * group + hh) * out_head_stride + c * 8) = x;
+                        *reinterpret_cast<u32*>(dst + 8 * d) = pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
                 }
             }
-            // The Q tile (and the staged rows) may be refilled once every consumer warp is done.
-            __syncwarp();
-            release(q_empty);
         }
     }
 };
