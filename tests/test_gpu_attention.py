@@ -112,7 +112,7 @@ def test_select_config_choices():
     assert _config().tile == "ws2n128s3"  # causal S8192, group 8
     assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384).tile == "ws2n128s3"
     assert _config(num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768).tile == "ws2n128s3"
-    assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "wg3n64s3"
+    assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "ws2n128s3"
     g = _config()
     assert g.threads == 384 and g.grid == (132, 1, 1) and g.row_tiles == 8192 * 8 // 128 and g.splits == 1
     # paged prefill keeps the cp.async tiles
@@ -120,6 +120,7 @@ def test_select_config_choices():
     assert _config(**paged).tile == "wg2n128s3r"
     assert _config(causal=False, **paged).tile == "wg3n64s3"
     assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384, **paged).tile == "wg3n64s3"
+    assert _config(head_dim=64, **paged).tile == "wg3n64s3"
     # the mma.sync tile where the warpgroup tiles do not run
     assert _config(cc=80).tile == "prefill" and _config(head_dim=256).tile == "prefill"
     assert _config(dtype_code=al.DTYPE_E4M3).tile == "prefill"
@@ -748,11 +749,12 @@ WS_KV = [1, 127, 129, 50, 1000, 0, 700]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ws_tile_lengths_and_groups(rng, dtype, group, causal):
-    p = make_problem(rng, WS_QO, WS_KV, 2 * group, 2, 128, dtype=dtype)
+def test_ws_tile_lengths_and_groups(rng, dtype, group, d, causal):
+    p = make_problem(rng, WS_QO, WS_KV, 2 * group, 2, d, dtype=dtype)
     out, lse = _run(p, causal=causal, tile=al.WS_TILE)
-    _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{al.WS_TILE} group {group}")
+    _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{al.WS_TILE} d{d} group {group}")
 
 
 @pytest.mark.gpu

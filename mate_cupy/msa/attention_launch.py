@@ -18,12 +18,11 @@ shapes and the measurements behind each choice):
   with ``max_seqlen_q * group <= 16``; block-sparse decode plans.
 * ``prefill``: mma.sync, 128 rows (64 for D 256). Every prefill call the warpgroup tiles
   do not cover (fp8, D 256, GPUs other than sm_90).
-* ``ws2n128s3``: warp-specialised (sm_90a, fp16/bf16, D 128, dense KV): a producer
+* ``ws2n128s3``: warp-specialised (sm_90a, fp16/bf16, D 64/128, dense KV): a producer
   warpgroup streams K/V through a three-stage mbarrier ring, two consumer warpgroups of 64
   rows overlap the next tile's ``Q K^T`` with the softmax (``attention/mainloop_sm90.cuh``):
   dense prefill.
-* ``wg3n64s3``: warpgroup MMA (sm_90a, fp16/bf16, D 64/128), 192 rows: paged prefill, and
-  dense prefill at D 64.
+* ``wg3n64s3``: warpgroup MMA (sm_90a, fp16/bf16, D 64/128), 192 rows: paged prefill.
 * ``wg2n128s3r``: 128 rows, warpgroup 1 one phase behind warpgroup 0 (its softmax overlaps
   the other's MMAs), three stages: causal paged prefill with ``group <= 8`` and
   ``max_seqlen_q >= 4096`` at D 128 (fastest where measured).
@@ -153,7 +152,7 @@ def _reachable():
                     continue
                 if kv == KV_SPARSE:
                     out.append((d, code, "wg2n128s2", kv))
-                elif kv == KV_DENSE and d == 128:
+                elif kv == KV_DENSE and d in (64, 128):
                     out.append((d, code, WS_TILE, kv))
                 elif d in (64, 128):
                     out.append((d, code, "wg3n64s3", kv))
@@ -307,7 +306,7 @@ def choose_tile(p: AttentionProblem, cc: int) -> str:
         return "prefill"
     if p.kv_mode == KV_SPARSE:
         return "wg2n128s2"
-    if p.kv_mode == KV_DENSE and p.head_dim == 128:
+    if p.kv_mode == KV_DENSE:
         return WS_TILE
     if (p.causal and p.head_dim == 128 and p.group <= ROTATED_MAX_GROUP
             and p.max_seqlen_q >= ROTATED_MIN_SEQLEN_Q):
