@@ -174,7 +174,8 @@ struct DenseMainloopSm90 {
         return true;
     }
 
-    // Persistent: CTA c takes items c, c + gridDim.x, ... of row_tiles x batch x (Hkv * splits).
+    // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
+    // gridDim.x items.
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
     // of shared memory (8-byte aligned).
     template <typename OutT>
@@ -191,8 +192,13 @@ struct DenseMainloopSm90 {
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
         const long long n_items = (long long)row_tiles * batch * heads_splits;
-        auto item = [&](long long i, Item& it) {
-            return item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
+        // This CTA's item of wave w: waves alternate direction (CTA c takes item c of wave 0,
+        // the c-th lightest of wave 1, ...), so the heaviest-first order balances the CTAs.
+        // False when there is none (past the last item, or past its request's rows).
+        auto item = [&](long long w, Item& it) {
+            const long long i =
+                w * gridDim.x + ((w & 1) ? (long long)gridDim.x - 1 - blockIdx.x : (long long)blockIdx.x);
+            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
                            cu_seqlens_k, total_q, kv_extent, group, causal, it);
         };
 
@@ -222,9 +228,9 @@ struct DenseMainloopSm90 {
             const u32 q_off = sQ + QTile::offset(r0, c);
             int kv_n = 0;  // K/V tiles loaded so far (ring position)
             int q_n = 0;   // Q tiles loaded so far
-            for (long long i = blockIdx.x; i < n_items; i += gridDim.x) {
+            for (long long w = 0; w * gridDim.x < n_items; ++w) {
                 Item it;
-                if (!item(i, it)) continue;
+                if (!item(w, it)) continue;
                 // Q: the item's 128 packed rows (zero past the request), once the consumers'
                 // last Q K^T of the previous item has completed.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
@@ -346,9 +352,9 @@ struct DenseMainloopSm90 {
             if (lane == 0) mbar_arrive(bar);
         };
 
-        for (long long i = blockIdx.x; i < n_items; i += gridDim.x) {
+        for (long long w = 0; w * gridDim.x < n_items; ++w) {
             Item it;
-            if (!item(i, it)) continue;
+            if (!item(w, it)) continue;
             const int n_count = it.n_count;
 
             // ---- this thread's rows: local query (0xff padding) and key limits ----
