@@ -117,7 +117,9 @@ struct DenseMainloopSm90 {
     static constexpr int kDT = kD / 8;              // O n-tiles per warp
     static constexpr int kTileBytes = kBN * kRowBytes;
     static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
-    static constexpr int kBarBytes = 4 * kStages * 8 + 16;  // full/empty x K/V x stages, Q full/empty
+    // full/empty x K/V x stages, Q full/empty, then the current item's geometry (Item)
+    static constexpr int kItemOffset = 4 * kStages * 8 + 16;
+    static constexpr int kBarBytes = kItemOffset + 64;
     // Named barriers: 1 + w: consumer warpgroup w's issue turn.
     static constexpr int kBarTurn = 1;
     typedef ColumnBlockTile<kM> QTile;
@@ -129,11 +131,13 @@ struct DenseMainloopSm90 {
     static_assert((128 / kChunks) % 8 == 0, "a producer thread's rows share one swizzle phase");
 
     // One work item: row tile, request and (KV head, split) of a CTA in the non-persistent
-    // grid; every role derives the same geometry from the item index.
+    // grid. The producer derives it from the item index and hands it to the consumers in
+    // shared memory with the item's Q tile (n_count < 0: no more items).
     struct Item {
-        int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count;
         long long k_row0, qoff;
+        int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count;
     };
+    static_assert(sizeof(Item) <= 64, "item slot");
     // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
     // false when the row tile lies past the request.
     static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
@@ -177,7 +181,7 @@ struct DenseMainloopSm90 {
     // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
     // gridDim.x items.
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
-    // of shared memory (8-byte aligned).
+    // of shared memory (8-byte aligned), the item slot at kItemOffset (its generic pointer).
     template <typename OutT>
     static __device__ __forceinline__ void run(
         const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v, OutT* __restrict__ out,
@@ -187,7 +191,7 @@ struct DenseMainloopSm90 {
         long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_slot_stride,
         long long k_head_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
         int num_heads_q, int num_heads_kv, int group, int causal, int num_splits, int row_tiles, int batch,
-        float scale_log2, u32 sQ, u32 sKV, u32 bars) {
+        float scale_log2, u32 sQ, u32 sKV, u32 bars, Item* slot) {
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
@@ -202,7 +206,9 @@ struct DenseMainloopSm90 {
                            cu_seqlens_k, total_q, kv_extent, group, causal, it);
         };
 
-        // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty.
+        // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty. Q full
+        // also publishes the item slot: 128 cp.async arrivals and thread 0's arrival after
+        // writing the slot.
         const u32 full_k = bars, full_v = bars + 8 * kStages, empty_k = bars + 16 * kStages,
                   empty_v = bars + 24 * kStages, q_full = bars + 32 * kStages, q_empty = q_full + 8;
         if (tid == 0) {
@@ -213,7 +219,7 @@ struct DenseMainloopSm90 {
                 mbar_init(empty_k + 8 * s, 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
-            mbar_init(q_full, 128);
+            mbar_init(q_full, 129);
             mbar_init(q_empty, 8);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
@@ -232,8 +238,9 @@ struct DenseMainloopSm90 {
                 Item it;
                 if (!item(w, it)) continue;
                 // Q: the item's 128 packed rows (zero past the request), once the consumers'
-                // last Q K^T of the previous item has completed.
+                // last Q K^T of the previous item has completed; the item's geometry with it.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
+                if (tid == 0) *slot = it;
 #pragma unroll 4
                 for (int j = 0; j < kM / kStep; ++j) {
                     const int P = it.row0 + r0 + j * kStep;
@@ -247,6 +254,7 @@ struct DenseMainloopSm90 {
                     cp_async_16_u32(q_off + j * kStep * 128, src, ok);
                 }
                 cp_async_mbar_arrive_noinc(q_full);
+                if (tid == 0) mbar_arrive(q_full);
                 ++q_n;
                 const Elem* kb = k + (long long)it.kvh * k_head_stride + c * 8;
                 const Elem* vb = v + (long long)it.kvh * v_head_stride + c * 8;
@@ -280,6 +288,11 @@ struct DenseMainloopSm90 {
                 }
                 kv_n += it.n_count;
             }
+            // No more items.
+            mbar_wait(q_empty, (q_n & 1) ^ 1);
+            if (tid == 0) slot->n_count = -1;
+            cp_async_mbar_arrive_noinc(q_full);
+            if (tid == 0) mbar_arrive(q_full);
             cp_async_wait_all();  // nothing in flight when the warpgroup exits
             return;
         }
@@ -352,10 +365,12 @@ struct DenseMainloopSm90 {
             if (lane == 0) mbar_arrive(bar);
         };
 
-        for (long long w = 0; w * gridDim.x < n_items; ++w) {
-            Item it;
-            if (!item(w, it)) continue;
+        for (;;) {
+            mbar_wait(q_full, q_n & 1);
+            ++q_n;
+            const Item it = *slot;
             const int n_count = it.n_count;
+            if (n_count < 0) break;
 
             // ---- this thread's rows: local query (0xff padding) and key limits ----
             const RowLimits row_limit{(int)max(-(1LL << 30), min(1LL << 30, it.qoff + it.qi_first + 1)), it.Lk,
@@ -385,8 +400,6 @@ struct DenseMainloopSm90 {
             for (int d = 0; d < kDT; ++d) O[d][0] = O[d][1] = O[d][2] = O[d][3] = 0.f;
             m_run[0] = m_run[1] = kNegInf;
             l_run[0] = l_run[1] = 0.f;
-            mbar_wait(q_full, q_n & 1);
-            ++q_n;
 
             if (n_count > 0) {
                 // Issue sections alternate between the warpgroups: warpgroup 0 goes first, and
