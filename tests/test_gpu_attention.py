@@ -108,10 +108,19 @@ def test_registered_variants_are_exactly_the_ones_the_configuration_picks():
 
 def test_select_config_choices():
     # the H200 choices of the measured classes (docs/attention.md)
-    assert _config().tile == "wg2n128s3r"  # causal S8192, group 8
-    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384).tile == "wg3n64s3"
-    assert _config(num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768).tile == "wg3n64s3"
-    assert _config(causal=False).tile == "wg3n64s3" and _config(head_dim=64).tile == "wg3n64s3"
+    # dense D 128: the warp-specialised tile, causal or not, any group and length
+    assert _config().tile == "ws2n128s3"  # causal S8192, group 8
+    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384).tile == "ws2n128s3"
+    assert _config(num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768).tile == "ws2n128s3"
+    assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "ws2n128s3"
+    g = _config()
+    assert g.threads == 384 and g.grid == (132, 1, 1) and g.row_tiles == 8192 * 8 // 128 and g.splits == 1
+    # paged prefill keeps the cp.async tiles
+    paged = dict(kv_mode=al.KV_PAGED, page_size=64)
+    assert _config(**paged).tile == "wg2n128s3r"
+    assert _config(causal=False, **paged).tile == "wg3n64s3"
+    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384, **paged).tile == "wg3n64s3"
+    assert _config(head_dim=64, **paged).tile == "wg3n64s3"
     # the mma.sync tile where the warpgroup tiles do not run
     assert _config(cc=80).tile == "prefill" and _config(head_dim=256).tile == "prefill"
     assert _config(dtype_code=al.DTYPE_E4M3).tile == "prefill"
@@ -691,12 +700,14 @@ def test_fp8_dense_and_paged(rng, d):
 # ============================================================================ GPU: every registered query tile
 
 # The query tiles per KV mode (each reached by select_config for some inputs; forced here).
-DENSE_TILES = ["prefill", "wg3n64s3", "wg2n128s3r"]
+DENSE_TILES = ["prefill", "wg3n64s3", al.WS_TILE]
+PAGED_TILES = ["prefill", "wg3n64s3", "wg2n128s3r"]
 SPARSE_TILES = ["prefill", "wg2n128s2"]
 
 
-def _tile_dims(tile):
-    return [128] if tile == "wg2n128s3r" else [64, 128]
+def _tile_dims(tile, kv=al.KV_DENSE):
+    """The head dims (of 64 and 128) tile ``tile`` is registered for, in KV mode ``kv``."""
+    return [d for d in (64, 128) if (d, al.DTYPE_BF16, tile, kv) in al.SPECS]
 
 
 @pytest.mark.gpu
@@ -711,7 +722,7 @@ def test_dense_varlen_query_tiles(rng, tile, d, dtype, hq, hkv, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", DENSE_TILES)
+@pytest.mark.parametrize("tile", [t for t in DENSE_TILES if 128 in _tile_dims(t)])
 def test_query_tiles_offsets_views_and_splits(rng, tile):
     p = make_problem(rng, [40, 200, 3], [300, 200, 50], 16, 2, 128)
     offs = np.array([-10, 0, 700], np.int64)
@@ -729,8 +740,38 @@ def test_query_tiles_offsets_views_and_splits(rng, tile):
     assert np.isnan(to_f64(obig)[:, :, 128:]).all(), "the kernel wrote outside the out view"
 
 
+# The warp-specialised tile: request lengths around its 128-row / 128-key tiles (1, 127,
+# 129, a request with no keys, an empty one, more keys than queries), GQA 1 to 16.
+WS_QO = [1, 127, 129, 0, 700, 300, 129]
+WS_KV = [1, 127, 129, 50, 1000, 0, 700]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", DENSE_TILES)
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ws_tile_lengths_and_groups(rng, dtype, group, d, causal):
+    p = make_problem(rng, WS_QO, WS_KV, 2 * group, 2, d, dtype=dtype)
+    out, lse = _run(p, causal=causal, tile=al.WS_TILE)
+    _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{al.WS_TILE} d{d} group {group}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ws_tile_long_requests(rng, causal):
+    # many key tiles per CTA: the ring wraps many times, both consumer warpgroups busy
+    p = make_problem(rng, [1500, 900], [1500, 2200], 16, 2, 128)
+    out, lse = _run(p, causal=causal)
+    _check(out, lse, _dense_ref(p, causal=causal), BF16, f"{al.WS_TILE} long")
+    offs = np.array([-300, 1000], np.int64)
+    kvl = np.array([1400, 1900], np.int32)
+    out, lse = _run(p, causal=causal, qo_offset=offs, kv_lens=kvl, splits=2)
+    _check(out, lse, _dense_ref(p, causal=causal, qo_offset=offs, kv_lens=kvl), BF16, f"{al.WS_TILE} long split")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", PAGED_TILES)
 @pytest.mark.parametrize("page_size,layout,source", [(16, "NHD", "table"), (64, "HND", "csr"), (128, "NHD", "csr"),
                                                      (256, "HND", "table")])
 def test_paged_query_tiles(rng, tile, page_size, layout, source):

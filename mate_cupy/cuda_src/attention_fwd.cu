@@ -15,7 +15,9 @@
 //   split-KV: partial out ws_o [splits, total_q*Hq, D] f32 and ws_lse
 //        [splits, total_q*Hq], combined by msa_attention_merge_kernel.
 //
-// Grid: x = row tiles (heaviest first), y = request, z = KV head * splits.
+// Grid: x = row tiles (heaviest first), y = request, z = KV head * splits; the
+// warp-specialised tile is persistent instead: a 1-D grid whose CTAs walk the work items
+// row_tiles x batch x (KV head * splits) in that order (ignored by the other tiles).
 // CTA: ATT_WARPS_M x ATT_WARPS_N warps; warp (wm, wn) owns ATT_MTILES 16-row
 // m-tiles and the wn-th slice of ATT_BLOCK_N / ATT_WARPS_N keys of each K/V
 // tile (decode shapes split the keys across warps and merge at the end).
@@ -34,7 +36,9 @@
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
 // ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
 // ATT_WGMMA (0 mma.sync, 1 warpgroup MMA), ATT_WG_ROT (1: warpgroup 1 one phase
-// behind warpgroup 0), ATT_SMEM_FIXED (host's view of the
+// behind warpgroup 0), ATT_WS (1: the warp-specialised dense mainloop of
+// attention/mainloop_sm90.cuh: a producer warpgroup and ATT_WARPS_M / 4 = 2 consumer
+// warpgroups, mbarrier-tracked K/V stages), ATT_SMEM_FIXED (host's view of the
 // fixed shared-memory bytes, checked below; wgmma variants get 1024 more bytes
 // from the host to align the tiles).
 #include "common/dtype.cuh"
@@ -47,6 +51,7 @@
 #include "common/attention_wgmma.cuh"
 #include "attention/mask.cuh"
 #include "attention/epilogue.cuh"
+#include "attention/mainloop_sm90.cuh"
 
 using namespace mate;
 using namespace mate::attn;
@@ -67,6 +72,15 @@ typedef bf16_t OutT;
 typedef bf16_t Mma16;
 #endif
 
+#ifndef ATT_WS
+#define ATT_WS 0
+#endif
+#if ATT_WS
+// The warp-specialised variant's body is its own mainloop: the constants of the one in this
+// file are left unreferenced.
+#pragma nv_diag_suppress 177
+#endif
+
 namespace {
 
 constexpr int kD = ATT_HEAD_DIM;
@@ -82,7 +96,9 @@ constexpr int kBN = ATT_BLOCK_N;
 constexpr int kStages = ATT_STAGES;
 constexpr bool kSparse = ATT_KV == 2;  // union of selected 128-key blocks
 constexpr bool kPaged = ATT_KV >= 1;   // keys reached through a page list
-constexpr int kThreads = 32 * kWM * kWN;
+// Warp-specialised dense mainloop (sm_90a): the kWM consumer warps plus a producer warpgroup.
+constexpr bool kWS = ATT_WS != 0;
+constexpr int kThreads = 32 * kWM * kWN + (kWS ? 128 : 0);
 constexpr int kM = kWM * kMT * 16;          // rows per CTA
 constexpr int kKW = kBN / kWN;               // keys per warp per tile
 constexpr int kNT = kKW / 8;                 // S n-tiles per warp
@@ -117,6 +133,8 @@ static_assert(!kWG || (!kFp8 && (kD == 64 || kD == 128) && kWN == 1 && kMT == 1 
                        (kBN == 64 || kBN == 128)),
               "wgmma tiles: fp16/bf16, D 64/128, one 16-row m-tile per warp, warpgroups of 4 warps, 64/128 keys");
 static_assert(!kRot || (kWM == 8 && kStages >= 3), "rotated wgmma tiles: two warpgroups, three or more stages");
+static_assert(!kWS || (kWG && !kRot && kWM == 8 && ATT_KV == 0),
+              "warp-specialised tiles: dense KV, two consumer warpgroups of wgmma");
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -132,6 +150,13 @@ constexpr int kSmemFixed = kQBytes + kRegionBytes + kFlagBytes;
 static_assert(kSmemFixed == ATT_SMEM_FIXED, "host and device disagree on the shared-memory layout");
 // Sparse scratch (bitmap + prefix words) aliases the region.
 constexpr int kUnionWords = kRegionBytes / 8;
+#if ATT_WS
+// Warp-specialised tiles: the ring is the region, the mbarriers sit in the page-flag bytes.
+typedef DenseMainloopSm90<kD, kBN, kStages, Elem> WsMainloop;
+static_assert(WsMainloop::kThreads == kThreads && WsMainloop::kM == kM && WsMainloop::kBarBytes <= kFlagBytes &&
+                  WsMainloop::kStageBytes == kStageBytes,
+              "warp-specialised tile: shape and shared-memory layout");
+#endif
 
 }  // namespace
 
@@ -145,13 +170,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     long long k_slot_stride, long long k_head_stride, long long v_page_stride, long long v_slot_stride,
     long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
     int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int num_splits,
-    float scale_log2, float out_scale) {
+    int row_tiles, int batch, float scale_log2, float out_scale) {
     extern __shared__ __align__(kWG ? 1024 : 128) unsigned char smem_raw[];
     // wgmma tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this).
     unsigned char* smem = smem_raw + (kWG ? ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : 0u);
     unsigned char* sQ = smem;
     unsigned char* sR = smem + kQBytes;
     unsigned char* sFlags = sR + kRegionBytes;
+#if ATT_WS
+    WsMainloop::run(q, k, v, out, lse, ws_o, ws_lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k,
+                    q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, k_slot_stride, k_head_stride,
+                    v_slot_stride, v_head_stride, total_q, kv_extent, num_heads_q, num_heads_kv, group, causal,
+                    num_splits, row_tiles, batch, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags),
+                    reinterpret_cast<WsMainloop::Item*>(sFlags + WsMainloop::kItemOffset));
+}
+#else
     int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);
     int* sPage = sList + nq_cap * list_width;
     u32* sQmask = reinterpret_cast<u32*>(sPage + nq_cap * list_width);
@@ -627,6 +660,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         O, m_run, l_run, sR, tid, m_base, g, t4, wn, row0, rows_total, group, q_start, kvh, num_heads_q, total_q,
         split, out, lse, ws_o, ws_lse, out_tok_stride, out_head_stride, scale_log2, out_scale);
 }
+#endif  // ATT_WS
 
 // Combine split-KV partials: one warp per (query, head) row of request blockIdx.y.
 //   ws_o [splits, total_q*Hq, D] f32 (normalised per split), ws_lse [splits, total_q*Hq];

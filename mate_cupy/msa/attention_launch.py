@@ -18,9 +18,13 @@ shapes and the measurements behind each choice):
   with ``max_seqlen_q * group <= 16``; block-sparse decode plans.
 * ``prefill``: mma.sync, 128 rows (64 for D 256). Every prefill call the warpgroup tiles
   do not cover (fp8, D 256, GPUs other than sm_90).
-* ``wg3n64s3``: warpgroup MMA (sm_90a, fp16/bf16, D 64/128), 192 rows: dense/paged prefill.
+* ``ws2n128s3``: warp-specialised (sm_90a, fp16/bf16, D 64/128, dense KV): a producer
+  warpgroup streams K/V through a three-stage mbarrier ring, two consumer warpgroups of 64
+  rows overlap the next tile's ``Q K^T`` with the softmax (``attention/mainloop_sm90.cuh``):
+  dense prefill.
+* ``wg3n64s3``: warpgroup MMA (sm_90a, fp16/bf16, D 64/128), 192 rows: paged prefill.
 * ``wg2n128s3r``: 128 rows, warpgroup 1 one phase behind warpgroup 0 (its softmax overlaps
-  the other's MMAs), three stages: causal dense/paged prefill with ``group <= 8`` and
+  the other's MMAs), three stages: causal paged prefill with ``group <= 8`` and
   ``max_seqlen_q >= 4096`` at D 128 (fastest where measured).
 * ``wg2n128s2``: 128 rows, two stages: block-sparse prefill (the sparse lists take the
   shared memory a third stage would need).
@@ -52,7 +56,7 @@ SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_80 / sm_90
 SMEM_PER_SM = 228 * 1024
 WG_PAD = 1024  # extra shared bytes of a wgmma tile: the kernel aligns its tiles to 1024 bytes
 GATHER = "gather"
-# Dense/paged prefill with the rotated tile: causal, D 128, group <= 8, max_seqlen_q >= 4096.
+# Paged prefill with the rotated tile: causal, D 128, group <= 8, max_seqlen_q >= 4096.
 ROTATED_MIN_SEQLEN_Q = 4096
 ROTATED_MAX_GROUP = 8
 
@@ -60,7 +64,8 @@ ROTATED_MAX_GROUP = 8
 @dataclass(frozen=True)
 class TileShape:
     """One CTA shape: ``warps_m x warps_n`` warps, ``mtiles`` 16-row m-tiles per warp,
-    ``block_n`` keys per K/V tile (split over ``warps_n``), a ``stages``-deep cp.async ring."""
+    ``block_n`` keys per K/V tile (split over ``warps_n``), a ``stages``-deep cp.async ring.
+    ``producer``: warp-specialised, one more warpgroup that only loads K/V."""
 
     name: str
     warps_m: int
@@ -71,6 +76,7 @@ class TileShape:
     min_blocks: int
     wgmma: bool = False
     rotated: bool = False
+    producer: bool = False
 
     @property
     def rows(self) -> int:
@@ -78,12 +84,14 @@ class TileShape:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        return 32 * self.warps_m * self.warps_n + (128 if self.producer else 0)
 
 
-# Warpgroup tiles: name -> (warpgroups, keys per tile, stages, rotated).
-WG_TILES = {"wg3n64s3": (3, 64, 3, False), "wg2n128s3r": (2, 128, 3, True), "wg2n128s2": (2, 128, 2, False)}
+# Warpgroup tiles: name -> (consumer warpgroups, keys per tile, stages, rotated, producer warpgroup).
+WG_TILES = {"wg3n64s3": (3, 64, 3, False, False), "wg2n128s3r": (2, 128, 3, True, False),
+            "wg2n128s2": (2, 128, 2, False, False), "ws2n128s3": (2, 128, 3, False, True)}
 TILES = ("decode", "prefill") + tuple(WG_TILES)
+WS_TILE = "ws2n128s3"
 
 
 def tile_shape(name: str, head_dim: int, dtype_code: int) -> TileShape:
@@ -96,8 +104,8 @@ def tile_shape(name: str, head_dim: int, dtype_code: int) -> TileShape:
             return TileShape(name, 4, 2, 1, 64, 2, 2)
         return TileShape(name, 4, 1, 1, 32, 2, 2)
     if name in WG_TILES:
-        wgs, bn, stages, rot = WG_TILES[name]
-        return TileShape(name, 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, rotated=rot)
+        wgs, bn, stages, rot, producer = WG_TILES[name]
+        return TileShape(name, 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, rotated=rot, producer=producer)
     if name == "decode":
         if head_dim == 64:
             return TileShape(name, 1, 1, 4, 128, 3, 2)
@@ -144,6 +152,8 @@ def _reachable():
                     continue
                 if kv == KV_SPARSE:
                     out.append((d, code, "wg2n128s2", kv))
+                elif kv == KV_DENSE and d in (64, 128):
+                    out.append((d, code, WS_TILE, kv))
                 elif d in (64, 128):
                     out.append((d, code, "wg3n64s3", kv))
                     if d == 128:
@@ -157,7 +167,7 @@ def _register(d: int, code: int, tile: str, kv: int) -> KernelSpec:
     return register(SOURCE, KERNELS, min_sm=min_sm, only_arch=SM90A if shape.wgmma else "", ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m,
                     ATT_MTILES=shape.mtiles, ATT_WARPS_N=shape.warps_n, ATT_BLOCK_N=shape.block_n,
                     ATT_STAGES=shape.stages, ATT_KV=kv, ATT_MIN_BLOCKS=shape.min_blocks,
-                    ATT_WGMMA=int(shape.wgmma), ATT_WG_ROT=int(shape.rotated),
+                    ATT_WGMMA=int(shape.wgmma), ATT_WG_ROT=int(shape.rotated), ATT_WS=int(shape.producer),
                     ATT_SMEM_FIXED=smem_layout(shape, d, code)["fixed"])
 
 
@@ -175,8 +185,8 @@ FWD_PARAMS = KernelParams((
     ("v_page_stride", "i64"), ("v_slot_stride", "i64"), ("v_head_stride", "i64"),
     ("total_q", "i32"), ("kv_extent", "i32"), ("num_heads_q", "i32"), ("num_heads_kv", "i32"), ("group", "i32"),
     ("causal", "i32"), ("page_size_log2", "i32"), ("page_list_len", "i32"), ("list_width", "i32"),
-    ("nq_cap", "i32"), ("qmask_words", "i32"), ("num_splits", "i32"), ("scale_log2", "f32"),
-    ("out_scale", "f32"),
+    ("nq_cap", "i32"), ("qmask_words", "i32"), ("num_splits", "i32"), ("row_tiles", "i32"), ("batch", "i32"),
+    ("scale_log2", "f32"), ("out_scale", "f32"),
 ))
 MERGE_PARAMS = KernelParams((
     ("ws_o", "ptr"), ("ws_lse", "ptr"), ("out", "ptr"), ("lse", "ptr"), ("cu_seqlens_q", "ptr"),
@@ -228,7 +238,9 @@ class AttentionConfig:
     nothing to compute); ``grid``/``threads``/``shared_mem``/``page_size_log2`` launch the
     forward kernel; ``splits > 1`` adds the merge kernel on ``merge_grid``;
     ``workspace_bytes`` is the scratch the launch takes (split-KV partials or the gather
-    tile's lists and partials).
+    tile's lists and partials). ``row_tiles``: the query row tiles per (request, KV head); a
+    persistent tile's ``grid`` is ``(CTAs, 1, 1)`` over ``row_tiles x batch x (Hkv * splits)``
+    work items.
     """
 
     tile: str
@@ -243,6 +255,7 @@ class AttentionConfig:
     num_sms: int
     page_size_log2: int = -1
     merge_grid: tuple = (0, 0)
+    row_tiles: int = 0
 
 
 NOTHING = AttentionConfig("", None, (0, 0, 0), 0, 0, 1, 0, 0, 0, 0)
@@ -293,6 +306,8 @@ def choose_tile(p: AttentionProblem, cc: int) -> str:
         return "prefill"
     if p.kv_mode == KV_SPARSE:
         return "wg2n128s2"
+    if p.kv_mode == KV_DENSE:
+        return WS_TILE
     if (p.causal and p.head_dim == 128 and p.group <= ROTATED_MAX_GROUP
             and p.max_seqlen_q >= ROTATED_MIN_SEQLEN_Q):
         return "wg2n128s3r"
@@ -324,9 +339,12 @@ def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfi
     else:
         splits = choose_splits(ctas, max_tiles, sm_count, per_sm)
     splits = max(1, min(splits, max(1, max_tiles), MAX_GRID_YZ // p.num_heads_kv))
+    grid = (row_tiles, p.batch, p.num_heads_kv * splits)
+    if shape.producer:  # persistent: at most one wave of CTAs walks the work items
+        grid = (min(row_tiles * p.batch * p.num_heads_kv * splits, sm_count * per_sm), 1, 1)
     return AttentionConfig(
         tile=tile, spec=SPECS[(p.head_dim, p.dtype_code, tile, p.kv_mode)],
-        grid=(row_tiles, p.batch, p.num_heads_kv * splits), threads=shape.threads, shared_mem=smem,
+        grid=grid, row_tiles=row_tiles, threads=shape.threads, shared_mem=smem,
         splits=splits, nq_cap=nq_cap, qmask_words=qwords,
         workspace_bytes=split_workspace_bytes(p.total_q, p.num_heads_q, p.head_dim, splits), num_sms=sm_count,
         page_size_log2=p.page_size.bit_length() - 1 if p.kv_mode != KV_DENSE else -1,
@@ -453,7 +471,7 @@ def attention_launches(problem: AttentionProblem, config: AttentionConfig, array
         q_strides[0], q_strides[1], out_strides[0], out_strides[1], k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2], p.total_q, kv_extent, p.num_heads_q, p.num_heads_kv, p.group,
         int(p.causal), config.page_size_log2, page_list_len, p.list_width, config.nq_cap, config.qmask_words,
-        splits, scale_log2, out_scale,
+        splits, config.row_tiles, p.batch, scale_log2, out_scale,
     ), config.shared_mem),)
     if splits > 1:
         launches += ((merge, config.merge_grid, (128,), MERGE_PARAMS, (
