@@ -260,10 +260,27 @@ def test_max_score_launch_geometry():
             smem = il.max_score_smem_bytes(d, cfg)
             assert smem <= 227 * 1024, (d, cfg)
             per_sm = il.max_score_ctas_per_sm(d, cfg)  # the launch bounds' promise
-            assert per_sm == (2 if d <= 128 else 1) and per_sm * (smem + 1024) <= 228 * 1024, (d, cfg)
-        smem = il.max_score_smem_bytes(d, il.FP8_PREFILL_CONFIG, 1)   # fp8 wgmma: three stages of half the bytes
+            assert per_sm == (1 if d > 128 or cfg.mma == "wgmma" else 2), (d, cfg)
+            assert per_sm * (smem + 1024) <= 228 * 1024, (d, cfg)
+        smem = il.max_score_smem_bytes(d, il.FP8_PREFILL_CONFIG, 1)
         assert smem <= 227 * 1024
         assert il.max_score_ctas_per_sm(d, il.FP8_PREFILL_CONFIG, 1) * (smem + 1024) <= 228 * 1024
+
+
+def test_ws_max_score_tile_shapes():
+    """The warp-specialised kernel's tile (MaxScoreWsTile): 256 rows (two consumer warpgroups
+    of two 64-row halves) for key rows of at most 256 bytes, else 128; K stages as many as fit
+    227 KB beside Q, the stash, the key flags, the mbarriers and the alignment slack (at most 8)."""
+    ws = il.WS_CONFIG
+    assert ws.num_warps == 12 and ws.mma == "wgmma"
+    # (D, element bytes) -> (shared-memory row bytes, rows per CTA, stages)
+    want = {(64, 2): (128, 256, 8), (128, 2): (256, 256, 4), (256, 2): (512, 128, 2),
+            (64, 1): (128, 256, 8), (128, 1): (128, 256, 8), (256, 1): (256, 256, 4)}
+    for (d, elem), (row, bm, stages) in want.items():
+        assert (ws.rows_per_cta(d, elem), ws.stages(d, elem)) == (bm, stages), (d, elem)
+        smem = il.max_score_smem_bytes(d, ws, elem)
+        assert smem == stages * 128 * row + bm * row + bm * 17 * 4 + stages * (128 + 16) + 1024 <= 227 * 1024
+        assert smem + 128 * row + 144 > 227 * 1024 or stages == 8   # one more stage would not fit
 
 
 # ---------------------------------------------------------------------------- launchers vs the source
@@ -277,6 +294,7 @@ def c_params(kernel: str, src: Path = SRC) -> list:
 
 
 @pytest.mark.parametrize("kernel,params", [("msa_block_max_score_kernel", il.MAX_SCORE_PARAMS),
+                                           ("msa_max_score_ws_kernel", il.MAX_SCORE_PARAMS),
                                            ("msa_decode_max_score_kernel", il.MAX_SCORE_PARAMS),
                                            ("msa_topk_select_kernel", il.TOPK_PARAMS),
                                            ("msa_topk_stream_kernel", il.STREAM_PARAMS)])
@@ -321,7 +339,8 @@ def test_run_max_score_packs_its_launch(monkeypatch, paged, cc):
     (kern, grid, block, params, values, smem, stream), = launches
     cfg = il.select_max_score_config(100 * 4, cc)
     assert kern == il.MAX_SCORE_SPECS[(BF16, d, cfg)].kernels[0] and stream == 1234
-    m_tiles = -(-400 // cfg.rows_per_cta)
+    assert cfg.rows_per_cta(d) == (256 if cc == 90 else 128)
+    m_tiles = -(-400 // cfg.rows_per_cta(d))
     assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2 * hkv, 6, 132)[0])
     assert block == (32 * cfg.num_warps,) and smem == il.max_score_smem_bytes(d, cfg)
     params.pack(values)  # every value fits its kind
@@ -341,8 +360,8 @@ def test_run_max_score_packs_its_launch(monkeypatch, paged, cc):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_run_max_score_packs_fp8_prefill_launch(monkeypatch, d):
-    """float8 q and k with more packed rows than the decode kernel holds: 8 warps of the sm_90a
-    wgmma variant (e4m3 tiles: three K stages of half the 16-bit bytes, D 64 rows padded to 128 bytes)."""
+    """float8 q and k with more packed rows than the decode kernel holds: the sm_90a
+    warp-specialised wgmma kernel (256 rows per CTA; e4m3 D 64 rows padded to 128 bytes)."""
     launches = _recording(monkeypatch, cc=90)
     hq, hkv = 4, 1
     qo, kv = np.array([300, 5], np.int32), np.array([1000, 77], np.int32)
@@ -356,10 +375,12 @@ def test_run_max_score_packs_fp8_prefill_launch(monkeypatch, d):
                      score_scale=0.25)
     (kern, grid, block, params, values, smem, stream), = launches
     cfg = il.FP8_PREFILL_CONFIG
-    assert kern == f"msa_block_max_score_kernel<fp8_t, {d}, 8, 1>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
-    m_tiles = -(-300 * 4 // 128)
-    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (256,)
-    assert smem == il.max_score_smem_bytes(d, cfg, 1) == (4 * 128 * max(d, 128) + 128 * 17 * 4 + 3 * 128 + 1024)
+    assert kern == f"msa_max_score_ws_kernel<fp8_t, {d}>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
+    m_tiles = -(-300 * 4 // 256)
+    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (384,)
+    row, stages = max(d, 128), cfg.stages(d, 1)
+    assert smem == il.max_score_smem_bytes(d, cfg, 1) == (stages * 128 * row + 256 * row + 256 * 17 * 4
+                                                          + stages * 144 + 1024)
     params.pack(values)
     v = dict(zip(params.names, values))
     assert v["q_stride_tok"] == hq * d and v["k_stride_outer"] == hkv * d and v["score_scale"] == 0.25
@@ -729,7 +750,7 @@ def _configs(qo, heads):
     """The automatic choice and every variant that holds ``max(qo) * Hq / Hkv`` packed rows
     (decode variants hold 8, 16 or 32; the others any number)."""
     rows = int(np.max(qo, initial=0)) * heads[0] // heads[1]
-    return [c for c in CONFIGS if c is None or not c.decode or c.rows_per_cta >= rows]
+    return [c for c in CONFIGS if c is None or not c.decode or c.rows_per_cta() >= rows]
 
 
 @pytest.mark.gpu
@@ -805,6 +826,82 @@ def test_max_score_invalid_pages_are_not_admissible(rng):
         _check_max_score(got, want, q, k_cache.reshape(-1, d), f"invalid pages {config}")
 
 
+def _ws_lengths(case: str):
+    """Lengths for the warp-specialised kernel: ``long`` (many K tiles: the stage ring wraps
+    many times, full and partial 16-block stash stores; several 256-row tiles per request,
+    lengths not multiples of 128 or of the row tile; offsets shifted both ways) or
+    ``split`` (few rows per request over long keys: the key range is split over CTAs)."""
+    if case == "long":
+        qo = np.array([300, 77, 0, 1, 190], dtype=np.int32)
+        kv = np.array([4500, 2100, 50, 4099, 1000], dtype=np.int32)
+        off = (kv - qo).astype(np.int32)
+        off[1] -= 700   # queries end short of the keys
+        off[4] = -60    # the first queries see no key
+        return qo, kv, off
+    qo = np.array([20, 9], dtype=np.int32)
+    kv = np.array([9000, 6001], dtype=np.int32)
+    return qo, kv, (kv - qo).astype(np.int32)
+
+
+# (dtype, D, (Hq, Hkv), causal): GQA 1..16, both row tiles (256 rows; 128 for 512-byte key rows)
+WS_CASES = [(BF16, 128, (16, 1), True), (BF16, 128, (4, 1), False), (F16, 64, (12, 4), True),
+            (BF16, 256, (8, 2), True), (F16, 256, (1, 1), False), (BF16, 64, (2, 1), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,heads,causal", WS_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("case", ["long", "split"])
+def test_ws_max_score_long_keys(rng, dtype, d, heads, causal, case):
+    """The warp-specialised wgmma kernel over many K tiles (NaN-poisoned output, float64 reference)."""
+    _needs_sm90()
+    hq, hkv = heads
+    qo, kv, off = _ws_lengths(case)
+    cu_q, cu_k, _ = _meta(qo, kv, off)
+    q = _rand(rng, (int(cu_q[-1]), hq, d), dtype)
+    k = _rand(rng, (int(cu_k[-1]), hkv, d), dtype)
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
+                               kv_lens=kv)
+    got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
+    _check_max_score(got, want, q, k, f"ws {case} D{d} Hq{hq} Hkv{hkv} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", ["long", "split"])
+def test_ws_fp8_max_score_long_keys(rng, d, case):
+    """The float8 warp-specialised kernel over many K tiles, paged (scattered CSR pages of 64
+    keys, two invalid ids) for ``long``, dense for ``split``."""
+    _needs_sm90()
+    hq, hkv, scale = 8, 2, 0.37
+    qo, kv, off = _ws_lengths(case)
+    cu_q, cu_k, _ = _meta(qo, kv, off)
+    q = _fp8_ints(rng, (int(cu_q[-1]), hq, d))
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    if case == "long":
+        page = 64
+        counts = -(-kv // page)
+        num_pages = int(counts.sum()) + 3
+        kv_indices = rng.permutation(num_pages).astype(np.int32)[: int(counts.sum())].copy()
+        kv_indices[[2, 70]] = -1, num_pages + 1
+        indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        table = ref.page_table_from_indptr(kv_indices, indptr, width=int(counts.max()))
+        k_cache = _fp8_ints(rng, (num_pages, page, hkv, d))
+        want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
+                                         qo_lens=qo)
+        got = _launch_max_score_torch(q, k_cache, nt, qo, kv, off, cu_q, score_scale=scale, page_size=page,
+                                      kv_indices=kv_indices, indptr=indptr, config=il.WS_CONFIG)
+        k_rows = k_cache.reshape(-1, d)
+    else:
+        k_rows = _fp8_ints(rng, (int(cu_k[-1]), hkv, d))
+        want = ref.block_max_score(q, k_rows, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        got = _launch_max_score_torch(q, k_rows, nt, qo, kv, off, cu_q, score_scale=scale, cu_k=cu_k,
+                                      config=il.WS_CONFIG)
+    _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.reshape(-1, d).astype(np.float64),
+                     f"ws fp8 {case} D{d}", rel=2e-5)
+
+
 def _decode_lengths(rng, nq: int, long_keys: int):
     """Decode batch: ``nq`` queries per request (one request with fewer, one empty), kv
     lengths from 0 to ``long_keys`` (not multiples of 32 or 128), offsets mostly
@@ -835,7 +932,7 @@ def test_decode_max_score_dense(rng, dtype, d, heads, nq, causal):
     want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt,
                                qo_lens=qo, kv_lens=kv)
     rows = nq * hq // hkv
-    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta() >= rows]:
         got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=config)
         _check_max_score(got, want, q, k, f"decode nq={nq} causal={causal} {config}")
 
@@ -891,7 +988,7 @@ def test_decode_max_score_paged(rng, page_size, kv_layout, source, nq):
             rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=d, dtype=dtype, page_size=page_size, kv_layout=kv_layout,
             source=source, spare_pages=7, corrupt=corrupt, table_columns=lambda counts: int(counts[0]) - 5)
         rows = nq * hq // hkv
-        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta() >= rows]:
             got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
                                     config=config, **kw)
             _check_max_score(got, want, q, k_rows,
@@ -921,7 +1018,7 @@ def test_decode_max_score_in_order_small_pages(rng, page_size, kv_layout):
         kw, q, k_cache, nt, want, k_rows = _paged_decode_problem(
             rng, qo, kv, off, cu_q, hq=hq, hkv=hkv, d=d, dtype=dtype, page_size=page_size, kv_layout=kv_layout,
             source="csr", spare_pages=2, corrupt=_in_order_pages, table_columns=None)
-        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= hq // hkv]:
+        for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta() >= hq // hkv]:
             got = _launch_max_score(q, k_cache, nt, qo, kv, off, cu_q, kv_layout=kv_layout, page_size=page_size,
                                     config=config, **kw)
             _check_max_score(got, want, q, k_rows, f"in-order pages {kv_layout} page={page_size} Hq{hq} Hkv{hkv} {config}")
@@ -1038,7 +1135,7 @@ def test_fp8_decode_max_score(rng, d, mode, nq):
         kw.update(dict(page_table=table) if mode.endswith("table") else dict(kv_indices=kv_indices, indptr=indptr))
         k_rows = (k if layout == "NHD" else k.transpose(0, 2, 1, 3)).reshape(-1, d)
     rows = nq * hq // hkv
-    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta >= rows]:
+    for config in [None] + [c for c in il.DECODE_CONFIGS if c.rows_per_cta() >= rows]:
         if config is not None and (FP8, d, config) not in il.MAX_SCORE_SPECS:
             continue
         got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=scale, config=config, **kw)

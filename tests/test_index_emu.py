@@ -6,7 +6,9 @@ kernel at each chunk size, warp and CTA kernels), including rows built to reach 
 rare path of the streaming kernel (candidate overflow, cutting the buffer, the chunk's
 own best k, the exact-key pass). Max score: dense and paged K, causal and not, GQA,
 offsets, every variant, with cp.async copies landing both at issue and at the retiring wait.
-Set MATE_CUPY_EMU_SANITIZE=1 to build the emulator with ASan/UBSan.
+The warp-specialised wgmma kernel runs with the emulator's mbarriers (its producer and
+consumer warpgroups as real threads). Set MATE_CUPY_EMU_SANITIZE=1 to build the emulator
+with ASan/UBSan.
 """
 from __future__ import annotations
 
@@ -237,8 +239,8 @@ def _dense_problem(rng, qo, kv, offsets, hq, hkv, d, dtype, causal):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,d,heads,causal,lazy", MS_CASES)
 def test_max_score_dense_emulated(emu, rng, dtype, d, heads, causal, lazy):
-    """Every variant (mma.sync with 4 and 8 warps, wgmma): decode-like rows (key-range
-    splits), a prefill with offsets, lengths not multiples of 128."""
+    """Every variant (mma.sync with 4 and 8 warps, the warp-specialised wgmma kernel):
+    decode-like rows (key-range splits), a prefill with offsets, lengths not multiples of 128."""
     H, run = emu
     hq, hkv = heads
     for case in ("prefill", "decode"):
@@ -285,7 +287,7 @@ def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
 
 def test_max_score_config_choice():
     """Decode kernel up to 32 packed rows (fewest 8-row n-blocks), 4 warps of mma.sync up
-    to 64; above, wgmma on sm_90 only."""
+    to 64; above, the warp-specialised wgmma kernel on sm_90 only."""
     dec1, dec2, dec4, mma4, mma8, wg8 = il.MAX_SCORE_CONFIGS
     for cc in (80, 90):
         assert il.select_max_score_config(1, cc) == dec1 and il.select_max_score_config(8, cc) == dec1
@@ -294,9 +296,10 @@ def test_max_score_config_choice():
         assert il.select_max_score_config(33, cc) == mma4 and il.select_max_score_config(64, cc) == mma4
     assert il.select_max_score_config(65, 90) == wg8 and il.select_max_score_config(1 << 20, 90) == wg8
     assert il.select_max_score_config(65, 80) == mma8 and il.select_max_score_config(4096, 100) == mma8
-    assert [c.stages() for c in (mma4, mma8, wg8)] == [3, 3, 2]
+    assert wg8 == il.WS_CONFIG == il.FP8_PREFILL_CONFIG
+    assert [c.stages() for c in (mma4, mma8, wg8)] == [3, 3, 4]
     assert [dec1.stages(d) for d in (64, 128, 256)] == [6, 3, 3]
-    # float8: the decode kernel up to 32 rows (16 at D 256), else 8 warps of wgmma
+    # float8: the decode kernel up to 32 rows (16 at D 256), else the wgmma kernel
     assert il.FP8_DECODE_MAX_ROWS == {64: 32, 128: 32, 256: 16}
     for cc in (89, 90):
         for d in (64, 128):
@@ -307,16 +310,19 @@ def test_max_score_config_choice():
 
 
 def test_max_score_smem_bytes():
-    """Dynamic shared memory of the block kernel (MaxScoreTile::SMEM_BYTES): K stages, the wgmma
-    Q tile (rows of whole 128-byte column-block rows: e4m3 D 64 pads each row to 128 bytes), the
-    row-max stash, the key flags and the wgmma alignment slack; e4m3 wgmma runs three K stages)."""
-    wg8, mma8 = il.MaxScoreConfig("wgmma", 8), il.MaxScoreConfig("mma_sync", 8)
+    """Dynamic shared memory: the mma.sync block kernel (MaxScoreTile::SMEM_BYTES: three K
+    stages, the row-max stash, the key flags) and the warp-specialised kernel
+    (MaxScoreWsTile::SMEM_BYTES: K stages, the Q tile in whole 128-byte column-block rows
+    (e4m3 D 64 pads each row to 128 bytes), the stash, key flags, two mbarriers per stage and
+    the alignment slack)."""
+    mma8, ws = il.MaxScoreConfig("mma_sync", 8), il.WS_CONFIG
     stash, flags = 128 * 17 * 4, lambda stages: stages * 128
-    for d, elem, row in ((64, 2, 128), (128, 2, 256), (256, 2, 512), (64, 1, 128), (128, 1, 128), (256, 1, 256)):
-        stages = 3 if elem == 1 else 2   # e4m3: three K stages
-        assert wg8.stages(d, elem) == stages
-        assert il.max_score_smem_bytes(d, wg8, elem) == stages * 128 * row + 128 * row + stash + flags(stages) + 1024
     assert il.max_score_smem_bytes(128, mma8) == 3 * 128 * 256 + stash + flags(3)
+    for d, elem, row in ((64, 2, 128), (128, 2, 256), (256, 2, 512), (64, 1, 128), (128, 1, 128), (256, 1, 256)):
+        bm, stages = ws.rows_per_cta(d, elem), ws.stages(d, elem)
+        assert bm == (256 if row <= 256 else 128)
+        assert il.max_score_smem_bytes(d, ws, elem) == (stages * 128 * row + bm * row + bm * 17 * 4
+                                                        + stages * (128 + 16) + 1024) <= 227 * 1024
 
 
 # ============================================================================ decode max score
@@ -487,9 +493,9 @@ def test_fp8_decode_max_score_emulated(emu, rng, d, paged, lazy):
     (128, True, False, False, (8, 2)), (64, False, False, True, (8, 2)), (256, True, True, False, (8, 2)),
     (128, False, True, True, (8, 2)), (128, True, False, True, (12, 4))])
 def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads):
-    """float8 e4m3 q and k with more packed rows than the decode kernel holds: the block
-    kernel's wgmma m64n128k32 path (e4m3 tiles in 128-byte-swizzled column blocks, D 64 rows
-    padded to 128 bytes) with a score scale, dense and paged (HND, CSR, an invalid page),
+    """float8 e4m3 q and k with more packed rows than the decode kernel holds: the
+    warp-specialised kernel's wgmma m64n128k32 (e4m3 tiles in 128-byte-swizzled column
+    blocks, D 64 rows padded to 128 bytes) with a score scale, dense and paged (HND, CSR, an invalid page),
     causal with offsets and not, GQA 4 and 3 (the last case: a 2100-key request, so the key
     range is split over several CTAs), against the float64 reference of the fp8 values."""
     H, run = emu
@@ -504,9 +510,35 @@ def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads)
                                     page_size=page_size)
     assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d) == il.FP8_PREFILL_CONFIG
     if long_kv:
-        assert il.max_score_splits(-(-int(qo.max()) * 3 // 128) * len(qo) * hkv, nt, 132)[0] > 1
+        assert il.max_score_splits(-(-int(qo.max()) * 3 // 256) * len(qo) * hkv, nt, 132)[0] > 1
     first = len(run.launches)
     got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, causal=causal, lazy=lazy, score_scale=scale, **kw)
-    assert [r[0] for r in run.launches[first:]] == [f"msa_block_max_score_kernel<fp8_t, {d}, 8, 1>"]
+    assert [r[0] for r in run.launches[first:]] == [f"msa_max_score_ws_kernel<fp8_t, {d}>"]
     _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.astype(np.float64),
                      f"fp8 wgmma d={d} causal={causal} paged={paged}")
+
+
+# ============================================================================ warp-specialised kernel, long keys
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,d,heads,causal,lazy", [
+    pytest.param(F16, 256, (4, 2), True, True, id="fp16-d256-r2-causal-copy-at-wait"),
+    pytest.param(BF16, 64, (16, 1), False, False, id="bf16-d64-r16-full"),
+])
+def test_ws_max_score_long_keys_emulated(emu, rng, dtype, d, heads, causal, lazy):
+    """The warp-specialised kernel over a 2200-key request: its stage ring (2 stages of
+    512-byte rows at D 256, whose 128-row tiles run one MMA half per tile; 8 stages at D 64)
+    wraps many times, 16-block stash stores and a partial one, key-range splits, offsets
+    short of the keys, rows in several 256-row tiles."""
+    H, run = emu
+    hq, hkv = heads
+    qo, kv = np.array([37, 20, 300], dtype=np.int32), np.array([300, 129, 2200], dtype=np.int32)
+    offsets = (kv - qo + np.array([0, -40, -100])).astype(np.int32)
+    cu_q, cu_k, off, q, k, nt, want = _dense_problem(rng, qo, kv, offsets, hq, hkv, d, dtype, causal)
+    first = len(run.launches)
+    got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, lazy=lazy,
+                         config=il.WS_CONFIG)
+    (name, grid, block, *_), = run.launches[first:]
+    assert name == il.MAX_SCORE_SPECS[(dtype, d, il.WS_CONFIG)].kernels[0] and block == (384,) and grid[2] > 1
+    _check_max_score(got, want, q, k, f"ws D{d} causal={causal}")

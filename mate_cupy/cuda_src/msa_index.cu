@@ -725,65 +725,45 @@ msa_topk_stream_kernel(const float* __restrict__ scores, int* __restrict__ out, 
 // every K tile (GQA packing). Per 128-key block each warp computes the scores of its 16
 // rows (f32 accumulate), masks inadmissible keys (causal, j >= kv_len, keys of invalid
 // pages) only on blocks where some row of the warp needs it, and reduces each row to
-// its max. K tiles stream through a cp.async ring with one CTA barrier per block. Two
-// MMA paths:
-//   kMmaSync  (3 K stages) each warp holds its 16 rows of Q in registers (mma.sync A
-//             fragments) and runs m16n8k16 MMAs on ldmatrix'd K fragments; tiles are
-//             stored [rows][D] with 16-byte chunks XOR-swizzled by row % 8
-//             (conflict-free ldmatrix).
-//   kWgmma    (sm_90a, 2 K stages, 3 for e4m3) each warpgroup (4 warps, 64 rows) runs wgmma
-//             m64n128k16 (float8 e4m3: m64n128k32) with Q and K read from shared memory
-//             by descriptor; tiles are stored as 128-byte-swizzled column blocks
-//             (common/attention_wgmma.cuh; e4m3 rows of D 64 fill half a block row).
-// Both leave each warp the same accumulator layout (rows g and g + 8, column
-// 8 i + 2 t + e of n-block i), so masking and the epilogue are shared. Row maxima are
-// staged in shared memory and stored kMsStash blocks at a time. Blocks past the tile's
-// last admissible key are not computed: they, and tiles up to nt, are stored as -inf.
+// its max. K tiles stream through a cp.async ring (3 stages) with one CTA barrier per
+// block. Each warp holds its 16 rows of Q in registers (mma.sync A fragments) and runs
+// m16n8k16 MMAs on ldmatrix'd K fragments; tiles are stored [rows][D] with 16-byte chunks
+// XOR-swizzled by row % 8 (conflict-free ldmatrix). Accumulator layout: rows g and g + 8,
+// column 8 i + 2 t + e of n-block i. Row maxima are staged in shared memory and stored
+// kMsStash blocks at a time. Blocks past the tile's last admissible key are not computed:
+// they, and tiles up to nt, are stored as -inf. On sm_90a the warp-specialised wgmma
+// kernel below (msa_max_score_ws_kernel) computes the same output.
 
 constexpr int kMsBlock = 128;  // keys per block
 constexpr int kMsStash = 16;   // blocks staged per store (64-byte row segments)
 
-enum MaxScoreMma { kMmaSync = 0, kWgmma = 1 };
-
-template <typename T, int D, int NWARPS, int MMA>
+template <typename T, int D, int NWARPS>
 struct MaxScoreTile {
     static_assert(D % 64 == 0, "D must be a multiple of 64");
-    static_assert(MMA != kWgmma || NWARPS % 4 == 0, "wgmma runs whole warpgroups");
-    static_assert(sizeof(T) == 2 || MMA == kWgmma, "float8 runs the wgmma path only");
-    // K tiles in flight. e4m3 wgmma: three (its tiles are half the bytes and its MMAs half the
-    // time of 16-bit ones: a tile's loads get two iterations to land; still two CTAs per SM).
-    static constexpr int STAGES = MMA == kWgmma ? (sizeof(T) == 1 ? 3 : 2) : 3;
+    static_assert(sizeof(T) == 2, "16-bit types (float8 runs the wgmma kernel)");
+    static constexpr int STAGES = 3;  // K tiles in flight
     static constexpr int BM = 16 * NWARPS;                // packed (query, head) rows per CTA
     static_assert(BM <= 128, "the Q tile must fit a K stage");
     static constexpr int THREADS = 32 * NWARPS;
     static constexpr int RB = D * (int)sizeof(T);  // bytes per row
     static constexpr int CPR = RB / 16;            // 16-byte chunks per row
     static constexpr int EPC = 16 / (int)sizeof(T);  // values per chunk
-    // Bytes per row in shared memory: wgmma column blocks are whole 128-byte rows (e4m3 D 64
-    // uses half of each); wgmma k-steps of 32 bytes each (16 values, 32 for e4m3).
-    static constexpr int SRB = MMA == kWgmma ? (RB + 127) / 128 * 128 : RB;
-    static constexpr int KSTEPS = RB / 32;
-    static constexpr int K_TILE_BYTES = kMsBlock * SRB;
+    static constexpr int K_TILE_BYTES = kMsBlock * RB;
     static constexpr int K_BYTES = STAGES * K_TILE_BYTES;
-    static constexpr int Q_BYTES = BM * SRB;
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
-    // Q: wgmma reads it from shared memory for the whole kernel (after the stages).
-    // mma.sync holds it in registers after the prologue: it is staged in the last stage
-    // (first filled by the first loop iteration).
-    static constexpr int Q_OFFSET = MMA == kWgmma ? K_BYTES : (STAGES - 1) * K_TILE_BYTES;
-    static constexpr int STASH_OFFSET = MMA == kWgmma ? K_BYTES + Q_BYTES : K_BYTES;
+    // Q is held in registers after the prologue: it is staged in the last stage (first
+    // filled by the first loop iteration).
+    static constexpr int Q_OFFSET = (STAGES - 1) * K_TILE_BYTES;
+    static constexpr int STASH_OFFSET = K_BYTES;
     static constexpr int KVALID_OFFSET = STASH_OFFSET + STASH_BYTES;  // [STAGES][128] key flags
-    static constexpr int ALIGN_SLACK = MMA == kWgmma ? 1024 : 0;      // wgmma tiles: 1024-byte aligned
-    static constexpr int SMEM_BYTES = KVALID_OFFSET + STAGES * kMsBlock + ALIGN_SLACK;
+    static constexpr int SMEM_BYTES = KVALID_OFFSET + STAGES * kMsBlock;
 };
 
-// Byte offset of 16-byte chunk ch of row `row` in a tile of ROWS rows of RB bytes.
-template <int MMA, int ROWS, int RB>
+// Byte offset of 16-byte chunk ch of row `row` in a [rows][RB bytes] tile, chunks
+// XOR-swizzled by row % 8.
+template <int RB>
 __device__ __forceinline__ int ms_tile_offset(int row, int ch) {
-    if constexpr (MMA == kWgmma)  // column blocks of ROWS x 128 bytes, chunk c of row r at c ^ (r & 7)
-        return (ch >> 3) * (ROWS * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
-    else  // [ROWS][RB bytes], chunks XOR-swizzled by row % 8
-        return row * RB + ((ch ^ (row & 7)) << 4);
+    return row * RB + ((ch ^ (row & 7)) << 4);
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -839,15 +819,14 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
 // max_score [total_q, Hq, nt] f32. Grid: (num_m_tiles * batch, Hkv, splits): split s owns
 // the output blocks [s * tiles_per_split, (s + 1) * tiles_per_split) (block maxima need
 // no merge, so short-query batches spread the key range over more CTAs).
-template <typename T, int D, int NWARPS, int MMA>
+template <typename T, int D, int NWARPS>
 __global__ void __launch_bounds__(32 * NWARPS, D <= 128 ? 2 : 1)
 msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
-    using Cfg = MaxScoreTile<T, D, NWARPS, MMA>;
+    using Cfg = MaxScoreTile<T, D, NWARPS>;
     constexpr int BM = Cfg::BM, THREADS = Cfg::THREADS, CPR = Cfg::CPR, STAGES = Cfg::STAGES, RB = Cfg::RB;
     constexpr int EPC = Cfg::EPC;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw;
-    if constexpr (MMA == kWgmma) smem += (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
     const u32 smem_base = smem_u32(smem);
     float* stash = reinterpret_cast<float*>(smem + Cfg::STASH_OFFSET);  // [BM][kMsStash + 1]
     unsigned char* kvalid = smem + Cfg::KVALID_OFFSET;                   // [STAGES][128]
@@ -936,7 +915,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         for (int i = 0; i < kMsBlock / LD_STEP; ++i) {
             const int row = ld_row0 + i * LD_STEP;
             const long long o = key_offset(t * kMsBlock + row);
-            cp_async_16_at(dst + (u32)ms_tile_offset<MMA, kMsBlock, RB>(row, ld_ch),
+            cp_async_16_at(dst + (u32)ms_tile_offset<RB>(row, ld_ch),
                            o >= 0 ? kc + o + ld_ch * EPC : kc, o >= 0);
             if (ld_ch == 0) kvalid[stage * kMsBlock + row] = o >= 0 ? 1 : 0;
         }
@@ -952,7 +931,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         const bool ok = row_valid(p, qi);
         const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * EPC
                           : q;
-        cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, RB>(p, ch)), src, ok);
+        cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<RB>(p, ch)), src, ok);
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -961,19 +940,15 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     }
 
     const int mi = lane >> 3;  // ldmatrix: the 8x8 matrix this lane addresses
-    constexpr bool kSync = MMA != kWgmma;
-    u32 qf[kSync ? D / 16 : 1][4];
-    if constexpr (kSync) {
-        cp_async_wait<STAGES - 2>();  // the first group: Q and K tile t_begin
-        __syncthreads();
+    u32 qf[D / 16][4];
+    cp_async_wait<STAGES - 2>();  // the first group: Q and K tile t_begin
+    __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
-            ldmatrix_x4_at(qf[kk],
-                           smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<MMA, BM, RB>(row, 2 * kk + (mi >> 1))));
-        }
-        // (The loop's first barrier orders these reads before the Q area is reused.)
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int row = warp * 16 + (mi & 1) * 8 + (lane & 7);
+        ldmatrix_x4_at(qf[kk], smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<RB>(row, 2 * kk + (mi >> 1))));
     }
+    // (The loop's first barrier orders these reads before the Q area is reused.)
     // This thread's accumulator rows: 16 warp + lane / 4 (+ 8), admissible below lim.
     int lim[2];
 #pragma unroll
@@ -990,7 +965,6 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
         const int stage = n % STAGES;
         cp_async_wait<STAGES - 2>();  // K tile t landed (this thread's copies)
-        if constexpr (MMA == kWgmma) attn::fence_proxy_async_smem();  // ... and is visible to wgmma
         __syncthreads();  // every thread's copies of tile t landed; every warp is done with tile t - 1
         if (t + STAGES - 1 < t_end) load_k_tile(t + STAGES - 1, (n + STAGES - 1) % STAGES);
         cp_async_commit();
@@ -1002,48 +976,25 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         float mx[2] = {neg_inf(), neg_inf()};
 
         float acc[16][4];  // the warp's 16 x 128 scores: n-block n8 = keys [8 n8, 8 n8 + 8)
-        if constexpr (kSync) {
 #pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f;
-            const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES);
-            // Steps s = (kk, np): B fragments (16 keys x 16 values) of step s + 1 are loaded
-            // before the MMAs of step s (ldmatrix and mma are volatile asm: issue order is source order).
-            constexpr int NP = 8;
-            constexpr int STEPS = (D / 16) * NP;
-            auto b_addr = [&](int step) {
-                const int kk = step / NP, np = step % NP;
-                return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
-            };
-            u32 bf[2][4];
-            ldmatrix_x4_at(bf[0], b_addr(0));
+        for (int n8 = 0; n8 < 16; ++n8) acc[n8][0] = acc[n8][1] = acc[n8][2] = acc[n8][3] = 0.f;
+        const u32 kt = k_lane_base + (u32)(stage * Cfg::K_TILE_BYTES);
+        // Steps s = (kk, np): B fragments (16 keys x 16 values) of step s + 1 are loaded
+        // before the MMAs of step s (ldmatrix and mma are volatile asm: issue order is source order).
+        constexpr int NP = 8;
+        constexpr int STEPS = (D / 16) * NP;
+        auto b_addr = [&](int step) {
+            const int kk = step / NP, np = step % NP;
+            return kt + k_chunk_off[kk % 4] + (u32)((kk / 4) * 128) + (u32)(np * 16 * D * (int)sizeof(T));
+        };
+        u32 bf[2][4];
+        ldmatrix_x4_at(bf[0], b_addr(0));
 #pragma unroll
-            for (int step = 0; step < STEPS; ++step) {
-                if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
-                const int kk = step / NP, np = step % NP;
-                mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
-                mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
-            }
-        } else {
-            // S = Q K^T for this warpgroup's 64 rows: k-step ks (16 values, 32 for e4m3) reads
-            // 32 bytes of column block ks / 4 of the Q tile and of the K tile.
-            const int wg = warp >> 2;
-            const attn::u64 q_desc = attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + wg * 64 * 128), 16, 1024);
-            const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
-            attn::wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < Cfg::KSTEPS; ++ks) {
-                const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
-                const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
-                if (ks == 0)
-                    attn::WgmmaSS<128, T>::first(&acc[0][0], attn::wg_desc_add(q_desc, qo),
-                                                 attn::wg_desc_add(k_desc, ko));
-                else
-                    attn::WgmmaSS<128, T>::run(&acc[0][0], attn::wg_desc_add(q_desc, qo),
-                                               attn::wg_desc_add(k_desc, ko), 1);
-            }
-            attn::wg_commit();
-            attn::wg_wait<0>();
-            attn::wg_fence_regs<64>(&acc[0][0]);
+        for (int step = 0; step < STEPS; ++step) {
+            if (step + 1 < STEPS) ldmatrix_x4_at(bf[(step + 1) & 1], b_addr(step + 1));
+            const int kk = step / NP, np = step % NP;
+            mma_16x8x16<T>(acc[2 * np], qf[kk], bf[step & 1]);
+            mma_16x8x16<T>(acc[2 * np + 1], qf[kk], bf[step & 1] + 2);
         }
 
         // Row maxima; masks only on blocks where some row of the warp needs them.
@@ -1090,6 +1041,354 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
     }
     fill_neg_inf_from(t_end);
+}
+
+// ============================================================================
+// Block max score, warp-specialised wgmma pipeline (sm_90a)
+// ============================================================================
+//
+// The same output as msa_block_max_score_kernel, at GEMM speed on sm_90a. A CTA of three
+// warpgroups owns BM packed rows (same packing, grid and split as above):
+//   warpgroup 0, the producer (registers lowered by setmaxnreg): streams the CTA's K
+//     tiles (128 keys) into a ring of STAGES shared-memory stages. Warp w copies keys
+//     32 w .. 32 w + 31 of a tile: lane l looks up key 32 w + l (page table, bounds)
+//     and writes its validity flag, the warp then copies whole rows (CPR lanes per row,
+//     addresses by shuffle) with 16-byte cp.async into 128-byte-swizzled column blocks.
+//     Each thread arrives on the stage's `full` mbarrier twice: once when its copies land
+//     (cp.async.mbarrier.arrive.noinc) and once after its flag store (release).
+//   warpgroups 1 and 2, the consumers (registers raised): each holds WG_ROWS = 64 HALVES
+//     rows of Q in shared memory for the whole CTA. A unit is one 64-row half against one
+//     K tile: wgmma m64n128 (k16; e4m3 k32) chains reading Q and K by descriptor into one
+//     of two accumulator sets, so the row-max epilogue of a unit runs while the next
+//     unit's MMAs do (async wgmma, wait_group 1). After the last unit of a tile every
+//     consumer warp arrives on the stage's `empty` mbarrier, which the producer waits for
+//     before refilling it.
+// HALVES is 2 (BM 256: K is read once per 256 rows) when a key row is at most 256 bytes,
+// else 1 (BM 128, Q 64 KB). Masking, the stash of row maxima and the -inf fill are those
+// of msa_block_max_score_kernel. Built for sm_90a only.
+
+template <typename T, int D>
+struct MaxScoreWsTile {
+    static_assert(D % 64 == 0, "D must be a multiple of 64");
+    static constexpr int RB = D * (int)sizeof(T);      // bytes per row
+    static constexpr int SRB = (RB + 127) / 128 * 128;  // bytes per row in shared memory (whole column-block rows)
+    static constexpr int CPR = RB / 16;                 // 16-byte chunks per row
+    static_assert(CPR <= 32, "a warp copies a row per instruction at least");
+    static constexpr int EPC = 16 / (int)sizeof(T);     // values per chunk
+    static constexpr int KSTEPS = RB / 32;              // wgmma k-steps of 32 bytes
+    static constexpr int HALVES = SRB <= 256 ? 2 : 1;   // 64-row MMA units per consumer warpgroup
+    static constexpr int CONSUMERS = 2;                 // consumer warpgroups
+    static constexpr int WG_ROWS = 64 * HALVES;
+    static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // setmaxnreg (128 56 + 256 224 <= 64 K)
+    static constexpr int K_TILE_BYTES = kMsBlock * SRB;
+    static constexpr int Q_BYTES = BM * SRB;
+    static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
+    static constexpr int SMEM_LIMIT = 227 * 1024;       // opt-in shared memory per CTA (sm_90)
+    static constexpr int ALIGN_SLACK = 1024;            // tiles start on 1024-byte boundaries
+    static constexpr int PER_STAGE = K_TILE_BYTES + kMsBlock + 16;  // tile, key flags, two mbarriers
+    static constexpr int FIT = (SMEM_LIMIT - ALIGN_SLACK - Q_BYTES - STASH_BYTES) / PER_STAGE;
+    static constexpr int STAGES = FIT < 8 ? FIT : 8;
+    static_assert(STAGES >= 2, "two K stages at least");
+    static constexpr int Q_OFFSET = STAGES * K_TILE_BYTES;
+    static constexpr int STASH_OFFSET = Q_OFFSET + Q_BYTES;
+    static constexpr int KVALID_OFFSET = STASH_OFFSET + STASH_BYTES;   // [STAGES][128] key flags
+    static constexpr int BAR_OFFSET = KVALID_OFFSET + STAGES * kMsBlock;  // full[STAGES], empty[STAGES]
+    static constexpr int SMEM_BYTES = BAR_OFFSET + STAGES * 16 + ALIGN_SLACK;
+    static_assert(SMEM_BYTES <= SMEM_LIMIT, "shared memory");
+};
+
+#if defined(__CUDA_ARCH__)
+// mbarrier and register-reallocation primitives of the warp-specialised kernel (sm_90;
+// PTX ISA "mbarrier", "cp.async.mbarrier.arrive", "setmaxnreg"). Addresses are shared-space
+// bytes. (The CPU emulator, which compiles this file without __CUDA_ARCH__, supplies its own.)
+__device__ __forceinline__ void ms_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void ms_mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nMS_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra MS_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Arrive (release: this thread's earlier shared-memory writes are visible to the waiters).
+__device__ __forceinline__ void ms_mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrive once this thread's earlier cp.async copies have landed (counted in the init count).
+__device__ __forceinline__ void ms_cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void ms_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void ms_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void ms_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+// Barrier `id` (1..15) of the 128 threads of one warpgroup.
+__device__ __forceinline__ void ms_warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+#endif
+
+template <typename T, int D>
+__global__ void __launch_bounds__(MaxScoreWsTile<T, D>::THREADS, 1)
+msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
+    using Cfg = MaxScoreWsTile<T, D>;
+    constexpr int BM = Cfg::BM, CPR = Cfg::CPR, STAGES = Cfg::STAGES, EPC = Cfg::EPC;
+    constexpr int HALVES = Cfg::HALVES, WG_ROWS = Cfg::WG_ROWS;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    const u32 smem_base = smem_u32(smem);
+    float* stash = reinterpret_cast<float*>(smem + Cfg::STASH_OFFSET);  // [BM][kMsStash + 1]
+    unsigned char* kvalid = smem + Cfg::KVALID_OFFSET;                   // [STAGES][128]
+    const u32 full_bar = smem_base + (u32)Cfg::BAR_OFFSET;               // [STAGES] u64
+    const u32 empty_bar = full_bar + 8u * STAGES;                        // [STAGES] u64
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int b = blockIdx.x % batch;
+    const int m_tile = num_m_tiles - 1 - (int)(blockIdx.x / batch);  // longest causal tiles first
+    const int g = blockIdx.y;
+    const int t_begin = blockIdx.z * tiles_per_split;  // this CTA's output blocks [t_begin, t_stop)
+    if (t_begin >= nt) return;
+    const int t_stop = min(t_begin + tiles_per_split, nt);
+    const int r = num_heads_q / num_heads_kv;
+    const int qlen = max(qo_lens[b], 0);
+    const int p0 = m_tile * BM;
+    if ((long long)p0 >= (long long)qlen * r) return;
+    const int lk = max(kv_lens[b], 0);
+    const long long q0 = cu_seqlens_q[b];
+    const long long off = qo_offset[b];
+
+    auto row_valid = [&](int p, int& qi) {
+        qi = (p0 + p) / r;
+        return qi < qlen && q0 + qi >= 0 && q0 + qi < total_q;
+    };
+    auto row_limit = [&](int p) -> int {
+        int qi;
+        if (!row_valid(p, qi)) return 0x7fffffff;
+        if (!causal) return lk;
+        return (int)min((long long)lk, max(off + qi + 1, 0LL));
+    };
+    auto row_out = [&](int p) -> long long {  // output offset of packed row p (-1: not stored)
+        int qi;
+        return row_valid(p, qi) ? ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt : -1;
+    };
+    const int q_last = (int)min((long long)qlen - 1, ((long long)p0 + BM - 1) / r);
+    const long long lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
+    // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
+    const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
+    if (t_end <= t_begin) {  // nothing to compute: the CTA's rows are -inf over [t_begin, t_stop)
+        for (int p = warp; p < BM; p += Cfg::THREADS / 32) {
+            const long long o = row_out(p);
+            if (o >= 0)
+                for (int c = t_begin + lane; c < t_stop; c += 32) max_score[o + c] = neg_inf();
+        }
+        return;
+    }
+
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            ms_mbar_init(full_bar + 8u * s, 2 * 128);         // per producer thread: copies landed, flags stored
+            ms_mbar_init(empty_bar + 8u * s, 4 * Cfg::CONSUMERS);  // per consumer warp: done with the stage
+        }
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        // ---------------------------------------------------------------- producer
+        ms_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+        const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
+        const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
+        const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
+        const int slot_mask = (1 << page_shift) - 1;
+        // Element offset of key j (head g), -1 when the key is not admissible / not in memory.
+        auto key_offset = [&](int j) -> long long {
+            if (j >= lk) return -1;
+            if (kv_mode == 0) {
+                const long long row = dense_start + j;
+                return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
+            }
+            const int pi = j >> page_shift;
+            long long page;
+            if (kv_mode == 1) {
+                if (pi >= page_table_cols) return -1;
+                page = page_table[(long long)b * page_table_cols + pi];
+            } else {
+                const long long at = csr_lo + pi;
+                if (at < 0 || at >= csr_hi || at >= num_kv_indices) return -1;
+                page = kv_indices[at];
+            }
+            if (page < 0 || page >= k_extent) return -1;
+            return page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
+        };
+        constexpr int RPI = 32 / CPR;  // rows per warp-wide copy instruction
+        const int sub = lane / CPR, ch = lane % CPR;
+        const int own = 32 * warp + lane;  // the key this lane looks up
+        for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
+            const int stage = n % STAGES;
+            ms_mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
+            const long long o_own = key_offset(t * kMsBlock + own);
+            kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
+            const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
+#pragma unroll
+            for (int i = 0; i < 32 / RPI; ++i) {
+                const int rl = i * RPI + sub;
+                const long long o = __shfl_sync(kFullMask, o_own, rl);
+                cp_async_16_at(dst + (u32)attn::ColumnBlockTile<kMsBlock>::offset(32 * warp + rl, ch),
+                               o >= 0 ? kc + o + ch * EPC : kc, o >= 0);
+            }
+            ms_cp_async_arrive(full_bar + 8u * stage);
+            ms_mbar_arrive(full_bar + 8u * stage);
+        }
+        ms_cp_async_wait_all();
+        return;
+    }
+
+    // -------------------------------------------------------------------- consumers
+    ms_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    const int c = (warp >> 2) - 1;  // consumer warpgroup: rows c WG_ROWS .. + WG_ROWS
+    const int cw = warp & 3;        // warp in the warpgroup
+    {  // this warpgroup's Q rows
+        const int ctid = tid & 127;
+#pragma unroll
+        for (int i = 0; i < WG_ROWS * CPR / 128; ++i) {
+            const int cid = ctid + 128 * i;
+            const int p = c * WG_ROWS + cid / CPR, ch = cid % CPR;
+            int qi;
+            const bool ok = row_valid(p, qi);
+            const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head +
+                                    ch * EPC
+                              : q;
+            cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + attn::ColumnBlockTile<BM>::offset(p, ch)), src, ok);
+        }
+        ms_cp_async_wait_all();
+        attn::fence_proxy_async_smem();
+        ms_warpgroup_sync(1 + c);
+    }
+    // Accumulator rows of this thread in half h: row0(h) + lane / 4 (+ 8).
+    auto row0 = [&](int h) { return c * WG_ROWS + h * 64 + cw * 16; };
+    int lim[HALVES][2], lim_min[HALVES];
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+        lim[h][0] = row_limit(row0(h) + (lane >> 2));
+        lim[h][1] = row_limit(row0(h) + (lane >> 2) + 8);
+        lim_min[h] = min(lim[h][0], lim[h][1]);
+    }
+    // Lane l: output offset of the warp's row l % 16 of half l / 16 (the stash order).
+    const long long out_off = lane / 16 < HALVES ? row_out(row0(lane / 16) + (lane & 15)) : -1;
+
+    // Unit u: half u % HALVES of the CTA's tile n = u / HALVES, into accumulator set `acc`.
+    auto issue = [&](int u, int h, float* acc) {
+        const int n = u / HALVES, stage = n % STAGES;
+        if (h == 0) {
+            ms_mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
+            attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
+        }
+        const attn::u64 q_desc =
+            attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + (c * WG_ROWS + h * 64) * 128), 16, 1024);
+        const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
+        attn::wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < Cfg::KSTEPS; ++ks) {
+            const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
+            const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
+            if (ks == 0)
+                attn::WgmmaSS<128, T>::first(acc, attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko));
+            else
+                attn::WgmmaSS<128, T>::run(acc, attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko), 1);
+        }
+        attn::wg_commit();
+    };
+    // Row maxima of unit u (half h) from `acc` into the stash; after a tile's last half the
+    // stage goes back to the producer and full stash rows are stored.
+    auto epilogue = [&](int u, int h, const float* acc) {
+        const int n = u / HALVES, stage = n % STAGES, t = t_begin + n;
+        const int kbase = t * kMsBlock;
+        const unsigned char* kv = kvalid + stage * kMsBlock;
+        const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
+        const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
+        float mx[2] = {neg_inf(), neg_inf()};
+        if (!edge) {
+#pragma unroll
+            for (int n8 = 0; n8 < 16; ++n8) {
+                mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
+                mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
+            }
+        } else {
+#pragma unroll
+            for (int n8 = 0; n8 < 16; ++n8) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = n8 * 8 + 2 * (lane & 3) + e;
+                    const bool ok = kv[col] != 0;
+                    if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
+                    if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
+            mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
+        }
+        const int slot = n % kMsStash;
+        if ((lane & 3) == 0) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) stash[(row0(h) + (lane >> 2) + 8 * e) * (kMsStash + 1) + slot] = mx[e] * score_scale;
+        }
+        if (h == HALVES - 1) {
+            __syncwarp();
+            if (lane == 0) ms_mbar_arrive(empty_bar + 8u * stage);
+            if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's rows
+                const int t_first = t - slot;
+#pragma unroll
+                for (int rr = 0; rr < 16 * HALVES; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
+                    const int rw = rr + (lane >> 4), cc = lane & 15;
+                    const long long o = __shfl_sync(kFullMask, out_off, rw);
+                    if (o >= 0 && cc <= slot)
+                        max_score[o + t_first + cc] = stash[(row0(rw >> 4) + (rw & 15)) * (kMsStash + 1) + cc];
+                }
+                __syncwarp();
+            }
+        }
+    };
+
+    // Units u (acc0) and u + 1 (acc1) per iteration; at the loop head unit u is in flight.
+    const int units = (t_end - t_begin) * HALVES;
+    float acc0[64], acc1[64];
+    issue(0, 0, acc0);
+    int u = 0;
+    for (; u + 2 < units; u += 2) {
+        issue(u + 1, HALVES - 1, acc1);
+        attn::wg_wait<1>();
+        attn::wg_fence_regs<64>(acc0);
+        epilogue(u, 0, acc0);
+        issue(u + 2, 0, acc0);
+        attn::wg_wait<1>();
+        attn::wg_fence_regs<64>(acc1);
+        epilogue(u + 1, HALVES - 1, acc1);
+    }
+    if (u + 1 < units) {  // the last two units
+        issue(u + 1, HALVES - 1, acc1);
+        attn::wg_wait<1>();
+        attn::wg_fence_regs<64>(acc0);
+        epilogue(u, 0, acc0);
+        attn::wg_wait<0>();
+        attn::wg_fence_regs<64>(acc1);
+        epilogue(u + 1, HALVES - 1, acc1);
+    } else {  // the last unit (HALVES 1, an odd count)
+        attn::wg_wait<0>();
+        attn::wg_fence_regs<64>(acc0);
+        epilogue(u, 0, acc0);
+    }
+    // Blocks past the CTA's last admissible key.
+#pragma unroll
+    for (int rw = 0; rw < 16 * HALVES; ++rw) {
+        const long long o = __shfl_sync(kFullMask, out_off, rw);
+        if (o >= 0)
+            for (int cc = t_end + lane; cc < t_stop; cc += 32) max_score[o + cc] = neg_inf();
+    }
 }
 
 // ============================================================================

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .topk import TopkProblem
 
 __all__ = [
-    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig",
+    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "WS_CONFIG",
     "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
     "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
 ]
@@ -65,9 +65,11 @@ class MaxScoreConfig:
 
     ``mma``: ``"decode"`` (``msa_decode_max_score_kernel``: 4 independent warps per CTA,
     each streaming its own K blocks through a private cp.async ring; keys are the MMA's M,
-    ``8 * row_blocks`` packed rows its N, Q in registers), ``"mma_sync"`` (each warp holds
-    16 rows of Q in registers; three K stages) or ``"wgmma"`` (sm_90a warpgroup MMA, Q and
-    K from shared memory; two K stages, three for float8); the last two are ``msa_block_max_score_kernel``.
+    ``8 * row_blocks`` packed rows its N, Q in registers), ``"mma_sync"``
+    (``msa_block_max_score_kernel``: each warp holds 16 rows of Q in registers; three K
+    stages) or ``"wgmma"`` (``msa_max_score_ws_kernel``, sm_90a: a producer warpgroup
+    streaming K tiles through an mbarrier ring, two consumer warpgroups of wgmma with Q in
+    shared memory; 256 rows per CTA, 128 when a key row exceeds 256 bytes).
     ``num_warps``: warps per CTA. ``row_blocks`` (decode only): n-blocks of 8 packed rows.
     """
 
@@ -80,30 +82,47 @@ class MaxScoreConfig:
         return self.mma == "decode"
 
     def stages(self, d: int = 128, elem_bytes: int = 2) -> int:
-        """K stages: per warp (sub-tiles of 32 keys) for decode, per CTA (128 keys) otherwise."""
+        """K stages: per warp (sub-tiles of 32 keys) for decode, per CTA (128 keys) otherwise
+        (wgmma: as many as fit beside Q and the stash, at most 8; MaxScoreWsTile::STAGES)."""
         if self.decode:
             return 6 if d * elem_bytes <= 128 else 3   # DecodeTile::WS
         if self.mma == "wgmma":
-            return 3 if elem_bytes == 1 else 2      # MaxScoreTile::STAGES
+            row, bm = _srb(d, elem_bytes), self.rows_per_cta(d, elem_bytes)
+            free = _WS_SMEM_LIMIT - _WS_ALIGN - bm * (row + 4 * (_MS_STASH + 1))
+            return min(8, free // (BLOCK * row + BLOCK + 16))
         return 3
 
-    @property
-    def rows_per_cta(self) -> int:
-        return 8 * self.row_blocks if self.decode else 16 * self.num_warps
+    def rows_per_cta(self, d: int = 128, elem_bytes: int = 2) -> int:
+        """Packed rows per CTA (the wgmma kernel's depend on the key row's bytes)."""
+        if self.decode:
+            return 8 * self.row_blocks
+        if self.mma == "wgmma":   # MaxScoreWsTile::BM: two consumer warpgroups of 1 or 2 64-row halves
+            return 2 * 64 * (2 if _srb(d, elem_bytes) <= 256 else 1)
+        return 16 * self.num_warps
+
+
+_WS_SMEM_LIMIT = 227 * 1024   # MaxScoreWsTile::SMEM_LIMIT
+_WS_ALIGN = 1024              # MaxScoreWsTile::ALIGN_SLACK
+
+
+def _srb(d: int, elem_bytes: int) -> int:
+    """Bytes of a key row in the wgmma kernel's shared memory (whole 128-byte column-block rows)."""
+    return -(-d * elem_bytes // 128) * 128
 
 
 DECODE_CONFIGS = tuple(MaxScoreConfig("decode", 4, nb) for nb in (1, 2, 4))
-MAX_SCORE_CONFIGS = DECODE_CONFIGS + (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8),
-                                      MaxScoreConfig("wgmma", 8))
-DECODE_MAX_ROWS = 8 * DECODE_CONFIGS[-1].row_blocks   # packed rows the decode kernel takes (32)
+WS_CONFIG = MaxScoreConfig("wgmma", 12)   # msa_max_score_ws_kernel: 3 warpgroups
+MAX_SCORE_CONFIGS = DECODE_CONFIGS + (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8), WS_CONFIG)
+DECODE_MAX_ROWS = DECODE_CONFIGS[-1].rows_per_cta()   # packed rows the decode kernel takes (32)
 DECODE_SUB_KEYS = 32        # kDecSubKeys
-_MMA_CODE = {"mma_sync": 0, "wgmma": 1}   # enum MaxScoreMma
 
 
 def _max_score_name(dtype, d: int, cfg: MaxScoreConfig) -> str:
     if cfg.decode:
         return f"msa_decode_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.row_blocks}>"
-    return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.num_warps}, {_MMA_CODE[cfg.mma]}>"
+    if cfg.mma == "wgmma":
+        return f"msa_max_score_ws_kernel<{_CTYPE[dtype]}, {d}>"
+    return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.num_warps}>"
 
 
 MAX_SCORE_SPECS = {
@@ -115,14 +134,14 @@ MAX_SCORE_SPECS = {
 }
 # fp8 e4m3 q and k: the decode kernel (mma.sync k32, sm_89+) up to 16 rows for D 256 (32 rows
 # of D 256 spill on sm_90, where fp8 mma.sync runs as f16 MMAs on converted values), and more
-# rows on sm_90a only, by 8 warps of wgmma m64n128k32.
+# rows on sm_90a only, by the warp-specialised wgmma kernel (m64n128k32).
 MAX_SCORE_SPECS.update({
     (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), min_sm=89)
     for d in MAX_SCORE_HEAD_DIMS
     for cfg in DECODE_CONFIGS
     if d < 256 or cfg.row_blocks <= 2
 })
-FP8_PREFILL_CONFIG = MaxScoreConfig("wgmma", 8)   # the 16-bit prefill shape: 8 warps of wgmma
+FP8_PREFILL_CONFIG = WS_CONFIG   # the 16-bit prefill kernel
 MAX_SCORE_SPECS.update({
     (FP8_E4M3, d, FP8_PREFILL_CONFIG): register(SOURCE, _max_score_name(FP8_E4M3, d, FP8_PREFILL_CONFIG),
                                                 only_arch=SM90A)
@@ -130,7 +149,7 @@ MAX_SCORE_SPECS.update({
 })
 # Packed rows per request the fp8 decode kernel holds, per head dim (32; 16 at D 256); more
 # rows take the wgmma variant (compute capability 9.0).
-FP8_DECODE_MAX_ROWS = {d: max(cfg.rows_per_cta for (dt, dd, cfg) in MAX_SCORE_SPECS
+FP8_DECODE_MAX_ROWS = {d: max(cfg.rows_per_cta() for (dt, dd, cfg) in MAX_SCORE_SPECS
                               if dt == FP8_E4M3 and dd == d and cfg.decode) for d in MAX_SCORE_HEAD_DIMS}
 FP8_PREFILL_SM = 90   # the compute capability the fp8 prefill variant is built for (sm_90a)
 
@@ -141,16 +160,16 @@ def select_max_score_config(rows: int, compute_capability: int, *, fp8: bool = F
 
     Decode-shaped requests (``rows <= 32``: a few queries, memory bound on K) take the
     decode kernel with the fewest 8-row n-blocks holding them; up to 64 rows 4 warps of
-    mma.sync (64-row CTAs); above, 8 warps of wgmma on sm_90 (H200: 1.45 ms against 2.08 ms
-    for 8 warps of mma.sync at S8192 Hq64 Hkv8 D128), 8 warps of mma.sync elsewhere.
-    ``fp8`` (e4m3 q and k): the decode kernel up to ``FP8_DECODE_MAX_ROWS[head_dim]`` rows,
-    else 8 warps of wgmma (registered for sm_90a only: callers refuse other devices)."""
+    mma.sync (64-row CTAs); above, the warp-specialised wgmma kernel on sm_90, 8 warps of
+    mma.sync elsewhere. ``fp8`` (e4m3 q and k): the decode kernel up to
+    ``FP8_DECODE_MAX_ROWS[head_dim]`` rows, else the wgmma kernel (registered for sm_90a
+    only: callers refuse other devices)."""
     if fp8:
         if rows <= FP8_DECODE_MAX_ROWS[head_dim]:
-            return next(c for c in DECODE_CONFIGS if c.rows_per_cta >= rows)
+            return next(c for c in DECODE_CONFIGS if c.rows_per_cta() >= rows)
         return FP8_PREFILL_CONFIG
     if rows <= DECODE_MAX_ROWS:
-        return next(c for c in DECODE_CONFIGS if c.rows_per_cta >= rows)
+        return next(c for c in DECODE_CONFIGS if c.rows_per_cta() >= rows)
     if rows <= 64:
         return MAX_SCORE_CONFIGS[3]
     return MAX_SCORE_CONFIGS[5] if compute_capability == 90 else MAX_SCORE_CONFIGS[4]
@@ -162,21 +181,21 @@ def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) ->
         ws = config.stages(d, elem_bytes)
         return config.num_warps * ws * (DECODE_SUB_KEYS * d * elem_bytes + 4)
     stages = config.stages(d, elem_bytes)
-    bm = config.rows_per_cta
-    row = d * elem_bytes
-    if config.mma == "wgmma":   # whole 128-byte column-block rows
-        row = -(-row // 128) * 128
-    k_bytes = stages * BLOCK * row
+    bm = config.rows_per_cta(d, elem_bytes)
     stash = bm * (_MS_STASH + 1) * 4
-    end = k_bytes + (bm * row if config.mma == "wgmma" else 0) + stash
-    return end + stages * BLOCK + (1024 if config.mma == "wgmma" else 0)
+    if config.mma == "wgmma":   # K stages, Q, stash, key flags, mbarriers, alignment slack
+        row = _srb(d, elem_bytes)
+        return stages * BLOCK * row + bm * row + stash + stages * (BLOCK + 16) + _WS_ALIGN
+    return stages * BLOCK * d * elem_bytes + stash + stages * BLOCK
 
 
 def max_score_ctas_per_sm(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
     """CTAs per SM the launch bounds promise: two for D <= 128 (decode: keys of at most
-    256 bytes), else one."""
+    256 bytes), else one; the wgmma kernel one."""
     if config.decode:
         return 2 if d * elem_bytes <= 256 else 1
+    if config.mma == "wgmma":
+        return 1
     return 2 if d <= 128 else 1
 
 
@@ -299,12 +318,12 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
         return
     sm_count, cc = device_info(q.device)
     cfg = select_max_score_config(rows, cc, fp8=q.dtype == FP8_E4M3, head_dim=d) if config is None else config
-    if cfg.decode and rows > cfg.rows_per_cta:
-        raise ValueError(f"config {cfg} holds {cfg.rows_per_cta} packed rows, got max_seqlen_q * Hq / Hkv = {rows}")
+    if cfg.decode and rows > cfg.rows_per_cta():
+        raise ValueError(f"config {cfg} holds {cfg.rows_per_cta()} packed rows, got max_seqlen_q * Hq / Hkv = {rows}")
     if (q.dtype, d, cfg) not in MAX_SCORE_SPECS:
         raise ValueError(f"max score: no {dtype_name(q.dtype)} variant {cfg} for D {d} ({rows} packed rows per "
                          f"request; float8 runs the decode kernel up to max_seqlen_q * Hq / Hkv <= "
-                         f"{DECODE_MAX_ROWS} (16 for D 256), else 8 warps of wgmma)")
+                         f"{DECODE_MAX_ROWS} (16 for D 256), else the wgmma kernel)")
     kernel = get_kernel(MAX_SCORE_SPECS[(q.dtype, d, cfg)])
     smem = max_score_smem_bytes(d, cfg, q.dtype.itemsize)
     if cfg.decode:
@@ -313,7 +332,7 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
         splits, tiles_per_split = decode_splits(batch * hkv, nt, slots)
         grid = (batch * splits, hkv)
     else:
-        m_tiles = -(-rows // cfg.rows_per_cta)
+        m_tiles = -(-rows // cfg.rows_per_cta(d, q.dtype.itemsize))
         splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, sm_count)
         grid = (m_tiles * batch, hkv, splits)
     qs = q.strides

@@ -2,8 +2,11 @@
 #pragma once
 #include "emu_cuda.h"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 // wgmma (sm_90a) with both operands in shared memory, K-major, 128-byte swizzle: every
 // thread computes its own accumulator elements from the descriptors (no exchange needed).
@@ -53,8 +56,70 @@ inline void mma_16x8x32_e4m3(float* d, const u32* a, const u32* b) {
     });
 }
 
+// The warp-specialised max-score kernel's primitives (sm_90 mbarriers, warpgroup barriers,
+// setmaxnreg). An mbarrier's 8 bytes of shared memory hold its state: pending arrivals in
+// bits [0, 24), the arrival count per phase in [24, 48), the phase number from bit 48.
+// try_wait.parity(P) succeeds once the phase of parity P has completed (the current phase
+// has the other parity); a fresh barrier reports the phase before it completed.
+inline unsigned long long& mbar_word(u32 bar) {
+    if (bar % 8 || bar + 8 > emu::g_block->smem_bytes) { std::fprintf(stderr, "mbarrier address\n"); std::abort(); }
+    return *reinterpret_cast<unsigned long long*>(emu::dyn_smem() + bar);
+}
+inline void ms_mbar_init(u32 bar, u32 count) { mbar_word(bar) = (unsigned long long)count << 24 | count; }
+inline void ms_mbar_arrive(u32 bar) {
+    std::atomic_ref<unsigned long long> w(mbar_word(bar));
+    unsigned long long v = w.load(), n;
+    do {
+        const unsigned long long pending = v & 0xFFFFFFull, count = (v >> 24) & 0xFFFFFFull, phase = v >> 48;
+        if (pending == 0) { std::fprintf(stderr, "mbarrier: arrival past the count\n"); std::abort(); }
+        n = pending > 1 ? v - 1 : ((phase + 1) << 48 | count << 24 | count);
+    } while (!w.compare_exchange_weak(v, n));
+}
+inline void ms_mbar_wait(u32 bar, u32 parity) {
+    std::atomic_ref<unsigned long long> w(mbar_word(bar));
+    for (int spins = 0; ((w.load() >> 48) & 1u) == parity; ++spins)
+        if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(50)); else std::this_thread::yield();
+}
+// cp.async.mbarrier.arrive.noinc: this thread's copies land, then it arrives.
+inline void ms_cp_async_arrive(u32 bar) {
+    for (auto& p : emu::t_open) emu::do_copy(p);
+    emu::t_open.clear();
+    for (auto& g : emu::t_groups) for (auto& p : g) emu::do_copy(p);
+    emu::t_groups.clear();
+    ms_mbar_arrive(bar);
+}
+inline void ms_cp_async_wait_all() {
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+template <int N> inline void ms_setmaxnreg_dec() {}
+template <int N> inline void ms_setmaxnreg_inc() {}
+// bar.sync id, 128: one std::barrier per id, made afresh for each block.
+inline void ms_warpgroup_sync(int id) {
+    static std::mutex m;
+    static const emu::Block* owner = nullptr;
+    static std::unique_ptr<std::barrier<>> bars[16];
+    std::barrier<>* b;
+    {
+        std::lock_guard<std::mutex> lock(m);
+        if (owner != emu::g_block) {
+            for (auto& x : bars) x.reset();
+            owner = emu::g_block;
+        }
+        if (!bars[id]) bars[id] = std::make_unique<std::barrier<>>(128);
+        b = bars[id].get();
+    }
+    b->arrive_and_wait();
+}
+
 namespace attn {
 typedef unsigned long long u64;
+// Tile of ROWS rows in 128-byte-swizzled column blocks (as common/attention_wgmma.cuh).
+template <int ROWS>
+struct ColumnBlockTile {
+    static constexpr int kBlockBytes = ROWS * 128;
+    static int offset(int row, int c) { return (c >> 3) * kBlockBytes + row * 128 + (((c & 7) ^ (row & 7)) << 4); }
+};
 inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr >> 4) & 0x3FFFu) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
            ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
