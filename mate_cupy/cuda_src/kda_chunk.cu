@@ -221,17 +221,19 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
 
     // ---- P0: q, k copies (rows past the chunk end zero-filled)
     {
-        const long long qk_stride = (long long)H * kD;
+        // row offsets from the chunk's first row: unsigned 32-bit (63 * H * 128 < 2^31)
+        const unsigned qk_stride = (unsigned)H * kD;
         const int r0 = tid >> 4, c = (tid & 15) * 8;
-        const T* qh = q + (long long)h * kD + c;
-        const T* kh = k + (long long)h * kD + c;
+        const long long base = row0 * qk_stride + (long long)h * kD + c;
+        const T* qh = q + base;
+        const T* kh = k + base;
 #pragma unroll
         for (int i = 0; i < kC / 16; ++i) {
             const int r = r0 + 16 * i;
             const bool ok = r < L;
-            const long long row = row0 + (ok ? r : 0);
-            cp_async_16(sq + r * kPQ + c, qh + row * qk_stride, ok);
-            cp_async_16(sk + r * kPQ + c, kh + row * qk_stride, ok);
+            const unsigned off = (ok ? (unsigned)r : 0u) * qk_stride;
+            cp_async_16(sq + r * kPQ + c, qh + off, ok);
+            cp_async_16(sk + r * kPQ + c, kh + off, ok);
         }
         cp_async_commit();
     }
@@ -240,10 +242,13 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     const int gch = tid & (kD - 1), ghalf = tid >> 7;
     float gacc[32];
     {
+        // rows 32 ghalf + s, s < nrow: 32-bit offsets from one base (HV * 128 * 31 < 2^31),
+        // one multiply-add per address
         const int nrow = min(32, L - 32 * ghalf);
-        const T* gp = g + (row0 + 32 * ghalf) * vg_stride + (long long)hv * kD + gch;
+        const unsigned vgs = (unsigned)HV * kD;
+        const T* gp = g + (row0 + (nrow > 0 ? 32 * ghalf : 0)) * vg_stride + (long long)hv * kD + gch;
 #pragma unroll
-        for (int s = 0; s < 32; ++s) gacc[s] = s < nrow ? to_float(gp[s * vg_stride]) : 0.f;
+        for (int s = 0; s < 32; ++s) gacc[s] = s < nrow ? to_float(gp[(unsigned)s * vgs]) : 0.f;
         float dtb = 0.f, nea2 = 0.f;  // -exp(A_log) in log2 units
         if (has_gate) {
             dtb = dt_bias[(long long)hv * kD + gch];
@@ -525,7 +530,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
             const float* l = sL + (16 * Ib + r) * kSA + 16 * Ib;
             const float* yy = sY + J * 256 + cq;
             float o[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int x = 0; x <= r; ++x) {  // Lm_II is unit lower triangular
+#pragma unroll
+            for (int x = 0; x < 16; ++x) {  // Lm_II is unit lower triangular: x <= r
+                if (x > r) break;
                 const float lv = l[x];
                 const float4 yv = *reinterpret_cast<const float4*>(yy + x * 16);
                 o[0] = fmaf(lv, yv.x, o[0]);
