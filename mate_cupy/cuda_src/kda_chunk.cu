@@ -435,17 +435,18 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                 }
             }
         }
-        // Aqk * scale (j <= i) -> workspace; blocks right of the diagonal are zeros. Masked
-        // entries of the diagonal blocks are selected away (they may hold inf).
+        // Aqk * scale (j <= i) -> workspace, blocks J <= I (the blocks right of the diagonal
+        // are never read: not written). Masked entries of the diagonal blocks are selected
+        // away (they may hold inf).
 #pragma unroll
         for (int J = 0; J < 4; ++J) {
-            if (J == I && !diag_fast) continue;  // written by the element-wise pass
+            if (J > I || (J == I && !diag_fast)) continue;  // diagonal: maybe the element-wise pass
             const int j = 16 * J + 8 * nj + 2 * tq;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int i = hh ? i1 : i0;
-                const float v0 = J <= I && j <= i ? accq[J][2 * hh] * scale : 0.f;
-                const float v1 = J <= I && j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
+                const float v0 = j <= i ? accq[J][2 * hh] * scale : 0.f;
+                const float v1 = j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
                 *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(v0, v1);
             }
         }
@@ -557,22 +558,18 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
         __syncthreads();
     }
 
-    // ---- P6: T = Lm diag(b) (zero above the diagonal blocks)
+    // ---- P6: T = Lm diag(b), blocks on and below the diagonal (those above are never read:
+    // not written)
     {
         T* wT = reinterpret_cast<T*>(wslot + kWsT);
         for (int e = tid; e < kC * 8; e += kPrepThreads) {
             const int r = e >> 3, c = (e & 7) * 8;  // 8 columns of one 16x16 block
-            float f[8];
-            if ((c >> 4) <= (r >> 4)) {
-                const float4* l = reinterpret_cast<const float4*>(sL + r * kSA + c);
-                const float4* bb = reinterpret_cast<const float4*>(sb + c);
-                const float4 l0 = l[0], l1 = l[1], b0 = bb[0], b1 = bb[1];
-                f[0] = l0.x * b0.x; f[1] = l0.y * b0.y; f[2] = l0.z * b0.z; f[3] = l0.w * b0.w;
-                f[4] = l1.x * b1.x; f[5] = l1.y * b1.y; f[6] = l1.z * b1.z; f[7] = l1.w * b1.w;
-            } else {
-#pragma unroll
-                for (int x = 0; x < 8; ++x) f[x] = 0.f;
-            }
+            if ((c >> 4) > (r >> 4)) continue;
+            const float4* l = reinterpret_cast<const float4*>(sL + r * kSA + c);
+            const float4* bb = reinterpret_cast<const float4*>(sb + c);
+            const float4 l0 = l[0], l1 = l[1], b0 = bb[0], b1 = bb[1];
+            const float f[8] = {l0.x * b0.x, l0.y * b0.y, l0.z * b0.z, l0.w * b0.w,
+                                l1.x * b1.x, l1.y * b1.y, l1.z * b1.z, l1.w * b1.w};
             *reinterpret_cast<vec16*>(wT + r * kC + c) = pack8<T>(f);
         }
     }
