@@ -38,11 +38,19 @@ SLOT_PARTS = {"Qs": (0, (C, K), None), "Kt": (16384, (C, K), None), "Kb": (32768
               "T": (49152, (C, C), None), "Aqk": (57344, (C, C), None), "egl": (65536, (K,), F32)}
 
 
+# T and Aqk: the 16x16 blocks above the diagonal are never read, so never written.
+BLOCK_LOWER = np.kron(np.tril(np.ones((C // 16, C // 16), bool)), np.ones((16, 16), bool))
+
+
 def slot_part(blob, name, dtype):
-    """Part ``name`` of one workspace slot (``blob``: its SLOT_BYTES bytes, uint8, host)."""
+    """Part ``name`` of one workspace slot (``blob``: its SLOT_BYTES bytes, uint8, host);
+    for T and Aqk the written blocks, the others read as zeros (the model's values)."""
     off, shape, dt = SLOT_PARTS[name]
     dt = dtype if dt is None else dt
-    return blob[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+    part = blob[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+    if name in ("T", "Aqk"):
+        part = np.where(BLOCK_LOWER, part, np.zeros((), dt))
+    return part
 
 # Normalised error bounds, ~3x what the float32 model of the kernels measures against the
 # float64 recurrence (test_model_error_budget): bf16 ~3.3e-3, fp16 ~5e-4.

@@ -132,6 +132,29 @@ __device__ __forceinline__ bool locate_chunk(int slot, const void* cu_seqlens, i
     return true;
 }
 
+// Gate rows s < nrow of one channel (gp[s * vgs]) -> gacc: the inclusive cumsum over the
+// 32 rows of gk / unit (natural log units; see below), rows past the chunk end adding 0.
+// Returns the sum. With gate parameters gk = lower_bound * sigmoid(exp(A_log) (g + dt_bias))
+// and the cumsum is of the sigmoid alone (unit = lower_bound, applied with the log2
+// conversion in P1), formed with ex2 and rcp: an overflowing exponential gives 1 / inf = 0,
+// the limit; nea2 = -exp(A_log) log2(e), nb = nea2 dt_bias. Without, gk = g (unit 1).
+// kFull: all 32 rows valid (no masks).
+template <bool kFull, typename T>
+__device__ __forceinline__ float gate_cumsum(float (&gacc)[32], const T* __restrict__ gp, unsigned vgs, int nrow,
+                                             int has_gate, float nea2, float nb) {
+#pragma unroll
+    for (int s = 0; s < 32; ++s) gacc[s] = (kFull || s < nrow) ? to_float(gp[(unsigned)s * vgs]) : 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < 32; ++s) {
+        float gk = has_gate ? __fdividef(1.f, 1.f + fast_exp2(fmaf(nea2, gacc[s], nb))) : gacc[s];
+        if (!kFull) gk = s < nrow ? gk : 0.f;
+        acc += gk;
+        gacc[s] = acc;
+    }
+    return acc;
+}
+
 // Diagonal block B of the prepare kernel needs the element-wise pass: any of the four
 // warps covering its row half (warps 4 (B / 2) .. +3, flag B % 2 of each) saw a span above
 // the limit. The flags are written in P1 and read after its barrier.
@@ -221,44 +244,38 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
 
     // ---- P0: q, k copies (rows past the chunk end zero-filled)
     {
-        const long long qk_stride = (long long)H * kD;
+        // row offsets from the chunk's first row: unsigned 32-bit (63 * H * 128 < 2^31)
+        const unsigned qk_stride = (unsigned)H * kD;
         const int r0 = tid >> 4, c = (tid & 15) * 8;
-        const T* qh = q + (long long)h * kD + c;
-        const T* kh = k + (long long)h * kD + c;
+        const long long base = row0 * qk_stride + (long long)h * kD + c;
+        const T* qh = q + base;
+        const T* kh = k + base;
 #pragma unroll
         for (int i = 0; i < kC / 16; ++i) {
             const int r = r0 + 16 * i;
             const bool ok = r < L;
-            const long long row = row0 + (ok ? r : 0);
-            cp_async_16(sq + r * kPQ + c, qh + row * qk_stride, ok);
-            cp_async_16(sk + r * kPQ + c, kh + row * qk_stride, ok);
+            const unsigned off = (ok ? (unsigned)r : 0u) * qk_stride;
+            cp_async_16(sq + r * kPQ + c, qh + off, ok);
+            cp_async_16(sk + r * kPQ + c, kh + off, ok);
         }
         cp_async_commit();
     }
-    // Gate thread: channel gch, rows [32 ghalf, +32). gacc: the gate, then its inclusive
-    // cumsum over these rows (natural log units); rows past the chunk end add 0.
+    // Gate thread: channel gch, rows [32 ghalf, +32) (gate_cumsum).
     const int gch = tid & (kD - 1), ghalf = tid >> 7;
     float gacc[32];
     {
+        // rows 32 ghalf + s, s < nrow: 32-bit offsets from one base (HV * 128 * 31 < 2^31)
         const int nrow = min(32, L - 32 * ghalf);
-        const T* gp = g + (row0 + 32 * ghalf) * vg_stride + (long long)hv * kD + gch;
-#pragma unroll
-        for (int s = 0; s < 32; ++s) gacc[s] = s < nrow ? to_float(gp[s * vg_stride]) : 0.f;
-        float dtb = 0.f, nea2 = 0.f;  // -exp(A_log) in log2 units
+        const T* gp = g + (row0 + (nrow > 0 ? 32 * ghalf : 0)) * vg_stride + (long long)hv * kD + gch;
+        float nb = 0.f, nea2 = 0.f;  // -exp(A_log) and -exp(A_log) dt_bias in log2 units
         if (has_gate) {
-            dtb = dt_bias[(long long)hv * kD + gch];
             nea2 = -__expf(A_log[hv]) * kLog2e;
+            nb = nea2 * dt_bias[(long long)hv * kD + gch];
         }
-        float acc = 0.f;
-#pragma unroll
-        for (int s = 0; s < 32; ++s) {
-            // lower_bound * sigmoid(exp(A_log) (g + dt_bias)) via ex2 and rcp: an overflowing
-            // exponential gives lower_bound / inf = 0, the limit
-            float gk = has_gate ? __fdividef(lower_bound, 1.f + fast_exp2(nea2 * (gacc[s] + dtb))) : gacc[s];
-            gk = s < nrow ? gk : 0.f;
-            acc += gk;
-            gacc[s] = acc;
-        }
+        const unsigned vgs = (unsigned)HV * kD;
+        // full halves (every half but a sequence's last) skip the row masks
+        const float acc = nrow >= 32 ? gate_cumsum<true>(gacc, gp, vgs, 32, has_gate, nea2, nb)
+                                     : gate_cumsum<false>(gacc, gp, vgs, nrow, has_gate, nea2, nb);
         if (ghalf == 0) stot[gch] = acc;
     }
     if (tid < kC) {
@@ -271,10 +288,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
 
     // ---- P1: finish the cumsum (log2 units), spans of the diagonal blocks; q/k row scales
     {
-        const float off = ghalf ? stot[gch] : 0.f;
+        const float off = ghalf ? stot[gch] : 0.f, unit = has_gate ? lower_bound * kLog2e : kLog2e;
 #pragma unroll
         for (int s = 0; s < 32; ++s) {
-            gacc[s] = (gacc[s] + off) * kLog2e;
+            gacc[s] = (gacc[s] + off) * unit;
             sgc[(32 * ghalf + s) * kPG + gch] = gacc[s];
         }
 #pragma unroll
@@ -418,17 +435,18 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                 }
             }
         }
-        // Aqk * scale (j <= i) -> workspace; blocks right of the diagonal are zeros. Masked
-        // entries of the diagonal blocks are selected away (they may hold inf).
+        // Aqk * scale (j <= i) -> workspace, blocks J <= I (the blocks right of the diagonal
+        // are never read: not written). Masked entries of the diagonal blocks are selected
+        // away (they may hold inf).
 #pragma unroll
         for (int J = 0; J < 4; ++J) {
-            if (J == I && !diag_fast) continue;  // written by the element-wise pass
+            if (J > I || (J == I && !diag_fast)) continue;  // diagonal: maybe the element-wise pass
             const int j = 16 * J + 8 * nj + 2 * tq;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int i = hh ? i1 : i0;
-                const float v0 = J <= I && j <= i ? accq[J][2 * hh] * scale : 0.f;
-                const float v1 = J <= I && j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
+                const float v0 = j <= i ? accq[J][2 * hh] * scale : 0.f;
+                const float v1 = j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
                 *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(v0, v1);
             }
         }
@@ -525,7 +543,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
             const float* l = sL + (16 * Ib + r) * kSA + 16 * Ib;
             const float* yy = sY + J * 256 + cq;
             float o[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int x = 0; x <= r; ++x) {  // Lm_II is unit lower triangular
+#pragma unroll
+            for (int x = 0; x < 16; ++x) {  // Lm_II is unit lower triangular: x <= r
+                if (x > r) break;
                 const float lv = l[x];
                 const float4 yv = *reinterpret_cast<const float4*>(yy + x * 16);
                 o[0] = fmaf(lv, yv.x, o[0]);
@@ -538,17 +558,18 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
         __syncthreads();
     }
 
-    // ---- P6: T = Lm diag(b) (zero above the diagonal blocks)
+    // ---- P6: T = Lm diag(b), blocks on and below the diagonal (those above are never read:
+    // not written)
     {
         T* wT = reinterpret_cast<T*>(wslot + kWsT);
         for (int e = tid; e < kC * 8; e += kPrepThreads) {
-            const int r = e >> 3, c = (e & 7) * 8;
-            float f[8];
-#pragma unroll
-            for (int x = 0; x < 8; ++x) {
-                const int j = c + x;
-                f[x] = (j >> 4) <= (r >> 4) ? sL[r * kSA + j] * sb[j] : 0.f;
-            }
+            const int r = e >> 3, c = (e & 7) * 8;  // 8 columns of one 16x16 block
+            if ((c >> 4) > (r >> 4)) continue;
+            const float4* l = reinterpret_cast<const float4*>(sL + r * kSA + c);
+            const float4* bb = reinterpret_cast<const float4*>(sb + c);
+            const float4 l0 = l[0], l1 = l[1], b0 = bb[0], b1 = bb[1];
+            const float f[8] = {l0.x * b0.x, l0.y * b0.y, l0.z * b0.z, l0.w * b0.w,
+                                l1.x * b1.x, l1.y * b1.y, l1.z * b1.z, l1.w * b1.w};
             *reinterpret_cast<vec16*>(wT + r * kC + c) = pack8<T>(f);
         }
     }
@@ -610,7 +631,8 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
 
     // Per-thread copy pattern (fixed strides, fully unrolled: one cp.async instruction per
     // 16 bytes). Qs, Kt, Kb are 192 consecutive 256-byte rows in the slot and 192 rows of
-    // stride kS16 in the stage; T, Aqk 128 rows of 128 bytes (stride kS64); the V slice 64
+    // stride kS16 in the stage; T, Aqk 128 rows of 128 bytes (stride kS64), of which only the 10
+    // lower-triangular 16x16 blocks of each are copied (6 KB less per chunk); the V slice 64
     // rows of 2 * BV bytes, NT / (BV / 8) = 16 rows per pass.
     constexpr int kRowsA = NT / 16, kRowsB = NT / 8, kVPR = BV / 8;
     const int offA_ws = (tid >> 4) * 256 + (tid & 15) * 16, offA_sm = (tid >> 4) * (kS16 * 2) + (tid & 15) * 16;
@@ -628,10 +650,14 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
             for (int i = 0; i < 192 / kRowsA; ++i) cp_async_16(dst + i * kRowsA * (kS16 * 2), src + i * kRowsA * 256);
         }
         {
+            // only the blocks on and below the diagonal (the GEMMs read no others): piece
+            // column block (tid & 7) / 2 <= row block of the tile row
             const unsigned char* src = wslot + kWsT + offB_ws;
             unsigned char* dst = st + kRecT + offB_sm;
 #pragma unroll
-            for (int i = 0; i < 128 / kRowsB; ++i) cp_async_16(dst + i * kRowsB * (kS64 * 2), src + i * kRowsB * 128);
+            for (int i = 0; i < 128 / kRowsB; ++i)
+                if (((tid & 7) >> 1) <= ((((tid >> 3) + i * kRowsB) & (kC - 1)) >> 4))
+                    cp_async_16(dst + i * kRowsB * (kS64 * 2), src + i * kRowsB * 128);
         }
         if (tid < 32) cp_async_16(st + kRecEgl + tid * 16, wslot + kWsEgl + tid * 16);
         const long long row0 = bos + (long long)tc * kC;

@@ -45,9 +45,9 @@ template <> __device__ __forceinline__ float2 unpack2<half_t>(u32 x) {
     __half2 h = *reinterpret_cast<__half2*>(&x);
     return __half22float2(h);
 }
+// bfloat16 -> float is exact: the 16 bits become the high half (one shift or mask each).
 template <> __device__ __forceinline__ float2 unpack2<bf16_t>(u32 x) {
-    __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&x);
-    return __bfloat1622float2(h);
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
 }
 
 // Four 16-bit values in an 8-byte vector -> floats.
