@@ -138,18 +138,27 @@ struct DenseMainloopSm90 {
         int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count;
     };
     static_assert(sizeof(Item) <= 64, "item slot");
-    // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
-    // false when the row tile lies past the request.
+    // Item i of row_tiles x (batch x heads_splits) pairs (request, KV head and split): the
+    // pairs form sections of section_pairs (whose K/V the host sizes to stay in L2), taken
+    // one after the other; inside a section the row tiles run heaviest first (row tile
+    // index reversed), the section's pairs inner. False when the row tile lies past the
+    // request.
     static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
-                                                   int num_splits, const int* __restrict__ cu_seqlens_q,
+                                                   int section_pairs, int num_splits,
+                                                   const int* __restrict__ cu_seqlens_q,
                                                    const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
                                                    const int* __restrict__ qo_offset,
                                                    const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
                                                    int group, int causal, Item& it) {
-        const long long per_rt = (long long)batch * heads_splits;
-        const int rt = (int)(i / per_rt);
-        const long long rem = i - rt * per_rt;
-        const int b = (int)(rem / heads_splits), z = (int)(rem - (long long)b * heads_splits);
+        const long long pairs = (long long)batch * heads_splits;
+        const long long sec_items = (long long)row_tiles * section_pairs;
+        const long long sec = i / sec_items;
+        const long long j = i - sec * sec_items;
+        const long long p0 = sec * section_pairs;
+        const long long np = min((long long)section_pairs, pairs - p0);  // pairs of this section
+        const int rt = (int)(j / np);
+        const long long p = p0 + (j - rt * np);
+        const int b = (int)(p / heads_splits), z = (int)(p - (long long)b * heads_splits);
         it.kvh = z / num_splits;
         it.split = z - it.kvh * num_splits;
         it.row0 = (row_tiles - 1 - rt) * kM;
@@ -178,8 +187,8 @@ struct DenseMainloopSm90 {
         return true;
     }
 
-    // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
-    // gridDim.x items.
+    // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) (order:
+    // item_at) in waves of gridDim.x items.
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
     // of shared memory (8-byte aligned), the item slot at kItemOffset (its generic pointer).
     template <typename OutT>
@@ -191,10 +200,11 @@ struct DenseMainloopSm90 {
         long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_slot_stride,
         long long k_head_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
         int num_heads_q, int num_heads_kv, int group, int causal, int num_splits, int row_tiles, int batch,
-        float scale_log2, u32 sQ, u32 sKV, u32 bars, Item* slot) {
+        int section_pairs, float scale_log2, u32 sQ, u32 sKV, u32 bars, Item* slot) {
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
+        section_pairs = max(section_pairs, 1);
         const long long n_items = (long long)row_tiles * batch * heads_splits;
         // This CTA's item of wave w: waves alternate direction (CTA c takes item c of wave 0,
         // the c-th lightest of wave 1, ...), so the heaviest-first order balances the CTAs.
@@ -202,8 +212,9 @@ struct DenseMainloopSm90 {
         auto item = [&](long long w, Item& it) {
             const long long i =
                 w * gridDim.x + ((w & 1) ? (long long)gridDim.x - 1 - blockIdx.x : (long long)blockIdx.x);
-            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
-                           cu_seqlens_k, total_q, kv_extent, group, causal, it);
+            return i < n_items && item_at(i, row_tiles, batch, heads_splits, section_pairs, num_splits, cu_seqlens_q,
+                                          qo_lens, kv_lens, qo_offset, cu_seqlens_k, total_q, kv_extent, group,
+                                          causal, it);
         };
 
         // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty. Q full
