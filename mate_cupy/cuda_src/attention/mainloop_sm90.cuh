@@ -62,6 +62,7 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -248,6 +249,20 @@ struct DenseMainloopSm90 {
             for (long long w = 0; w * gridDim.x < n_items; ++w) {
                 Item it;
                 if (!item(w, it)) continue;
+                // Q rows to L2 while the consumers finish the previous item (one thread per
+                // 128-byte line).
+                auto q_row = [&](int P) {
+                    const int qi = P / group, h = P - qi * group;
+                    return q + (long long)(it.q_start + qi) * q_tok_stride +
+                           (long long)(it.kvh * group + h) * q_head_stride + c * 8;
+                };
+                if ((c & 7) == 0) {
+#pragma unroll 4
+                    for (int j = 0; j < kM / kStep; ++j) {
+                        const int P = it.row0 + r0 + j * kStep;
+                        if (P < it.rows_total) prefetch_l2(q_row(P));
+                    }
+                }
                 // Q: the item's 128 packed rows (zero past the request), once the consumers'
                 // last Q K^T of the previous item has completed; the item's geometry with it.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
@@ -256,13 +271,7 @@ struct DenseMainloopSm90 {
                 for (int j = 0; j < kM / kStep; ++j) {
                     const int P = it.row0 + r0 + j * kStep;
                     const bool ok = P < it.rows_total;
-                    const Elem* src = q;
-                    if (ok) {
-                        const int qi = P / group, h = P - qi * group;
-                        src = q + (long long)(it.q_start + qi) * q_tok_stride +
-                              (long long)(it.kvh * group + h) * q_head_stride + c * 8;
-                    }
-                    cp_async_16_u32(q_off + j * kStep * 128, src, ok);
+                    cp_async_16_u32(q_off + j * kStep * 128, ok ? q_row(P) : q, ok);
                 }
                 cp_async_mbar_arrive_noinc(q_full);
                 if (tid == 0) mbar_arrive(q_full);
