@@ -182,8 +182,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     WsMainloop::run(q, k, v, out, lse, ws_o, ws_lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k,
                     q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, k_slot_stride, k_head_stride,
                     v_slot_stride, v_head_stride, total_q, kv_extent, num_heads_q, num_heads_kv, group, causal,
-                    num_splits, row_tiles, batch, section_pairs, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags),
-                    reinterpret_cast<WsMainloop::Item*>(sFlags + WsMainloop::kItemOffset));
+                    num_splits, row_tiles, batch, section_pairs, scale_log2, smem_u32(sQ), smem_u32(sR),
+                    smem_u32(sFlags), reinterpret_cast<WsMainloop::Item*>(sFlags + WsMainloop::kItemOffset));
 }
 #else
     int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);

@@ -511,10 +511,12 @@ struct DenseMainloopSm90 {
                         *reinterpret_cast<float2*>(dst + 8 * d) =
                             make_float2(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
                 } else {
-                    OutT* dst = out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 2 * t4;
+                    OutT* dst =
+                        out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 2 * t4;
 #pragma unroll
                     for (int d = 0; d < kDT; ++d)
-                        *reinterpret_cast<u32*>(dst + 8 * d) = pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
+                        *reinterpret_cast<u32*>(dst + 8 * d) =
+                            pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
                 }
             }
         }
