@@ -207,8 +207,8 @@ struct DenseMainloopSm90 {
         const int heads_splits = num_heads_kv * num_splits;
         section_pairs = max(section_pairs, 1);
         const long long n_items = (long long)row_tiles * batch * heads_splits;
-        // This CTA's item of wave w: waves alternate direction (CTA c takes item c of wave 0,
-        // the c-th lightest of wave 1, ...), so the heaviest-first order balances the CTAs.
+        // This CTA's item of wave w: waves alternate direction (CTA c takes item c of even
+        // waves, the c-th from the end of odd ones), so the heaviest-first order balances.
         // False when there is none (past the last item, or past its request's rows).
         auto item = [&](long long w, Item& it) {
             const long long i =
