@@ -1224,11 +1224,11 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         };
         constexpr int RPI = 32 / CPR;  // rows per warp-wide copy instruction
         const int sub = lane / CPR, ch = lane % CPR;
-        const int own = 32 * warp + lane;  // the key this lane looks up
+        const int own = 32 * warp + lane;  // the key this lane looks up (one tile ahead of the copies)
+        long long o_own = key_offset(t_begin * kMsBlock + own);
         for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
             const int stage = n % STAGES;
             ms_mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
-            const long long o_own = key_offset(t * kMsBlock + own);
             kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
             const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
 #pragma unroll
@@ -1240,6 +1240,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             }
             ms_cp_async_arrive(full_bar + 8u * stage);
             ms_mbar_arrive(full_bar + 8u * stage);
+            if (t + 1 < t_end) o_own = key_offset((t + 1) * kMsBlock + own);
         }
         ms_cp_async_wait_all();
         return;
