@@ -1301,35 +1301,49 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
         attn::wg_commit();
     };
+    // Whether unit u (half h) needs masking: some row of the warp is limited inside the tile,
+    // or the tile has inadmissible keys. Computed before the unit's wait (it reads only the
+    // key flags), so the epilogue's latency after the wait is the reduction alone.
+    auto needs_mask = [&](int u, int h) -> bool {
+        const int n = u / HALVES;
+        const u32 flags = reinterpret_cast<const u32*>(kvalid + (n % STAGES) * kMsBlock)[lane];
+        const bool holes = !__all_sync(kFullMask, flags == 0x01010101u);
+        return __any_sync(kFullMask, (t_begin + n) * kMsBlock + kMsBlock > lim_min[h]) || holes;
+    };
     // Row maxima of unit u (half h) from `acc` into the stash; after a tile's last half the
     // stage goes back to the producer and full stash rows are stored.
-    auto epilogue = [&](int u, int h, const float* acc) {
+    auto epilogue = [&](int u, int h, float* acc, bool edge) {
         const int n = u / HALVES, stage = n % STAGES, t = t_begin + n;
-        const int kbase = t * kMsBlock;
-        const unsigned char* kv = kvalid + stage * kMsBlock;
-        const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
-        const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
-        float mx[2] = {neg_inf(), neg_inf()};
-        if (!edge) {
-#pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) {
-                mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
-                mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
-            }
-        } else {
+        if (edge) {  // inadmissible scores -> -inf
+            const int kbase = t * kMsBlock;
+            const unsigned char* kv = kvalid + stage * kMsBlock;
 #pragma unroll
             for (int n8 = 0; n8 < 16; ++n8) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int col = n8 * 8 + 2 * (lane & 3) + e;
                     const bool ok = kv[col] != 0;
-                    if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
-                    if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
+                    if (!(ok && kbase + col < lim[h][0])) acc[4 * n8 + e] = neg_inf();
+                    if (!(ok && kbase + col < lim[h][1])) acc[4 * n8 + 2 + e] = neg_inf();
                 }
             }
         }
+        // Each row's max as four independent chains, then a tree (short dependency chains).
+        float m[2][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            m[0][i] = fmaxf(acc[4 * i], acc[4 * i + 1]);
+            m[1][i] = fmaxf(acc[4 * i + 2], acc[4 * i + 3]);
+        }
+#pragma unroll
+        for (int n8 = 4; n8 < 16; ++n8) {
+            m[0][n8 & 3] = fmaxf(m[0][n8 & 3], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
+            m[1][n8 & 3] = fmaxf(m[1][n8 & 3], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
+        }
+        float mx[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
+            mx[e] = fmaxf(fmaxf(m[e][0], m[e][1]), fmaxf(m[e][2], m[e][3]));
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
         }
@@ -1362,26 +1376,30 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     int u = 0;
     for (; u + 2 < units; u += 2) {
         issue(u + 1, HALVES - 1, acc1);
+        const bool edge0 = needs_mask(u, 0);
         attn::wg_wait<1>();
         attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0);
+        epilogue(u, 0, acc0, edge0);
         issue(u + 2, 0, acc0);
+        const bool edge1 = needs_mask(u + 1, HALVES - 1);
         attn::wg_wait<1>();
         attn::wg_fence_regs<64>(acc1);
-        epilogue(u + 1, HALVES - 1, acc1);
+        epilogue(u + 1, HALVES - 1, acc1, edge1);
     }
     if (u + 1 < units) {  // the last two units
         issue(u + 1, HALVES - 1, acc1);
+        const bool edge0 = needs_mask(u, 0), edge1 = needs_mask(u + 1, HALVES - 1);
         attn::wg_wait<1>();
         attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0);
+        epilogue(u, 0, acc0, edge0);
         attn::wg_wait<0>();
         attn::wg_fence_regs<64>(acc1);
-        epilogue(u + 1, HALVES - 1, acc1);
+        epilogue(u + 1, HALVES - 1, acc1, edge1);
     } else {  // the last unit (HALVES 1, an odd count)
+        const bool edge0 = needs_mask(u, 0);
         attn::wg_wait<0>();
         attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0);
+        epilogue(u, 0, acc0, edge0);
     }
     // Blocks past the CTA's last admissible key.
 #pragma unroll
