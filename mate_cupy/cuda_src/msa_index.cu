@@ -1048,7 +1048,8 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 // ============================================================================
 //
 // The same output as msa_block_max_score_kernel, at GEMM speed on sm_90a. A CTA of three
-// warpgroups owns BM packed rows (same packing, grid and split as above):
+// warpgroups owns BM packed rows (same packing and key-range split as above; the grid
+// orders all row tiles longest first):
 //   warpgroup 0, the producer (registers lowered by setmaxnreg): streams the CTA's K
 //     tiles (128 keys) into a ring of STAGES shared-memory stages. Warp w copies keys
 //     32 w .. 32 w + 31 of a tile: lane l looks up key 32 w + l (page table, bounds)
@@ -1146,9 +1147,12 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     const u32 empty_bar = full_bar + 8u * STAGES;                        // [STAGES] u64
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Grid (num_m_tiles * Hkv * batch, 1, splits): x = (m * Hkv + g) * batch + b, row tile
+    // num_m_tiles - 1 - m, so the longest causal tiles of every head and request come first.
     const int b = blockIdx.x % batch;
-    const int m_tile = num_m_tiles - 1 - (int)(blockIdx.x / batch);  // longest causal tiles first
-    const int g = blockIdx.y;
+    const int mg = (int)(blockIdx.x / batch);
+    const int g = mg % num_heads_kv;
+    const int m_tile = num_m_tiles - 1 - mg / num_heads_kv;
     const int t_begin = blockIdx.z * tiles_per_split;  // this CTA's output blocks [t_begin, t_stop)
     if (t_begin >= nt) return;
     const int t_stop = min(t_begin + tiles_per_split, nt);
