@@ -98,7 +98,7 @@ def test_every_registered_variant_compiles(arch):
 def _is_wgmma(spec) -> bool:
     d = dict(spec.defines)
     return (d.get("ATT_WGMMA") == "1" or spec.source == "attention_gather.cu"
-            or any(k.startswith("msa_block_max_score_kernel") and k.endswith(", 1>") for k in spec.kernels))
+            or any(k.startswith("msa_max_score_ws_kernel") for k in spec.kernels))
 
 
 def test_hopper_only_variants_build_for_sm90a_alone():
