@@ -341,9 +341,7 @@ def test_run_max_score_packs_its_launch(monkeypatch, paged, cc):
     assert kern == il.MAX_SCORE_SPECS[(BF16, d, cfg)].kernels[0] and stream == 1234
     assert cfg.rows_per_cta(d) == (256 if cc == 90 else 128)
     m_tiles = -(-400 // cfg.rows_per_cta(d))
-    splits = il.max_score_splits(m_tiles * 2 * hkv, 6, 132)[0]
-    # wgmma: one longest-first order over (row tile, KV head, request) in x
-    assert grid == ((m_tiles * hkv * 2, 1, splits) if cc == 90 else (m_tiles * 2, hkv, splits))
+    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2 * hkv, 6, 132)[0])
     assert block == (32 * cfg.num_warps,) and smem == il.max_score_smem_bytes(d, cfg)
     params.pack(values)  # every value fits its kind
     v = dict(zip(params.names, values))
@@ -379,7 +377,7 @@ def test_run_max_score_packs_fp8_prefill_launch(monkeypatch, d):
     cfg = il.FP8_PREFILL_CONFIG
     assert kern == f"msa_max_score_ws_kernel<fp8_t, {d}>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
     m_tiles = -(-300 * 4 // 256)
-    assert grid == (m_tiles * hkv * 2, 1, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (384,)
+    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (384,)
     row, stages = max(d, 128), cfg.stages(d, 1)
     assert smem == il.max_score_smem_bytes(d, cfg, 1) == (stages * 128 * row + 256 * row + 256 * 17 * 4
                                                           + stages * 144 + 1024)

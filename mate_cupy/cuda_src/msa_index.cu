@@ -1048,8 +1048,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 // ============================================================================
 //
 // The same output as msa_block_max_score_kernel, at GEMM speed on sm_90a. A CTA of three
-// warpgroups owns BM packed rows (same packing and key-range split as above; the grid
-// orders all row tiles longest first):
+// warpgroups owns BM packed rows (same packing, grid and split as above):
 //   warpgroup 0, the producer (registers lowered by setmaxnreg): streams the CTA's K
 //     tiles (128 keys) into a ring of STAGES shared-memory stages. Warp w copies keys
 //     32 w .. 32 w + 31 of a tile: lane l looks up key 32 w + l (page table, bounds)
@@ -1147,12 +1146,9 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     const u32 empty_bar = full_bar + 8u * STAGES;                        // [STAGES] u64
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Grid (num_m_tiles * Hkv * batch, 1, splits): x = (m * Hkv + g) * batch + b, row tile
-    // num_m_tiles - 1 - m, so the longest causal tiles of every head and request come first.
     const int b = blockIdx.x % batch;
-    const int mg = (int)(blockIdx.x / batch);
-    const int g = mg % num_heads_kv;
-    const int m_tile = num_m_tiles - 1 - mg / num_heads_kv;
+    const int m_tile = num_m_tiles - 1 - (int)(blockIdx.x / batch);  // longest causal tiles first
+    const int g = blockIdx.y;
     const int t_begin = blockIdx.z * tiles_per_split;  // this CTA's output blocks [t_begin, t_stop)
     if (t_begin >= nt) return;
     const int t_stop = min(t_begin + tiles_per_split, nt);
@@ -1228,11 +1224,11 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         };
         constexpr int RPI = 32 / CPR;  // rows per warp-wide copy instruction
         const int sub = lane / CPR, ch = lane % CPR;
-        const int own = 32 * warp + lane;  // the key this lane looks up (one tile ahead of the copies)
-        long long o_own = key_offset(t_begin * kMsBlock + own);
+        const int own = 32 * warp + lane;  // the key this lane looks up
         for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
             const int stage = n % STAGES;
             ms_mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
+            const long long o_own = key_offset(t * kMsBlock + own);
             kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
             const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
 #pragma unroll
@@ -1244,7 +1240,6 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             }
             ms_cp_async_arrive(full_bar + 8u * stage);
             ms_mbar_arrive(full_bar + 8u * stage);
-            if (t + 1 < t_end) o_own = key_offset((t + 1) * kMsBlock + own);
         }
         ms_cp_async_wait_all();
         return;
@@ -1305,49 +1300,35 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
         attn::wg_commit();
     };
-    // Whether unit u (half h) needs masking: some row of the warp is limited inside the tile,
-    // or the tile has inadmissible keys. Computed before the unit's wait (it reads only the
-    // key flags), so the epilogue's latency after the wait is the reduction alone.
-    auto needs_mask = [&](int u, int h) -> bool {
-        const int n = u / HALVES;
-        const u32 flags = reinterpret_cast<const u32*>(kvalid + (n % STAGES) * kMsBlock)[lane];
-        const bool holes = !__all_sync(kFullMask, flags == 0x01010101u);
-        return __any_sync(kFullMask, (t_begin + n) * kMsBlock + kMsBlock > lim_min[h]) || holes;
-    };
     // Row maxima of unit u (half h) from `acc` into the stash; after a tile's last half the
     // stage goes back to the producer and full stash rows are stored.
-    auto epilogue = [&](int u, int h, float* acc, bool edge) {
+    auto epilogue = [&](int u, int h, const float* acc) {
         const int n = u / HALVES, stage = n % STAGES, t = t_begin + n;
-        if (edge) {  // inadmissible scores -> -inf
-            const int kbase = t * kMsBlock;
-            const unsigned char* kv = kvalid + stage * kMsBlock;
+        const int kbase = t * kMsBlock;
+        const unsigned char* kv = kvalid + stage * kMsBlock;
+        const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
+        const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
+        float mx[2] = {neg_inf(), neg_inf()};
+        if (!edge) {
+#pragma unroll
+            for (int n8 = 0; n8 < 16; ++n8) {
+                mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
+                mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
+            }
+        } else {
 #pragma unroll
             for (int n8 = 0; n8 < 16; ++n8) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int col = n8 * 8 + 2 * (lane & 3) + e;
                     const bool ok = kv[col] != 0;
-                    if (!(ok && kbase + col < lim[h][0])) acc[4 * n8 + e] = neg_inf();
-                    if (!(ok && kbase + col < lim[h][1])) acc[4 * n8 + 2 + e] = neg_inf();
+                    if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
+                    if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
                 }
             }
         }
-        // Each row's max as four independent chains, then a tree (short dependency chains).
-        float m[2][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            m[0][i] = fmaxf(acc[4 * i], acc[4 * i + 1]);
-            m[1][i] = fmaxf(acc[4 * i + 2], acc[4 * i + 3]);
-        }
-#pragma unroll
-        for (int n8 = 4; n8 < 16; ++n8) {
-            m[0][n8 & 3] = fmaxf(m[0][n8 & 3], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
-            m[1][n8 & 3] = fmaxf(m[1][n8 & 3], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
-        }
-        float mx[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            mx[e] = fmaxf(fmaxf(m[e][0], m[e][1]), fmaxf(m[e][2], m[e][3]));
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
         }
@@ -1380,30 +1361,26 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     int u = 0;
     for (; u + 2 < units; u += 2) {
         issue(u + 1, HALVES - 1, acc1);
-        const bool edge0 = needs_mask(u, 0);
         attn::wg_wait<1>();
         attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0, edge0);
+        epilogue(u, 0, acc0);
         issue(u + 2, 0, acc0);
-        const bool edge1 = needs_mask(u + 1, HALVES - 1);
         attn::wg_wait<1>();
         attn::wg_fence_regs<64>(acc1);
-        epilogue(u + 1, HALVES - 1, acc1, edge1);
+        epilogue(u + 1, HALVES - 1, acc1);
     }
     if (u + 1 < units) {  // the last two units
         issue(u + 1, HALVES - 1, acc1);
-        const bool edge0 = needs_mask(u, 0), edge1 = needs_mask(u + 1, HALVES - 1);
         attn::wg_wait<1>();
         attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0, edge0);
+        epilogue(u, 0, acc0);
         attn::wg_wait<0>();
         attn::wg_fence_regs<64>(acc1);
-        epilogue(u + 1, HALVES - 1, acc1, edge1);
+        epilogue(u + 1, HALVES - 1, acc1);
     } else {  // the last unit (HALVES 1, an odd count)
-        const bool edge0 = needs_mask(u, 0);
         attn::wg_wait<0>();
         attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0, edge0);
+        epilogue(u, 0, acc0);
     }
     // Blocks past the CTA's last admissible key.
 #pragma unroll

@@ -334,13 +334,7 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
     else:
         m_tiles = -(-rows // cfg.rows_per_cta(d, q.dtype.itemsize))
         splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, sm_count)
-        if cfg.mma == "wgmma":   # one longest-first order over (row tile, KV head, request)
-            if m_tiles * hkv * batch >= 2 ** 31:
-                raise ValueError(f"max score: {m_tiles} row tiles x Hkv {hkv} x {batch} requests exceed the grid "
-                                 f"(2**31 - 1 CTAs)")
-            grid = (m_tiles * hkv * batch, 1, splits)
-        else:
-            grid = (m_tiles * batch, hkv, splits)
+        grid = (m_tiles * batch, hkv, splits)
     qs = q.strides
     launch(kernel, grid, (32 * cfg.num_warps,), MAX_SCORE_PARAMS,
            (q, k, max_score, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k, page_table, kv_indices,

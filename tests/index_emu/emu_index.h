@@ -3,6 +3,7 @@
 #include "emu_cuda.h"
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -73,11 +74,11 @@ inline void ms_mbar_arrive(u32 bar) {
         if (pending == 0) { std::fprintf(stderr, "mbarrier: arrival past the count\n"); std::abort(); }
         n = pending > 1 ? v - 1 : ((phase + 1) << 48 | count << 24 | count);
     } while (!w.compare_exchange_weak(v, n));
-    if (n >> 48 != v >> 48) w.notify_all();  // a phase completed
 }
 inline void ms_mbar_wait(u32 bar, u32 parity) {
     std::atomic_ref<unsigned long long> w(mbar_word(bar));
-    for (unsigned long long v = w.load(); ((v >> 48) & 1u) == parity; v = w.load()) w.wait(v);
+    for (int spins = 0; ((w.load() >> 48) & 1u) == parity; ++spins)
+        if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(50)); else std::this_thread::yield();
 }
 // cp.async.mbarrier.arrive.noinc: this thread's copies land, then it arrives.
 inline void ms_cp_async_arrive(u32 bar) {
