@@ -11,7 +11,6 @@ replays it with new runtime lengths.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from pathlib import Path
@@ -116,10 +115,6 @@ def test_select_config_choices():
     assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "ws2n128s3"
     g = _config()
     assert g.threads == 384 and g.grid == (132, 1, 1) and g.row_tiles == 8192 * 8 // 128 and g.splits == 1
-    # the persistent tile walks its (request, KV head) pairs in sections whose K/V fit in L2
-    assert g.section_pairs == 8  # 4 MiB of K/V per KV head: all 8 heads
-    assert _config(num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768).section_pairs == 2
-    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384).section_pairs == 64
     # paged prefill keeps the cp.async tiles
     paged = dict(kv_mode=al.KV_PAGED, page_size=64)
     assert _config(**paged).tile == "wg2n128s3r"
@@ -421,12 +416,11 @@ def _el(a) -> tuple:
 
 def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=None, sm_scale=None,
          k_scale=1.0, v_scale=1.0, splits=-1, sparse_decode=False, table=None, with_lse=True, q=None, out=None,
-         tile=None, gather=False, section_pairs=None):
+         tile=None, gather=False):
     """Configure and launch the problem's attention pass; returns (out, lse) as device arrays.
 
     ``tile`` names a query tile (``tile_config``); by default ``select_config`` chooses, with
-    ``gather`` the plan option of that name. ``section_pairs`` overrides the persistent
-    tile's work sections.
+    ``gather`` the plan option of that name.
     """
     import cupy
 
@@ -468,8 +462,6 @@ def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=No
         0 if sel is None else sel.shape[2], causal, sparse_decode, splits, gather)
     sm, cc = device_info()
     config = al.select_config(problem, sm, cc) if tile is None else al.tile_config(problem, tile, sm)
-    if section_pairs is not None:
-        config = dataclasses.replace(config, section_pairs=section_pairs)
     ws = cupy.empty(max(1, config.workspace_bytes), dtype=np.uint8)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
 
@@ -763,15 +755,6 @@ def test_ws_tile_lengths_and_groups(rng, dtype, group, d, causal):
     p = make_problem(rng, WS_QO, WS_KV, 2 * group, 2, d, dtype=dtype)
     out, lse = _run(p, causal=causal, tile=al.WS_TILE)
     _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{al.WS_TILE} d{d} group {group}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("section_pairs,splits", [(1, 1), (5, 1), (12, 1), (7, 2)])
-def test_ws_tile_work_sections(rng, section_pairs, splits):
-    # 3 requests x 4 KV heads (x splits) walked in sections of that many pairs
-    p = make_problem(rng, [300, 0, 517], [300, 40, 900], 32, 4, 128)
-    out, lse = _run(p, tile=al.WS_TILE, splits=splits, section_pairs=section_pairs)
-    _check(out, lse, _dense_ref(p), BF16, f"{al.WS_TILE} sections of {section_pairs}")
 
 
 @pytest.mark.gpu

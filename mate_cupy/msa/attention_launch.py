@@ -55,9 +55,6 @@ MAX_GRID_YZ = 65535
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_80 / sm_90
 SMEM_PER_SM = 228 * 1024
 WG_PAD = 1024  # extra shared bytes of a wgmma tile: the kernel aligns its tiles to 1024 bytes
-# K/V bytes of the (request, KV head, split) pairs a persistent tile works on at a time, so
-# that they stay in L2 (FlashAttention-3's figure for Hopper's 50 MB L2).
-WS_SECTION_KV_BYTES = 32 << 20
 GATHER = "gather"
 # Paged prefill with the rotated tile: causal, D 128, group <= 8, max_seqlen_q >= 4096.
 ROTATED_MIN_SEQLEN_Q = 4096
@@ -189,7 +186,7 @@ FWD_PARAMS = KernelParams((
     ("total_q", "i32"), ("kv_extent", "i32"), ("num_heads_q", "i32"), ("num_heads_kv", "i32"), ("group", "i32"),
     ("causal", "i32"), ("page_size_log2", "i32"), ("page_list_len", "i32"), ("list_width", "i32"),
     ("nq_cap", "i32"), ("qmask_words", "i32"), ("num_splits", "i32"), ("row_tiles", "i32"), ("batch", "i32"),
-    ("section_pairs", "i32"), ("scale_log2", "f32"), ("out_scale", "f32"),
+    ("scale_log2", "f32"), ("out_scale", "f32"),
 ))
 MERGE_PARAMS = KernelParams((
     ("ws_o", "ptr"), ("ws_lse", "ptr"), ("out", "ptr"), ("lse", "ptr"), ("cu_seqlens_q", "ptr"),
@@ -243,7 +240,7 @@ class AttentionConfig:
     ``workspace_bytes`` is the scratch the launch takes (split-KV partials or the gather
     tile's lists and partials). ``row_tiles``: the query row tiles per (request, KV head); a
     persistent tile's ``grid`` is ``(CTAs, 1, 1)`` over ``row_tiles x batch x (Hkv * splits)``
-    work items, walked in sections of ``section_pairs`` (request, KV head, split) pairs.
+    work items.
     """
 
     tile: str
@@ -259,7 +256,6 @@ class AttentionConfig:
     page_size_log2: int = -1
     merge_grid: tuple = (0, 0)
     row_tiles: int = 0
-    section_pairs: int = 1
 
 
 NOTHING = AttentionConfig("", None, (0, 0, 0), 0, 0, 1, 0, 0, 0, 0)
@@ -344,14 +340,11 @@ def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfi
         splits = choose_splits(ctas, max_tiles, sm_count, per_sm)
     splits = max(1, min(splits, max(1, max_tiles), MAX_GRID_YZ // p.num_heads_kv))
     grid = (row_tiles, p.batch, p.num_heads_kv * splits)
-    section_pairs = 1
     if shape.producer:  # persistent: at most one wave of CTAs walks the work items
         grid = (min(row_tiles * p.batch * p.num_heads_kv * splits, sm_count * per_sm), 1, 1)
-        pair_kv_bytes = 2 * -(-max_seqlen_k // splits) * p.head_dim * 2
-        section_pairs = max(1, min(WS_SECTION_KV_BYTES // pair_kv_bytes, p.batch * p.num_heads_kv * splits))
     return AttentionConfig(
         tile=tile, spec=SPECS[(p.head_dim, p.dtype_code, tile, p.kv_mode)],
-        grid=grid, row_tiles=row_tiles, section_pairs=section_pairs, threads=shape.threads, shared_mem=smem,
+        grid=grid, row_tiles=row_tiles, threads=shape.threads, shared_mem=smem,
         splits=splits, nq_cap=nq_cap, qmask_words=qwords,
         workspace_bytes=split_workspace_bytes(p.total_q, p.num_heads_q, p.head_dim, splits), num_sms=sm_count,
         page_size_log2=p.page_size.bit_length() - 1 if p.kv_mode != KV_DENSE else -1,
@@ -478,7 +471,7 @@ def attention_launches(problem: AttentionProblem, config: AttentionConfig, array
         q_strides[0], q_strides[1], out_strides[0], out_strides[1], k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2], p.total_q, kv_extent, p.num_heads_q, p.num_heads_kv, p.group,
         int(p.causal), config.page_size_log2, page_list_len, p.list_width, config.nq_cap, config.qmask_words,
-        splits, config.row_tiles, p.batch, config.section_pairs, scale_log2, out_scale,
+        splits, config.row_tiles, p.batch, scale_log2, out_scale,
     ), config.shared_mem),)
     if splits > 1:
         launches += ((merge, config.merge_grid, (128,), MERGE_PARAMS, (

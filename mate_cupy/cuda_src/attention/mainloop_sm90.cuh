@@ -62,7 +62,6 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -139,27 +138,18 @@ struct DenseMainloopSm90 {
         int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count;
     };
     static_assert(sizeof(Item) <= 64, "item slot");
-    // Item i of row_tiles x (batch x heads_splits) pairs (request, KV head and split): the
-    // pairs form sections of section_pairs (whose K/V the host sizes to stay in L2), taken
-    // one after the other; inside a section the row tiles run heaviest first (row tile
-    // index reversed), the section's pairs inner. False when the row tile lies past the
-    // request.
+    // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
+    // false when the row tile lies past the request.
     static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
-                                                   int section_pairs, int num_splits,
-                                                   const int* __restrict__ cu_seqlens_q,
+                                                   int num_splits, const int* __restrict__ cu_seqlens_q,
                                                    const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
                                                    const int* __restrict__ qo_offset,
                                                    const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
                                                    int group, int causal, Item& it) {
-        const long long pairs = (long long)batch * heads_splits;
-        const long long sec_items = (long long)row_tiles * section_pairs;
-        const long long sec = i / sec_items;
-        const long long j = i - sec * sec_items;
-        const long long p0 = sec * section_pairs;
-        const long long np = min((long long)section_pairs, pairs - p0);  // pairs of this section
-        const int rt = (int)(j / np);
-        const long long p = p0 + (j - rt * np);
-        const int b = (int)(p / heads_splits), z = (int)(p - (long long)b * heads_splits);
+        const long long per_rt = (long long)batch * heads_splits;
+        const int rt = (int)(i / per_rt);
+        const long long rem = i - rt * per_rt;
+        const int b = (int)(rem / heads_splits), z = (int)(rem - (long long)b * heads_splits);
         it.kvh = z / num_splits;
         it.split = z - it.kvh * num_splits;
         it.row0 = (row_tiles - 1 - rt) * kM;
@@ -188,8 +178,8 @@ struct DenseMainloopSm90 {
         return true;
     }
 
-    // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) (order:
-    // item_at) in waves of gridDim.x items.
+    // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
+    // gridDim.x items.
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
     // of shared memory (8-byte aligned), the item slot at kItemOffset (its generic pointer).
     template <typename OutT>
@@ -201,21 +191,19 @@ struct DenseMainloopSm90 {
         long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_slot_stride,
         long long k_head_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
         int num_heads_q, int num_heads_kv, int group, int causal, int num_splits, int row_tiles, int batch,
-        int section_pairs, float scale_log2, u32 sQ, u32 sKV, u32 bars, Item* slot) {
+        float scale_log2, u32 sQ, u32 sKV, u32 bars, Item* slot) {
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
-        section_pairs = max(section_pairs, 1);
         const long long n_items = (long long)row_tiles * batch * heads_splits;
-        // This CTA's item of wave w: waves alternate direction (CTA c takes item c of even
-        // waves, the c-th from the end of odd ones), so the heaviest-first order balances.
+        // This CTA's item of wave w: waves alternate direction (CTA c takes item c of wave 0,
+        // the c-th lightest of wave 1, ...), so the heaviest-first order balances the CTAs.
         // False when there is none (past the last item, or past its request's rows).
         auto item = [&](long long w, Item& it) {
             const long long i =
                 w * gridDim.x + ((w & 1) ? (long long)gridDim.x - 1 - blockIdx.x : (long long)blockIdx.x);
-            return i < n_items && item_at(i, row_tiles, batch, heads_splits, section_pairs, num_splits, cu_seqlens_q,
-                                          qo_lens, kv_lens, qo_offset, cu_seqlens_k, total_q, kv_extent, group,
-                                          causal, it);
+            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
+                           cu_seqlens_k, total_q, kv_extent, group, causal, it);
         };
 
         // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty. Q full
@@ -249,20 +237,6 @@ struct DenseMainloopSm90 {
             for (long long w = 0; w * gridDim.x < n_items; ++w) {
                 Item it;
                 if (!item(w, it)) continue;
-                // Q rows to L2 while the consumers finish the previous item (one thread per
-                // 128-byte line).
-                auto q_row = [&](int P) {
-                    const int qi = P / group, h = P - qi * group;
-                    return q + (long long)(it.q_start + qi) * q_tok_stride +
-                           (long long)(it.kvh * group + h) * q_head_stride + c * 8;
-                };
-                if ((c & 7) == 0) {
-#pragma unroll 4
-                    for (int j = 0; j < kM / kStep; ++j) {
-                        const int P = it.row0 + r0 + j * kStep;
-                        if (P < it.rows_total) prefetch_l2(q_row(P));
-                    }
-                }
                 // Q: the item's 128 packed rows (zero past the request), once the consumers'
                 // last Q K^T of the previous item has completed; the item's geometry with it.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
@@ -271,7 +245,13 @@ struct DenseMainloopSm90 {
                 for (int j = 0; j < kM / kStep; ++j) {
                     const int P = it.row0 + r0 + j * kStep;
                     const bool ok = P < it.rows_total;
-                    cp_async_16_u32(q_off + j * kStep * 128, ok ? q_row(P) : q, ok);
+                    const Elem* src = q;
+                    if (ok) {
+                        const int qi = P / group, h = P - qi * group;
+                        src = q + (long long)(it.q_start + qi) * q_tok_stride +
+                              (long long)(it.kvh * group + h) * q_head_stride + c * 8;
+                    }
+                    cp_async_16_u32(q_off + j * kStep * 128, src, ok);
                 }
                 cp_async_mbar_arrive_noinc(q_full);
                 if (tid == 0) mbar_arrive(q_full);
@@ -511,12 +491,10 @@ struct DenseMainloopSm90 {
                         *reinterpret_cast<float2*>(dst + 8 * d) =
                             make_float2(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
                 } else {
-                    OutT* dst =
-                        out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 2 * t4;
+                    OutT* dst = out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 2 * t4;
 #pragma unroll
                     for (int d = 0; d < kDT; ++d)
-                        *reinterpret_cast<u32*>(dst + 8 * d) =
-                            pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
+                        *reinterpret_cast<u32*>(dst + 8 * d) = pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
                 }
             }
         }
