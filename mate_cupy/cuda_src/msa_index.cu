@@ -10,6 +10,7 @@
 #include "common/mma.cuh"
 #include "common/topk.cuh"
 #include "common/attention_wgmma.cuh"
+#include "common/warp_specialized.cuh"
 
 using namespace mate;
 
@@ -1099,37 +1100,6 @@ struct MaxScoreWsTile {
     static_assert(SMEM_BYTES <= SMEM_LIMIT, "shared memory");
 };
 
-#if defined(__CUDA_ARCH__)
-// mbarrier and register-reallocation primitives of the warp-specialised kernel (sm_90;
-// PTX ISA "mbarrier", "cp.async.mbarrier.arrive", "setmaxnreg"). Addresses are shared-space
-// bytes. (The CPU emulator, which compiles this file without __CUDA_ARCH__, supplies its own.)
-__device__ __forceinline__ void ms_mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void ms_mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nMS_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra MS_WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-// Arrive (release: this thread's earlier shared-memory writes are visible to the waiters).
-__device__ __forceinline__ void ms_mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Arrive once this thread's earlier cp.async copies have landed (counted in the init count).
-__device__ __forceinline__ void ms_cp_async_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void ms_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void ms_setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void ms_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-// Barrier `id` (1..15) of the 128 threads of one warpgroup.
-__device__ __forceinline__ void ms_warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
-#endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(MaxScoreWsTile<T, D>::THREADS, 1)
@@ -1189,15 +1159,15 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            ms_mbar_init(full_bar + 8u * s, 2 * 128);         // per producer thread: copies landed, flags stored
-            ms_mbar_init(empty_bar + 8u * s, 4 * Cfg::CONSUMERS);  // per consumer warp: done with the stage
+            mbar_init(full_bar + 8u * s, 2 * 128);         // per producer thread: copies landed, flags stored
+            mbar_init(empty_bar + 8u * s, 4 * Cfg::CONSUMERS);  // per consumer warp: done with the stage
         }
     }
     __syncthreads();
 
     if (warp < 4) {
         // ---------------------------------------------------------------- producer
-        ms_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+        regs_release<Cfg::PRODUCER_REGS>();
         const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
         const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
         const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
@@ -1227,7 +1197,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         const int own = 32 * warp + lane;  // the key this lane looks up
         for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
             const int stage = n % STAGES;
-            ms_mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
+            mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
             const long long o_own = key_offset(t * kMsBlock + own);
             kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
             const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
@@ -1238,15 +1208,15 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
                 cp_async_16_at(dst + (u32)attn::ColumnBlockTile<kMsBlock>::offset(32 * warp + rl, ch),
                                o >= 0 ? kc + o + ch * EPC : kc, o >= 0);
             }
-            ms_cp_async_arrive(full_bar + 8u * stage);
-            ms_mbar_arrive(full_bar + 8u * stage);
+            cp_async_mbar_arrive_noinc(full_bar + 8u * stage);
+            mbar_arrive(full_bar + 8u * stage);
         }
-        ms_cp_async_wait_all();
+        cp_async_wait_all();
         return;
     }
 
     // -------------------------------------------------------------------- consumers
-    ms_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    regs_claim<Cfg::CONSUMER_REGS>();
     const int c = (warp >> 2) - 1;  // consumer warpgroup: rows c WG_ROWS .. + WG_ROWS
     const int cw = warp & 3;        // warp in the warpgroup
     {  // this warpgroup's Q rows
@@ -1262,9 +1232,9 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
                               : q;
             cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + attn::ColumnBlockTile<BM>::offset(p, ch)), src, ok);
         }
-        ms_cp_async_wait_all();
+        cp_async_wait_all();
         attn::fence_proxy_async_smem();
-        ms_warpgroup_sync(1 + c);
+        named_sync(1 + c, 128);
     }
     // Accumulator rows of this thread in half h: row0(h) + lane / 4 (+ 8).
     auto row0 = [&](int h) { return c * WG_ROWS + h * 64 + cw * 16; };
@@ -1282,7 +1252,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     auto issue = [&](int u, int h, float* acc) {
         const int n = u / HALVES, stage = n % STAGES;
         if (h == 0) {
-            ms_mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
+            mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
             attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
         }
         const attn::u64 q_desc =
@@ -1339,7 +1309,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
         if (h == HALVES - 1) {
             __syncwarp();
-            if (lane == 0) ms_mbar_arrive(empty_bar + 8u * stage);
+            if (lane == 0) mbar_arrive(empty_bar + 8u * stage);
             if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's rows
                 const int t_first = t - slot;
 #pragma unroll

@@ -65,8 +65,8 @@ inline unsigned long long& mbar_word(u32 bar) {
     if (bar % 8 || bar + 8 > emu::g_block->smem_bytes) { std::fprintf(stderr, "mbarrier address\n"); std::abort(); }
     return *reinterpret_cast<unsigned long long*>(emu::dyn_smem() + bar);
 }
-inline void ms_mbar_init(u32 bar, u32 count) { mbar_word(bar) = (unsigned long long)count << 24 | count; }
-inline void ms_mbar_arrive(u32 bar) {
+inline void mbar_init(u32 bar, u32 count) { mbar_word(bar) = (unsigned long long)count << 24 | count; }
+inline void mbar_arrive(u32 bar) {
     std::atomic_ref<unsigned long long> w(mbar_word(bar));
     unsigned long long v = w.load(), n;
     do {
@@ -75,27 +75,28 @@ inline void ms_mbar_arrive(u32 bar) {
         n = pending > 1 ? v - 1 : ((phase + 1) << 48 | count << 24 | count);
     } while (!w.compare_exchange_weak(v, n));
 }
-inline void ms_mbar_wait(u32 bar, u32 parity) {
+inline void mbar_wait(u32 bar, u32 parity) {
     std::atomic_ref<unsigned long long> w(mbar_word(bar));
     for (int spins = 0; ((w.load() >> 48) & 1u) == parity; ++spins)
         if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(50)); else std::this_thread::yield();
 }
 // cp.async.mbarrier.arrive.noinc: this thread's copies land, then it arrives.
-inline void ms_cp_async_arrive(u32 bar) {
+inline void cp_async_mbar_arrive_noinc(u32 bar) {
     for (auto& p : emu::t_open) emu::do_copy(p);
     emu::t_open.clear();
     for (auto& g : emu::t_groups) for (auto& p : g) emu::do_copy(p);
     emu::t_groups.clear();
-    ms_mbar_arrive(bar);
+    mbar_arrive(bar);
 }
-inline void ms_cp_async_wait_all() {
+inline void cp_async_wait_all() {
     cp_async_commit();
     cp_async_wait<0>();
 }
-template <int N> inline void ms_setmaxnreg_dec() {}
-template <int N> inline void ms_setmaxnreg_inc() {}
+template <int N> inline void regs_release() {}
+template <int N> inline void regs_claim() {}
 // bar.sync id, 128: one std::barrier per id, made afresh for each block.
-inline void ms_warpgroup_sync(int id) {
+inline void named_sync(int id, int threads) {
+    if (threads != 128) { std::fprintf(stderr, "named_sync: only warpgroup barriers are emulated\n"); std::abort(); }
     static std::mutex m;
     static const emu::Block* owner = nullptr;
     static std::unique_ptr<std::barrier<>> bars[16];

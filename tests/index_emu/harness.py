@@ -44,7 +44,8 @@ def emulator_source() -> str:
     src = (CUDA_SRC / "msa_index.cu").read_text()
     topk = (CUDA_SRC / "common" / "topk.cuh").read_text()
     topk = topk.replace("#pragma once", "").replace('#include "dtype.cuh"', "")
-    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/attention_wgmma.cuh"'):
+    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/attention_wgmma.cuh"',
+                '#include "common/warp_specialized.cuh"'):
         assert inc in src, inc
         src = src.replace(inc, "")
     assert '#include "common/topk.cuh"' in src
