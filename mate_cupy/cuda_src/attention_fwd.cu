@@ -493,15 +493,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
         auto wg_qk = [&](u32 kaddr) {
             const u64 k_desc = wg_desc(kaddr, 16, 1024);
             wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < kD / 16; ++ks) {
-                const u32 qo = (ks >> 2) * (kM * 128) + (ks & 3) * 32;
-                const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
-                if (ks == 0)
-                    WgmmaSS<kBN, Elem>::first(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
-                else
-                    WgmmaSS<kBN, Elem>::run(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
-            }
+            wg_issue_qk<kD, kM, kBN, Elem>(&S[0][0][0], q_desc, k_desc);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<kNT * 4>(&S[0][0][0]);

@@ -40,34 +40,6 @@
 namespace mate {
 namespace attn {
 
-// Online softmax of one tile's raw scores (masked = -inf) without touching O: returns each
-// row's rescale factor for O in `alpha` (see online_softmax_update).
-template <int NT>
-__device__ __forceinline__ void online_softmax_scores(float (&S)[NT][4], float (&m)[2], float (&l)[2], float scale,
-                                                      float (&alpha)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = m[h];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
-        mx = quad_max(mx);
-        const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
-        alpha[h] = fast_exp2(m[h] * scale - m_scaled);
-        m[h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = fast_exp2(fmaf(S[n][2 * h + e], scale, -m_scaled));
-                S[n][2 * h + e] = p;
-                sum += p;
-            }
-        }
-        l[h] = l[h] * alpha[h] + sum;
-    }
-}
-
 template <int kD, int kBN, int kStages, typename Elem>
 struct DenseMainloopSm90 {
     static constexpr int kM = 128;  // rows per CTA: two consumer warpgroups of 64
@@ -279,15 +251,7 @@ struct DenseMainloopSm90 {
         auto issue_qk = [&](u32 kaddr) {
             const u64 k_desc = wg_desc(kaddr, 16, 1024);
             wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < kD / 16; ++ks) {
-                const u32 qo = (ks >> 2) * (kM * 128) + (ks & 3) * 32;
-                const u32 ko = (ks >> 2) * (kBN * 128) + (ks & 3) * 32;
-                if (ks == 0)
-                    WgmmaSS<kBN, Elem>::first(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
-                else
-                    WgmmaSS<kBN, Elem>::run(&S[0][0][0], wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
-            }
+            wg_issue_qk<kD, kM, kBN, Elem>(&S[0][0][0], q_desc, k_desc);
             wg_commit();
         };
         // O += P V of the V tile at vaddr (issued, not waited for); per 16-key step one n64

@@ -162,5 +162,22 @@ MATE_WG_SS(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65
 #undef MATE_WG_ACC32
 #undef MATE_WG_ACC8
 
+// S = Q K^T issued for one warpgroup (not committed): Q rows of a QROWS-row tile and K rows of
+// a KROWS-row tile, both in column blocks; k-step ks (16 values, 32 bytes) reads column block
+// ks / 4 at byte ks % 4 * 32. S holds the KROWS / 2 accumulator registers of m64nKROWS.
+template <int D, int QROWS, int KROWS, typename E>
+__device__ __forceinline__ void wg_issue_qk(float* S, u64 q_desc, u64 k_desc) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const u32 qo = (ks >> 2) * (QROWS * 128) + (ks & 3) * 32;
+        const u32 ko = (ks >> 2) * (KROWS * 128) + (ks & 3) * 32;
+        if (ks == 0)
+            WgmmaSS<KROWS, E>::first(S, wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko));
+        else
+            WgmmaSS<KROWS, E>::run(S, wg_desc_add(q_desc, qo), wg_desc_add(k_desc, ko), 1);
+    }
+}
+
+
 }  // namespace attn
 }  // namespace mate

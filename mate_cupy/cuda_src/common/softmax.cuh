@@ -33,6 +33,34 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Online softmax of one tile's raw scores (masked = -inf) without touching O: returns each
+// row's rescale factor for O in `alpha` (online_softmax_update applies it).
+template <int NT>
+__device__ __forceinline__ void online_softmax_scores(float (&S)[NT][4], float (&m)[2], float (&l)[2], float scale,
+                                                      float (&alpha)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = m[h];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+        mx = quad_max(mx);
+        const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
+        alpha[h] = fast_exp2(m[h] * scale - m_scaled);
+        m[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = fast_exp2(fmaf(S[n][2 * h + e], scale, -m_scaled));
+                S[n][2 * h + e] = p;
+                sum += p;
+            }
+        }
+        l[h] = l[h] * alpha[h] + sum;
+    }
+}
+
 // One online-softmax step for a 16-row slab (FlashAttention-2 form).
 //   S [NT][4]: this tile's raw scores q.k (masked = -inf); replaced by
 //              p = 2^(S * scale - m_new * scale).
