@@ -332,7 +332,7 @@ DECODE_CONFIGS = (None,) + il.DECODE_CONFIGS
 
 def _decode_configs(rows: int):
     """The automatic choice and every decode variant holding ``rows`` packed rows."""
-    return [c for c in DECODE_CONFIGS if c is None or c.rows_per_cta >= rows]
+    return [c for c in DECODE_CONFIGS if c is None or c.rows_per_cta() >= rows]
 
 
 @pytest.mark.slow
