@@ -35,6 +35,13 @@ def _randn(shape, gen, device, scale=1.0):
     return x.to(torch.bfloat16)
 
 
+def _linear_pages(cache, pages, length: int):
+    """[B, length, Hkv, D] copy of a paged cache ``[P, page, Hkv, D]`` read through the page ids
+    ``pages`` ([B, pages per request], any integer dtype): the contiguous K or V a dense peer takes."""
+    b, n = pages.shape
+    return cache[pages.long()].reshape(b, n * cache.shape[1], *cache.shape[2:])[:, :length]
+
+
 def _checker(ref_fn, what: str):
     """Case check: every impl's output on the sampled rows against ``ref_fn(inp) -> (rows, ref)``."""
 
@@ -132,9 +139,9 @@ def paged_prefill_case(cfg, batch: int, s: int, page: int, hq: int, hkv: int, *,
             perm = torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)
             x = {"q": _randn((batch * s, hq, D), g, dev), "k_cache": _randn((n_pages, page, hkv, D), g, dev),
                  "v_cache": _randn((n_pages, page, hkv, D), g, dev), "kv_indices": perm}
-            pt = perm.long().view(batch, ppr)
-            x["k"] = x["k_cache"][pt].reshape(batch, ppr * page, hkv, D)[:, :s].reshape(batch * s, hkv, D)
-            x["v"] = x["v_cache"][pt].reshape(batch, ppr * page, hkv, D)[:, :s].reshape(batch * s, hkv, D)
+            pt = perm.view(batch, ppr)
+            x["k"] = _linear_pages(x["k_cache"], pt, s).reshape(batch * s, hkv, D)
+            x["v"] = _linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D)
             sets.append(x)
         return sets
 
@@ -207,9 +214,8 @@ def decode_case(cfg, batch: int, seqlen: int, page: int, hq: int, hkv: int, *, t
     def contiguous_kv(x):
         """[B, L, Hkv, D] copies of the paged K/V for SDPA (made once per set, untimed)."""
         if "k_lin" not in x:
-            pt = x["page_table"].long()
-            x["k_lin"] = x["k_cache"][pt].reshape(batch, pages_per_req * page, hkv, D)[:, :seqlen]
-            x["v_lin"] = x["v_cache"][pt].reshape(batch, pages_per_req * page, hkv, D)[:, :seqlen]
+            x["k_lin"] = _linear_pages(x["k_cache"], x["page_table"], seqlen)
+            x["v_lin"] = _linear_pages(x["v_cache"], x["page_table"], seqlen)
         return x["k_lin"], x["v_lin"]
 
     def ours_eager(inputs):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from . import ours
-from .bench_attention import D, _gen, _paged_decode_eager, _randn
+from .bench_attention import D, _gen, _linear_pages, _paged_decode_eager, _randn
 from .checks import attention_rows, rel_err, sample_rows
 from .harness import Bound, Case, Impl, sized
 from .models import BLOCK, attention_flops, kv_bytes, max_score_flops
@@ -187,16 +187,14 @@ def _check(batch: int, qo: int, kv: int, hq: int, hkv: int):
 
 def prefill_case(cfg, s: int, hq: int, hkv: int, *, target: Target | None) -> Case:
     dev = cfg.device
-    pages = math.ceil(s / BLOCK)
     whole, index, select, attend = _builders(1, s, s, hq, hkv)
 
     def make_inputs(n):
         return [_with_fp8_index(_inputs(dev, 1, s, s, hq, hkv, 11 + i)) for i in range(n)]
 
     def linear_kv(x):
-        p = x["kv_indices"].long()
-        return (x["k_cache"][p].reshape(1, pages * BLOCK, hkv, D)[:, :s],
-                x["v_cache"][p].reshape(1, pages * BLOCK, hkv, D)[:, :s])
+        p = x["kv_indices"].view(1, -1)
+        return _linear_pages(x["k_cache"], p, s), _linear_pages(x["v_cache"], p, s)
 
     cudnn = Impl("sdpa_cudnn", "peer", sdpa_build("cudnn", 1, s, s, hq, hkv, D, causal=True, kv_view=linear_kv),
                  family="sdpa_cudnn", once=s > 262144, flops=attention_flops(1, hq, s, s, D, True))
