@@ -33,32 +33,40 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Online softmax of one tile's raw scores (masked = -inf) without touching O: returns each
-// row's rescale factor for O in `alpha` (online_softmax_update applies it).
+// One online-softmax step of row half h (rows g + 8 h) of a 16-row slab: the raw scores
+// S[.][2 h], S[.][2 h + 1] (masked = -inf) become p = 2^(S * scale - m_new * scale), the
+// running raw max m and partial sum l are updated; returns the rescale factor
+// 2^((m_old - m_new) * scale) of the row's output.
+template <int NT>
+__device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m, float& l, float scale, int h) {
+    float mx = m;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+    mx = quad_max(mx);
+    const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
+    const float alpha = fast_exp2(m * scale - m_scaled);
+    m = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float p = fast_exp2(fmaf(S[n][2 * h + e], scale, -m_scaled));
+            S[n][2 * h + e] = p;
+            sum += p;
+        }
+    }
+    l = l * alpha + sum;
+    return alpha;
+}
+
+// Online softmax of one tile's raw scores without touching O: each row's rescale factor
+// for O in `alpha` (the caller applies it).
 template <int NT>
 __device__ __forceinline__ void online_softmax_scores(float (&S)[NT][4], float (&m)[2], float (&l)[2], float scale,
                                                       float (&alpha)[2]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = m[h];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
-        mx = quad_max(mx);
-        const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
-        alpha[h] = fast_exp2(m[h] * scale - m_scaled);
-        m[h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = fast_exp2(fmaf(S[n][2 * h + e], scale, -m_scaled));
-                S[n][2 * h + e] = p;
-                sum += p;
-            }
-        }
-        l[h] = l[h] * alpha[h] + sum;
-    }
+    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row(S, m[h], l[h], scale, h);
 }
 
 // One online-softmax step for a 16-row slab (FlashAttention-2 form).
@@ -72,24 +80,7 @@ __device__ __forceinline__ void online_softmax_update(float (&S)[NT][4], float (
                                                       float (&l)[2], float scale) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float mx = m[h];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
-        mx = quad_max(mx);
-        const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
-        const float alpha = fast_exp2(m[h] * scale - m_scaled);
-        m[h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float p = fast_exp2(fmaf(S[n][2 * h + e], scale, -m_scaled));
-                S[n][2 * h + e] = p;
-                sum += p;
-            }
-        }
-        l[h] = l[h] * alpha + sum;
+        const float alpha = online_softmax_row(S, m[h], l[h], scale, h);
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
             O[d][2 * h] *= alpha;
