@@ -798,6 +798,65 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
 #endif
 }
 
+// Packed rows p0 + p of one request's max-score tile: the admissible keys of each row and
+// where it is stored (shared by the prefill max-score kernels).
+struct MaxScoreRows {
+    int r, qlen, p0, lk, causal, num_heads_q, g, nt;
+    long long q0, off, total_q;
+    // Query qi of packed row p; false for rows outside the request (never stored).
+    __device__ __forceinline__ bool valid(int p, int& qi) const {
+        qi = (p0 + p) / r;
+        return qi < qlen && q0 + qi >= 0 && q0 + qi < total_q;
+    }
+    // Admissible keys of packed row p: j < limit(p); rows outside the request get no mask.
+    __device__ __forceinline__ int limit(int p) const {
+        int qi;
+        if (!valid(p, qi)) return 0x7fffffff;
+        if (!causal) return lk;
+        return (int)min((long long)lk, max(off + qi + 1, 0LL));
+    }
+    // Output offset of packed row p in max_score [total_q, Hq, nt] (-1: not stored).
+    __device__ __forceinline__ long long out(int p) const {
+        int qi;
+        return valid(p, qi) ? ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt : -1;
+    }
+    // End of the blocks a tile of bm rows computes within [t_begin, t_stop) (the rest are -inf).
+    __device__ __forceinline__ int t_end(int bm, int t_begin, int t_stop) const {
+        const int q_last = (int)min((long long)qlen - 1, ((long long)p0 + bm - 1) / r);
+        const long long lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
+        return (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
+    }
+};
+
+// Keys of one request for the prefill max-score kernels: key j of KV head g in the key cache
+// (kv_mode 0 dense rows from cu_seqlens_k[b], 1 a page-table row, 2 a CSR page list).
+struct MaxScoreKeys {
+    const int* page_table;
+    const int* kv_indices;
+    long long dense_start, csr_lo, csr_hi, k_extent, k_stride_outer, k_stride_slot, k_stride_head, num_kv_indices;
+    int kv_mode, lk, page_shift, slot_mask, page_table_cols, b, g;
+    // Element offset of key j, -1 when the key is not admissible or not in memory.
+    __device__ __forceinline__ long long offset(int j) const {
+        if (j >= lk) return -1;
+        if (kv_mode == 0) {
+            const long long row = dense_start + j;
+            return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
+        }
+        const int pi = j >> page_shift;
+        long long page;
+        if (kv_mode == 1) {
+            if (pi >= page_table_cols) return -1;
+            page = page_table[(long long)b * page_table_cols + pi];
+        } else {
+            const long long at = csr_lo + pi;
+            if (at < 0 || at >= csr_hi || at >= num_kv_indices) return -1;
+            page = kv_indices[at];
+        }
+        if (page < 0 || page >= k_extent) return -1;
+        return page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
+    }
+};
+
 // The parameter list of both max-score kernels (one launcher table, MAX_SCORE_PARAMS); T is
 // the kernel's element type.
 #define MAX_SCORE_KERNEL_ARGS                                                                              \
@@ -847,30 +906,12 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     const long long q0 = cu_seqlens_q[b];
     const long long off = qo_offset[b];
 
-    // Admissible keys of packed row p: j < row_limit(p); rows outside the request
-    // (never stored) get no mask.
-    auto row_valid = [&](int p, int& qi) {
-        qi = (p0 + p) / r;
-        return qi < qlen && q0 + qi >= 0 && q0 + qi < total_q;
-    };
-    auto row_limit = [&](int p) -> int {
-        int qi;
-        if (!row_valid(p, qi)) return 0x7fffffff;
-        if (!causal) return lk;
-        return (int)min((long long)lk, max(off + qi + 1, 0LL));
-    };
-    const int q_last = (int)min((long long)qlen - 1, ((long long)p0 + BM - 1) / r);
-    const long long lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
+    const MaxScoreRows rows{r, qlen, p0, lk, causal, num_heads_q, g, nt, q0, off, total_q};
     // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
-    const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
+    const int t_end = rows.t_end(BM, t_begin, t_stop);
 
     // Lanes 0..15: output offset of the warp's row 16 warp + lane (-1: not stored).
-    long long out_off = -1;
-    if (lane < 16) {
-        int qi;
-        const int p = warp * 16 + lane;
-        if (row_valid(p, qi)) out_off = ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt;
-    }
+    const long long out_off = lane < 16 ? rows.out(warp * 16 + lane) : -1;
     auto fill_neg_inf_from = [&](int t_from) {
         for (int rr = 0; rr < 16; ++rr) {
             const long long o = __shfl_sync(kFullMask, out_off, rr);
@@ -884,29 +925,12 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     }
 
     // ---- address of key j (head g) or -1 when the key is not admissible / not in memory
-    const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
-    const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
-    const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
-    const int slot_mask = (1 << page_shift) - 1;
-    auto key_offset = [&](int j) -> long long {
-        if (j >= lk) return -1;
-        if (kv_mode == 0) {
-            const long long row = dense_start + j;
-            return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
-        }
-        const int pi = j >> page_shift;
-        long long page;
-        if (kv_mode == 1) {
-            if (pi >= page_table_cols) return -1;
-            page = page_table[(long long)b * page_table_cols + pi];
-        } else {
-            const long long at = csr_lo + pi;
-            if (at < 0 || at >= csr_hi || at >= num_kv_indices) return -1;
-            page = kv_indices[at];
-        }
-        if (page < 0 || page >= k_extent) return -1;
-        return page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
-    };
+    const MaxScoreKeys keys{page_table, kv_indices,
+                                  kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0,
+                                  kv_mode == 2 ? (long long)kv_page_indptr[b] : 0,
+                                  kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0,
+                                  k_extent, k_stride_outer, k_stride_slot, k_stride_head, num_kv_indices,
+                                  kv_mode, lk, page_shift, (1 << page_shift) - 1, page_table_cols, b, g};
     // Loader geometry: thread tid copies chunk ld_ch of K rows ld_row0 + i * LD_STEP.
     constexpr int LD_STEP = THREADS / CPR;
     const int ld_ch = tid % CPR, ld_row0 = tid / CPR;
@@ -915,7 +939,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 #pragma unroll
         for (int i = 0; i < kMsBlock / LD_STEP; ++i) {
             const int row = ld_row0 + i * LD_STEP;
-            const long long o = key_offset(t * kMsBlock + row);
+            const long long o = keys.offset(t * kMsBlock + row);
             cp_async_16_at(dst + (u32)ms_tile_offset<RB>(row, ld_ch),
                            o >= 0 ? kc + o + ld_ch * EPC : kc, o >= 0);
             if (ld_ch == 0) kvalid[stage * kMsBlock + row] = o >= 0 ? 1 : 0;
@@ -929,7 +953,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
         const int cid = tid + THREADS * i;
         const int p = cid / CPR, ch = cid % CPR;
         int qi;
-        const bool ok = row_valid(p, qi);
+        const bool ok = rows.valid(p, qi);
         const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head + ch * EPC
                           : q;
         cp_async_16_at(smem_base + (u32)(Cfg::Q_OFFSET + ms_tile_offset<RB>(p, ch)), src, ok);
@@ -953,7 +977,7 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
     // This thread's accumulator rows: 16 warp + lane / 4 (+ 8), admissible below lim.
     int lim[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) lim[h] = row_limit(warp * 16 + (lane >> 2) + 8 * h);
+    for (int h = 0; h < 2; ++h) lim[h] = rows.limit(warp * 16 + (lane >> 2) + 8 * h);
     const int lim_min = min(lim[0], lim[1]);
     // mma.sync B fragments: lane addresses K row np * 16 + (mi >> 1) * 8 + lane % 8, chunk
     // 2 kk + (mi & 1). With z = (mi & 1) ^ (lane % 8) the swizzled chunk is (2 kk) ^ z =
@@ -1130,27 +1154,12 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     const long long q0 = cu_seqlens_q[b];
     const long long off = qo_offset[b];
 
-    auto row_valid = [&](int p, int& qi) {
-        qi = (p0 + p) / r;
-        return qi < qlen && q0 + qi >= 0 && q0 + qi < total_q;
-    };
-    auto row_limit = [&](int p) -> int {
-        int qi;
-        if (!row_valid(p, qi)) return 0x7fffffff;
-        if (!causal) return lk;
-        return (int)min((long long)lk, max(off + qi + 1, 0LL));
-    };
-    auto row_out = [&](int p) -> long long {  // output offset of packed row p (-1: not stored)
-        int qi;
-        return row_valid(p, qi) ? ((q0 + qi) * num_heads_q + g * r + (p0 + p) % r) * (long long)nt : -1;
-    };
-    const int q_last = (int)min((long long)qlen - 1, ((long long)p0 + BM - 1) / r);
-    const long long lim_tile = causal ? min((long long)lk, max(off + q_last + 1, 0LL)) : (long long)lk;
+    const MaxScoreRows rows{r, qlen, p0, lk, causal, num_heads_q, g, nt, q0, off, total_q};
     // Blocks [t_begin, t_end) are computed, [t_end, t_stop) are -inf.
-    const int t_end = (int)max(min((lim_tile + kMsBlock - 1) / kMsBlock, (long long)t_stop), (long long)t_begin);
+    const int t_end = rows.t_end(BM, t_begin, t_stop);
     if (t_end <= t_begin) {  // nothing to compute: the CTA's rows are -inf over [t_begin, t_stop)
         for (int p = warp; p < BM; p += Cfg::THREADS / 32) {
-            const long long o = row_out(p);
+            const long long o = rows.out(p);
             if (o >= 0)
                 for (int c = t_begin + lane; c < t_stop; c += 32) max_score[o + c] = neg_inf();
         }
@@ -1168,37 +1177,19 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     if (warp < 4) {
         // ---------------------------------------------------------------- producer
         regs_release<Cfg::PRODUCER_REGS>();
-        const long long dense_start = kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0;
-        const long long csr_lo = kv_mode == 2 ? (long long)kv_page_indptr[b] : 0;
-        const long long csr_hi = kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0;
-        const int slot_mask = (1 << page_shift) - 1;
-        // Element offset of key j (head g), -1 when the key is not admissible / not in memory.
-        auto key_offset = [&](int j) -> long long {
-            if (j >= lk) return -1;
-            if (kv_mode == 0) {
-                const long long row = dense_start + j;
-                return row >= 0 && row < k_extent ? row * k_stride_outer + g * k_stride_head : -1;
-            }
-            const int pi = j >> page_shift;
-            long long page;
-            if (kv_mode == 1) {
-                if (pi >= page_table_cols) return -1;
-                page = page_table[(long long)b * page_table_cols + pi];
-            } else {
-                const long long at = csr_lo + pi;
-                if (at < 0 || at >= csr_hi || at >= num_kv_indices) return -1;
-                page = kv_indices[at];
-            }
-            if (page < 0 || page >= k_extent) return -1;
-            return page * k_stride_outer + (long long)(j & slot_mask) * k_stride_slot + g * k_stride_head;
-        };
+        const MaxScoreKeys keys{page_table, kv_indices,
+                                      kv_mode == 0 ? (long long)cu_seqlens_k[b] : 0,
+                                      kv_mode == 2 ? (long long)kv_page_indptr[b] : 0,
+                                      kv_mode == 2 ? (long long)kv_page_indptr[b + 1] : 0,
+                                      k_extent, k_stride_outer, k_stride_slot, k_stride_head, num_kv_indices,
+                                      kv_mode, lk, page_shift, (1 << page_shift) - 1, page_table_cols, b, g};
         constexpr int RPI = 32 / CPR;  // rows per warp-wide copy instruction
         const int sub = lane / CPR, ch = lane % CPR;
         const int own = 32 * warp + lane;  // the key this lane looks up
         for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
             const int stage = n % STAGES;
             mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
-            const long long o_own = key_offset(t * kMsBlock + own);
+            const long long o_own = keys.offset(t * kMsBlock + own);
             kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
             const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
 #pragma unroll
@@ -1226,7 +1217,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             const int cid = ctid + 128 * i;
             const int p = c * WG_ROWS + cid / CPR, ch = cid % CPR;
             int qi;
-            const bool ok = row_valid(p, qi);
+            const bool ok = rows.valid(p, qi);
             const T* src = ok ? q + (q0 + qi) * q_stride_tok + (long long)(g * r + (p0 + p) % r) * q_stride_head +
                                     ch * EPC
                               : q;
@@ -1241,12 +1232,12 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     int lim[HALVES][2], lim_min[HALVES];
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
-        lim[h][0] = row_limit(row0(h) + (lane >> 2));
-        lim[h][1] = row_limit(row0(h) + (lane >> 2) + 8);
+        lim[h][0] = rows.limit(row0(h) + (lane >> 2));
+        lim[h][1] = rows.limit(row0(h) + (lane >> 2) + 8);
         lim_min[h] = min(lim[h][0], lim[h][1]);
     }
     // Lane l: output offset of the warp's row l % 16 of half l / 16 (the stash order).
-    const long long out_off = lane / 16 < HALVES ? row_out(row0(lane / 16) + (lane & 15)) : -1;
+    const long long out_off = lane / 16 < HALVES ? rows.out(row0(lane / 16) + (lane & 15)) : -1;
 
     // Unit u: half u % HALVES of the CTA's tile n = u / HALVES, into accumulator set `acc`.
     auto issue = [&](int u, int h, float* acc) {
