@@ -155,7 +155,7 @@ struct DenseMainloopSm90 {
                 mbar_init(empty_v + 8 * s, 8);
             }
             mbar_init(q_full, 129);
-            mbar_init(q_empty, 8);
+            mbar_init(q_empty, 256);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         __syncthreads();
@@ -291,6 +291,9 @@ struct DenseMainloopSm90 {
         auto release = [&](u32 bar) {
             if (lane == 0) mbar_arrive(bar);
         };
+        // Every consumer thread releases the Q tile and item slot: each thread read the slot,
+        // so each thread's own arrival orders its read before the producer's next write.
+        auto release_q = [&]() { mbar_arrive(q_empty); };
 
         for (;;) {
             mbar_wait(q_full, q_n & 1);
@@ -342,7 +345,7 @@ struct DenseMainloopSm90 {
                     wg_wait<0>();
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
                     release(empty_k + 8 * s);
-                    if (n_count == 1) release(q_empty);
+                    if (n_count == 1) release_q();
                     softmax(it.t_begin);
                     pack_p();
                 }
@@ -361,7 +364,7 @@ struct DenseMainloopSm90 {
                     wg_wait<1>();  // S_n has landed; the PV product is still in flight
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
                     release(empty_k + 8 * s);
-                    if (n == n_count - 1) release(q_empty);  // the producer may load the next Q
+                    if (n == n_count - 1) release_q();  // the producer may load the next Q
                     softmax(it.t_begin + n);
                     wg_wait<0>();
                     wg_fence_regs<kDT * 4>(&O[0][0]);
@@ -378,7 +381,7 @@ struct DenseMainloopSm90 {
                 release(empty_v + 8 * sl);
                 kv_n += n_count;
             } else {
-                release(q_empty);
+                release_q();
             }
 
             // ---- epilogue: normalise, lse, store ----
