@@ -185,8 +185,8 @@ def test_workspace_layout():
 
 def test_window_rows():
     assert gl.window_rows(4, 16) * 4 * 16 * gl.PARTIAL_BYTES <= gl.PARTIAL_BUDGET
-    assert gl.window_rows(4, 16) % (gl.WIN // 2) == 0 and gl.window_rows(4, 16) >= 3 * gl.WIN
-    assert gl.window_rows(4, 16, budget=(gl.WIN // 2 + 5) * 64 * gl.PARTIAL_BYTES) == gl.WIN // 2
+    assert gl.window_rows(4, 16) % gl.WIN_ALIGN == 0 and gl.window_rows(4, 16) >= 3 * gl.MIN_WIN
+    assert gl.window_rows(4, 16, budget=(gl.WIN_ALIGN + 5) * 64 * gl.PARTIAL_BYTES) == gl.WIN_ALIGN
     assert gl.window_rows(8, 64) % gl.ROW_ALIGN == 0 and gl.window_rows(8, 64) >= gl.MIN_WINDOW_ROWS
     assert gl.window_rows(8, 64, budget=255 * 512 * gl.PARTIAL_BYTES) == 0
 
@@ -214,7 +214,7 @@ def _model_window(cu, qo, kv, qoff, lists, nb_req, b, rb, re_, max_q, causal=Tru
             continue
         assert i1 - i0 <= b.merge_grid[0] and (i1 - i0) * hkv * width <= b.entry_grid[0] * 256
         first = r * b.wins * hkv * b.nb_max
-        end = first + ((i1 - 1) // gl.WIN - i0 // gl.WIN + 1) * hkv * b.nb_max
+        end = first + ((i1 - 1) // b.win - i0 // b.win + 1) * hkv * b.nb_max
         ranges.append((first, end))
         for i in range(i0, i1):
             tok = start + i
@@ -225,7 +225,7 @@ def _model_window(cu, qo, kv, qoff, lists, nb_req, b, rb, re_, max_q, causal=Tru
                     s = int(row[j])
                     if s < 0 or s >= nb_req[r] or s * 128 >= limit or s in row[:j]:
                         continue
-                    w_local = i // gl.WIN - i0 // gl.WIN
+                    w_local = i // b.win - i0 // b.win
                     assert 0 <= w_local < b.wins
                     key = ((r * b.wins + w_local) * hkv + kvh) * b.nb_max + s
                     assert first <= key < end <= b.keys
@@ -270,14 +270,34 @@ def test_row_window_keys_pairs_and_items_stay_within_the_bounds(seed):
     assert seen == sum(counts.values())  # the windows together take every entry once
 
 
-def test_query_windows_per_row_window():
-    # a row window of R rows meets at most (R - 1) // WIN + 2 query windows of a request
+@pytest.mark.parametrize("win", [2048, 3072, 7168])
+def test_query_windows_per_row_window(win):
+    # a row window of R rows meets at most (R - 1) // win + 2 query windows of a request
     for rows in (1, 255, 2048, 2049, 6144, 7168):
-        for start in range(0, 3 * gl.WIN, 389):
-            for rb in range(0, 3 * gl.WIN, 263):
+        for start in range(0, 3 * win, 389):
+            for rb in range(0, 3 * win, 263):
                 t = np.arange(max(rb, start), rb + rows)
-                assert np.unique((t - start) // gl.WIN).size <= (rows - 1) // gl.WIN + 2
-    assert gl.gather_bounds(100000, 4, 16, 1, 100000, 100000, 7168).wins == 5
+                assert np.unique((t - start) // win).size <= (rows - 1) // win + 2
+
+
+def test_query_window_choice():
+    full = gl.window_rows(4, 16)  # MiniMax-M3: Hkv 4, 16 blocks per query
+    assert full == 7168
+    # ~KEY_SHARE queries per (window, KV head, block): 2048 at 256 blocks, capped by the row window
+    assert gl.query_window(full, 16, 256) == 2048
+    assert gl.query_window(full, 16, 1024) == full and gl.query_window(full, 16, 8192) == full
+    assert gl.query_window(full, 16, 384) == 3072
+    for rows in (0, 256, 1000, 1024, 5000, 7168, 1 << 16):
+        for width in (1, 16, 64, 128):
+            for nb in (1, 100, 256, 4096, 1 << 15):
+                w = gl.query_window(rows, width, nb)
+                assert w >= gl.MIN_WIN and w % gl.WIN_ALIGN == 0 and w <= max(gl.MIN_WIN, rows)
+    # wins follows the chosen window; the key arrays are sized for MIN_WIN (the most keys)
+    b = gl.gather_bounds(100000, 4, 16, 1, 100000, 100000, 7168)
+    assert b.win == gl.query_window(7168, 16, b.nb_max) == 7168 and b.wins == 2
+    assert b.keys == 5 * 4 * b.nb_max
+    b = gl.gather_bounds(32768, 4, 16, 1, 32768, 32768)
+    assert (b.win, b.wins, b.keys) == (2048, 5, 5 * 4 * 256)
     assert gl.gather_bounds(100000, 4, 16, 1, 1000, 100000, 7168).wins == 1  # short requests
 
 

@@ -866,7 +866,7 @@ def test_sparse_prefill_gather_non_causal_and_wide_lists(rng, monkeypatch):
 def test_sparse_prefill_gather_windows_and_split_items(rng, monkeypatch):
     """Causal lists over two query windows, with block 0 in every list: that key's queries
     exceed a work item and split into several items."""
-    nq = gather_launch.WIN + 450
+    nq = gather_launch.MIN_WIN + 450
     p = make_problem(rng, [nq], [nq + 200], 64, 4, 128, page_size=128)
     sel = random_selection(rng, p, 16)
     sel[:, :, 0] = 0

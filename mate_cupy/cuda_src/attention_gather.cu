@@ -46,16 +46,10 @@ template <int C> struct ElemOf { typedef bf16_t type; };
 template <> struct ElemOf<0> { typedef half_t type; };
 typedef ElemOf<GATHER_DTYPE>::type Elem;
 constexpr int kD = 128, kBN = 128, kGroup = 16;
-// The launcher (gather_launch.py) passes the window and the work-item cap.
-#ifndef GATHER_WIN
-#define GATHER_WIN 2048
-#endif
+// The launcher (gather_launch.py) passes the work-item cap.
 #ifndef GATHER_CAP
 #define GATHER_CAP 512
 #endif
-// Queries per query window: a key's queries (their Q rows: 32 MB at 2048 queries x 64 heads x
-// 128 bf16) stay in L2 while the query window's items run.
-constexpr int kWin = GATHER_WIN;
 constexpr int kCap = GATHER_CAP;  // queries per work item
 constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
@@ -115,9 +109,11 @@ __device__ __forceinline__ Span span_of(const Req& q, int row_begin, int row_end
 }
 
 // Key of (request r, query i, KV head, block s) in a row window whose first query of r is i0:
-// the query window counts from i0's (< wins for the queries of one row window).
-__device__ __forceinline__ long long key_of(int r, int i, int i0, int kvh, int s, int wins, int hkv, int nb_max) {
-    return (((long long)r * wins + (i / kWin - i0 / kWin)) * hkv + kvh) * nb_max + s;
+// the query window (of `win` queries, chosen by the launcher) counts from i0's (< wins for the
+// queries of one row window).
+__device__ __forceinline__ long long key_of(int r, int i, int i0, int kvh, int s, int win, int wins, int hkv,
+                                            int nb_max) {
+    return (((long long)r * wins + (i / win - i0 / win)) * hkv + kvh) * nb_max + s;
 }
 
 // Entry e (thread (blockIdx.x, threadIdx.x) of a 256-thread grid over the window's queries of
@@ -129,7 +125,7 @@ struct Entry {
 };
 
 __device__ __forceinline__ Entry entry_of(const Req& q, const Span& sp, const int* lists, int hkv, int width,
-                                          int causal, int kv_extent, int wins, int nb_max) {
+                                          int causal, int kv_extent, int win, int wins, int nb_max) {
     Entry x{-1, 0, 0};
     const long long e = (long long)blockIdx.x * 256 + threadIdx.x;
     const int per_q = hkv * width;
@@ -139,7 +135,7 @@ __device__ __forceinline__ Entry entry_of(const Req& q, const Span& sp, const in
     x.tok = q.q_start + i;
     x.slot = j;
     const int s = valid_block(q, lists, ((long long)x.tok * hkv + kvh) * width, j, i, causal, kv_extent);
-    if (s >= 0) x.key = key_of(blockIdx.y, i, sp.i0, kvh, s, wins, hkv, nb_max);
+    if (s >= 0) x.key = key_of(blockIdx.y, i, sp.i0, kvh, s, win, wins, hkv, nb_max);
     return x;
 }
 
@@ -147,7 +143,7 @@ __device__ __forceinline__ Entry entry_of(const Req& q, const Span& sp, const in
     const int *__restrict__ block_lists, const int *__restrict__ cu_seqlens_q, const int *__restrict__ qo_lens, \
         const int *__restrict__ kv_lens, const int *__restrict__ qo_offset, const int *__restrict__ page_list,  \
         const int *__restrict__ page_indptr, int page_list_len, int kv_extent, int total_q, int hkv, int width,    \
-        int causal, int max_q, int wins, int nb_max, int row_begin, int row_end
+        int causal, int max_q, int win, int wins, int nb_max, int row_begin, int row_end
 
 #define GATHER_REQUEST(r) \
     request_of(r, cu_seqlens_q, qo_lens, kv_lens, qo_offset, page_list, page_indptr, page_list_len, total_q, nb_max)
@@ -165,11 +161,11 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER
     const Span sp = span_of(q, row_begin, row_end, max_q);
     if (blockIdx.x == 0 && threadIdx.x == 0 && sp.i1 > sp.i0) {
         const long long first = (long long)blockIdx.y * wins * hkv * nb_max;
-        const long long end = first + (long long)((sp.i1 - 1) / kWin - sp.i0 / kWin + 1) * hkv * nb_max;
+        const long long end = first + (long long)((sp.i1 - 1) / win - sp.i0 / win + 1) * hkv * nb_max;
         atomicMax(&key_range[0], ~(unsigned)first);
         atomicMax(&key_range[1], (unsigned)end);
     }
-    const Entry x = entry_of(q, sp, block_lists, hkv, width, causal, kv_extent, wins, nb_max);
+    const Entry x = entry_of(q, sp, block_lists, hkv, width, causal, kv_extent, win, wins, nb_max);
     if (x.key >= 0) atomicAdd(&counts[x.key], 1);
 }
 
@@ -272,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
                                                                             int max_pairs) {
     const Req q = GATHER_REQUEST(blockIdx.y);
     const Entry x = entry_of(q, span_of(q, row_begin, row_end, max_q), block_lists, hkv, width, causal, kv_extent,
-                             wins, nb_max);
+                             win, wins, nb_max);
     if (x.key < 0) return;
     const int pos = atomicAdd(&cursors[x.key], 1);
     if (pos >= max_pairs) return;

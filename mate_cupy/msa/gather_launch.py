@@ -25,10 +25,13 @@ GATHER_TILE = "gather"
 SOURCE = "attention_gather.cu"
 KERNELS = ("msa_gather_count_kernel", "msa_gather_scan_kernel", "msa_gather_scatter_kernel",
            "msa_gather_attn_kernel", "msa_gather_merge_kernel")
-WIN = 2048  # queries per query window of a request (kWin)
+MIN_WIN = 2048  # queries per query window of a request at least (:func:`query_window`)
+WIN_ALIGN = 1024  # query windows and full row windows are multiples of this many queries
+#: queries per key (query window, KV head, block) that :func:`query_window` aims for on average
+KEY_SHARE = 128
 CAP = 512  # queries per work item (kCap)
 #: dtype code (0 fp16, 1 bf16) -> registered variant
-SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GATHER_WIN=WIN, GATHER_CAP=CAP)
+SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GATHER_CAP=CAP)
          for code in (0, 1)}
 WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
@@ -47,7 +50,7 @@ ALIGN = 256
 _GEOMETRY = (("block_lists", "ptr"), ("cu_seqlens_q", "ptr"), ("qo_lens", "ptr"), ("kv_lens", "ptr"),
              ("qo_offset", "ptr"), ("page_list", "ptr"), ("page_indptr", "ptr"), ("page_list_len", "i32"),
              ("kv_extent", "i32"), ("total_q", "i32"), ("hkv", "i32"), ("width", "i32"), ("causal", "i32"),
-             ("max_q", "i32"), ("wins", "i32"), ("nb_max", "i32"), ("row_begin", "i32"), ("row_end", "i32"))
+             ("max_q", "i32"), ("win", "i32"), ("wins", "i32"), ("nb_max", "i32"), ("row_begin", "i32"), ("row_end", "i32"))
 COUNT_PARAMS = KernelParams(_GEOMETRY + (("counts", "ptr"), ("key_range", "ptr")))
 SCAN_PARAMS = KernelParams((("counts", "ptr"), ("key_range", "ptr"), ("cursors", "ptr"), ("items", "ptr"),
                             ("n_items", "ptr"), ("n_keys", "i32"), ("max_items", "i32"), ("max_pairs", "i32")))
@@ -71,12 +74,22 @@ def _cdiv(a: int, b: int) -> int:
 
 def window_rows(num_heads_kv: int, width: int, budget: int = PARTIAL_BUDGET) -> int:
     """Rows of a full row window: the most whose partials fit ``budget`` bytes, rounded down to
-    a multiple of ``WIN // 2`` when at least that many fit (the query windows of a request
-    starting at row 0 then end on at least every other window boundary), else to a multiple
-    of :data:`ROW_ALIGN` (0 when not even that many fit)."""
+    a multiple of :data:`WIN_ALIGN` when at least that many fit, else to a multiple of
+    :data:`ROW_ALIGN` (0 when not even that many fit)."""
     rows = budget // (num_heads_kv * width * PARTIAL_BYTES)
-    align = WIN // 2 if rows >= WIN // 2 else ROW_ALIGN
+    align = WIN_ALIGN if rows >= WIN_ALIGN else ROW_ALIGN
     return rows // align * align
+
+
+def query_window(full_rows: int, width: int, nb_max: int) -> int:
+    """Queries per query window of a request: a key (query window, KV head, block) is loaded
+    once per window, so the window aims at :data:`KEY_SHARE` queries per key on average
+    (``win * width / nb_max``: ``width`` blocks per query spread over ``nb_max``), in multiples
+    of :data:`WIN_ALIGN`, at least :data:`MIN_WIN` (the window's Q rows stay in L2) and at most
+    a full row window (``full_rows``; then a batch-1 request's query windows are its row
+    windows)."""
+    want = _cdiv(_cdiv(KEY_SHARE * nb_max, max(1, width)), WIN_ALIGN) * WIN_ALIGN
+    return max(MIN_WIN, min(want, full_rows // WIN_ALIGN * WIN_ALIGN))
 
 
 def row_windows(total_q: int, rows: int) -> tuple:
@@ -89,14 +102,17 @@ def row_windows(total_q: int, rows: int) -> tuple:
 class GatherBounds:
     """Sizes of one call, every one bounded by one row window's rows.
 
-    ``rows`` rows per window (``windows`` of them); keys ``batch x wins x hkv x nb_max``
-    (``wins``: query windows of a request one row window can touch); ``max_pairs`` valid
+    ``rows`` rows per window (``windows`` of them); query windows of ``win`` queries, of which
+    one row window touches at most ``wins`` per request; ``keys`` bounds the key space
+    ``batch x wins x hkv x nb_max`` for any window of at least :data:`MIN_WIN` queries (so the
+    workspace does not depend on ``win``); ``max_pairs`` valid
     entries and ``max_items`` work items of a window; ``parts`` the workspace layout
     ``((name, byte offset, bytes), ...)`` (offsets 256-aligned), ``nbytes`` its total.
     """
 
     rows: int
     windows: int
+    win: int
     wins: int
     nb_max: int
     keys: int
@@ -117,10 +133,12 @@ def gather_bounds(total_q: int, num_heads_kv: int, width: int, batch: int, max_s
     full = window_rows(hkv, width) if rows is None else int(rows)
     rows = max(1, min(int(total_q), full))
     q_rows = max(1, min(int(max_seqlen_q), rows))  # queries of one request in one window
-    # Queries of one row window: at most (rows - 1) // WIN + 2 query windows of a request.
-    wins = max(1, min(_cdiv(max_seqlen_q, WIN), (rows - 1) // WIN + 2))
     nb_max = max(1, _cdiv(max_seqlen_k, BLOCK))
-    keys = batch * wins * hkv * nb_max
+    win = query_window(full, width, nb_max)
+    # Queries of one row window: at most (rows - 1) // win + 2 query windows of a request
+    # (non-increasing in win: the key arrays are sized for MIN_WIN).
+    wins = max(1, min(_cdiv(max_seqlen_q, win), (rows - 1) // win + 2))
+    keys = batch * max(1, min(_cdiv(max_seqlen_q, MIN_WIN), (rows - 1) // MIN_WIN + 2)) * hkv * nb_max
     max_pairs = min(rows, batch * max_seqlen_q) * hkv * width
     max_items = max(1, min(_cdiv(max_pairs, CAP) + min(keys, max_pairs), 2**31 - 1))
     slots = rows * hkv * width * GROUP
@@ -132,7 +150,7 @@ def gather_bounds(total_q: int, num_heads_kv: int, width: int, batch: int, max_s
     for name, size in sizes:
         parts.append((name, off, size))
         off += _cdiv(size, ALIGN) * ALIGN
-    return GatherBounds(rows=rows, windows=_cdiv(total_q, rows), wins=wins, nb_max=nb_max, keys=keys,
+    return GatherBounds(rows=rows, windows=_cdiv(total_q, rows), win=win, wins=wins, nb_max=nb_max, keys=keys,
                         max_pairs=max_pairs, max_items=max_items,
                         entry_grid=(_cdiv(q_rows * hkv * width, 256), batch), merge_grid=(q_rows, hkv, batch),
                         parts=tuple(parts), nbytes=off)
@@ -190,7 +208,7 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
     work_counter = n_items + 4  # n_items[1]
     geo = (address(kv_block_indexes), address(cu_seqlens_q), address(qo_lens), address(kv_lens),
            address(qo_offset), address(page_list), address(page_indptr), int(page_list_len), int(kv_extent),
-           total_q, hkv, width, 1 if causal else 0, int(max_seqlen_q), b.wins, b.nb_max)
+           total_q, hkv, width, 1 if causal else 0, int(max_seqlen_q), b.win, b.wins, b.nb_max)
     count_tail = (counts, key_range)
     scan_values = (counts, key_range, cursors, items, n_items, b.keys, b.max_items, b.max_pairs)
     scatter_tail = (cursors, pair_tok, pair_slot, b.max_pairs)
