@@ -871,6 +871,13 @@ EMU_CASES = [
                  id="extreme-nw1"),
     pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=True, lens=[30, 64, 97], state=F32),
                  dict(nw=2, s_out=F32), id="varlen-gate-nw2"),
+    # the sm_90a wgmma recurrence: one and two warpgroups, chunk tails, empty sequences, GVA
+    pytest.param(dict(B=2, T=129, H=1, HV=2, gate_params=True, state=F32), dict(nw=4, s_out=F32, wgmma=True),
+                 id="wgmma4-dense-gate-T129"),
+    pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=True, lens=[1, 0, 63, 65], state=BF16),
+                 dict(nw=8, s_out=BF16, lazy=1, wgmma=True), id="wgmma8-varlen-tails-lazy"),
+    pytest.param(dict(B=1, T=64, H=1, HV=4, dtype=F16, gate_params=False, extreme=True, state=F32),
+                 dict(nw=4, s_out=F32, wgmma=True), id="wgmma4-fp16-gva4-extreme"),
 ]
 
 
@@ -888,13 +895,17 @@ def kda_emulator(tmp_path_factory):
         pytest.skip("needs g++ and the CUDA fp16/bf16 headers")
     emu = Path(__file__).resolve().parent / "kda_chunk_emu"
     src = SRC.read_text()
-    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"'):
+    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"',
+                '#include "common/attention_wgmma.cuh"'):
         assert inc in src
         src = src.replace(inc, "")
     decl = "extern __shared__ __align__(16) unsigned char smem[];"
     assert src.count(decl) == 2  # prepare, recurrence
+    src = src.replace(decl, "unsigned char* smem = emu::dyn_smem();")
+    decl = "extern __shared__ __align__(1024) unsigned char smem_raw[];"
+    assert src.count(decl) == 1  # wgmma recurrence
     d = tmp_path_factory.mktemp("kda_emu")
-    (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem = emu::dyn_smem();"))
+    (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();"))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if os.environ.get("MATE_CUPY_EMU_SANITIZE") else ["-O2"]
     exe = d / "driver"
     cmd = ["g++", "-std=c++20", *flags, f"-I{emu}", f"-I{emu.parent / 'cuda_emu'}", f"-I{d}",
@@ -935,7 +946,7 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
     (tmp_path / "params.txt").write_text(
         f"{B} {T} {H} {HV} {N} {int(varlen)} {int(dtype == BF16)} {int('A_log' in x)} {int(l2)} {scale} -5.0 "
         f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} "
-        f"{run.get('lazy', 0)}\n")
+        f"{run.get('lazy', 0)} {int(run.get('wgmma', False))}\n")
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")  # the driver leaves its buffers to process exit
     r = subprocess.run([str(kda_emulator), str(tmp_path)], capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -943,9 +954,12 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
     o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec)
     out = np.fromfile(tmp_path / "out.bin", dtype=dtype).reshape(x["v"].shape)
     assert rel(out, _round(o_model, dtype)) < 2e-3
+    o_ref, s_ref = reference(x, use_qk_l2norm=l2)  # and the float64 recurrence, to the GPU tolerances
+    assert rel(out, o_ref) < TOL[dtype]
     if s_out is not None:
         fs = np.fromfile(tmp_path / "ht.bin", dtype=s_out).reshape(N, HV, K, K)
         assert rel(fs, _round(s_model, s_out)) < 2e-3
+        assert rel(fs, s_ref) < STATE_TOL[dtype]
     ws = np.fromfile(tmp_path / "ws.bin", dtype=np.uint8)
     lens = np.diff(x["cu_seqlens"]) if varlen else [T] * B
     slot = 0
