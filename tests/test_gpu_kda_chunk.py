@@ -279,7 +279,8 @@ def c_params(kernel: str) -> list:
 
 @pytest.mark.parametrize("kernel, params", [("kda_chunk_offsets_kernel", cl.OFFSETS_PARAMS),
                                             ("kda_chunk_prepare_kernel", cl.PREPARE_PARAMS),
-                                            ("kda_chunk_recurrence_kernel", cl.RECURRENCE_PARAMS)])
+                                            ("kda_chunk_recurrence_kernel", cl.RECURRENCE_PARAMS),
+                                            ("kda_chunk_recurrence_wgmma_kernel", cl.RECURRENCE_PARAMS)])
 def test_kernel_params_match_source(kernel, params):
     assert c_params(kernel) == list(params.params)
 
@@ -289,11 +290,16 @@ def test_registered_variants_are_the_launched_kernels():
 
     src = SRC.read_text()
     assert sorted(re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", src)) == sorted(
-        ["kda_chunk_offsets_kernel", "kda_chunk_prepare_kernel", "kda_chunk_recurrence_kernel"])
+        ["kda_chunk_offsets_kernel", "kda_chunk_prepare_kernel", "kda_chunk_recurrence_kernel",
+         "kda_chunk_recurrence_wgmma_kernel"])
     specs = [sp for sp in registered() if sp.source == "kda_chunk.cu"]
-    launched = {cl.OFFSETS_KERNEL, *cl.PREPARE_KERNEL.values(), *cl.RECURRENCE_KERNEL.values()}
+    launched = {cl.OFFSETS_KERNEL, *cl.PREPARE_KERNEL.values(), *cl.RECURRENCE_KERNEL.values(),
+                *cl.WGMMA_RECURRENCE_KERNEL.values()}
     assert {k_ for sp in specs for k_ in sp.kernels} == launched
-    assert len(specs) == 2 + 2 * len(cl.RECURRENCE_WARPS)
+    assert len(specs) == 2 + 2 * len(cl.RECURRENCE_WARPS) + 2 * len(cl.WGMMA_RECURRENCE_WARPS)
+    # the wgmma kernels build for sm_90a only, which is what select_config picks them for
+    assert {sp.only_arch for sp in cl.WGMMA_RECURRENCE_SPECS.values()} == {"sm_90a"}
+    assert ch.WGMMA_RECURRENCE_CC == (90,)
 
 
 def test_layout_constants_match_source():
@@ -306,10 +312,16 @@ def test_layout_constants_match_source():
                            ("egl", "kWsEgl")):
         assert SLOT_PARTS[name][0] == const[ws_const], name
     assert cl.SLOT_BYTES % 256 == 0  # the varlen offsets table after the slots stays aligned
+    assert const["kWgV"] == cl.WGMMA_STAGE_V  # the wgmma stage: tiles, egl, then the V slice
 
 
 def test_recurrence_warps_heuristic():
-    assert ch.recurrence_warps(64, 132) == 4      # B1 H64: 128 CTAs
+    wg = dict(widths=cl.WGMMA_RECURRENCE_WARPS, warp_cost=ch.WGMMA_WARP_COST)
+    assert ch.recurrence_warps(64, 132, **wg) == 4   # wgmma, B1 H64: 128 one-warpgroup CTAs
+    assert ch.recurrence_warps(32, 132, **wg) == 4   # B1 H32: 64 CTAs
+    assert ch.recurrence_warps(96, 132, **wg) == 8   # B1 H96: one wave of 96 two-warpgroup CTAs
+    assert ch.recurrence_warps(512, 132, **wg) == 8  # varlen 8 x H64
+    assert ch.recurrence_warps(64, 132) == 4      # mma.sync, B1 H64: 128 CTAs
     assert ch.recurrence_warps(96, 132) == 8      # B1 H96: one wave of 96 CTAs
     assert ch.recurrence_warps(32, 132) == 2      # B1 H32: 128 two-warp CTAs (fastest in the H200 sweep)
     assert ch.recurrence_warps(512, 132) == 8     # varlen 8 x H64
@@ -336,6 +348,9 @@ def test_smem_fits():
     per_sm = 228 * 1024  # H100/H200: 228 KB per SM, 1 KB reserved per CTA, 227 KB per CTA at most
     assert 3 * (cl.PREPARE_SMEM + 1024) <= per_sm  # three prepare CTAs per SM
     assert all(cl.recurrence_smem(nw) <= 227 * 1024 for nw in cl.RECURRENCE_WARPS)
+    # wgmma stages: four 1024-aligned tiles of 64 x 128 / 64 x 64, egl and the V slice; + 1 KB alignment
+    assert cl.recurrence_smem(4, wgmma=True) == 2 * 75776 + 1024
+    assert cl.recurrence_smem(8, wgmma=True) == 2 * 83968 + 1024 <= ch.MAX_SMEM_PER_BLOCK[90]
 
 
 @pytest.mark.slow
@@ -356,12 +371,17 @@ def test_select_config(rng, cuda_standins):
     _, p, _ = ch.validate(**validate_args(x))
     cfg = ch.select_config(p, 132, 90)
     assert ch.select_config(p, 132, 90) is cfg  # pure, cached by the frozen problem
-    assert cfg.recurrence_warps == ch.recurrence_warps(3 * 96, 132) == 8  # 3 waves of 288 CTAs
+    # sm_90: the wgmma recurrence, 3 waves of 288 two-warpgroup CTAs
+    assert cfg.recurrence_wgmma and cfg.recurrence_warps == 8
     assert cfg.num_slots == (1003 + 63 * 3) // 64 and cfg.prepare_grid == (cfg.num_slots, 96)
-    assert cfg.recurrence_grid == (3 * 1, 96) and cfg.recurrence_smem == cl.recurrence_smem(8)
+    assert cfg.recurrence_grid == (3 * 1, 96) and cfg.recurrence_smem == cl.recurrence_smem(8, wgmma=True)
+    assert ch.select_config(p, 132, 100) == ch.chunk_config(p, 8)  # sm_100: mma.sync, 8 warps
+    with pytest.raises(ValueError, match="no wgmma recurrence kernel of 2 warps"):
+        ch.chunk_config(p, 2, wgmma=True)
     assert cfg.offsets_at == cfg.num_slots * 96 * cl.SLOT_BYTES
     assert cfg.launch_offsets and cfg.launch_prepare and cfg.launch_recurrence
-    assert ch.select_config(p, 108, 80).recurrence_warps == 4  # A100: 8-warp CTAs do not fit
+    a100 = ch.select_config(p, 108, 80)  # A100: mma.sync; 8-warp CTAs do not fit
+    assert a100.recurrence_warps == 4 and not a100.recurrence_wgmma
     # nothing to run: no sequences, or no tokens and no final state
     _, p0, _ = ch.validate(**validate_args(make_inputs(rng, 0, 0, 1, 1, lens=[])))
     assert not ch.select_config(p0, 132, 90).launches_any
@@ -430,9 +450,9 @@ def test_launcher_dry_run(rng, launches, varlen, gate, s_in, s_out, prealloc):
     cfg = ch.select_config(ch.validate(**validate_args(kw))[1], 132, 90)
     names = [kern.name.split("<")[0] for kern, *_ in launches]
     assert names == (["kda_chunk_offsets_kernel"] if varlen else []) + ["kda_chunk_prepare_kernel",
-                                                                       "kda_chunk_recurrence_kernel"]
+                                                                       "kda_chunk_recurrence_wgmma_kernel"]
     table = {"kda_chunk_offsets_kernel": cl.OFFSETS_PARAMS, "kda_chunk_prepare_kernel": cl.PREPARE_PARAMS,
-             "kda_chunk_recurrence_kernel": cl.RECURRENCE_PARAMS}
+             "kda_chunk_recurrence_wgmma_kernel": cl.RECURRENCE_PARAMS}
     ws = None
     for kern, grid, block, params, values, smem, stream in launches:
         base = kern.name.split("<")[0]
@@ -447,10 +467,12 @@ def test_launcher_dry_run(rng, launches, varlen, gate, s_in, s_out, prealloc):
             assert smem == cl.PREPARE_SMEM and v["has_gate"] == int(gate) and v["seq_len_dense"] == (0 if varlen else T)
             assert address(v["q"]) == _ptr(x["q"]) and address(v["beta"]) == _ptr(x["beta"])
             assert v["H"] == H and v["HV"] == HV and v["total_rows"] == B * T
-        if base == "kda_chunk_recurrence_kernel":
+        if base == "kda_chunk_recurrence_wgmma_kernel":  # the sm_90 stand-in device
             nw = int(kern.name.split(",")[1].strip(" >"))
-            assert nw == cfg.recurrence_warps == ch.recurrence_warps(N * HV, 132)
-            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,) and smem == cl.recurrence_smem(nw)
+            assert nw == cfg.recurrence_warps == ch.recurrence_warps(N * HV, 132, cl.WGMMA_RECURRENCE_WARPS,
+                                                                     ch.WGMMA_WARP_COST)
+            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,)
+            assert smem == cl.recurrence_smem(nw, wgmma=True)
             kind = {None: 0, F32: 1, BF16: 2}
             assert (v["state_in_kind"], v["state_out_kind"]) == (kind[s_in], kind[s_out])
             assert v["ws"] == ws and v["num_slots"] == cfg.num_slots
@@ -501,7 +523,7 @@ def test_launcher_dry_run_staging(rng, launches):
     assert np.array_equal(v["q"].data, q) and v["q"].data.flags.c_contiguous
     assert v["A_log"].data.dtype == F32 and np.array_equal(v["A_log"].data, A_log.astype(F32))
     assert v["dt_bias"].data.dtype == F32 and np.array_equal(v["dt_bias"].data, dt_bias.astype(F32))
-    rec = next(r for r in launches if r[0].name.startswith("kda_chunk_recurrence_kernel"))
+    rec = next(r for r in launches if r[0].name.startswith("kda_chunk_recurrence_wgmma_kernel"))
     r = dict(zip(rec[3].names, rec[4]))
     assert r["state_in_kind"] == r["state_out_kind"] == 1
     assert np.array_equal(r["state_in"].data, x["initial_state"].astype(F32))

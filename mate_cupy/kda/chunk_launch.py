@@ -31,6 +31,7 @@ PREPARE_THREADS = 256
 PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 64  # 75,072 bytes (kPrepSmemBytes)
 OFFSETS_THREADS = 1024
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
+WGMMA_STAGE_V = 66048  # wgmma recurrence stage: Qs, Kt, Kb, T, Aqk tiles and egl, then the V slice (kWgV)
 WGMMA_RECURRENCE_WARPS = (4, 8)  # sm_90a: one or two warpgroups of 64 state rows
 
 # state_in_kind / state_out_kind of the recurrence kernel
@@ -76,7 +77,7 @@ def recurrence_smem(warps: int, wgmma: bool = False) -> int:
     and the V slice, rounded up to 1 KB (``rec_wg_stage_bytes``), plus 1 KB to align the base."""
     bv = 16 * warps
     if wgmma:
-        stage = -(-(66048 + 64 * (bv + 8) * 2) // 1024) * 1024
+        stage = -(-(WGMMA_STAGE_V + 64 * (bv + 8) * 2) // 1024) * 1024
         return 2 * stage + 1024
     stage = 3 * 64 * 136 * 2 + 2 * 64 * 72 * 2 + HEAD_DIM * 4 + 64 * (bv + 8) * 2
     return 2 * stage
