@@ -650,31 +650,91 @@ def test_chunk_long_sequence_stable(rng, gate):
     assert rel(fs, s_ref) < STATE_TOL[BF16]
 
 
-def _run_width(x, warps):
-    """The CUDA path with ``warps`` warps per recurrence CTA (the configuration made by hand)."""
+def _run_width(x, warps, wgmma=False):
+    """The CUDA path with ``warps`` warps per recurrence CTA of the wgmma or the mma.sync
+    kernel (the configuration made by hand)."""
     d = _dev(x)
     out = _nan(x["v"].shape, x["v"].dtype)
     fs = _nan((_num_seqs(x), x["v"].shape[2], K, K), F32)
     call, p, ws = ch.validate(**validate_args(dict(d, output=out, output_final_state=True, final_state=fs)))
-    ch.run_cuda(call, p, ch.chunk_config(p, warps), ws)
+    ch.run_cuda(call, p, ch.chunk_config(p, warps, wgmma), ws)
     return out, fs
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("nw", cl.RECURRENCE_WARPS)
-def test_chunk_every_recurrence_width(rng, nw):
-    """Every V-slice width gives bitwise the same result (warps never share data)."""
+RECURRENCE_KERNELS = ([pytest.param(nw, False, id=f"mma-{nw}w") for nw in cl.RECURRENCE_WARPS]
+                      + [pytest.param(nw, True, id=f"wgmma-{nw}w") for nw in cl.WGMMA_RECURRENCE_WARPS])
+
+
+def _skip_unless_runs(nw, wgmma):
     from mate_cupy.runtime.device import device_info
 
-    if nw not in ch.recurrence_widths(device_info()[1]):
+    cc = device_info()[1]
+    if wgmma and cc != 90:
+        pytest.skip("the wgmma recurrence is built for sm_90a only")
+    if not wgmma and nw not in ch.recurrence_widths(cc):
         pytest.skip(f"{nw}-warp recurrence CTAs do not fit this device's shared memory")
-    x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[300, 1, 64], state=F32)
-    base, base_s = _run_width(x, 1)
-    out, fs = _run_width(x, nw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nw, wgmma", RECURRENCE_KERNELS)
+def test_chunk_every_recurrence_width(rng, nw, wgmma):
+    """Every V-slice width of a recurrence kernel gives bitwise the same result (warps and
+    warpgroups never share data), and each kernel matches the float64 recurrence."""
+    _skip_unless_runs(nw, wgmma)
+    x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[300, 1, 64, 0, 129], state=F32)
+    base, base_s = _run_width(x, cl.WGMMA_RECURRENCE_WARPS[0] if wgmma else 1, wgmma)
+    out, fs = _run_width(x, nw, wgmma)
     np.testing.assert_array_equal(to_f64(out), to_f64(base))
     np.testing.assert_array_equal(to_f64(fs), to_f64(base_s))
-    o_ref, _ = reference(x)
+    o_ref, s_ref = reference(x)
     assert rel(out, o_ref) < TOL[BF16]
+    assert rel(fs, s_ref) < STATE_TOL[BF16]
+    np.testing.assert_array_equal(to_f64(fs[3]), to_f64(x["initial_state"][3]))  # the empty sequence
+
+
+WGMMA_EDGE_CASES = [
+    # dtype, B, T, H, HV, gate params, initial state, final state, varlen lengths
+    pytest.param(BF16, 3, 1, 1, 2, True, F32, F32, None, id="bf16-T1"),
+    pytest.param(BF16, 1, 63, 1, 4, False, BF16, BF16, None, id="bf16-T63-gva4"),
+    pytest.param(F16, 2, 65, 2, 4, True, F32, F32, None, id="fp16-T65-gva2"),
+    pytest.param(BF16, 1, 257, 2, 6, True, None, F32, None, id="bf16-T257-gva3"),
+    pytest.param(F16, 1, 0, 1, 2, True, F16, F16, [0, 1, 0, 63, 64, 65, 0, 193], id="fp16-varlen-empties"),
+    pytest.param(BF16, 1, 0, 2, 4, False, F32, F32, [129, 0, 2, 700], id="bf16-varlen-logdecay"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nw", cl.WGMMA_RECURRENCE_WARPS, ids=lambda nw: f"{nw}w")
+@pytest.mark.parametrize("dtype, B, T, H, HV, gate, s_in, s_out, lens", WGMMA_EDGE_CASES)
+def test_chunk_wgmma_recurrence_edges(rng, nw, dtype, B, T, H, HV, gate, s_in, s_out, lens):
+    """The wgmma recurrence at both widths on chunk tails (1, 63, 65, 64 k + 1 tokens), empty
+    sequences, GVA, every state dtype: against the float64 recurrence, NaN-poisoned outputs."""
+    _skip_unless_runs(nw, True)
+    x = make_inputs(rng, B, T, H, HV, dtype=dtype, gate_params=gate, lens=lens, state=s_in)
+    o_ref, s_ref = reference(x)
+    d = _dev(x)
+    out = _nan(x["v"].shape, dtype)
+    fs = _nan((_num_seqs(x), HV, K, K), s_out)
+    call, p, ws = ch.validate(**validate_args(dict(d, output=out, output_final_state=True, final_state=fs)))
+    ch.run_cuda(call, p, ch.chunk_config(p, nw, wgmma=True), ws)
+    assert rel(out, o_ref) < TOL[dtype]
+    assert rel(fs, s_ref) < STATE_TOL[dtype]
+    for n, ln in enumerate(lens or []):
+        if ln == 0 and s_in is not None:  # empty sequences keep their initial state (rounded once)
+            np.testing.assert_array_equal(to_f64(fs[n]), to_f64(x["initial_state"][n].astype(s_out)))
+
+
+@pytest.mark.gpu
+def test_chunk_runs_the_wgmma_recurrence_on_sm90(rng):
+    """On an H100/H200 the public path (the GPU tests above) runs the wgmma recurrence."""
+    from mate_cupy.runtime.device import device_info
+
+    sm_count, cc = device_info()
+    if cc != 90:
+        pytest.skip("not an sm_90 device")
+    x = make_inputs(rng, 1, 100, 1, 2)
+    _, p, _ = ch.validate(**validate_args(_dev(x)))
+    assert ch.select_config(p, sm_count, cc).recurrence_wgmma
 
 
 @pytest.mark.gpu
