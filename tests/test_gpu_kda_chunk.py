@@ -359,11 +359,15 @@ def test_smem_fits():
 def test_kernels_compile_without_spills(dtype, arch):
     from mate_cupy.jit import compile_variant
 
-    for spec in [cl.PREPARE_SPECS[dtype]] + [cl.RECURRENCE_SPECS[(dtype, nw)] for nw in cl.RECURRENCE_WARPS]:
+    specs = [cl.PREPARE_SPECS[dtype]] + [cl.RECURRENCE_SPECS[(dtype, nw)] for nw in cl.RECURRENCE_WARPS]
+    if arch == "sm_90a":
+        specs += [cl.WGMMA_RECURRENCE_SPECS[(dtype, nw)] for nw in cl.WGMMA_RECURRENCE_WARPS]
+    for spec in specs:
         log = compile_variant(spec, arch, ptxas_verbose=True)["log"]
         entries = log.count("Compiling entry function")
         assert entries >= len(spec.kernels)
         assert log.count("0 bytes spill stores, 0 bytes spill loads") == entries, log
+        assert "wgmma.mma_async instructions are serialized" not in log, log
 
 
 def test_select_config(rng, cuda_standins):

@@ -51,12 +51,12 @@ WARP_COST = {1: 1.05, 2: 0.87, 4: 1.0, 8: 1.6}
 # mma.sync kernel. An empty tuple sends sm_90 back to the mma.sync kernel.
 WGMMA_RECURRENCE_CC = (90,)
 
-# Relative per-chunk latency of a wgmma recurrence CTA (one per SM: 149-167 KB of stages) by
+# Relative per-chunk latency of a wgmma recurrence CTA (one per SM: 149-165 KB of stages) by
 # warp count. Estimates, not yet measured: a warpgroup issues 256 m64n8k16 units of MMA per
-# chunk (~1000 cycles of the SM's tensor throughput) on a chain of three dependent MMA
-# groups; two warpgroups (8 warps) fill each other's waits, so a step costs ~1.3x one
-# warpgroup's rather than 2x.
-WGMMA_WARP_COST = {4: 1.0, 8: 1.3}
+# chunk (~1,000 cycles of the SM's dense bf16 rate) in four commit groups, the tensor pipe
+# idle only while U^T is converted and at the waits; two warpgroups (8 warps) fill those
+# gaps but double the tensor work per SM, so a step costs ~1.5x one warpgroup's.
+WGMMA_WARP_COST = {4: 1.0, 8: 1.5}
 
 # Alignment (bytes) the kernels need of the arrays they access with vector instructions.
 _ALIGN = {"q": 16, "k": 16, "v": 16, "g": 16, "output": 4}
