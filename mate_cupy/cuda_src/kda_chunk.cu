@@ -1064,8 +1064,6 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
         cp_async_wait<0>();
         attn::fence_proxy_async_smem();  // this thread's shared writes, visible to wgmma
         __syncthreads();  // chunk tc visible; every warpgroup is done with chunk tc - 1's stage
-        if (tc + 1 < sc.nchunks) issue_loads(tc + 1, (tc + 1) & 1);
-        cp_async_commit();
 
         unsigned char* st = smem + (tc & 1) * kStage;
         const u32 st_addr = smem_u32(st);
@@ -1083,6 +1081,9 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
         attn::wg_commit();
         issue_state_product<T>(o, aS, st_addr + kWgQs);
         attn::wg_commit();
+        // the next chunk's tiles into the other stage, issued under the products
+        if (tc + 1 < sc.nchunks) issue_loads(tc + 1, (tc + 1) & 1);
+        cp_async_commit();
         attn::wg_wait<1>();
         attn::wg_fence_regs<32>(&x[0][0]);
         u32 aD[4][4];
