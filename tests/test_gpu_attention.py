@@ -309,9 +309,14 @@ def test_wgmma_descriptor_bits():
     kernel = SRC.read_text()
     # Q/K descriptors: SBO 1024 (8-row groups); V: the same, transposed (imm-trans-b = 1)
     assert kernel.count("wg_desc(") == 3 and kernel.count(", 16, 1024)") == 3
-    # immediates after scale-d: RS (V transposed) "1, 1, 1"; SS 16-bit K-major "1, 1, 0, 0";
-    # SS e4m3 (no transpose operands, always K-major) "1, 1"
-    assert "p, 1, 1, 1;" in text and 'p, " IMM ";' in text
+    # immediates after scale-d: RS "1, 1, TRANS" (WgmmaRS: B transposed, as V; WgmmaRSKMajor:
+    # B K-major); SS 16-bit K-major "1, 1, 0, 0"; SS e4m3 (no transpose operands, always
+    # K-major) "1, 1"
+    assert 'p, 1, 1, " #TRANS ";' in text and 'p, " IMM ";' in text
+    rs = re.findall(r'^MATE_WG_RS(64|128)\((\w+), (\w+), "(\w+)", (\d)\)', text, re.M)
+    assert {(n, name, trans) for n, name, _, _, trans in rs} == {
+        ("64", "WgmmaRS", "1"), ("64", "WgmmaRSKMajor", "0"), ("128", "WgmmaRSKMajor", "0")}, rs
+    assert len(rs) == 6  # f16 and bf16 each
     ss = re.findall(r'^MATE_WG_SS\((\d+), (\d+), (\w+), "(\w+)", "([\d, ]+)"', text, re.M)
     assert {(ty, k, imm) for _, k, _, ty, imm in ss} == {("f16", "16", "1, 1, 0, 0"), ("bf16", "16", "1, 1, 0, 0"),
                                                          ("e4m3", "32", "1, 1")}, ss

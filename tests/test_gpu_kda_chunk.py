@@ -279,7 +279,8 @@ def c_params(kernel: str) -> list:
 
 @pytest.mark.parametrize("kernel, params", [("kda_chunk_offsets_kernel", cl.OFFSETS_PARAMS),
                                             ("kda_chunk_prepare_kernel", cl.PREPARE_PARAMS),
-                                            ("kda_chunk_recurrence_kernel", cl.RECURRENCE_PARAMS)])
+                                            ("kda_chunk_recurrence_kernel", cl.RECURRENCE_PARAMS),
+                                            ("kda_chunk_recurrence_wgmma_kernel", cl.RECURRENCE_PARAMS)])
 def test_kernel_params_match_source(kernel, params):
     assert c_params(kernel) == list(params.params)
 
@@ -289,11 +290,16 @@ def test_registered_variants_are_the_launched_kernels():
 
     src = SRC.read_text()
     assert sorted(re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", src)) == sorted(
-        ["kda_chunk_offsets_kernel", "kda_chunk_prepare_kernel", "kda_chunk_recurrence_kernel"])
+        ["kda_chunk_offsets_kernel", "kda_chunk_prepare_kernel", "kda_chunk_recurrence_kernel",
+         "kda_chunk_recurrence_wgmma_kernel"])
     specs = [sp for sp in registered() if sp.source == "kda_chunk.cu"]
-    launched = {cl.OFFSETS_KERNEL, *cl.PREPARE_KERNEL.values(), *cl.RECURRENCE_KERNEL.values()}
+    launched = {cl.OFFSETS_KERNEL, *cl.PREPARE_KERNEL.values(), *cl.RECURRENCE_KERNEL.values(),
+                *cl.WGMMA_RECURRENCE_KERNEL.values()}
     assert {k_ for sp in specs for k_ in sp.kernels} == launched
-    assert len(specs) == 2 + 2 * len(cl.RECURRENCE_WARPS)
+    assert len(specs) == 2 + 2 * len(cl.RECURRENCE_WARPS) + 2 * len(cl.WGMMA_RECURRENCE_WARPS)
+    # the wgmma kernels build for sm_90a only, which is what select_config picks them for
+    assert {sp.only_arch for sp in cl.WGMMA_RECURRENCE_SPECS.values()} == {"sm_90a"}
+    assert ch.WGMMA_RECURRENCE_CC == (90,)
 
 
 def test_layout_constants_match_source():
@@ -306,10 +312,16 @@ def test_layout_constants_match_source():
                            ("egl", "kWsEgl")):
         assert SLOT_PARTS[name][0] == const[ws_const], name
     assert cl.SLOT_BYTES % 256 == 0  # the varlen offsets table after the slots stays aligned
+    assert const["kWgV"] == cl.WGMMA_STAGE_V  # the wgmma stage: tiles, egl, then the V slice
 
 
 def test_recurrence_warps_heuristic():
-    assert ch.recurrence_warps(64, 132) == 4      # B1 H64: 128 CTAs
+    wg = dict(widths=cl.WGMMA_RECURRENCE_WARPS, warp_cost=ch.WGMMA_WARP_COST)
+    assert ch.recurrence_warps(64, 132, **wg) == 4   # wgmma, B1 H64: 128 one-warpgroup CTAs
+    assert ch.recurrence_warps(32, 132, **wg) == 4   # B1 H32: 64 CTAs
+    assert ch.recurrence_warps(96, 132, **wg) == 8   # B1 H96: one wave of 96 two-warpgroup CTAs
+    assert ch.recurrence_warps(512, 132, **wg) == 8  # varlen 8 x H64
+    assert ch.recurrence_warps(64, 132) == 4      # mma.sync, B1 H64: 128 CTAs
     assert ch.recurrence_warps(96, 132) == 8      # B1 H96: one wave of 96 CTAs
     assert ch.recurrence_warps(32, 132) == 2      # B1 H32: 128 two-warp CTAs (fastest in the H200 sweep)
     assert ch.recurrence_warps(512, 132) == 8     # varlen 8 x H64
@@ -336,6 +348,9 @@ def test_smem_fits():
     per_sm = 228 * 1024  # H100/H200: 228 KB per SM, 1 KB reserved per CTA, 227 KB per CTA at most
     assert 3 * (cl.PREPARE_SMEM + 1024) <= per_sm  # three prepare CTAs per SM
     assert all(cl.recurrence_smem(nw) <= 227 * 1024 for nw in cl.RECURRENCE_WARPS)
+    # wgmma stages: four 1024-aligned tiles of 64 x 128 / 64 x 64, egl and the V slice; + 1 KB alignment
+    assert cl.recurrence_smem(4, wgmma=True) == 2 * 75776 + 1024
+    assert cl.recurrence_smem(8, wgmma=True) == 2 * 83968 + 1024 <= ch.MAX_SMEM_PER_BLOCK[90]
 
 
 @pytest.mark.slow
@@ -344,11 +359,15 @@ def test_smem_fits():
 def test_kernels_compile_without_spills(dtype, arch):
     from mate_cupy.jit import compile_variant
 
-    for spec in [cl.PREPARE_SPECS[dtype]] + [cl.RECURRENCE_SPECS[(dtype, nw)] for nw in cl.RECURRENCE_WARPS]:
+    specs = [cl.PREPARE_SPECS[dtype]] + [cl.RECURRENCE_SPECS[(dtype, nw)] for nw in cl.RECURRENCE_WARPS]
+    if arch == "sm_90a":
+        specs += [cl.WGMMA_RECURRENCE_SPECS[(dtype, nw)] for nw in cl.WGMMA_RECURRENCE_WARPS]
+    for spec in specs:
         log = compile_variant(spec, arch, ptxas_verbose=True)["log"]
         entries = log.count("Compiling entry function")
         assert entries >= len(spec.kernels)
         assert log.count("0 bytes spill stores, 0 bytes spill loads") == entries, log
+        assert "wgmma.mma_async instructions are serialized" not in log, log
 
 
 def test_select_config(rng, cuda_standins):
@@ -356,12 +375,17 @@ def test_select_config(rng, cuda_standins):
     _, p, _ = ch.validate(**validate_args(x))
     cfg = ch.select_config(p, 132, 90)
     assert ch.select_config(p, 132, 90) is cfg  # pure, cached by the frozen problem
-    assert cfg.recurrence_warps == ch.recurrence_warps(3 * 96, 132) == 8  # 3 waves of 288 CTAs
+    # sm_90: the wgmma recurrence, 3 waves of 288 two-warpgroup CTAs
+    assert cfg.recurrence_wgmma and cfg.recurrence_warps == 8
     assert cfg.num_slots == (1003 + 63 * 3) // 64 and cfg.prepare_grid == (cfg.num_slots, 96)
-    assert cfg.recurrence_grid == (3 * 1, 96) and cfg.recurrence_smem == cl.recurrence_smem(8)
+    assert cfg.recurrence_grid == (3 * 1, 96) and cfg.recurrence_smem == cl.recurrence_smem(8, wgmma=True)
+    assert ch.select_config(p, 132, 100) == ch.chunk_config(p, 8)  # sm_100: mma.sync, 8 warps
+    with pytest.raises(ValueError, match="no wgmma recurrence kernel of 2 warps"):
+        ch.chunk_config(p, 2, wgmma=True)
     assert cfg.offsets_at == cfg.num_slots * 96 * cl.SLOT_BYTES
     assert cfg.launch_offsets and cfg.launch_prepare and cfg.launch_recurrence
-    assert ch.select_config(p, 108, 80).recurrence_warps == 4  # A100: 8-warp CTAs do not fit
+    a100 = ch.select_config(p, 108, 80)  # A100: mma.sync; 8-warp CTAs do not fit
+    assert a100.recurrence_warps == 4 and not a100.recurrence_wgmma
     # nothing to run: no sequences, or no tokens and no final state
     _, p0, _ = ch.validate(**validate_args(make_inputs(rng, 0, 0, 1, 1, lens=[])))
     assert not ch.select_config(p0, 132, 90).launches_any
@@ -430,9 +454,9 @@ def test_launcher_dry_run(rng, launches, varlen, gate, s_in, s_out, prealloc):
     cfg = ch.select_config(ch.validate(**validate_args(kw))[1], 132, 90)
     names = [kern.name.split("<")[0] for kern, *_ in launches]
     assert names == (["kda_chunk_offsets_kernel"] if varlen else []) + ["kda_chunk_prepare_kernel",
-                                                                       "kda_chunk_recurrence_kernel"]
+                                                                       "kda_chunk_recurrence_wgmma_kernel"]
     table = {"kda_chunk_offsets_kernel": cl.OFFSETS_PARAMS, "kda_chunk_prepare_kernel": cl.PREPARE_PARAMS,
-             "kda_chunk_recurrence_kernel": cl.RECURRENCE_PARAMS}
+             "kda_chunk_recurrence_wgmma_kernel": cl.RECURRENCE_PARAMS}
     ws = None
     for kern, grid, block, params, values, smem, stream in launches:
         base = kern.name.split("<")[0]
@@ -447,10 +471,12 @@ def test_launcher_dry_run(rng, launches, varlen, gate, s_in, s_out, prealloc):
             assert smem == cl.PREPARE_SMEM and v["has_gate"] == int(gate) and v["seq_len_dense"] == (0 if varlen else T)
             assert address(v["q"]) == _ptr(x["q"]) and address(v["beta"]) == _ptr(x["beta"])
             assert v["H"] == H and v["HV"] == HV and v["total_rows"] == B * T
-        if base == "kda_chunk_recurrence_kernel":
+        if base == "kda_chunk_recurrence_wgmma_kernel":  # the sm_90 stand-in device
             nw = int(kern.name.split(",")[1].strip(" >"))
-            assert nw == cfg.recurrence_warps == ch.recurrence_warps(N * HV, 132)
-            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,) and smem == cl.recurrence_smem(nw)
+            assert nw == cfg.recurrence_warps == ch.recurrence_warps(N * HV, 132, cl.WGMMA_RECURRENCE_WARPS,
+                                                                     ch.WGMMA_WARP_COST)
+            assert grid == (N * 128 // (16 * nw), HV) and block == (32 * nw,)
+            assert smem == cl.recurrence_smem(nw, wgmma=True)
             kind = {None: 0, F32: 1, BF16: 2}
             assert (v["state_in_kind"], v["state_out_kind"]) == (kind[s_in], kind[s_out])
             assert v["ws"] == ws and v["num_slots"] == cfg.num_slots
@@ -501,7 +527,7 @@ def test_launcher_dry_run_staging(rng, launches):
     assert np.array_equal(v["q"].data, q) and v["q"].data.flags.c_contiguous
     assert v["A_log"].data.dtype == F32 and np.array_equal(v["A_log"].data, A_log.astype(F32))
     assert v["dt_bias"].data.dtype == F32 and np.array_equal(v["dt_bias"].data, dt_bias.astype(F32))
-    rec = next(r for r in launches if r[0].name.startswith("kda_chunk_recurrence_kernel"))
+    rec = next(r for r in launches if r[0].name.startswith("kda_chunk_recurrence_wgmma_kernel"))
     r = dict(zip(rec[3].names, rec[4]))
     assert r["state_in_kind"] == r["state_out_kind"] == 1
     assert np.array_equal(r["state_in"].data, x["initial_state"].astype(F32))
@@ -628,31 +654,91 @@ def test_chunk_long_sequence_stable(rng, gate):
     assert rel(fs, s_ref) < STATE_TOL[BF16]
 
 
-def _run_width(x, warps):
-    """The CUDA path with ``warps`` warps per recurrence CTA (the configuration made by hand)."""
+def _run_width(x, warps, wgmma=False):
+    """The CUDA path with ``warps`` warps per recurrence CTA of the wgmma or the mma.sync
+    kernel (the configuration made by hand)."""
     d = _dev(x)
     out = _nan(x["v"].shape, x["v"].dtype)
     fs = _nan((_num_seqs(x), x["v"].shape[2], K, K), F32)
     call, p, ws = ch.validate(**validate_args(dict(d, output=out, output_final_state=True, final_state=fs)))
-    ch.run_cuda(call, p, ch.chunk_config(p, warps), ws)
+    ch.run_cuda(call, p, ch.chunk_config(p, warps, wgmma), ws)
     return out, fs
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("nw", cl.RECURRENCE_WARPS)
-def test_chunk_every_recurrence_width(rng, nw):
-    """Every V-slice width gives bitwise the same result (warps never share data)."""
+RECURRENCE_KERNELS = ([pytest.param(nw, False, id=f"mma-{nw}w") for nw in cl.RECURRENCE_WARPS]
+                      + [pytest.param(nw, True, id=f"wgmma-{nw}w") for nw in cl.WGMMA_RECURRENCE_WARPS])
+
+
+def _skip_unless_runs(nw, wgmma):
     from mate_cupy.runtime.device import device_info
 
-    if nw not in ch.recurrence_widths(device_info()[1]):
+    cc = device_info()[1]
+    if wgmma and cc != 90:
+        pytest.skip("the wgmma recurrence is built for sm_90a only")
+    if not wgmma and nw not in ch.recurrence_widths(cc):
         pytest.skip(f"{nw}-warp recurrence CTAs do not fit this device's shared memory")
-    x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[300, 1, 64], state=F32)
-    base, base_s = _run_width(x, 1)
-    out, fs = _run_width(x, nw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nw, wgmma", RECURRENCE_KERNELS)
+def test_chunk_every_recurrence_width(rng, nw, wgmma):
+    """Every V-slice width of a recurrence kernel gives bitwise the same result (warps and
+    warpgroups never share data), and each kernel matches the float64 recurrence."""
+    _skip_unless_runs(nw, wgmma)
+    x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[300, 1, 64, 0, 129], state=F32)
+    base, base_s = _run_width(x, cl.WGMMA_RECURRENCE_WARPS[0] if wgmma else 1, wgmma)
+    out, fs = _run_width(x, nw, wgmma)
     np.testing.assert_array_equal(to_f64(out), to_f64(base))
     np.testing.assert_array_equal(to_f64(fs), to_f64(base_s))
-    o_ref, _ = reference(x)
+    o_ref, s_ref = reference(x)
     assert rel(out, o_ref) < TOL[BF16]
+    assert rel(fs, s_ref) < STATE_TOL[BF16]
+    np.testing.assert_array_equal(to_f64(fs[3]), to_f64(x["initial_state"][3]))  # the empty sequence
+
+
+WGMMA_EDGE_CASES = [
+    # dtype, B, T, H, HV, gate params, initial state, final state, varlen lengths
+    pytest.param(BF16, 3, 1, 1, 2, True, F32, F32, None, id="bf16-T1"),
+    pytest.param(BF16, 1, 63, 1, 4, False, BF16, BF16, None, id="bf16-T63-gva4"),
+    pytest.param(F16, 2, 65, 2, 4, True, F32, F32, None, id="fp16-T65-gva2"),
+    pytest.param(BF16, 1, 257, 2, 6, True, None, F32, None, id="bf16-T257-gva3"),
+    pytest.param(F16, 1, 0, 1, 2, True, F16, F16, [0, 1, 0, 63, 64, 65, 0, 193], id="fp16-varlen-empties"),
+    pytest.param(BF16, 1, 0, 2, 4, False, F32, F32, [129, 0, 2, 700], id="bf16-varlen-logdecay"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nw", cl.WGMMA_RECURRENCE_WARPS, ids=lambda nw: f"{nw}w")
+@pytest.mark.parametrize("dtype, B, T, H, HV, gate, s_in, s_out, lens", WGMMA_EDGE_CASES)
+def test_chunk_wgmma_recurrence_edges(rng, nw, dtype, B, T, H, HV, gate, s_in, s_out, lens):
+    """The wgmma recurrence at both widths on chunk tails (1, 63, 65, 64 k + 1 tokens), empty
+    sequences, GVA, every state dtype: against the float64 recurrence, NaN-poisoned outputs."""
+    _skip_unless_runs(nw, True)
+    x = make_inputs(rng, B, T, H, HV, dtype=dtype, gate_params=gate, lens=lens, state=s_in)
+    o_ref, s_ref = reference(x)
+    d = _dev(x)
+    out = _nan(x["v"].shape, dtype)
+    fs = _nan((_num_seqs(x), HV, K, K), s_out)
+    call, p, ws = ch.validate(**validate_args(dict(d, output=out, output_final_state=True, final_state=fs)))
+    ch.run_cuda(call, p, ch.chunk_config(p, nw, wgmma=True), ws)
+    assert rel(out, o_ref) < TOL[dtype]
+    assert rel(fs, s_ref) < STATE_TOL[dtype]
+    for n, ln in enumerate(lens or []):
+        if ln == 0 and s_in is not None:  # empty sequences keep their initial state (rounded once)
+            np.testing.assert_array_equal(to_f64(fs[n]), to_f64(x["initial_state"][n].astype(s_out)))
+
+
+@pytest.mark.gpu
+def test_chunk_runs_the_wgmma_recurrence_on_sm90(rng):
+    """On an H100/H200 the public path (the GPU tests above) runs the wgmma recurrence."""
+    from mate_cupy.runtime.device import device_info
+
+    sm_count, cc = device_info()
+    if cc != 90:
+        pytest.skip("not an sm_90 device")
+    x = make_inputs(rng, 1, 100, 1, 2)
+    _, p, _ = ch.validate(**validate_args(_dev(x)))
+    assert ch.select_config(p, sm_count, cc).recurrence_wgmma
 
 
 @pytest.mark.gpu
@@ -871,6 +957,13 @@ EMU_CASES = [
                  id="extreme-nw1"),
     pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=True, lens=[30, 64, 97], state=F32),
                  dict(nw=2, s_out=F32), id="varlen-gate-nw2"),
+    # the sm_90a wgmma recurrence: one and two warpgroups, chunk tails, empty sequences, GVA
+    pytest.param(dict(B=2, T=129, H=1, HV=2, gate_params=True, state=F32), dict(nw=4, s_out=F32, wgmma=True),
+                 id="wgmma4-dense-gate-T129"),
+    pytest.param(dict(B=0, T=0, H=1, HV=2, gate_params=True, lens=[1, 0, 63, 65], state=BF16),
+                 dict(nw=8, s_out=BF16, lazy=1, wgmma=True), id="wgmma8-varlen-tails-lazy"),
+    pytest.param(dict(B=1, T=64, H=1, HV=4, dtype=F16, gate_params=False, extreme=True, state=F32),
+                 dict(nw=4, s_out=F32, wgmma=True), id="wgmma4-fp16-gva4-extreme"),
 ]
 
 
@@ -888,13 +981,17 @@ def kda_emulator(tmp_path_factory):
         pytest.skip("needs g++ and the CUDA fp16/bf16 headers")
     emu = Path(__file__).resolve().parent / "kda_chunk_emu"
     src = SRC.read_text()
-    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"'):
+    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"',
+                '#include "common/attention_wgmma.cuh"'):
         assert inc in src
         src = src.replace(inc, "")
     decl = "extern __shared__ __align__(16) unsigned char smem[];"
     assert src.count(decl) == 2  # prepare, recurrence
+    src = src.replace(decl, "unsigned char* smem = emu::dyn_smem();")
+    decl = "extern __shared__ __align__(1024) unsigned char smem_raw[];"
+    assert src.count(decl) == 1  # wgmma recurrence
     d = tmp_path_factory.mktemp("kda_emu")
-    (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem = emu::dyn_smem();"))
+    (d / "kda_chunk_emu.inc").write_text(src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();"))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if os.environ.get("MATE_CUPY_EMU_SANITIZE") else ["-O2"]
     exe = d / "driver"
     cmd = ["g++", "-std=c++20", *flags, f"-I{emu}", f"-I{emu.parent / 'cuda_emu'}", f"-I{d}",
@@ -935,7 +1032,7 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
     (tmp_path / "params.txt").write_text(
         f"{B} {T} {H} {HV} {N} {int(varlen)} {int(dtype == BF16)} {int('A_log' in x)} {int(l2)} {scale} -5.0 "
         f"{kind[s_in]} {kind[s_out]} {int(varlen and x['cu_seqlens'].dtype == np.int64)} {run['nw']} "
-        f"{run.get('lazy', 0)}\n")
+        f"{run.get('lazy', 0)} {int(run.get('wgmma', False))}\n")
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")  # the driver leaves its buffers to process exit
     r = subprocess.run([str(kda_emulator), str(tmp_path)], capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -943,9 +1040,12 @@ def test_kernel_source_emulated_matches_model(rng, tmp_path, kda_emulator, kw, r
     o_model, s_model = model_chunk_kda(x, op=dtype, l2=l2, record=rec)
     out = np.fromfile(tmp_path / "out.bin", dtype=dtype).reshape(x["v"].shape)
     assert rel(out, _round(o_model, dtype)) < 2e-3
+    o_ref, s_ref = reference(x, use_qk_l2norm=l2)  # and the float64 recurrence, to the GPU tolerances
+    assert rel(out, o_ref) < TOL[dtype]
     if s_out is not None:
         fs = np.fromfile(tmp_path / "ht.bin", dtype=s_out).reshape(N, HV, K, K)
         assert rel(fs, _round(s_model, s_out)) < 2e-3
+        assert rel(fs, s_ref) < STATE_TOL[dtype]
     ws = np.fromfile(tmp_path / "ws.bin", dtype=np.uint8)
     lens = np.diff(x["cu_seqlens"]) if varlen else [T] * B
     slot = 0

@@ -98,13 +98,14 @@ def test_every_registered_variant_compiles(arch):
 def _is_wgmma(spec) -> bool:
     d = dict(spec.defines)
     return (d.get("ATT_WGMMA") == "1" or spec.source == "attention_gather.cu"
-            or any(k.startswith("msa_max_score_ws_kernel") for k in spec.kernels))
+            or any(k.startswith(("msa_max_score_ws_kernel", "kda_chunk_recurrence_wgmma_kernel"))
+                   for k in spec.kernels))
 
 
 def test_hopper_only_variants_build_for_sm90a_alone():
     specs = registered()
     hopper = [s for s in specs if _is_wgmma(s)]
-    assert len(hopper) == 23 and len(specs) == 155
+    assert len(hopper) == 27 and len(specs) == 159  # 4 of them the wgmma chunk_kda recurrence (2 dtypes x 2 widths)
     for s in specs:
         if _is_wgmma(s):
             assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90

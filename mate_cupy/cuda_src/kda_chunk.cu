@@ -18,13 +18,20 @@
 //                                  rows of S), sequential over the chunks: state in f32
 //                                  registers, bf16/fp16 mma.sync m16n8k16, cp.async double
 //                                  buffering of the next chunk's workspace tiles.
+//   kda_chunk_recurrence_wgmma_kernel<T, NW>  sm_90a, the same CTA grid with NW = 4 or 8 (one
+//                                  or two warpgroups of 64 state rows): the transposed chunk
+//                                  step (S as a wgmma m64n128 f32 accumulator, every A operand
+//                                  a register fragment, B tiles 128-byte swizzled in shared
+//                                  memory), cp.async double buffering.
 // T is the input dtype (half_t or bf16_t): the operand type of the recurrence GEMMs.
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/kda_chunk_ops.cuh"
+#include "common/attention_wgmma.cuh"
 
 using namespace mate;
 using namespace mate::kda;
+using mate::attn::u64;
 
 namespace {
 
@@ -83,6 +90,19 @@ static_assert(kWsKt == kWsQs + kC * kD * 2 && kWsKb == kWsKt + kC * kD * 2, "Qs,
 static_assert(kWsAqk == kWsT + kC * kC * 2, "T, Aqk rows are consecutive");
 static_assert(kRecKt == kRecQs + kC * kS16 * 2 && kRecKb == kRecKt + kC * kS16 * 2 && kRecAqk == kRecT + kC * kS64 * 2,
               "stage tiles are consecutive rows");
+
+// sm_90a recurrence (wgmma) shared memory, per pipeline stage (bytes). Tiles start on 1024-byte
+// boundaries and are stored in 128-byte-swizzled column blocks of 64 16-bit values
+// (ColumnBlockTile, common/attention_wgmma.cuh): 16-byte chunk c of row r of a block at
+// r * 128 + ((c ^ (r & 7)) << 4).
+constexpr int kWgQs = 0;       // Qs: 64 token rows x 128 channels, 2 blocks of 8 KB
+constexpr int kWgKt = 16384;   // Kt: as Qs
+constexpr int kWgKb = 32768;   // Kb: as Qs
+constexpr int kWgT = 49152;    // T: 64 rows i x 64 columns j, one block; the blocks above the diagonal are zero
+constexpr int kWgAqk = 57344;  // Aqk: as T
+constexpr int kWgEgl = 65536;  // f32 [128]
+constexpr int kWgV = 66048;    // V slice [64 tokens][BV + 8] (rows padded for conflict-free ldmatrix)
+__host__ __device__ constexpr int rec_wg_stage_bytes(int bv) { return (kWgV + kC * (bv + 8) * 2 + 1023) / 1024 * 1024; }
 
 __device__ __forceinline__ long long load_cu(const void* cu, int is64, long long i) {
     return is64 ? reinterpret_cast<const long long*>(cu)[i] : (long long)reinterpret_cast<const int*>(cu)[i];
@@ -161,6 +181,178 @@ __device__ __forceinline__ float gate_cumsum(float (&gacc)[32], const T* __restr
 __device__ __forceinline__ bool diag_block_wide(const int* sflag, int B) {
     const int* f = sflag + 8 * (B >> 1) + (B & 1);
     return (f[0] | f[2] | f[4] | f[6]) != 0;
+}
+
+// ---- recurrence helpers (both kernels)
+
+// The chunks of sequence n the recurrence walks: rows [bos, bos + len), workspace slots
+// [base_slot, base_slot + nchunks) (the count capped by the slot count).
+struct SeqChunks {
+    long long bos, len;
+    int base_slot, nchunks;
+};
+__device__ __forceinline__ SeqChunks sequence_chunks(int n, const void* cu_seqlens, int cu_is_64,
+                                                     const int* chunk_offsets, int num_slots, long long seq_len_dense,
+                                                     long long total_rows) {
+    SeqChunks c;
+    if (cu_seqlens != nullptr) {
+        long long eos;
+        seq_bounds(cu_seqlens, cu_is_64, n, total_rows, c.bos, eos);
+        c.len = eos - c.bos;
+        c.base_slot = chunk_offsets[n];
+    } else {
+        c.bos = (long long)n * seq_len_dense;
+        c.len = seq_len_dense;
+        c.base_slot = n * (int)((seq_len_dense + kC - 1) / kC);
+    }
+    c.nchunks = max(0, min((int)((c.len + kC - 1) / kC), num_slots - c.base_slot));
+    return c;
+}
+
+// A warp's 16 state rows in mma accumulator layout (also a wgmma accumulator's per-warp
+// layout): s[kt][0..1] = S[v0 + g][8 kt + 2 t, +1], s[kt][2..3] = S[v0 + g + 8][...].
+// kind 0: zeros (load) / nothing (store), 1: float32, 2: bfloat16; state [N, HV, V, K] from
+// sbase (elements).
+__device__ __forceinline__ void load_state_rows(float (&s)[16][4], const void* state, int kind, long long sbase,
+                                                int v0, int g, int t) {
+#pragma unroll
+    for (int kt = 0; kt < 16; ++kt) {
+        const long long ia = sbase + (long long)(v0 + g) * kD + 8 * kt + 2 * t, ib = ia + 8 * kD;
+        if (kind == 1) {
+            const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(state) + ia);
+            const float2 b = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(state) + ib);
+            s[kt][0] = a.x; s[kt][1] = a.y; s[kt][2] = b.x; s[kt][3] = b.y;
+        } else if (kind == 2) {
+            const float2 a = unpack2<bf16_t>(*reinterpret_cast<const u32*>(reinterpret_cast<const bf16_t*>(state) + ia));
+            const float2 b = unpack2<bf16_t>(*reinterpret_cast<const u32*>(reinterpret_cast<const bf16_t*>(state) + ib));
+            s[kt][0] = a.x; s[kt][1] = a.y; s[kt][2] = b.x; s[kt][3] = b.y;
+        } else {
+            s[kt][0] = s[kt][1] = s[kt][2] = s[kt][3] = 0.f;
+        }
+    }
+}
+__device__ __forceinline__ void store_state_rows(const float (&s)[16][4], void* state, int kind, long long sbase,
+                                                 int v0, int g, int t) {
+    if (kind == 0) return;
+#pragma unroll
+    for (int kt = 0; kt < 16; ++kt) {
+        const long long ia = sbase + (long long)(v0 + g) * kD + 8 * kt + 2 * t, ib = ia + 8 * kD;
+        if (kind == 1) {
+            float* so = reinterpret_cast<float*>(state);
+            *reinterpret_cast<float2*>(so + ia) = make_float2(s[kt][0], s[kt][1]);
+            *reinterpret_cast<float2*>(so + ib) = make_float2(s[kt][2], s[kt][3]);
+        } else {
+            bf16_t* so = reinterpret_cast<bf16_t*>(state);
+            *reinterpret_cast<u32*>(so + ia) = pack2<bf16_t>(s[kt][0], s[kt][1]);
+            *reinterpret_cast<u32*>(so + ib) = pack2<bf16_t>(s[kt][2], s[kt][3]);
+        }
+    }
+}
+// S = S diag(egl) on the rows of load_state_rows (egl: f32 [128] in shared memory).
+__device__ __forceinline__ void decay_state_columns(float (&s)[16][4], const float* egl, int t) {
+#pragma unroll
+    for (int kt = 0; kt < 16; ++kt) {
+        const float2 e = *reinterpret_cast<const float2*>(egl + 8 * kt + 2 * t);
+        s[kt][0] *= e.x; s[kt][1] *= e.y; s[kt][2] *= e.x; s[kt][3] *= e.y;
+    }
+}
+
+// ---- wgmma recurrence helpers (sm_90a). Accumulators are float acc[N / 8][4] of an m64nN
+// wgmma: acc[i][j] = D[16 w + g + 8 (j / 2)][8 i + 2 t + (j % 2)] in warp w of the warpgroup.
+
+// A fragments (mma.m16n8k16 A layout per warp) of the 16-bit rounding of an accumulator:
+// k-step kk covers its columns 16 kk .. 16 kk + 15.
+template <typename T, int KS>
+__device__ __forceinline__ void accumulator_to_a(u32 (&a)[KS][4], const float (*acc)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        a[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+        a[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+        a[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+        a[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    }
+}
+
+// A fragments of D^T = V^T - X^T [values x 64 tokens], rounded once: V^T read from the V
+// slice (rows = tokens, stride SV elements; this warp's 16 values from column vcol) with
+// ldmatrix.trans (matrix m of k-step kk: tokens 16 kk + 8 (m / 2), values vcol + 8 (m % 2),
+// which is A register m); X^T = x[0..7] (accumulator columns = tokens).
+template <typename T, int SV>
+__device__ __forceinline__ void value_residual_to_a(u32 (&a)[4][4], const float (*x)[4], const T* sV, int vcol,
+                                                    int lane) {
+    const int lr = (lane & 7) + ((lane >> 4) << 3), lc = ((lane >> 3) & 1) << 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        u32 r[4];
+        ldmatrix_x4_trans(r[0], r[1], r[2], r[3], sV + (16 * kk + lr) * SV + vcol + lc);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float2 v = unpack2<T>(r[m]);
+            const float* xx = x[2 * kk + (m >> 1)] + 2 * (m & 1);
+            a[kk][m] = pack2<T>(v.x - xx[0], v.y - xx[1]);
+        }
+    }
+}
+
+// acc = S B^T (m64n64, K = 128 channels): B the 64-row K-major tile at tile (Kt or Qs: rows
+// tokens, channels in two column blocks of 8 KB); k-step ks reads block ks / 4 at byte
+// (ks % 4) * 32.
+template <typename T>
+__device__ __forceinline__ void issue_state_product(float (*acc)[4], const u32 (&a)[8][4], u32 tile) {
+    const u64 desc = attn::wg_desc(tile, 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+        const u64 d = attn::wg_desc_add(desc, (ks >> 2) * (kC * 128) + (ks & 3) * 32);
+        if (ks == 0)
+            attn::WgmmaRSKMajor<64, T>::first(&acc[0][0], a[ks], d);
+        else
+            attn::WgmmaRSKMajor<64, T>::run(&acc[0][0], a[ks], d, 1);
+    }
+}
+
+// acc (+)= A B^T (m64n64, K = 64 tokens) with B^T the 64 x 64 tile at tile (T or Aqk: rows
+// n, columns k, K-major; the zero blocks above the diagonal are multiplied like the others).
+template <typename T, bool kFirst>
+__device__ __forceinline__ void issue_chunk_square(float (*acc)[4], const u32 (&a)[4][4], u32 tile) {
+    const u64 desc = attn::wg_desc(tile, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        if (kFirst && kk == 0)
+            attn::WgmmaRSKMajor<64, T>::first(&acc[0][0], a[kk], attn::wg_desc_add(desc, kk * 32));
+        else
+            attn::WgmmaRSKMajor<64, T>::run(&acc[0][0], a[kk], attn::wg_desc_add(desc, kk * 32), 1);
+    }
+}
+
+// S += U^T Kb (m64n128, K = 64 tokens): Kb MN-major (token rows, channels in two 64-column
+// blocks of 8 KB, one n64 wgmma each); k-step kk is 16 rows (2048 bytes) further.
+template <typename T>
+__device__ __forceinline__ void issue_state_update(float (*s)[4], const u32 (&u)[4][4], u32 kb) {
+    const u64 desc = attn::wg_desc(kb, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int cb = 0; cb < 2; ++cb)
+            attn::WgmmaRS<64, T>::run(&s[8 * cb][0], u[kk], attn::wg_desc_add(desc, cb * (64 * 128) + kk * 2048), 1);
+}
+
+// O^T of this warp (accumulator o: rows values v0 + g, + 8; columns tokens) -> out[row0 +
+// token][hv][value] for tokens < L (2-byte stores: a warp instruction writes 4 tokens x 16 bytes).
+template <typename T>
+__device__ __forceinline__ void store_output_columns(T* out, const float (*o)[4], long long row0, int L, int HV,
+                                                     int hv, int v0, int g, int t) {
+    const long long tok_stride = (long long)HV * kD;
+    T* base = out + (row0 * HV + hv) * kD + v0 + g;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = 8 * i + 2 * t + e;
+            if (tok < L) {
+                base[tok * tok_stride] = from_float<T>(o[i][e]);
+                base[tok * tok_stride + 8] = from_float<T>(o[i][2 + e]);
+            }
+        }
 }
 
 }  // namespace
@@ -594,40 +786,15 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
 
-    long long bos, len;
-    int base_slot;
-    if (cu_seqlens != nullptr) {
-        long long eos;
-        seq_bounds(cu_seqlens, cu_is_64, n, total_rows, bos, eos);
-        len = eos - bos;
-        base_slot = chunk_offsets[n];
-    } else {
-        bos = (long long)n * seq_len_dense;
-        len = seq_len_dense;
-        base_slot = n * (int)((seq_len_dense + kC - 1) / kC);
-    }
-    int nchunks = (int)((len + kC - 1) / kC);
-    nchunks = max(0, min(nchunks, num_slots - base_slot));
+    const SeqChunks sc = sequence_chunks(n, cu_seqlens, cu_is_64, chunk_offsets, num_slots, seq_len_dense, total_rows);
+    const long long bos = sc.bos, len = sc.len;
+    const int base_slot = sc.base_slot, nchunks = sc.nchunks;
 
     // ---- initial state rows of this warp
     const int v0 = vb * BV + warp * 16;
     const long long sbase = ((long long)n * HV + hv) * kD * kD;
     float sacc[16][4];
-#pragma unroll
-    for (int kt = 0; kt < 16; ++kt) {
-        const long long ia = sbase + (long long)(v0 + gq) * kD + 8 * kt + 2 * tq, ib = ia + 8 * kD;
-        if (state_in_kind == 1) {
-            const float2 a = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(state_in) + ia);
-            const float2 b = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(state_in) + ib);
-            sacc[kt][0] = a.x; sacc[kt][1] = a.y; sacc[kt][2] = b.x; sacc[kt][3] = b.y;
-        } else if (state_in_kind == 2) {
-            const float2 a = unpack2<bf16_t>(*reinterpret_cast<const u32*>(reinterpret_cast<const bf16_t*>(state_in) + ia));
-            const float2 b = unpack2<bf16_t>(*reinterpret_cast<const u32*>(reinterpret_cast<const bf16_t*>(state_in) + ib));
-            sacc[kt][0] = a.x; sacc[kt][1] = a.y; sacc[kt][2] = b.x; sacc[kt][3] = b.y;
-        } else {
-            sacc[kt][0] = sacc[kt][1] = sacc[kt][2] = sacc[kt][3] = 0.f;
-        }
-    }
+    load_state_rows(sacc, state_in, state_in_kind, sbase, v0, gq, tq);
 
     // Per-thread copy pattern (fixed strides, fully unrolled: one cp.async instruction per
     // 16 bytes). Qs, Kt, Kb are 192 consecutive 256-byte rows in the slot and 192 rows of
@@ -786,11 +953,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
             }
 
         // S = S diag(egl) + U^T Kb: M = 16 values, N = 128 channels, K = 64 tokens
-#pragma unroll
-        for (int kt = 0; kt < 16; ++kt) {
-            const float2 e = *reinterpret_cast<const float2*>(segl + 8 * kt + 2 * tq);
-            sacc[kt][0] *= e.x; sacc[kt][1] *= e.y; sacc[kt][2] *= e.x; sacc[kt][3] *= e.y;
-        }
+        decay_state_columns(sacc, segl, tq);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
             const u32 a[4] = {uT[ks][0][0], uT[ks][1][0], uT[ks][0][1], uT[ks][1][1]};
@@ -806,19 +969,154 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
     cp_async_wait<0>();
 
     // ---- final state
-    if (state_out_kind != 0) {
-#pragma unroll
-        for (int kt = 0; kt < 16; ++kt) {
-            const long long ia = sbase + (long long)(v0 + gq) * kD + 8 * kt + 2 * tq, ib = ia + 8 * kD;
-            if (state_out_kind == 1) {
-                float* so = reinterpret_cast<float*>(state_out);
-                *reinterpret_cast<float2*>(so + ia) = make_float2(sacc[kt][0], sacc[kt][1]);
-                *reinterpret_cast<float2*>(so + ib) = make_float2(sacc[kt][2], sacc[kt][3]);
-            } else {
-                bf16_t* so = reinterpret_cast<bf16_t*>(state_out);
-                *reinterpret_cast<u32*>(so + ia) = pack2<bf16_t>(sacc[kt][0], sacc[kt][1]);
-                *reinterpret_cast<u32*>(so + ib) = pack2<bf16_t>(sacc[kt][2], sacc[kt][3]);
-            }
-        }
+    store_state_rows(sacc, state_out, state_out_kind, sbase, v0, gq, tq);
+}
+
+// Phase 2 on sm_90a: one CTA of NW = 4 or 8 warps (one or two warpgroups) per (sequence n,
+// value head hv, V slice vb of 16 NW state rows), the grid of the mma.sync kernel. The chunk
+// step runs transposed, so that the state is the accumulator of its own update and every A
+// operand is a register fragment of an earlier accumulator. Warpgroup w holds state rows
+// [vb * 16NW + 64 w, +64) as an m64n128 f32 accumulator (64 registers per thread, warp
+// layout as load_state_rows) and per chunk issues, in four commit groups,
+//   X^T = S Kt^T,  O^T = S Qs^T                 m64n64k128 each, A = S (input dtype)
+//   D^T = V^T - X^T                             registers (V^T by ldmatrix.trans)
+//   U^T = D^T T^T                               m64n64k64,  A = D^T
+//   O^T += U^T Aqk^T                            m64n64k64,  A = U^T
+//   S = S diag(egl) + U^T Kb                    m64n128k64 (two n64 halves), A = U^T, Kb MN-major
+// with every B tile read by descriptor from the stage (rec_wg_stage_bytes). Warpgroups never
+// exchange data; the CTA synchronises once per chunk to recycle the two stages, filled by
+// cp.async from fixed per-thread offsets. grid = (N * (128 / (16 NW)), HV); parameters and
+// state kinds as kda_chunk_recurrence_kernel.
+template <typename T, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
+    const T* __restrict__ v, const unsigned char* __restrict__ ws, T* __restrict__ out,
+    const void* __restrict__ state_in, int state_in_kind, void* __restrict__ state_out, int state_out_kind,
+    const void* __restrict__ cu_seqlens, int cu_is_64, const int* __restrict__ chunk_offsets, int num_slots,
+    long long seq_len_dense, long long total_rows, int HV) {
+    static_assert(NW == 4 || NW == 8, "one or two warpgroups");
+    constexpr int BV = 16 * NW, NT = 32 * NW, VB = kD / BV, SV = BV + 8;
+    constexpr int kStage = rec_wg_stage_bytes(BV);
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // swizzled tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this)
+    unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+
+    const int vb = blockIdx.x % VB, n = blockIdx.x / VB, hv = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const SeqChunks sc = sequence_chunks(n, cu_seqlens, cu_is_64, chunk_offsets, num_slots, seq_len_dense, total_rows);
+
+    const int v0 = vb * BV + warp * 16;  // this warp's first state row
+    const long long sbase = ((long long)n * HV + hv) * kD * kD;
+    float S[16][4];
+    load_state_rows(S, state_in, state_in_kind, sbase, v0, g, t);
+
+    // The blocks of T and Aqk above the diagonal: zero in both stages, never copied over.
+    for (int e = tid; e < 2 * 2 * kC * 8; e += NT) {  // stage x {T, Aqk} x 64 rows x 8 chunks
+        const int c = e & 7, r = (e >> 3) & (kC - 1), aqk = (e >> 9) & 1, stage = e >> 10;
+        if ((c >> 1) > (r >> 4))
+            *reinterpret_cast<uint4*>(smem + stage * kStage + (aqk ? kWgAqk : kWgT) + r * 128 + ((c ^ (r & 7)) << 4)) =
+                make_uint4(0u, 0u, 0u, 0u);
     }
+
+    // Copy pattern: Qs | Kt | Kb are 192 consecutive 256-byte rows of the slot, thread (row
+    // rA + kStepA i, 16-byte chunk cA); T | Aqk 128 rows of 128 bytes, thread (rB + kStepB i,
+    // cB), only the chunks on and below the diagonal blocks. The steps are multiples of 8, so
+    // a thread's rows share one swizzle phase. The V slice: 64 rows of 2 BV bytes, 16 per pass.
+    constexpr int kStepA = NT / 16, kStepB = NT / 8, kVPR = BV / 8;
+    const int cA = tid & 15, rA = tid >> 4, cB = tid & 7, rB = tid >> 3;
+    const int swA = rA * 128 + (((cA & 7) ^ (rA & 7)) << 4);  // + column block (cA >> 3) below
+    const int offA_ws = rA * 256 + cA * 16;
+    const int offB_ws = rB * 128 + cB * 16, offB_sm = rB * 128 + ((cB ^ (rB & 7)) << 4);
+    const int vr0 = tid / kVPR, vc = (tid % kVPR) * 8;
+    const long long v_row_stride = (long long)HV * kD;
+    const T* v_head = v + (long long)hv * kD + vb * BV + vc;
+    auto issue_loads = [&](int tc, int stage) {
+        unsigned char* st = smem + stage * kStage;
+        const unsigned char* wslot = ws + ((long long)(sc.base_slot + tc) * HV + hv) * kWsSlotBytes;
+#pragma unroll
+        for (int i = 0; i < 192 / kStepA; ++i) {
+            const int R = kStepA * i, part = R / kC, r = R % kC;  // rows rA + R: Qs, Kt, Kb by part
+            const int tile = part == 0 ? kWgQs : part == 1 ? kWgKt : kWgKb;
+            cp_async_16(st + tile + (cA >> 3) * (kC * 128) + r * 128 + swA, wslot + kWsQs + offA_ws + R * 256);
+        }
+#pragma unroll
+        for (int i = 0; i < 2 * kC / kStepB; ++i) {
+            const int R = kStepB * i, r = R % kC;  // rows rB + R: T, then Aqk
+            if ((cB >> 1) <= ((rB + r) >> 4))
+                cp_async_16(st + (R < kC ? kWgT : kWgAqk) + offB_sm + r * 128, wslot + kWsT + offB_ws + R * 128);
+        }
+        if (tid < 32) cp_async_16(st + kWgEgl + tid * 16, wslot + kWsEgl + tid * 16);
+        const long long row0 = sc.bos + (long long)tc * kC;
+        const int L = (int)min((long long)kC, sc.len - (long long)tc * kC);
+#pragma unroll
+        for (int i = 0; i < kC / 16; ++i) {  // V slice, zero past the sequence end
+            const int r = vr0 + 16 * i;
+            const bool ok = r < L;
+            cp_async_16(st + kWgV + (r * SV + vc) * 2, v_head + (row0 + (ok ? r : 0)) * v_row_stride, ok);
+        }
+    };
+
+    if (sc.nchunks > 0) issue_loads(0, 0);
+    cp_async_commit();
+
+#pragma unroll 1
+    for (int tc = 0; tc < sc.nchunks; ++tc) {
+        cp_async_wait<0>();
+        attn::fence_proxy_async_smem();  // this thread's shared writes, visible to wgmma
+        __syncthreads();  // chunk tc visible; every warpgroup is done with chunk tc - 1's stage
+
+        unsigned char* st = smem + (tc & 1) * kStage;
+        const u32 st_addr = smem_u32(st);
+        const long long row0 = sc.bos + (long long)tc * kC;
+        const int L = (int)min((long long)kC, sc.len - (long long)tc * kC);
+
+        // X^T = S Kt^T (first group), O^T = S Qs^T (second group, still running during the
+        // residual and U^T = (V^T - X^T) T^T)
+        u32 aS[8][4];
+        accumulator_to_a<T, 8>(aS, S);
+        float x[8][4], o[8][4], u[8][4];
+        attn::wg_fence_regs<32>(&aS[0][0]);
+        attn::wg_fence();
+        issue_state_product<T>(x, aS, st_addr + kWgKt);
+        attn::wg_commit();
+        issue_state_product<T>(o, aS, st_addr + kWgQs);
+        attn::wg_commit();
+        // the next chunk's tiles into the other stage, issued under the products
+        if (tc + 1 < sc.nchunks) issue_loads(tc + 1, (tc + 1) & 1);
+        cp_async_commit();
+        attn::wg_wait<1>();
+        attn::wg_fence_regs<32>(&x[0][0]);
+        u32 aD[4][4];
+        value_residual_to_a<T, SV>(aD, x, reinterpret_cast<const T*>(st + kWgV), 16 * warp, lane);
+        attn::wg_fence_regs<16>(&aD[0][0]);
+        attn::wg_fence();
+        issue_chunk_square<T, true>(u, aD, st_addr + kWgT);
+        attn::wg_commit();
+        attn::wg_wait<0>();
+        attn::wg_fence_regs<32>(&u[0][0]);
+        attn::wg_fence_regs<32>(&o[0][0]);
+        u32 aU[4][4];
+        accumulator_to_a<T, 4>(aU, u);
+
+        // O^T += U^T Aqk^T (first group), S = S diag(egl) + U^T Kb (second group); the output
+        // is stored while the state update runs.
+        decay_state_columns(S, reinterpret_cast<const float*>(st + kWgEgl), t);
+        attn::wg_fence_regs<16>(&aU[0][0]);
+        attn::wg_fence_regs<32>(&o[0][0]);
+        attn::wg_fence_regs<64>(&S[0][0]);
+        attn::wg_fence();
+        issue_chunk_square<T, false>(o, aU, st_addr + kWgAqk);
+        attn::wg_commit();
+        issue_state_update<T>(S, aU, st_addr + kWgKb);
+        attn::wg_commit();
+        attn::wg_wait<1>();
+        attn::wg_fence_regs<32>(&o[0][0]);
+        store_output_columns<T>(out, o, row0, L, HV, hv, v0, g, t);
+        attn::wg_wait<0>();
+        attn::wg_fence_regs<64>(&S[0][0]);
+    }
+    cp_async_wait<0>();
+
+    // ---- final state
+    store_state_rows(S, state_out, state_out_kind, sbase, v0, g, t);
 }

@@ -46,6 +46,18 @@ MAX_SMEM_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448
 # instructions and L2 reads; 8 warps put two warps on each sub-partition (~1.6x).
 WARP_COST = {1: 1.05, 2: 0.87, 4: 1.0, 8: 1.6}
 
+# Compute capabilities whose recurrence is the warpgroup-MMA kernel
+# (kda_chunk_recurrence_wgmma_kernel, built for sm_90a only); every other device runs the
+# mma.sync kernel. An empty tuple sends sm_90 back to the mma.sync kernel.
+WGMMA_RECURRENCE_CC = (90,)
+
+# Relative per-chunk latency of a wgmma recurrence CTA (one per SM: 149-165 KB of stages) by
+# warp count. Estimates, not yet measured: a warpgroup issues 256 m64n8k16 units of MMA per
+# chunk (~1,000 cycles of the SM's dense bf16 rate) in four commit groups, the tensor pipe
+# idle only while U^T is converted and at the waits; two warpgroups (8 warps) fill those
+# gaps but double the tensor work per SM, so a step costs ~1.5x one warpgroup's.
+WGMMA_WARP_COST = {4: 1.0, 8: 1.5}
+
 # Alignment (bytes) the kernels need of the arrays they access with vector instructions.
 _ALIGN = {"q": 16, "k": 16, "v": 16, "g": 16, "output": 4}
 _STATE_ALIGN = {FLOAT32: 8, BFLOAT16: 4}
@@ -298,6 +310,7 @@ class ChunkConfig:
     """Launch shape of one CUDA ``chunk_kda`` call."""
 
     recurrence_warps: int  # NW: one recurrence CTA per V slice of 16 NW state rows
+    recurrence_wgmma: bool  # the sm_90a warpgroup-MMA recurrence kernel (else mma.sync)
     num_slots: int  # workspace chunk slots (exact dense, upper bound varlen)
     offsets_at: int  # byte offset of the varlen chunk-offsets table in the workspace
     launch_offsets: bool
@@ -312,40 +325,49 @@ class ChunkConfig:
         return self.launch_offsets or self.launch_prepare or self.launch_recurrence
 
 
-def recurrence_warps(num_units: int, sm_count: int, widths=cl.RECURRENCE_WARPS) -> int:
+def recurrence_warps(num_units: int, sm_count: int, widths=cl.RECURRENCE_WARPS, warp_cost=None) -> int:
     """Warps per recurrence CTA for ``num_units`` = sequences x value heads: the width in
-    ``widths`` minimising waves x relative chunk latency (:data:`WARP_COST`); ties go to the wider."""
+    ``widths`` minimising waves x relative chunk latency (``warp_cost``, default
+    :data:`WARP_COST`); ties go to the wider."""
+    warp_cost = WARP_COST if warp_cost is None else warp_cost
     best, best_cost = None, None
     for nw in sorted(widths, reverse=True):
         ctas = num_units * (8 // nw)
-        cost = -(-ctas // max(1, sm_count)) * WARP_COST[nw]
+        cost = -(-ctas // max(1, sm_count)) * warp_cost[nw]
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = nw, cost
     return best
 
 
-def chunk_config(problem: ChunkProblem, warps: int) -> ChunkConfig:
-    """The launch shape of ``problem`` with ``warps`` warps per recurrence CTA."""
+def chunk_config(problem: ChunkProblem, warps: int, wgmma: bool = False) -> ChunkConfig:
+    """The launch shape of ``problem`` with ``warps`` warps per recurrence CTA, of the wgmma
+    kernel (``warps`` in ``WGMMA_RECURRENCE_WARPS``; sm_90a devices only) or the mma.sync one."""
+    if warps not in (cl.WGMMA_RECURRENCE_WARPS if wgmma else cl.RECURRENCE_WARPS):
+        raise ValueError(f"no {'wgmma' if wgmma else 'mma.sync'} recurrence kernel of {warps} warps")
     p = problem
     slots, offsets_at, _ = cl.workspace_layout(p.batch, p.seqlen, p.num_v_heads, p.num_seqs, p.varlen)
     heads = p.num_v_heads > 0
     return ChunkConfig(
-        recurrence_warps=warps, num_slots=slots, offsets_at=offsets_at,
+        recurrence_warps=warps, recurrence_wgmma=wgmma, num_slots=slots, offsets_at=offsets_at,
         launch_offsets=p.varlen and p.num_seqs > 0 and heads,
         launch_prepare=slots > 0 and heads,
         launch_recurrence=p.num_seqs > 0 and heads and (p.seqlen > 0 or p.output_final_state),
         prepare_grid=(slots, p.num_v_heads),
         recurrence_grid=(p.num_seqs * (HEAD_DIM // (16 * warps)), p.num_v_heads),
-        recurrence_smem=cl.recurrence_smem(warps),
+        recurrence_smem=cl.recurrence_smem(warps, wgmma),
     )
 
 
 @lru_cache(maxsize=256)
 def select_config(problem: ChunkProblem, sm_count: int, cc: int) -> ChunkConfig:
     """Pure: the launch shape for ``problem`` on a device of ``sm_count`` SMs and compute
-    capability ``cc`` (the recurrence width among those whose shared memory fits)."""
-    nw = recurrence_warps(problem.num_seqs * problem.num_v_heads, sm_count, recurrence_widths(cc))
-    return chunk_config(problem, nw)
+    capability ``cc``: the wgmma recurrence on :data:`WGMMA_RECURRENCE_CC`, else the mma.sync
+    one, each at the width (among those whose shared memory fits) of least modelled time."""
+    units = problem.num_seqs * problem.num_v_heads
+    if int(cc) in WGMMA_RECURRENCE_CC:
+        return chunk_config(problem, recurrence_warps(units, sm_count, cl.WGMMA_RECURRENCE_WARPS, WGMMA_WARP_COST),
+                            wgmma=True)
+    return chunk_config(problem, recurrence_warps(units, sm_count, recurrence_widths(cc)))
 
 
 # ----------------------------------------------------------------------------- the two paths

@@ -6,8 +6,10 @@ One ``chunk_kda`` call launches, on the caller's stream, in this order:
    sequence, an int32 ``[N + 1]`` table in the workspace.
 2. ``kda_chunk_prepare_kernel<T>``: one CTA per (64-token chunk slot, value head), fully
    parallel; writes one ``SLOT_BYTES`` workspace slot per (chunk, value head).
-3. ``kda_chunk_recurrence_kernel<T, NW>``: one CTA per (sequence, value head, V slice of
-   ``16 * NW`` state rows), sequential over the chunks, state in float32 registers.
+3. ``kda_chunk_recurrence_kernel<T, NW>`` (mma.sync) or, on sm_90a,
+   ``kda_chunk_recurrence_wgmma_kernel<T, NW>`` (warpgroup MMA, NW = 4 or 8): one CTA per
+   (sequence, value head, V slice of ``16 * NW`` state rows), sequential over the chunks,
+   state in float32 registers.
 
 Workspace layout (bytes): ``num_slots * HV`` slots of ``SLOT_BYTES``, slot
 ``slot * HV + hv``; then, for varlen, the int32 offsets table. ``T`` is the input dtype
@@ -19,6 +21,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..jit import KernelParams, address, get_kernel, launch, register
+from ..jit.registry import SM90A
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32
 
 CHUNK = 64  # tokens per chunk
@@ -28,6 +31,8 @@ PREPARE_THREADS = 256
 PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 64  # 75,072 bytes (kPrepSmemBytes)
 OFFSETS_THREADS = 1024
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
+WGMMA_STAGE_V = 66048  # wgmma recurrence stage: Qs, Kt, Kb, T, Aqk tiles and egl, then the V slice (kWgV)
+WGMMA_RECURRENCE_WARPS = (4, 8)  # sm_90a: one or two warpgroups of 64 state rows
 
 # state_in_kind / state_out_kind of the recurrence kernel
 STATE_NONE, STATE_FLOAT32, STATE_BFLOAT16 = 0, 1, 2
@@ -38,11 +43,15 @@ OFFSETS_KERNEL = "kda_chunk_offsets_kernel"
 PREPARE_KERNEL = {dt: f"kda_chunk_prepare_kernel<{ct}>" for dt, ct in _CTYPE.items()}
 RECURRENCE_KERNEL = {(dt, nw): f"kda_chunk_recurrence_kernel<{ct}, {nw}>"
                      for dt, ct in _CTYPE.items() for nw in RECURRENCE_WARPS}
+WGMMA_RECURRENCE_KERNEL = {(dt, nw): f"kda_chunk_recurrence_wgmma_kernel<{ct}, {nw}>"
+                           for dt, ct in _CTYPE.items() for nw in WGMMA_RECURRENCE_WARPS}
 
 # NVRTC modules: per input dtype one with the offsets and prepare kernels, and one per
 # recurrence width, so a first call compiles only the two it launches.
 PREPARE_SPECS = {dt: register("kda_chunk.cu", (OFFSETS_KERNEL, PREPARE_KERNEL[dt])) for dt in _CTYPE}
 RECURRENCE_SPECS = {key: register("kda_chunk.cu", (name,)) for key, name in RECURRENCE_KERNEL.items()}
+WGMMA_RECURRENCE_SPECS = {key: register("kda_chunk.cu", (name,), only_arch=SM90A)
+                          for key, name in WGMMA_RECURRENCE_KERNEL.items()}
 
 OFFSETS_PARAMS = KernelParams((
     ("cu_seqlens", "ptr"), ("cu_is_64", "i32"), ("num_seqs", "i32"), ("total_rows", "i64"), ("offsets", "ptr"),
@@ -61,9 +70,15 @@ RECURRENCE_PARAMS = KernelParams((
 ))
 
 
-def recurrence_smem(warps: int) -> int:
-    """Dynamic shared memory of the recurrence kernel with ``warps`` warps (two pipeline stages)."""
+def recurrence_smem(warps: int, wgmma: bool = False) -> int:
+    """Dynamic shared memory of the recurrence kernel with ``warps`` warps (two pipeline stages).
+
+    wgmma: stages of ``[Kt; Qs]``, ``Kb``, ``T``, ``Aqk`` (swizzled, 1024-byte aligned), ``egl``
+    and the V slice, rounded up to 1 KB (``rec_wg_stage_bytes``), plus 1 KB to align the base."""
     bv = 16 * warps
+    if wgmma:
+        stage = -(-(WGMMA_STAGE_V + 64 * (bv + 8) * 2) // 1024) * 1024
+        return 2 * stage + 1024
     stage = 3 * 64 * 136 * 2 + 2 * 64 * 72 * 2 + HEAD_DIM * 4 + 64 * (bv + 8) * 2
     return 2 * stage
 
@@ -131,7 +146,11 @@ def launch_chunk(problem, config, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlen
                shared_mem=PREPARE_SMEM, stream=stream)
     if c.launch_recurrence:
         nw = c.recurrence_warps
-        kern = get_kernel(RECURRENCE_SPECS[(p.dtype, nw)], RECURRENCE_KERNEL[(p.dtype, nw)], p.device)
+        key = (p.dtype, nw)
+        if c.recurrence_wgmma:
+            kern = get_kernel(WGMMA_RECURRENCE_SPECS[key], WGMMA_RECURRENCE_KERNEL[key], p.device)
+        else:
+            kern = get_kernel(RECURRENCE_SPECS[key], RECURRENCE_KERNEL[key], p.device)
         launch(kern, c.recurrence_grid, (32 * nw,), RECURRENCE_PARAMS,
                (v, ws, out, initial_state, state_in_kind, final_state, state_out_kind, cu_seqlens, cu64, offsets,
                 c.num_slots, seq_len_dense, total_rows, p.num_v_heads),

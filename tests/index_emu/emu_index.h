@@ -1,6 +1,8 @@
-// The CPU emulator (tests/cuda_emu/emu_cuda.h) plus what cuda_src/msa_index.cu needs beyond it.
+// The CPU emulator (tests/cuda_emu/emu_cuda.h, emu_wgmma.h) plus what cuda_src/msa_index.cu needs
+// beyond it.
 #pragma once
 #include "emu_cuda.h"
+#include "emu_wgmma.h"
 
 #include <atomic>
 #include <chrono>
@@ -8,25 +10,9 @@
 #include <limits>
 #include <mutex>
 
-// wgmma (sm_90a) with both operands in shared memory, K-major, 128-byte swizzle: every
-// thread computes its own accumulator elements from the descriptors (no exchange needed).
-// Descriptor: start >> 4 in bits [0,14), LBO >> 4 in [16,30), SBO >> 4 in [32,46),
-// layout type in [62,64) (1: 128-byte swizzle). Element (r, k) of a k-step (k16 for 16-bit
-// types, k32 for e4m3: 32 bytes of each row either way) sits at byte
-// start + (r / 8) SBO + (r % 8) 128 + k sizeof(E), with address bits [4,7) ^= bits [7,10).
 namespace mate {
 // cp.async with an L2 prefetch hint: the hint has no effect on the result.
 inline void cp_async_16_l2_at(u32 saddr, const void* gmem, bool pred) { cp_async_16_at(saddr, gmem, pred); }
-
-// float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; S.1111.111 is NaN, no inf).
-inline float e4m3_to_float(unsigned v) {
-    const int e = (v >> 3) & 15, m = v & 7;
-    float x;
-    if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
-    else if (e == 0) x = std::ldexp((float)m, -9);
-    else x = std::ldexp(1.0f + (float)m / 8.0f, e - 7);
-    return (v & 0x80u) ? -x : x;
-}
 
 // cvt.rn.f16x2.e4m3x2 twice: bytes 0, 1 of x -> lo, bytes 2, 3 -> hi (low byte in the low half).
 inline void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
@@ -113,58 +99,4 @@ inline void named_sync(int id, int threads) {
     b->arrive_and_wait();
 }
 
-namespace attn {
-typedef unsigned long long u64;
-// Tile of ROWS rows in 128-byte-swizzled column blocks (as common/attention_wgmma.cuh).
-template <int ROWS>
-struct ColumnBlockTile {
-    static constexpr int kBlockBytes = ROWS * 128;
-    static int offset(int row, int c) { return (c >> 3) * kBlockBytes + row * 128 + (((c & 7) ^ (row & 7)) << 4); }
-};
-inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
-    return (u64)((saddr >> 4) & 0x3FFFu) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
-           ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
-}
-inline u64 wg_desc_add(u64 desc, u32 bytes) { return desc + (u64)(bytes >> 4); }
-inline void wg_fence() {}
-inline void wg_commit() {}
-template <int N> inline void wg_wait() {}
-inline void fence_proxy_async_smem() {}
-template <int N> inline void wg_fence_regs(float*) {}
-
-template <typename E>
-inline float wg_elem(u64 desc, int r, int k) {
-    if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0) { std::fprintf(stderr, "wgmma: unexpected descriptor mode\n"); std::abort(); }
-    const u32 start = (u32)(desc & 0x3FFFu) << 4, sbo = (u32)((desc >> 32) & 0x3FFFu) << 4;
-    u32 addr = start + (u32)(r / 8) * sbo + (u32)(r % 8) * 128u + (u32)sizeof(E) * (u32)k;
-    addr ^= ((addr >> 7) & 7u) << 4;
-    if (addr + sizeof(E) > emu::g_block->smem_bytes) { std::fprintf(stderr, "wgmma operand past shared memory\n"); std::abort(); }
-    if constexpr (sizeof(E) == 1) {
-        return e4m3_to_float(emu::dyn_smem()[addr]);
-    } else {
-        uint16_t bits;
-        std::memcpy(&bits, emu::dyn_smem() + addr, 2);
-        return h2f<E>(bits);
-    }
-}
-
-template <int N, typename E>
-struct WgmmaSS {
-    // D[64 x N] (+)= A[64 x K] B[K x N] (K = 32 bytes / sizeof(E)); this thread's d[4 i + j] is
-    // row 16 w + g + 8 (j / 2), column 8 i + 2 t + (j % 2) (w: warp in the warpgroup, g = lane / 4,
-    // t = lane % 4).
-    static void run(float* d, u64 da, u64 db, int scale_d) {
-        constexpr int K = 32 / (int)sizeof(E);
-        const int w = (threadIdx.x / 32) % 4, l = emu::my_lane(), g = l / 4, t = l % 4;
-        for (int i = 0; i < N / 8; ++i)
-            for (int j = 0; j < 4; ++j) {
-                const int row = 16 * w + g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
-                float s = scale_d ? d[4 * i + j] : 0.f;
-                for (int k = 0; k < K; ++k) s += wg_elem<E>(da, row, k) * wg_elem<E>(db, col, k);
-                d[4 * i + j] = s;
-            }
-    }
-    static void first(float* d, u64 da, u64 db) { run(d, da, db, 0); }
-};
-}  // namespace attn
 }  // namespace mate

@@ -29,9 +29,19 @@ void run_rec(EmuDim grid, const T* v, const unsigned char* ws, T* out, const voi
     });
 }
 
+template <typename T, int NW>
+void run_rec_wgmma(EmuDim grid, const T* v, const unsigned char* ws, T* out, const void* h0, int ik, void* ht, int ok,
+                   const void* cu, int is64, const int* offs, int num_slots, long long Tdense, long long rows, int HV) {
+    constexpr int smem = 2 * rec_wg_stage_bytes(16 * NW) + 1024;  // chunk_launch.recurrence_smem(NW, wgmma=True)
+    emu::launch(grid, 32 * NW, smem, [&] {
+        kda_chunk_recurrence_wgmma_kernel<T, NW>(v, ws, out, h0, ik, ht, ok, cu, is64, offs, num_slots, Tdense, rows,
+                                                 HV);
+    });
+}
+
 template <typename T>
 int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, float scale, float lb, int ik, int okind,
-        int is64, int nw) {
+        int is64, int nw, int wgmma) {
     const T* q = (const T*)load("q.bin"); const T* k = (const T*)load("k.bin");
     const T* v = (const T*)load("v.bin"); const T* g = (const T*)load("g.bin"); const T* beta = (const T*)load("beta.bin");
     const float* A_log = has_gate ? (const float*)load("A_log.bin") : nullptr;
@@ -63,7 +73,10 @@ int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, f
     if (N > 0 && HV > 0 && !(Tn == 0 && !okind)) {
         EmuDim grid{(unsigned)(N * (128 / (16 * nw))), (unsigned)HV, 1};
         long long Td = varlen ? 0 : Tn;
-        switch (nw) {
+        if (wgmma) {
+            if (nw == 4) run_rec_wgmma<T, 4>(grid, v, ws, out, h0, ik, ht, okind, cu, is64, offs, num_slots, Td, rows, HV);
+            if (nw == 8) run_rec_wgmma<T, 8>(grid, v, ws, out, h0, ik, ht, okind, cu, is64, offs, num_slots, Td, rows, HV);
+        } else switch (nw) {
             case 1: run_rec<T, 1>(grid, v, ws, out, h0, ik, ht, okind, cu, is64, offs, num_slots, Td, rows, HV); break;
             case 2: run_rec<T, 2>(grid, v, ws, out, h0, ik, ht, okind, cu, is64, offs, num_slots, Td, rows, HV); break;
             case 4: run_rec<T, 4>(grid, v, ws, out, h0, ik, ht, okind, cu, is64, offs, num_slots, Td, rows, HV); break;
@@ -78,9 +91,10 @@ int run(int B, int Tn, int H, int HV, int N, int varlen, int has_gate, int l2, f
 int main(int argc, char** argv) {
     DIR = argv[1];
     std::ifstream p(DIR + "/params.txt");
-    int B, Tn, H, HV, N, varlen, dtype, has_gate, l2, ik, ok, is64, nw, lazy; float scale, lb;
-    p >> B >> Tn >> H >> HV >> N >> varlen >> dtype >> has_gate >> l2 >> scale >> lb >> ik >> ok >> is64 >> nw >> lazy;
+    int B, Tn, H, HV, N, varlen, dtype, has_gate, l2, ik, ok, is64, nw, lazy, wgmma; float scale, lb;
+    p >> B >> Tn >> H >> HV >> N >> varlen >> dtype >> has_gate >> l2 >> scale >> lb >> ik >> ok >> is64 >> nw >> lazy
+      >> wgmma;
     emu::g_lazy_cp_async = lazy;
-    return dtype ? run<mate::bf16_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw)
-                 : run<mate::half_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw);
+    return dtype ? run<mate::bf16_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw, wgmma)
+                 : run<mate::half_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw, wgmma);
 }

@@ -1,6 +1,8 @@
-// The CPU emulator (tests/cuda_emu/emu_cuda.h) plus what cuda_src/kda_chunk.cu needs beyond it.
+// The CPU emulator (tests/cuda_emu/emu_cuda.h, emu_wgmma.h) plus what cuda_src/kda_chunk.cu needs
+// beyond it.
 #pragma once
 #include "emu_cuda.h"
+#include "emu_wgmma.h"
 
 namespace mate {
 namespace kda {

@@ -83,6 +83,10 @@ template <int N, typename E> struct WgmmaSS {
 template <int N, typename E> struct WgmmaRS {
     static __device__ __forceinline__ void run(float*, const u32*, u64, int) { __trap(); }
 };
+template <int N, typename E> struct WgmmaRSKMajor {
+    static __device__ __forceinline__ void run(float*, const u32*, u64, int) { __trap(); }
+    static __device__ __forceinline__ void first(float*, const u32*, u64) { __trap(); }
+};
 
 // The specialisations differ only in N and the element type, so they are stamped out by
 // the macros below (the PTX text of each is what a hand-written copy would be).
@@ -125,37 +129,50 @@ template <int N, typename E> struct WgmmaRS {
         }                                                                                             \
     };
 
-// D[64 x 64] += A[64 x 16] B[16 x 64]: A in registers (mma.m16n8k16 A layout per warp),
-// B MN-major in shared memory (transposed descriptor).
-#define MATE_WG_RS64(ELEM, TY)                                                                        \
-    template <> struct WgmmaRS<64, ELEM> {                                                            \
+// D[64 x N] (+)= A[64 x 16] B[16 x N]: A in registers (mma.m16n8k16 A layout per warp), B in
+// shared memory; NAME<N, ELEM> is WgmmaRS (B MN-major: transposed descriptor, TRANS 1) or
+// WgmmaRSKMajor (B K-major, TRANS 0). ACC lists the N / 2 accumulator registers; A0 is the
+// operand number of the first A register (three more follow), then the B descriptor and
+// scale-d.
+#define MATE_WG_RS(NAME, N, ELEM, TY, TRANS, REGS, ACC, A0, A1, A2, A3, B, P)                          \
+    template <> struct NAME<N, ELEM> {                                                                \
         static __device__ __forceinline__ void run(float* d, const u32* a, u64 db, int scale_d) {     \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " MATE_WG_REGS32     \
-                         ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                  \
-                         : MATE_WG_ACC32("+f")                                                        \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                              \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS          \
+                         ", {%" #A0 ",%" #A1 ",%" #A2 ",%" #A3 "}, %" #B ", p, 1, 1, " #TRANS ";\n}\n"  \
+                         : ACC("+f")                                                                  \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));        \
         }                                                                                             \
         /* D = A B (accumulator not read: the registers are pure outputs). */                         \
         static __device__ __forceinline__ void first(float* d, const u32* a, u64 db) {                \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " MATE_WG_REGS32     \
-                         ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                  \
-                         : MATE_WG_ACC32("=f")                                                        \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                              \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS          \
+                         ", {%" #A0 ",%" #A1 ",%" #A2 ",%" #A3 "}, %" #B ", p, 1, 1, " #TRANS ";\n}\n"  \
+                         : ACC("=f")                                                                  \
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));              \
         }                                                                                             \
     };
+#define MATE_WG_RS64(NAME, ELEM, TY, TRANS) \
+    MATE_WG_RS(NAME, 64, ELEM, TY, TRANS, MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34, 35, 36, 37)
+#define MATE_WG_RS128(NAME, ELEM, TY, TRANS) \
+    MATE_WG_RS(NAME, 128, ELEM, TY, TRANS, MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66, 67, 68, 69)
 
 MATE_WG_SS(64, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
 MATE_WG_SS(128, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
-MATE_WG_RS64(half_t, "f16")
+MATE_WG_RS64(WgmmaRS, half_t, "f16", 1)
+MATE_WG_RS64(WgmmaRSKMajor, half_t, "f16", 0)
+MATE_WG_RS128(WgmmaRSKMajor, half_t, "f16", 0)
 MATE_WG_SS(64, 16, bf16_t, "bf16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
 MATE_WG_SS(128, 16, bf16_t, "bf16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
-MATE_WG_RS64(bf16_t, "bf16")
+MATE_WG_RS64(WgmmaRS, bf16_t, "bf16", 1)
+MATE_WG_RS64(WgmmaRSKMajor, bf16_t, "bf16", 0)
+MATE_WG_RS128(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_SS(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 
 #undef MATE_WG_SS
+#undef MATE_WG_RS128
 #undef MATE_WG_RS64
+#undef MATE_WG_RS
 #undef MATE_WG_REGS64
 #undef MATE_WG_REGS32
 #undef MATE_WG_ACC64
