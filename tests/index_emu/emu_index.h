@@ -166,5 +166,45 @@ struct WgmmaSS {
     }
     static void first(float* d, u64 da, u64 db) { run(d, da, db, 0); }
 };
+
+// The same with A in registers (wgmma RS, B K-major by descriptor). The warp's 16 rows of A
+// are exchanged between its lanes: lane (g, t)'s a[0] holds bytes 4 t .. 4 t + 3 of row g of
+// the k-step's 32 bytes, a[1] of row g + 8, a[2] / a[3] bytes 16 + 4 t .. of rows g / g + 8
+// (16-bit: two values per register, low half first; e4m3: four, low byte first).
+template <int N, typename E>
+struct WgmmaRSKMajor {
+    static void run(float* d, const u32* a, u64 db, int scale_d) {
+        constexpr int K = 32 / (int)sizeof(E), PER = 4 / (int)sizeof(E);  // values per register
+        struct In { u32 a[4]; } in;
+        for (int i = 0; i < 4; ++i) in.a[i] = a[i];
+        emu::put(in);
+        emu::wsync();
+        float A[16][K];
+        for (int L = 0; L < 32; ++L) {
+            const In x = emu::get<In>(L);
+            const int g = L / 4, t = L % 4;
+            for (int e = 0; e < PER; ++e) {
+                auto val = [&](u32 w) {
+                    if constexpr (sizeof(E) == 1) return e4m3_to_float((w >> (8 * e)) & 0xffu);
+                    else return h2f<E>(half_of(w, e));
+                };
+                A[g][PER * t + e] = val(x.a[0]);
+                A[g + 8][PER * t + e] = val(x.a[1]);
+                A[g][K / 2 + PER * t + e] = val(x.a[2]);
+                A[g + 8][K / 2 + PER * t + e] = val(x.a[3]);
+            }
+        }
+        emu::wsync();
+        const int l = emu::my_lane(), g = l / 4, t = l % 4;
+        for (int i = 0; i < N / 8; ++i)
+            for (int j = 0; j < 4; ++j) {
+                const int row = g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
+                float s = scale_d ? d[4 * i + j] : 0.f;
+                for (int k = 0; k < K; ++k) s += A[row][k] * wg_elem<E>(db, col, k);
+                d[4 * i + j] = s;
+            }
+    }
+    static void first(float* d, const u32* a, u64 db) { run(d, a, db, 0); }
+};
 }  // namespace attn
 }  // namespace mate
