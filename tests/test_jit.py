@@ -104,7 +104,7 @@ def _is_wgmma(spec) -> bool:
 def test_hopper_only_variants_build_for_sm90a_alone():
     specs = registered()
     hopper = [s for s in specs if _is_wgmma(s)]
-    assert len(hopper) == 23 and len(specs) == 155
+    assert len(hopper) == 32 and len(specs) == 164
     for s in specs:
         if _is_wgmma(s):
             assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90
