@@ -1082,12 +1082,13 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 //     Each thread arrives on the stage's `full` mbarrier twice: once when its copies land
 //     (cp.async.mbarrier.arrive.noinc) and once after its flag store (release).
 //   warpgroups 1 and 2, the consumers (registers raised): each holds WG_ROWS = 64 HALVES
-//     rows of Q in shared memory for the whole CTA. A unit is one 64-row half against one
-//     K tile: wgmma m64n128 (k16; e4m3 k32) chains reading Q and K by descriptor into one
-//     of two accumulator sets, so the row-max epilogue of a unit runs while the next
-//     unit's MMAs do (async wgmma, wait_group 1). After the last unit of a tile every
-//     consumer warp arrives on the stage's `empty` mbarrier, which the producer waits for
-//     before refilling it.
+//     rows of Q for the whole CTA, in registers (Q_REGS: wgmma A fragments, loaded once
+//     from the shared-memory Q tile) or in shared memory. A unit is one 64-row half against
+//     one K tile: wgmma m64n128 (k16; e4m3 k32) chains reading K (and without Q_REGS Q) by
+//     descriptor into one of two accumulator sets, so the row-max epilogue of a unit runs
+//     while the next unit's MMAs do (async wgmma, wait_group 1). After the last unit of a
+//     tile every consumer warp arrives on the stage's `empty` mbarrier, which the producer
+//     waits for before refilling it.
 // HALVES is 2 (BM 256: K is read once per 256 rows) when a key row is at most 256 bytes,
 // else 1 (BM 128, Q 64 KB). Masking, the stash of row maxima and the -inf fill are those
 // of msa_block_max_score_kernel. Built for sm_90a only.
@@ -1125,12 +1126,15 @@ struct MaxScoreWsTile {
 };
 
 
-template <typename T, int D>
+// Q_REGS: the consumers load their Q rows from shared memory into registers once (ldmatrix,
+// the wgmma A-register layout) and run wgmma with A in registers, so the tensor cores read only
+// K from shared memory; otherwise every wgmma reads Q by descriptor too.
+template <typename T, int D, bool Q_REGS>
 __global__ void __launch_bounds__(MaxScoreWsTile<T, D>::THREADS, 1)
 msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     using Cfg = MaxScoreWsTile<T, D>;
     constexpr int BM = Cfg::BM, CPR = Cfg::CPR, STAGES = Cfg::STAGES, EPC = Cfg::EPC;
-    constexpr int HALVES = Cfg::HALVES, WG_ROWS = Cfg::WG_ROWS;
+    constexpr int HALVES = Cfg::HALVES, WG_ROWS = Cfg::WG_ROWS, KSTEPS = Cfg::KSTEPS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
     const u32 smem_base = smem_u32(smem);
@@ -1227,6 +1231,21 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         attn::fence_proxy_async_smem();
         named_sync(1 + c, 128);
     }
+    // Q_REGS: qf[h][ks] = A fragments of k-step ks (32 bytes) of the warp's 16 rows of half h.
+    // ldmatrix.x4: lane l addresses row (l / 8 % 2) 8 + l % 8 of the warp's rows, 16-byte
+    // chunk 2 ks + l / 16 (matrices rows 0-7 | 8-15 x chunk lo | hi: a[0..3] of the A layout).
+    u32 qf[Q_REGS ? HALVES : 1][Q_REGS ? KSTEPS : 1][4];
+    if constexpr (Q_REGS) {
+        const int mi = lane >> 3;
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+            const int row = c * WG_ROWS + h * 64 + cw * 16 + (mi & 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks)
+                ldmatrix_x4_at(qf[h][ks], smem_base + (u32)(Cfg::Q_OFFSET +
+                                                            attn::ColumnBlockTile<BM>::offset(row, 2 * ks + (mi >> 1))));
+        }
+    }
     // Accumulator rows of this thread in half h: row0(h) + lane / 4 (+ 8).
     auto row0 = [&](int h) { return c * WG_ROWS + h * 64 + cw * 16; };
     int lim[HALVES][2], lim_min[HALVES];
@@ -1251,13 +1270,18 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
         attn::wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < Cfg::KSTEPS; ++ks) {
+        for (int ks = 0; ks < KSTEPS; ++ks) {
             const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
             const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
-            if (ks == 0)
-                attn::WgmmaSS<128, T>::first(acc, attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko));
-            else
-                attn::WgmmaSS<128, T>::run(acc, attn::wg_desc_add(q_desc, qo), attn::wg_desc_add(k_desc, ko), 1);
+            const attn::u64 kd = attn::wg_desc_add(k_desc, ko);
+            if constexpr (Q_REGS) {
+                const u32* a = qf[Q_REGS ? h : 0][Q_REGS ? ks : 0];
+                if (ks == 0) attn::WgmmaRSKMajor<128, T>::first(acc, a, kd);
+                else attn::WgmmaRSKMajor<128, T>::run(acc, a, kd, 1);
+            } else {
+                if (ks == 0) attn::WgmmaSS<128, T>::first(acc, attn::wg_desc_add(q_desc, qo), kd);
+                else attn::WgmmaSS<128, T>::run(acc, attn::wg_desc_add(q_desc, qo), kd, 1);
+            }
         }
         attn::wg_commit();
     };

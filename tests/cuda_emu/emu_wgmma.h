@@ -81,23 +81,32 @@ struct WgmmaSS {
     static void first(float* d, u64 da, u64 db) { run(d, da, db, 0); }
 };
 
-// A[64 x 16] from registers: warp w's lanes hold rows 16 w .. 16 w + 15 in the mma.m16n8k16 A
-// layout (a[0]: row g, k 2t..2t+1; a[1]: row g + 8; a[2]: k + 8; a[3]: both), exchanged within
-// the warp; D[64 x N] (+)= A B with B from shared memory, B(k, n) at bk(k, n).
+// Element e of a 32-bit A register: a 16-bit value (e < 2) or an e4m3 byte (e < 4).
+template <typename E>
+inline float a_elem(u32 r, int e) {
+    if constexpr (sizeof(E) == 1) return e4m3_to_float((r >> (8 * e)) & 0xffu);
+    else return h2f<E>(half_of(r, e));
+}
+
+// A[64 x K] from registers (K = 32 bytes: 16 16-bit values or 32 e4m3): warp w's lanes hold rows
+// 16 w .. 16 w + 15 in the mma A layout (a[0]: row g, k R t .. R t + R - 1 with R values per
+// register; a[1]: row g + 8; a[2]: k + K / 2; a[3]: both), exchanged within the warp;
+// D[64 x N] (+)= A B with B from shared memory, B(k, n) at bk(k, n).
 template <int N, typename E, typename BElem>
 inline void wg_rs(float* d, const u32* a, int scale_d, BElem bk) {
+    constexpr int K = 32 / (int)sizeof(E), R = 4 / (int)sizeof(E);
     struct Frag { u32 a[4]; } mine;
     for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
     emu::put(mine); emu::wsync();
-    float A[16][16];
+    float A[16][K];
     for (int L = 0; L < 32; ++L) {
         const Frag f = emu::get<Frag>(L);
         const int g = L / 4, t = L % 4;
-        for (int e = 0; e < 2; ++e) {
-            A[g][2 * t + e] = h2f<E>(half_of(f.a[0], e));
-            A[g + 8][2 * t + e] = h2f<E>(half_of(f.a[1], e));
-            A[g][2 * t + 8 + e] = h2f<E>(half_of(f.a[2], e));
-            A[g + 8][2 * t + 8 + e] = h2f<E>(half_of(f.a[3], e));
+        for (int e = 0; e < R; ++e) {
+            A[g][R * t + e] = a_elem<E>(f.a[0], e);
+            A[g + 8][R * t + e] = a_elem<E>(f.a[1], e);
+            A[g][K / 2 + R * t + e] = a_elem<E>(f.a[2], e);
+            A[g + 8][K / 2 + R * t + e] = a_elem<E>(f.a[3], e);
         }
     }
     emu::wsync();
@@ -106,7 +115,7 @@ inline void wg_rs(float* d, const u32* a, int scale_d, BElem bk) {
         for (int j = 0; j < 4; ++j) {
             const int row = g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
             float s = scale_d ? d[4 * i + j] : 0.f;
-            for (int k = 0; k < 16; ++k) s += A[row][k] * bk(k, col);
+            for (int k = 0; k < K; ++k) s += A[row][k] * bk(k, col);
             d[4 * i + j] = s;
         }
 }

@@ -157,6 +157,32 @@ template <int N, typename E> struct WgmmaRSKMajor {
 #define MATE_WG_RS128(NAME, ELEM, TY, TRANS) \
     MATE_WG_RS(NAME, 128, ELEM, TY, TRANS, MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66, 67, 68, 69)
 
+// e4m3: D[64 x N] (+)= A[64 x 32] B[32 x N], A in registers, B K-major in shared memory
+// (descriptor), as S = Q K^T with Q held by the warpgroup (16-bit types: MATE_WG_RS above).
+// Per warp (rows 16 w ..): a[0] holds the 4 bytes 4 t .. 4 t + 3 of row g of the k-step's 32
+// bytes, a[1] the same of row g + 8, a[2] / a[3] bytes 16 + 4 t .. of rows g / g + 8 (the
+// mma.m16n8k32 A layout, byte for byte the m16n8k16 one of 16-bit types; ldmatrix.x4 of the
+// 8 x 16-byte matrices (rows 0-7 | 8-15) x (bytes 0-15 | 16-31) gives it). IMM: scale-a,
+// scale-b (no transpose flags for 8-bit types).
+#define MATE_WG_RS_KMAJOR(N, K, ELEM, TY, IMM, REGS, ACC, AREGS, B, P)                                \
+    template <> struct WgmmaRSKMajor<N, ELEM> {                                                       \
+        static __device__ __forceinline__ void run(float* d, const u32* a, u64 db, int scale_d) {     \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                              \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TY "." TY " " REGS ", " \
+                         AREGS ", %" #B ", p, " IMM ";\n}\n"                                          \
+                         : ACC("+f")                                                                  \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));        \
+        }                                                                                             \
+        /* D = A B (accumulator not read: the registers are pure outputs). */                         \
+        static __device__ __forceinline__ void first(float* d, const u32* a, u64 db) {                \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                              \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TY "." TY " " REGS ", " \
+                         AREGS ", %" #B ", p, " IMM ";\n}\n"                                          \
+                         : ACC("=f")                                                                  \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));              \
+        }                                                                                             \
+    };
+
 MATE_WG_SS(64, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
 MATE_WG_SS(128, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS64(WgmmaRS, half_t, "f16", 1)
@@ -168,11 +194,13 @@ MATE_WG_RS64(WgmmaRS, bf16_t, "bf16", 1)
 MATE_WG_RS64(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_RS128(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_SS(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
+MATE_WG_RS_KMAJOR(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, "{%64,%65,%66,%67}", 68, 69)
 
 #undef MATE_WG_SS
 #undef MATE_WG_RS128
 #undef MATE_WG_RS64
 #undef MATE_WG_RS
+#undef MATE_WG_RS_KMAJOR
 #undef MATE_WG_REGS64
 #undef MATE_WG_REGS32
 #undef MATE_WG_ACC64
