@@ -52,10 +52,11 @@ WARP_COST = {1: 1.05, 2: 0.87, 4: 1.0, 8: 1.6}
 WGMMA_RECURRENCE_CC = (90,)
 
 # Relative per-chunk latency of a wgmma recurrence CTA (one per SM: 149-165 KB of stages) by
-# warp count. Estimates, not yet measured: a warpgroup issues 256 m64n8k16 units of MMA per
-# chunk (~1,000 cycles of the SM's dense bf16 rate) in four commit groups, the tensor pipe
-# idle only while U^T is converted and at the waits; two warpgroups (8 warps) fill those
-# gaps but double the tensor work per SM, so a step costs ~1.5x one warpgroup's.
+# warp count: a warpgroup issues 256 m64n8k16 units of MMA per chunk (~1,000 cycles of the
+# SM's dense bf16 rate) in four commit groups, the tensor pipe idle only while U^T is
+# converted and at the waits; two warpgroups (8 warps) fill those gaps but double the tensor
+# work per SM, so a step costs ~1.5x one warpgroup's. On the H200 the width this picks was
+# the faster of the two on each benchmark shape (docs/kda_chunk.md, "Performance").
 WGMMA_WARP_COST = {4: 1.0, 8: 1.5}
 
 # Alignment (bytes) the kernels need of the arrays they access with vector instructions.
