@@ -237,13 +237,12 @@ def test_choices_reach_every_registered_variant_and_only_those():
                         picked.add(il.TOPK_SPECS[(cfg.warps_per_row, cfg.scores_per_thread, cfg.vector_width,
                                                   cfg.top2)])
     assert picked == set(il.TOPK_SPECS.values()) | set(il.STREAM_SPECS.values())
-    configs = {il.select_max_score_config(rows, cc, q_operand=qop) for rows in (1, 9, 17, 33, 64, 65, 1 << 20)
-               for cc in (80, 86, 89, 90, 100) for qop in (None, "registers", "smem")}
+    configs = {il.select_max_score_config(rows, cc) for rows in (1, 9, 17, 33, 64, 65, 1 << 20)
+               for cc in (80, 86, 89, 90, 100)}
     assert configs == set(il.MAX_SCORE_CONFIGS)
     assert {cfg for _, _, cfg in il.MAX_SCORE_SPECS} == configs
-    fp8 = {(d, il.select_max_score_config(rows, 90, fp8=True, head_dim=d, q_operand=qop))
-           for d in il.MAX_SCORE_HEAD_DIMS for rows in (1, 9, 16, 17, 32, 33, 1 << 20)
-           for qop in (None, "registers", "smem")}
+    fp8 = {(d, il.select_max_score_config(rows, 90, fp8=True, head_dim=d))
+           for d in il.MAX_SCORE_HEAD_DIMS for rows in (1, 9, 16, 17, 32, 33, 1 << 20)}
     assert fp8 == {(d, cfg) for dt, d, cfg in il.MAX_SCORE_SPECS if dt == FP8_DT}
 
 
@@ -376,7 +375,7 @@ def test_run_max_score_packs_fp8_prefill_launch(monkeypatch, d):
                      score_scale=0.25)
     (kern, grid, block, params, values, smem, stream), = launches
     cfg = il.FP8_PREFILL_CONFIG
-    assert kern == f"msa_max_score_ws_kernel<fp8_t, {d}, true>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
+    assert kern == f"msa_max_score_ws_kernel<fp8_t, {d}>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
     m_tiles = -(-300 * 4 // 256)
     assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (384,)
     row, stages = max(d, 128), cfg.stages(d, 1)
@@ -849,16 +848,12 @@ WS_CASES = [(BF16, 128, (16, 1), True), (BF16, 128, (4, 1), False), (F16, 64, (1
             (BF16, 256, (8, 2), True), (F16, 256, (1, 1), False), (BF16, 64, (2, 1), True)]
 
 
-WS_VARIANTS = [il.WS_Q_REGS_CONFIG, il.WS_Q_SMEM_CONFIG]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,heads,causal", WS_CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("case", ["long", "split"])
-@pytest.mark.parametrize("config", WS_VARIANTS, ids=lambda c: f"q-{c.q_operand}")
-def test_ws_max_score_long_keys(rng, dtype, d, heads, causal, case, config):
-    """The warp-specialised wgmma kernel (Q in registers and Q read from shared memory) over
-    many K tiles (NaN-poisoned output, float64 reference)."""
+def test_ws_max_score_long_keys(rng, dtype, d, heads, causal, case):
+    """The warp-specialised wgmma kernel over many K tiles (NaN-poisoned output, float64
+    reference)."""
     _needs_sm90()
     hq, hkv = heads
     qo, kv, off = _ws_lengths(case)
@@ -868,15 +863,14 @@ def test_ws_max_score_long_keys(rng, dtype, d, heads, causal, case, config):
     nt = -(-int(kv.max()) // BLOCK) + 1
     want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
                                kv_lens=kv)
-    got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=config)
-    _check_max_score(got, want, q, k, f"ws {case} D{d} Hq{hq} Hkv{hkv} causal={causal} {config}")
+    got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
+    _check_max_score(got, want, q, k, f"ws {case} D{d} Hq{hq} Hkv{hkv} causal={causal}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", ["long", "split"])
-@pytest.mark.parametrize("config", WS_VARIANTS, ids=lambda c: f"q-{c.q_operand}")
-def test_ws_fp8_max_score_long_keys(rng, d, case, config):
+def test_ws_fp8_max_score_long_keys(rng, d, case):
     """The float8 warp-specialised kernel over many K tiles, paged (scattered CSR pages of 64
     keys, two invalid ids) for ``long``, dense for ``split``."""
     _needs_sm90()
@@ -897,23 +891,22 @@ def test_ws_fp8_max_score_long_keys(rng, d, case, config):
         want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
                                          qo_lens=qo)
         got = _launch_max_score_torch(q, k_cache, nt, qo, kv, off, cu_q, score_scale=scale, page_size=page,
-                                      kv_indices=kv_indices, indptr=indptr, config=config)
+                                      kv_indices=kv_indices, indptr=indptr, config=il.WS_CONFIG)
         k_rows = k_cache.reshape(-1, d)
     else:
         k_rows = _fp8_ints(rng, (int(cu_k[-1]), hkv, d))
         want = ref.block_max_score(q, k_rows, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo,
                                    kv_lens=kv)
         got = _launch_max_score_torch(q, k_rows, nt, qo, kv, off, cu_q, score_scale=scale, cu_k=cu_k,
-                                      config=config)
+                                      config=il.WS_CONFIG)
     _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.reshape(-1, d).astype(np.float64),
-                     f"ws fp8 {case} D{d} {config}", rel=2e-5)
+                     f"ws fp8 {case} D{d}", rel=2e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d", [(BF16, 128), (F16, 256), (FP8_DT, 128), (FP8_DT, 64)], ids=lambda x: str(x))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("config", WS_VARIANTS, ids=lambda c: f"q-{c.q_operand}")
-def test_ws_max_score_tile_edges(rng, dtype, d, causal, config):
+def test_ws_max_score_tile_edges(rng, dtype, d, causal):
     """Row and block edges of the warp-specialised kernel: packed rows 1 past a 256-row tile
     (a last tile of one row: its other 64-row halves are all padding), 64 and 65 past it
     (a half boundary), odd block counts (3, 7, 9), keys 1 short of and 1 past a block, key
@@ -935,11 +928,11 @@ def test_ws_max_score_tile_edges(rng, dtype, d, causal, config):
                                kv_lens=kv)
     if fp8:
         got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=1.0, cu_k=cu_k, causal=causal,
-                                      config=config)
+                                      config=il.WS_CONFIG)
     else:
-        got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=config)
+        got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
     _check_max_score(got, want, q.astype(np.float64), k.astype(np.float64),
-                     f"ws edges {dtype} D{d} causal={causal} {config}")
+                     f"ws edges {dtype} D{d} causal={causal}")
 
 
 def _decode_lengths(rng, nq: int, long_keys: int):
@@ -1226,11 +1219,9 @@ def test_fp8_prefill_max_score_dense(rng, d, heads, causal, values):
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
                                    kv_lens=kv)
         assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d).mma == "wgmma"
-        for config in (None, il.WS_Q_REGS_CONFIG, il.WS_Q_SMEM_CONFIG):
-            got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=scale, config=config,
-                                          causal=causal, cu_k=cu_k)
-            _check_max_score(got, want * scale, q.astype(np.float64) * scale, k.astype(np.float64),
-                             f"fp8 wgmma {values} {case} d={d} Hq{hq} Hkv{hkv} causal={causal} {config}", rel=rel)
+        got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=scale, causal=causal, cu_k=cu_k)
+        _check_max_score(got, want * scale, q.astype(np.float64) * scale, k.astype(np.float64),
+                         f"fp8 wgmma {values} {case} d={d} Hq{hq} Hkv{hkv} causal={causal}", rel=rel)
 
 
 @pytest.mark.gpu

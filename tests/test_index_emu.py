@@ -288,7 +288,7 @@ def test_max_score_paged_emulated(emu, rng, kv_layout, source, page_size):
 def test_max_score_config_choice():
     """Decode kernel up to 32 packed rows (fewest 8-row n-blocks), 4 warps of mma.sync up
     to 64; above, the warp-specialised wgmma kernel on sm_90 only."""
-    dec1, dec2, dec4, mma4, mma8, wg8, wg_smem = il.MAX_SCORE_CONFIGS
+    dec1, dec2, dec4, mma4, mma8, wg8 = il.MAX_SCORE_CONFIGS
     for cc in (80, 90):
         assert il.select_max_score_config(1, cc) == dec1 and il.select_max_score_config(8, cc) == dec1
         assert il.select_max_score_config(9, cc) == dec2 and il.select_max_score_config(16, cc) == dec2
@@ -296,14 +296,9 @@ def test_max_score_config_choice():
         assert il.select_max_score_config(33, cc) == mma4 and il.select_max_score_config(64, cc) == mma4
     assert il.select_max_score_config(65, 90) == wg8 and il.select_max_score_config(1 << 20, 90) == wg8
     assert il.select_max_score_config(65, 80) == mma8 and il.select_max_score_config(4096, 100) == mma8
-    assert wg8 == il.WS_CONFIG == il.FP8_PREFILL_CONFIG == il.WS_Q_REGS_CONFIG and wg8.q_operand == "registers"
-    assert wg_smem == il.WS_Q_SMEM_CONFIG and wg_smem.q_operand == "smem"
-    for qop, ws in (("registers", wg8), ("smem", wg_smem)):  # the Q operand names the wgmma variant
-        assert il.select_max_score_config(65, 90, q_operand=qop) == ws
-        assert il.select_max_score_config(4096, 90, fp8=True, q_operand=qop) == ws
-        assert il.select_max_score_config(64, 90, q_operand=qop) == mma4
-        assert il.select_max_score_config(65, 80, q_operand=qop) == mma8
-    assert [c.stages() for c in (mma4, mma8, wg8, wg_smem)] == [3, 3, 4, 4]
+    assert wg8 == il.WS_CONFIG == il.FP8_PREFILL_CONFIG
+    assert il.select_max_score_config(4096, 90, fp8=True) == wg8
+    assert [c.stages() for c in (mma4, mma8, wg8)] == [3, 3, 4]
     assert [dec1.stages(d) for d in (64, 128, 256)] == [6, 3, 3]
     # float8: the decode kernel up to 32 rows (16 at D 256), else the wgmma kernel
     assert il.FP8_DECODE_MAX_ROWS == {64: 32, 128: 32, 256: 16}
@@ -519,7 +514,7 @@ def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads)
         assert il.max_score_splits(-(-int(qo.max()) * 3 // 256) * len(qo) * hkv, nt, 132)[0] > 1
     first = len(run.launches)
     got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, causal=causal, lazy=lazy, score_scale=scale, **kw)
-    assert [r[0] for r in run.launches[first:]] == [f"msa_max_score_ws_kernel<fp8_t, {d}, true>"]
+    assert [r[0] for r in run.launches[first:]] == [f"msa_max_score_ws_kernel<fp8_t, {d}>"]
     _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.astype(np.float64),
                      f"fp8 wgmma d={d} causal={causal} paged={paged}")
 

@@ -1082,10 +1082,10 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 //     Each thread arrives on the stage's `full` mbarrier twice: once when its copies land
 //     (cp.async.mbarrier.arrive.noinc) and once after its flag store (release).
 //   warpgroups 1 and 2, the consumers (registers raised): each holds WG_ROWS = 64 HALVES
-//     rows of Q for the whole CTA, in registers (Q_REGS: wgmma A fragments, loaded once
-//     from the shared-memory Q tile) or in shared memory. A unit is one 64-row half against
-//     one K tile: wgmma m64n128 (k16; e4m3 k32) chains reading K (and without Q_REGS Q) by
-//     descriptor into one of two accumulator sets, so the row-max epilogue of a unit runs
+//     rows of Q for the whole CTA in registers as wgmma A fragments, loaded once (ldmatrix)
+//     from the shared-memory Q tile. A unit is one 64-row half against one K tile: wgmma
+//     m64n128 (k16; e4m3 k32) chains with A in registers, reading only K by descriptor,
+//     into one of two accumulator sets, so the row-max epilogue of a unit runs
 //     while the next unit's MMAs do (async wgmma, wait_group 1). After the last unit of a
 //     tile every consumer warp arrives on the stage's `empty` mbarrier, which the producer
 //     waits for before refilling it.
@@ -1126,10 +1126,7 @@ struct MaxScoreWsTile {
 };
 
 
-// Q_REGS: the consumers load their Q rows from shared memory into registers once (ldmatrix,
-// the wgmma A-register layout) and run wgmma with A in registers, so the tensor cores read only
-// K from shared memory; otherwise every wgmma reads Q by descriptor too.
-template <typename T, int D, bool Q_REGS>
+template <typename T, int D>
 __global__ void __launch_bounds__(MaxScoreWsTile<T, D>::THREADS, 1)
 msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     using Cfg = MaxScoreWsTile<T, D>;
@@ -1231,11 +1228,11 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         attn::fence_proxy_async_smem();
         named_sync(1 + c, 128);
     }
-    // Q_REGS: qf[h][ks] = A fragments of k-step ks (32 bytes) of the warp's 16 rows of half h.
+    // qf[h][ks] = A fragments of k-step ks (32 bytes) of the warp's 16 rows of half h.
     // ldmatrix.x4: lane l addresses row (l / 8 % 2) 8 + l % 8 of the warp's rows, 16-byte
     // chunk 2 ks + l / 16 (matrices rows 0-7 | 8-15 x chunk lo | hi: a[0..3] of the A layout).
-    u32 qf[Q_REGS ? HALVES : 1][Q_REGS ? KSTEPS : 1][4];
-    if constexpr (Q_REGS) {
+    u32 qf[HALVES][KSTEPS][4];
+    {
         const int mi = lane >> 3;
 #pragma unroll
         for (int h = 0; h < HALVES; ++h) {
@@ -1265,23 +1262,14 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
             attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
         }
-        const attn::u64 q_desc =
-            attn::wg_desc(smem_base + (u32)(Cfg::Q_OFFSET + (c * WG_ROWS + h * 64) * 128), 16, 1024);
         const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
         attn::wg_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            const u32 qo = (u32)((ks >> 2) * (BM * 128) + (ks & 3) * 32);
             const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
             const attn::u64 kd = attn::wg_desc_add(k_desc, ko);
-            if constexpr (Q_REGS) {
-                const u32* a = qf[Q_REGS ? h : 0][Q_REGS ? ks : 0];
-                if (ks == 0) attn::WgmmaRSKMajor<128, T>::first(acc, a, kd);
-                else attn::WgmmaRSKMajor<128, T>::run(acc, a, kd, 1);
-            } else {
-                if (ks == 0) attn::WgmmaSS<128, T>::first(acc, attn::wg_desc_add(q_desc, qo), kd);
-                else attn::WgmmaSS<128, T>::run(acc, attn::wg_desc_add(q_desc, qo), kd, 1);
-            }
+            if (ks == 0) attn::WgmmaRSKMajor<128, T>::first(acc, qf[h][ks], kd);
+            else attn::WgmmaRSKMajor<128, T>::run(acc, qf[h][ks], kd, 1);
         }
         attn::wg_commit();
     };

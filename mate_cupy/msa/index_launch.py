@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "WS_CONFIG",
-    "WS_Q_REGS_CONFIG", "WS_Q_SMEM_CONFIG",
     "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
     "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
 ]
@@ -69,18 +68,16 @@ class MaxScoreConfig:
     ``8 * row_blocks`` packed rows its N, Q in registers), ``"mma_sync"``
     (``msa_block_max_score_kernel``: each warp holds 16 rows of Q in registers; three K
     stages) or ``"wgmma"`` (``msa_max_score_ws_kernel``, sm_90a: a producer warpgroup
-    streaming K tiles through an mbarrier ring, two consumer warpgroups of wgmma with Q in
-    shared memory; 256 rows per CTA, 128 when a key row exceeds 256 bytes).
+    streaming K tiles through an mbarrier ring, two consumer warpgroups of wgmma, each
+    loading its Q rows into registers once and running wgmma with A in registers, so the
+    tensor cores read only K from shared memory; 256 rows per CTA, 128 when a key row
+    exceeds 256 bytes).
     ``num_warps``: warps per CTA. ``row_blocks`` (decode only): n-blocks of 8 packed rows.
-    ``q_operand`` (wgmma only): ``"registers"`` (each consumer warpgroup loads its Q rows
-    into registers once and runs wgmma with A in registers: the tensor cores read only K
-    from shared memory) or ``"smem"`` (every wgmma reads Q by descriptor as well).
     """
 
     mma: str
     num_warps: int
     row_blocks: int = 0
-    q_operand: str = "smem"
 
     @property
     def decode(self) -> bool:
@@ -116,15 +113,10 @@ def _srb(d: int, elem_bytes: int) -> int:
 
 
 DECODE_CONFIGS = tuple(MaxScoreConfig("decode", 4, nb) for nb in (1, 2, 4))
-# msa_max_score_ws_kernel (3 warpgroups): Q in registers (wgmma A from registers) or read by
-# descriptor from shared memory. WS_CONFIG is the one the choice picks (16-bit above 64 rows on
-# sm_90, float8 prefill); both are registered and tested.
-WS_Q_REGS_CONFIG = MaxScoreConfig("wgmma", 12, q_operand="registers")
-WS_Q_SMEM_CONFIG = MaxScoreConfig("wgmma", 12, q_operand="smem")
-WS_CONFIG = WS_Q_REGS_CONFIG
-_WS_BY_Q_OPERAND = {"registers": WS_Q_REGS_CONFIG, "smem": WS_Q_SMEM_CONFIG}
-MAX_SCORE_CONFIGS = DECODE_CONFIGS + (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8),
-                                      WS_Q_REGS_CONFIG, WS_Q_SMEM_CONFIG)
+# msa_max_score_ws_kernel (3 warpgroups, Q in registers as wgmma A fragments): the choice for
+# 16-bit above 64 rows on sm_90 and for float8 prefill.
+WS_CONFIG = MaxScoreConfig("wgmma", 12)
+MAX_SCORE_CONFIGS = DECODE_CONFIGS + (MaxScoreConfig("mma_sync", 4), MaxScoreConfig("mma_sync", 8), WS_CONFIG)
 DECODE_MAX_ROWS = DECODE_CONFIGS[-1].rows_per_cta()   # packed rows the decode kernel takes (32)
 DECODE_SUB_KEYS = 32        # kDecSubKeys
 
@@ -133,7 +125,7 @@ def _max_score_name(dtype, d: int, cfg: MaxScoreConfig) -> str:
     if cfg.decode:
         return f"msa_decode_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.row_blocks}>"
     if cfg.mma == "wgmma":
-        return f"msa_max_score_ws_kernel<{_CTYPE[dtype]}, {d}, {'true' if cfg.q_operand == 'registers' else 'false'}>"
+        return f"msa_max_score_ws_kernel<{_CTYPE[dtype]}, {d}>"
     return f"msa_block_max_score_kernel<{_CTYPE[dtype]}, {d}, {cfg.num_warps}>"
 
 
@@ -155,9 +147,8 @@ MAX_SCORE_SPECS.update({
 })
 FP8_PREFILL_CONFIG = WS_CONFIG   # the 16-bit prefill kernel
 MAX_SCORE_SPECS.update({
-    (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), only_arch=SM90A)
+    (FP8_E4M3, d, WS_CONFIG): register(SOURCE, _max_score_name(FP8_E4M3, d, WS_CONFIG), only_arch=SM90A)
     for d in MAX_SCORE_HEAD_DIMS
-    for cfg in (WS_Q_REGS_CONFIG, WS_Q_SMEM_CONFIG)
 })
 # Packed rows per request the fp8 decode kernel holds, per head dim (32; 16 at D 256); more
 # rows take the wgmma variant (compute capability 9.0).
@@ -167,7 +158,7 @@ FP8_PREFILL_SM = 90   # the compute capability the fp8 prefill variant is built 
 
 
 def select_max_score_config(rows: int, compute_capability: int, *, fp8: bool = False,
-                            head_dim: int = 128, q_operand: Optional[str] = None) -> MaxScoreConfig:
+                            head_dim: int = 128) -> MaxScoreConfig:
     """The kernel for requests of up to ``rows = max_seqlen_q * Hq / Hkv`` packed rows.
 
     Decode-shaped requests (``rows <= 32``: a few queries, memory bound on K) take the
@@ -175,18 +166,16 @@ def select_max_score_config(rows: int, compute_capability: int, *, fp8: bool = F
     mma.sync (64-row CTAs); above, the warp-specialised wgmma kernel on sm_90, 8 warps of
     mma.sync elsewhere. ``fp8`` (e4m3 q and k): the decode kernel up to
     ``FP8_DECODE_MAX_ROWS[head_dim]`` rows, else the wgmma kernel (registered for sm_90a
-    only: callers refuse other devices). The wgmma kernel is :data:`WS_CONFIG` (Q in
-    registers) unless ``q_operand`` (``"registers"`` or ``"smem"``) names its Q operand."""
-    ws = WS_CONFIG if q_operand is None else _WS_BY_Q_OPERAND[q_operand]
+    only: callers refuse other devices). The wgmma kernel is :data:`WS_CONFIG`."""
     if fp8:
         if rows <= FP8_DECODE_MAX_ROWS[head_dim]:
             return next(c for c in DECODE_CONFIGS if c.rows_per_cta() >= rows)
-        return ws
+        return WS_CONFIG
     if rows <= DECODE_MAX_ROWS:
         return next(c for c in DECODE_CONFIGS if c.rows_per_cta() >= rows)
     if rows <= 64:
         return MAX_SCORE_CONFIGS[3]
-    return ws if compute_capability == 90 else MAX_SCORE_CONFIGS[4]
+    return WS_CONFIG if compute_capability == 90 else MAX_SCORE_CONFIGS[4]
 
 
 def max_score_smem_bytes(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -> int:
