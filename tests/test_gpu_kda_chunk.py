@@ -382,7 +382,7 @@ def test_select_config(rng, cuda_standins):
     assert ch.select_config(p, 132, 100) == ch.chunk_config(p, 8)  # sm_100: mma.sync, 8 warps
     with pytest.raises(ValueError, match="no wgmma recurrence kernel of 2 warps"):
         ch.chunk_config(p, 2, wgmma=True)
-    assert cfg.offsets_at == cfg.num_slots * 96 * cl.SLOT_BYTES
+    assert cfg.tail_at == cfg.num_slots * 96 * cl.SLOT_BYTES
     assert cfg.launch_offsets and cfg.launch_prepare and cfg.launch_recurrence
     a100 = ch.select_config(p, 108, 80)  # A100: mma.sync; 8-warp CTAs do not fit
     assert a100.recurrence_warps == 4 and not a100.recurrence_wgmma
@@ -395,6 +395,58 @@ def test_select_config(rng, cuda_standins):
     _, p2, _ = ch.validate(**validate_args(dict(make_inputs(rng, 2, 0, 1, 1), output_final_state=True)))
     c2 = ch.select_config(p2, 132, 90)
     assert c2.launch_recurrence and not c2.launch_prepare and not c2.launch_offsets
+
+
+def test_pipeline_segments_choice(rng, cuda_standins):
+    """One dense sequence of 128+ chunks whose recurrence CTAs leave half the SMs free is
+    split into segments of 64+ chunks (at most 8); every other problem runs unsplit."""
+    def config(B, T, HV, lens=None, sm=132, cc=90):
+        x = make_inputs(rng, B, T, 1, HV, gate_params=False, lens=lens)
+        return ch.select_config(ch.validate(**validate_args(x))[1], sm, cc)
+
+    c = config(1, 32768, 32)  # 32 heads x 2 four-warp CTAs = 64 <= 132 / 2
+    assert c.recurrence_warps == 4 and c.pipeline_segments == 8
+    assert c.tail_at == 512 * 32 * cl.SLOT_BYTES
+    assert config(1, 8192, 2).pipeline_segments == 2  # 128 chunks
+    assert config(1, 8191, 2).pipeline_segments == 2  # 128 chunks, the last partial
+    assert config(1, 8128, 2).pipeline_segments == 1  # 127 chunks
+    assert config(1, 12800, 2).pipeline_segments == 3
+    assert config(1, 8192, 64).pipeline_segments == 1  # 128 CTAs: no SMs left for the prepare
+    assert config(1, 8192, 64, sm=264).pipeline_segments == 2
+    assert config(2, 8192, 2).pipeline_segments == 1  # two sequences
+    assert config(1, 0, 2, lens=[8192]).pipeline_segments == 1  # varlen
+    assert config(1, 8192, 2, cc=80).pipeline_segments == 2  # the mma.sync recurrence alike
+    _, p, _ = ch.validate(**validate_args(make_inputs(rng, 1, 8192, 1, 2, gate_params=False)))
+    assert ch.chunk_config(p, 4, True, segments=8).pipeline_segments == 8
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="pipelined segments"):
+            ch.chunk_config(p, 4, True, segments=bad)
+    _, p2, _ = ch.validate(**validate_args(make_inputs(rng, 2, 8192, 1, 2, gate_params=False)))
+    with pytest.raises(ValueError, match="one dense sequence"):
+        ch.chunk_config(p2, 4, True, segments=2)
+
+
+@pytest.mark.parametrize("T", [8128, 8191, 8192, 20000, 32768])
+@pytest.mark.parametrize("segments", [2, 3, 8])
+def test_segment_bounds(T, segments):
+    b = cl.segment_bounds(T, segments)
+    assert len(b) == segments + 1 and b[0] == 0 and b[-1] == T
+    assert all(x % cl.CHUNK == 0 for x in b[:-1])
+    sizes = np.diff(b)
+    assert (sizes > 0).all() and sizes.max() - sizes.min() <= 2 * cl.CHUNK
+
+
+def test_workspace_holds_the_carry():
+    """The carried state (float32 [HV, 128, 128]) follows the slots of one dense sequence of
+    128+ chunks; the size still grows with every argument."""
+    from mate_cupy import chunk_kda_workspace_bytes as wb
+
+    assert wb(1, 8192, 4) == 128 * 4 * cl.SLOT_BYTES + 4 * 128 * 128 * 4
+    assert wb(1, 8128, 4) == 127 * 4 * cl.SLOT_BYTES
+    assert wb(2, 8192, 4) == 256 * 4 * cl.SLOT_BYTES
+    assert wb(1, 8192, 4, num_seqs=1) == ((8192 + 63) // 64) * 4 * cl.SLOT_BYTES + 8
+    for T in (8127, 8128, 8191, 8192, 8193):
+        assert wb(1, T, 4) <= wb(1, T + 1, 4) <= wb(2, T + 1, 4) and wb(1, T, 4) <= wb(1, T, 5)
 
 
 class _FakeKernel:
@@ -484,9 +536,61 @@ def test_launcher_dry_run(rng, launches, varlen, gate, s_in, s_out, prealloc):
                 assert address(v["out"]) == _ptr(kw["output"])
         if varlen:
             table_at = v["offsets" if base == "kda_chunk_offsets_kernel" else "chunk_offsets"]
-            assert table_at == ws_base(launches) + cfg.offsets_at
+            assert table_at == ws_base(launches) + cfg.tail_at
     if prealloc:
         assert ws == _ptr(kw["workspace"])
+
+
+def test_launcher_dry_run_pipelined(rng, launches, monkeypatch):
+    """One long sequence in segments: each segment's prepare on the caller's stream, its
+    recurrence on the side stream after an event edge from the caller's stream, the state
+    carried in float32 through the workspace tail; the caller's stream joins at the end."""
+    class FakeSide:
+        ptr = 0x6000
+
+        def wait_for(self, stream, i):
+            launches.append(("wait_for", stream, i))
+
+        def join(self, stream):
+            launches.append(("join", stream))
+
+    monkeypatch.setattr(cl, "side_stream", lambda device: FakeSide())
+    T, HV, H = 8192 + 37, 4, 2
+    x = make_inputs(rng, 1, T, H, HV, gate_params=True, state=BF16)
+    ws = standin_workspace(ch.chunk_kda_workspace_bytes(1, T, HV))
+    kw = dict(x, output_final_state=True, output=np.full(x["v"].shape, np.nan, BF16),
+              final_state=np.full((1, HV, K, K), np.nan, BF16), workspace=ws)
+    ch.chunk_kda(**validate_args(kw))
+    cfg = ch.select_config(ch.validate(**validate_args(kw))[1], 132, 90)
+    assert cfg.pipeline_segments == 2 and StandinCall.allocations == []
+    bounds = cl.segment_bounds(T, 2)
+    kinds = [r[0] if isinstance(r[0], str) else r[0].name.split("<")[0] for r in launches]
+    assert kinds == ["kda_chunk_prepare_kernel", "wait_for", "kda_chunk_recurrence_wgmma_kernel"] * 2 + ["join"]
+    assert [r[1:] for r in launches if r[0] == "wait_for"] == [(STREAM, 0), (STREAM, 1)]
+    assert launches[-1] == ("join", STREAM)
+    base, carry = _ptr(ws), _ptr(ws) + cfg.tail_at
+    assert cfg.tail_at == 129 * HV * cl.SLOT_BYTES
+    recs = [r for r in launches if not isinstance(r[0], str)]
+    for s in range(2):
+        (pk, pgrid, _, pparams, pvals, _, pstream), (rk, rgrid, _, rparams, rvals, _, rstream) = recs[2 * s:2 * s + 2]
+        pparams.pack(pvals)
+        rparams.pack(rvals)
+        pv, rv = dict(zip(pparams.names, pvals)), dict(zip(rparams.names, rvals))
+        t0, length = bounds[s], bounds[s + 1] - bounds[s]
+        wseg = base + t0 // 64 * HV * cl.SLOT_BYTES
+        assert pstream == STREAM and rstream == FakeSide.ptr
+        assert pgrid == (-(-length // 64), HV) and rgrid == cfg.recurrence_grid
+        assert pv["ws"] == rv["ws"] == wseg and pv["seq_len_dense"] == pv["total_rows"] == length
+        assert pv["q"] == _ptr(x["q"]) + t0 * H * K * 2 and pv["beta"] == _ptr(x["beta"]) + t0 * HV * 2
+        assert pv["g"] == _ptr(x["g"]) + t0 * HV * K * 2 and pv["cu_seqlens"] == 0 and pv["num_seqs"] == 1
+        assert rv["v"] == _ptr(x["v"]) + t0 * HV * K * 2 and rv["out"] == _ptr(kw["output"]) + t0 * HV * K * 2
+        assert rv["num_slots"] == -(-length // 64) and rv["seq_len_dense"] == length
+        if s == 0:
+            assert (address(rv["state_in"]), rv["state_in_kind"]) == (_ptr(x["initial_state"]), cl.STATE_BFLOAT16)
+            assert (rv["state_out"], rv["state_out_kind"]) == (carry, cl.STATE_FLOAT32)
+        else:
+            assert (rv["state_in"], rv["state_in_kind"]) == (carry, cl.STATE_FLOAT32)
+            assert (address(rv["state_out"]), rv["state_out_kind"]) == (_ptr(kw["final_state"]), cl.STATE_BFLOAT16)
 
 
 @pytest.mark.parametrize("case", ["no-tokens", "no-sequences", "no-sequences-with-rows", "no-heads"])
@@ -739,6 +843,84 @@ def test_chunk_runs_the_wgmma_recurrence_on_sm90(rng):
     x = make_inputs(rng, 1, 100, 1, 2)
     _, p, _ = ch.validate(**validate_args(_dev(x)))
     assert ch.select_config(p, sm_count, cc).recurrence_wgmma
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, segments, s_in, s_out", [
+    pytest.param(8192 + 37, 2, F32, F32, id="T8229-2seg-f32"),
+    pytest.param(12800, 3, BF16, BF16, id="T12800-3seg-bf16"),
+    pytest.param(8192, 8, None, None, id="T8192-8seg-nostate"),
+])
+def test_chunk_pipelined_equals_unsplit(rng, T, segments, s_in, s_out):
+    """Prepare and recurrence overlapped in segments give bitwise the unsplit result (the
+    state crosses segments in float32), at every recurrence kernel this device runs; the
+    float64 recurrence agrees on the first tokens. NaN-poisoned outputs."""
+    from mate_cupy.runtime.device import device_info
+
+    sm_count, cc = device_info()
+    x = make_inputs(rng, 1, T, 1, 2, gate_params=True, state=s_in)
+    d = _dev(x)
+
+    def run(segments):
+        out = _nan(x["v"].shape, BF16)
+        fs = None if s_out is None else _nan((1, 2, K, K), s_out)
+        call, p, ws = ch.validate(**validate_args(dict(d, output=out, output_final_state=s_out is not None,
+                                                       final_state=fs)))
+        base = ch.select_config(p, sm_count, cc)
+        ch.run_cuda(call, p, ch.chunk_config(p, base.recurrence_warps, base.recurrence_wgmma, segments), ws)
+        return out, fs
+
+    out1, fs1 = run(1)
+    out, fs = run(segments)
+    np.testing.assert_array_equal(to_f64(out), to_f64(out1))
+    assert not np.isnan(to_f64(out)).any()
+    if s_out is not None:
+        np.testing.assert_array_equal(to_f64(fs), to_f64(fs1))
+    head = {n: (a[:, :200] if n in ("q", "k", "v", "g", "beta") else a) for n, a in x.items()}
+    o_ref, _ = reference(head)
+    assert rel(to_f64(out)[:, :200], o_ref) < TOL[BF16]
+
+
+@pytest.mark.gpu
+def test_chunk_pipelined_in_cuda_graph_and_torch_stream(rng):
+    """The overlapped path (side stream, event edges) captured into a CUDA graph and replayed,
+    and run on a torch stream: the eager result, bitwise."""
+    import cupy
+
+    from mate_cupy import chunk_kda
+
+    x = make_inputs(rng, 1, 8192, 1, 2, gate_params=True, state=F32)
+    d = _dev(x)
+    _, p, _ = ch.validate(**validate_args(d))
+    from mate_cupy.runtime.device import device_info
+
+    assert ch.select_config(p, *device_info()).pipeline_segments == 2
+    want, want_s = chunk_kda(**d, output_final_state=True)
+    out, fs = _nan(x["v"].shape, BF16), _nan((1, 2, K, K), F32)
+    ws = cupy.empty(ch.chunk_kda_workspace_bytes(1, 8192, 2), np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        chunk_kda(**d, output_final_state=True, output=out, final_state=fs, workspace=ws)  # warm
+        out.fill(0)
+        stream.begin_capture()
+        chunk_kda(**d, output_final_state=True, output=out, final_state=fs, workspace=ws)
+        graph = stream.end_capture()
+        out[...] = _nan(x["v"].shape, BF16)
+        fs[...] = _nan((1, 2, K, K), F32)
+        graph.launch()
+    stream.synchronize()
+    np.testing.assert_array_equal(to_f64(out), to_f64(want))
+    np.testing.assert_array_equal(to_f64(fs), to_f64(want_s))
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        return
+    t = {k_: (torch.from_dlpack(v_) if isinstance(v_, cupy.ndarray) else v_) for k_, v_ in d.items()}
+    ts = torch.cuda.Stream()
+    with torch.cuda.stream(ts):
+        o_t, s_t = chunk_kda(**t, output_final_state=True)
+    ts.synchronize()
+    np.testing.assert_array_equal(to_f64(cupy.from_dlpack(o_t)), to_f64(want))
+    np.testing.assert_array_equal(to_f64(cupy.from_dlpack(s_t)), to_f64(want_s))
 
 
 @pytest.mark.gpu

@@ -528,13 +528,17 @@ def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads)
     pytest.param(BF16, 64, (16, 1), False, False, id="bf16-d64-r16-full"),
 ])
 def test_ws_max_score_long_keys_emulated(emu, rng, dtype, d, heads, causal, lazy):
-    """The warp-specialised kernel over a 2200-key request: its stage ring (2 stages of
-    512-byte rows at D 256, whose 128-row tiles run one MMA half per tile; 8 stages at D 64)
-    wraps many times, 16-block stash stores and a partial one, key-range splits, offsets
-    short of the keys, rows in several 256-row tiles."""
+    """The warp-specialised kernel over a long request (2200 keys at D 64, 1100 at D 256): its
+    stage ring (2 stages of 512-byte rows at D 256, whose 128-row tiles run one MMA half per
+    tile; 8 stages at D 64) wraps many times, 16-block stash stores and a partial one (D 64),
+    key-range splits, offsets short of the keys, rows in several 256-row tiles."""
     H, run = emu
     hq, hkv = heads
-    qo, kv = np.array([37, 20, 300], dtype=np.int32), np.array([300, 129, 2200], dtype=np.int32)
+    # the 16-block stash and its partial successor at D 64 (2200 keys); D 256 emulates slowly
+    # (its Q register exchange runs per k-step on the host): fewer rows and keys, still two
+    # row tiles and two key ranges
+    qo = np.array([37, 20, 300 if d == 64 else 140], dtype=np.int32)
+    kv = np.array([300, 129, 2200 if d == 64 else 1100], dtype=np.int32)
     offsets = (kv - qo + np.array([0, -40, -100])).astype(np.int32)
     cu_q, cu_k, off, q, k, nt, want = _dense_problem(rng, qo, kv, offsets, hq, hkv, d, dtype, causal)
     first = len(run.launches)

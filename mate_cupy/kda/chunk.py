@@ -313,7 +313,8 @@ class ChunkConfig:
     recurrence_warps: int  # NW: one recurrence CTA per V slice of 16 NW state rows
     recurrence_wgmma: bool  # the sm_90a warpgroup-MMA recurrence kernel (else mma.sync)
     num_slots: int  # workspace chunk slots (exact dense, upper bound varlen)
-    offsets_at: int  # byte offset of the varlen chunk-offsets table in the workspace
+    tail_at: int  # byte offset of the workspace tail: varlen chunk-offsets table or carried state
+    pipeline_segments: int  # > 1: one sequence, prepare and recurrence overlapped per segment
     launch_offsets: bool
     launch_prepare: bool
     launch_recurrence: bool
@@ -340,16 +341,35 @@ def recurrence_warps(num_units: int, sm_count: int, widths=cl.RECURRENCE_WARPS, 
     return best
 
 
-def chunk_config(problem: ChunkProblem, warps: int, wgmma: bool = False) -> ChunkConfig:
+def pipeline_segments(problem: ChunkProblem, recurrence_ctas: int, sm_count: int) -> int:
+    """Segments of the prepare/recurrence overlap for ``problem``: 1 (none) unless it is one
+    dense sequence of at least two segments of ``PIPELINE_MIN_CHUNKS`` chunks whose
+    ``recurrence_ctas`` leave at least half of the ``sm_count`` SMs to the prepare kernel;
+    then as many segments of at least that many chunks as fit, at most ``PIPELINE_MAX_SEGMENTS``."""
+    p = problem
+    if not cl.holds_carry(p.batch, p.seqlen, p.varlen) or 2 * recurrence_ctas > sm_count:
+        return 1
+    return min(cl.PIPELINE_MAX_SEGMENTS, -(-p.seqlen // cl.CHUNK) // cl.PIPELINE_MIN_CHUNKS)
+
+
+def chunk_config(problem: ChunkProblem, warps: int, wgmma: bool = False, segments: int = 1) -> ChunkConfig:
     """The launch shape of ``problem`` with ``warps`` warps per recurrence CTA, of the wgmma
-    kernel (``warps`` in ``WGMMA_RECURRENCE_WARPS``; sm_90a devices only) or the mma.sync one."""
+    kernel (``warps`` in ``WGMMA_RECURRENCE_WARPS``; sm_90a devices only) or the mma.sync one,
+    overlapping prepare and recurrence over ``segments`` segments (> 1 only where the
+    workspace holds a carried state, :func:`mate_cupy.kda.chunk_launch.holds_carry`)."""
     if warps not in (cl.WGMMA_RECURRENCE_WARPS if wgmma else cl.RECURRENCE_WARPS):
         raise ValueError(f"no {'wgmma' if wgmma else 'mma.sync'} recurrence kernel of {warps} warps")
     p = problem
-    slots, offsets_at, _ = cl.workspace_layout(p.batch, p.seqlen, p.num_v_heads, p.num_seqs, p.varlen)
+    if segments != 1 and not (cl.holds_carry(p.batch, p.seqlen, p.varlen)
+                              and 2 <= segments <= min(cl.PIPELINE_MAX_SEGMENTS, -(-p.seqlen // cl.CHUNK))):
+        raise ValueError(f"{segments} pipelined segments need one dense sequence of at least "
+                         f"{2 * cl.PIPELINE_MIN_CHUNKS} chunks and 2 to {cl.PIPELINE_MAX_SEGMENTS} segments "
+                         f"of one chunk or more, got batch {p.batch}, seqlen {p.seqlen}, varlen {p.varlen}")
+    slots, tail_at, _ = cl.workspace_layout(p.batch, p.seqlen, p.num_v_heads, p.num_seqs, p.varlen)
     heads = p.num_v_heads > 0
     return ChunkConfig(
-        recurrence_warps=warps, recurrence_wgmma=wgmma, num_slots=slots, offsets_at=offsets_at,
+        recurrence_warps=warps, recurrence_wgmma=wgmma, num_slots=slots, tail_at=tail_at,
+        pipeline_segments=segments if heads else 1,
         launch_offsets=p.varlen and p.num_seqs > 0 and heads,
         launch_prepare=slots > 0 and heads,
         launch_recurrence=p.num_seqs > 0 and heads and (p.seqlen > 0 or p.output_final_state),
@@ -363,12 +383,16 @@ def chunk_config(problem: ChunkProblem, warps: int, wgmma: bool = False) -> Chun
 def select_config(problem: ChunkProblem, sm_count: int, cc: int) -> ChunkConfig:
     """Pure: the launch shape for ``problem`` on a device of ``sm_count`` SMs and compute
     capability ``cc``: the wgmma recurrence on :data:`WGMMA_RECURRENCE_CC`, else the mma.sync
-    one, each at the width (among those whose shared memory fits) of least modelled time."""
+    one, each at the width (among those whose shared memory fits) of least modelled time;
+    prepare and recurrence overlapped in segments where :func:`pipeline_segments` says so."""
     units = problem.num_seqs * problem.num_v_heads
-    if int(cc) in WGMMA_RECURRENCE_CC:
-        return chunk_config(problem, recurrence_warps(units, sm_count, cl.WGMMA_RECURRENCE_WARPS, WGMMA_WARP_COST),
-                            wgmma=True)
-    return chunk_config(problem, recurrence_warps(units, sm_count, recurrence_widths(cc)))
+    wgmma = int(cc) in WGMMA_RECURRENCE_CC
+    if wgmma:
+        warps = recurrence_warps(units, sm_count, cl.WGMMA_RECURRENCE_WARPS, WGMMA_WARP_COST)
+    else:
+        warps = recurrence_warps(units, sm_count, recurrence_widths(cc))
+    segments = pipeline_segments(problem, units * (HEAD_DIM // (16 * warps)), sm_count)
+    return chunk_config(problem, warps, wgmma=wgmma, segments=segments)
 
 
 # ----------------------------------------------------------------------------- the two paths

@@ -11,8 +11,16 @@ One ``chunk_kda`` call launches, on the caller's stream, in this order:
    (sequence, value head, V slice of ``16 * NW`` state rows), sequential over the chunks,
    state in float32 registers.
 
+One long sequence whose recurrence leaves most SMs idle (``config.pipeline_segments > 1``)
+runs 2 and 3 per segment of the sequence instead: the prepare kernels on the caller's
+stream, each segment's recurrence on a second, high-priority stream of this thread once its
+prepare is done (an event), carrying the float32 state between segments in the workspace;
+the prepare of segment ``s + 1`` runs on the SMs the recurrence of segment ``s`` leaves
+free. The caller's stream waits for the last recurrence before it goes on.
+
 Workspace layout (bytes): ``num_slots * HV`` slots of ``SLOT_BYTES``, slot
-``slot * HV + hv``; then, for varlen, the int32 offsets table. ``T`` is the input dtype
+``slot * HV + hv``; then, for varlen, the int32 offsets table, or, for one dense sequence
+of at least ``2 * PIPELINE_MIN_CHUNKS`` chunks, the carried state (float32 ``[HV, 128, 128]``). ``T`` is the input dtype
 (``half_t`` or ``bf16_t``). Nothing here checks arguments: :func:`mate_cupy.kda.chunk.validate`
 has, and :func:`mate_cupy.kda.chunk.select_config` chose the launch shape.
 """
@@ -23,6 +31,7 @@ from functools import lru_cache
 from ..jit import KernelParams, address, get_kernel, launch, register
 from ..jit.registry import SM90A
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32
+from ..runtime.streams import side_stream
 
 CHUNK = 64  # tokens per chunk
 HEAD_DIM = 128  # K = V
@@ -30,6 +39,9 @@ SLOT_BYTES = 66048  # Qs, Kt, Kb [64, 128] + T, Aqk [64, 64] in the input dtype,
 PREPARE_THREADS = 256
 PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 64  # 75,072 bytes (kPrepSmemBytes)
 OFFSETS_THREADS = 1024
+CARRY_BYTES = HEAD_DIM * HEAD_DIM * 4  # float32 [V, K] state carried between pipelined segments, per value head
+PIPELINE_MIN_CHUNKS = 64  # chunks per pipelined segment, at least
+PIPELINE_MAX_SEGMENTS = 8
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
 WGMMA_STAGE_V = 66048  # wgmma recurrence stage: Qs, Kt, Kb, T, Aqk tiles and egl, then the V slice (kWgV)
 WGMMA_RECURRENCE_WARPS = (4, 8)  # sm_90a: one or two warpgroups of 64 state rows
@@ -96,12 +108,29 @@ def num_chunk_slots(batch: int, seqlen: int, num_seqs: int, varlen: bool) -> int
     return batch * ((seqlen + CHUNK - 1) // CHUNK)
 
 
+def holds_carry(batch: int, seqlen: int, varlen: bool) -> bool:
+    """Whether the workspace holds a carried state: one dense sequence long enough for two
+    pipelined segments (``launch_chunk``)."""
+    return not varlen and batch == 1 and -(-seqlen // CHUNK) >= 2 * PIPELINE_MIN_CHUNKS
+
+
 def workspace_layout(batch: int, seqlen: int, num_v_heads: int, num_seqs: int, varlen: bool) -> tuple:
-    """``(num_slots, offsets_at, total_bytes)``: slot count, byte offset of the varlen
-    chunk-offsets table (256-byte aligned: ``SLOT_BYTES`` is a multiple of 256) and bytes in all."""
+    """``(num_slots, tail_at, total_bytes)``: slot count, byte offset of the region after the
+    slots (256-byte aligned: ``SLOT_BYTES`` is a multiple of 256) and bytes in all. The tail
+    is the varlen chunk-offsets table, or the carried state where :func:`holds_carry`."""
     slots = num_chunk_slots(batch, seqlen, num_seqs, varlen)
-    offsets_at = slots * num_v_heads * SLOT_BYTES
-    return slots, offsets_at, offsets_at + (4 * (num_seqs + 1) if varlen else 0)
+    tail_at = slots * num_v_heads * SLOT_BYTES
+    if varlen:
+        return slots, tail_at, tail_at + 4 * (num_seqs + 1)
+    return slots, tail_at, tail_at + (num_v_heads * CARRY_BYTES if holds_carry(batch, seqlen, varlen) else 0)
+
+
+def segment_bounds(seqlen: int, segments: int) -> tuple:
+    """Token bounds of ``segments`` pipelined segments of a ``seqlen``-token sequence: whole
+    chunks each (the last may end in a partial one), as even as chunks allow."""
+    chunks = -(-seqlen // CHUNK)
+    bounds = [min(seqlen, (chunks * i // segments) * CHUNK) for i in range(segments)]
+    return tuple(bounds) + (seqlen,)
 
 
 @lru_cache(maxsize=None)
@@ -131,8 +160,14 @@ def launch_chunk(problem, config, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlen
     if not c.launches_any:
         return
     ws = address(workspace)
+    if c.pipeline_segments > 1:
+        _launch_pipelined(p, c, q=address(q), k=address(k), v=address(v), g=address(g), beta=address(beta),
+                          A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, final_state=final_state,
+                          out=address(out), ws=ws, state_in_kind=state_in_kind, state_out_kind=state_out_kind,
+                          stream=stream)
+        return
     cu64 = int(p.cu_seqlens_int64)
-    offsets = ws + c.offsets_at if p.varlen else 0
+    offsets = ws + c.tail_at if p.varlen else 0
     seq_len_dense = 0 if p.varlen else p.seqlen
     total_rows = p.batch * p.seqlen
     if c.launch_offsets:
@@ -145,13 +180,50 @@ def launch_chunk(problem, config, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlen
                 int(p.has_gate_params)),
                shared_mem=PREPARE_SMEM, stream=stream)
     if c.launch_recurrence:
-        nw = c.recurrence_warps
-        key = (p.dtype, nw)
-        if c.recurrence_wgmma:
-            kern = get_kernel(WGMMA_RECURRENCE_SPECS[key], WGMMA_RECURRENCE_KERNEL[key], p.device)
-        else:
-            kern = get_kernel(RECURRENCE_SPECS[key], RECURRENCE_KERNEL[key], p.device)
-        launch(kern, c.recurrence_grid, (32 * nw,), RECURRENCE_PARAMS,
+        launch(recurrence_kernel(p, c), c.recurrence_grid, (32 * c.recurrence_warps,), RECURRENCE_PARAMS,
                (v, ws, out, initial_state, state_in_kind, final_state, state_out_kind, cu_seqlens, cu64, offsets,
                 c.num_slots, seq_len_dense, total_rows, p.num_v_heads),
                shared_mem=c.recurrence_smem, stream=stream)
+
+
+def recurrence_kernel(problem, config):
+    """The recurrence kernel ``config`` names, loaded on ``problem``'s device."""
+    key = (problem.dtype, config.recurrence_warps)
+    if config.recurrence_wgmma:
+        return get_kernel(WGMMA_RECURRENCE_SPECS[key], WGMMA_RECURRENCE_KERNEL[key], problem.device)
+    return get_kernel(RECURRENCE_SPECS[key], RECURRENCE_KERNEL[key], problem.device)
+
+
+def _launch_pipelined(p, c, *, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, ws,
+                      state_in_kind: int, state_out_kind: int, stream: int) -> None:
+    """One dense sequence (``batch == 1``) in ``c.pipeline_segments`` segments: segment ``s``'s
+    prepare on ``stream``, its recurrence on this thread's side stream after that prepare
+    (and after segment ``s - 1``'s recurrence: stream order), the state carried in float32
+    through the workspace tail (each recurrence CTA reads its state rows before it writes
+    them, so the carry is read and written in place); ``stream`` then waits for the side
+    stream. Addresses are ints (element offsets below in bytes: 2-byte inputs)."""
+    side = side_stream(p.device)
+    prep = prepare_kernel(p.dtype, p.device)[1]
+    rec = recurrence_kernel(p, c)
+    H, HV = p.num_heads, p.num_v_heads
+    qk_row, v_row, beta_row = H * HEAD_DIM * 2, HV * HEAD_DIM * 2, HV * 2
+    carry = ws + c.tail_at
+    bounds = segment_bounds(p.seqlen, c.pipeline_segments)
+    last = c.pipeline_segments - 1
+    for s in range(c.pipeline_segments):
+        t0, length = bounds[s], bounds[s + 1] - bounds[s]
+        chunks = -(-length // CHUNK)
+        wseg = ws + (t0 // CHUNK) * HV * SLOT_BYTES
+        launch(prep, (chunks, HV), (PREPARE_THREADS,), PREPARE_PARAMS,
+               (q + t0 * qk_row, k + t0 * qk_row, g + t0 * v_row, beta + t0 * beta_row, A_log, dt_bias, 0, 0, 0,
+                wseg, 1, length, length, H, HV, p.scale, p.lower_bound, int(p.use_qk_l2norm),
+                int(p.has_gate_params)),
+               shared_mem=PREPARE_SMEM, stream=stream)
+        side.wait_for(stream, s)
+        launch(rec, c.recurrence_grid, (32 * c.recurrence_warps,), RECURRENCE_PARAMS,
+               (v + t0 * v_row, wseg, out + t0 * v_row,
+                initial_state if s == 0 else carry, state_in_kind if s == 0 else STATE_FLOAT32,
+                final_state if s == last else carry, state_out_kind if s == last else STATE_FLOAT32,
+                0, 0, 0, chunks, length, length, HV),
+               shared_mem=c.recurrence_smem, stream=side.ptr)
+    side.join(stream)
