@@ -4,7 +4,15 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
+# Under pytest-xdist, every worker's float64 references would start one BLAS thread per core
+# (workers x cores threads, which slowed GPU runs several-fold): each worker gets its share
+# of the cores unless the caller chose. Set before NumPy loads its BLAS.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
