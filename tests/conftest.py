@@ -4,15 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Under pytest-xdist, every worker's float64 references would start one BLAS thread per core
-# (workers x cores threads, which slowed GPU runs several-fold): each worker gets its share
-# of the cores unless the caller chose. Set before NumPy loads its BLAS.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-
-import pytest  # noqa: E402
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -37,6 +29,21 @@ def _has_torch() -> bool:
 
 HAS_GPU = _has_gpu()
 HAS_TORCH = _has_torch()
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N`` on the controller, before the workers start), give every
+    worker its share of the cores for BLAS unless the caller set the thread counts: the
+    workers inherit this environment, and each one's float64 references would otherwise
+    start one BLAS thread per core (N x cores threads, which slowed GPU runs several-fold)."""
+    n = getattr(config.option, "numprocesses", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") or not n:
+        return
+    cores = os.cpu_count() or 1
+    workers = n if isinstance(n, int) else cores  # "auto" / "logical": about one per core
+    if workers > 1:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, str(max(1, cores // workers)))
 
 
 def pytest_collection_modifyitems(config, items):
