@@ -20,8 +20,8 @@ free. The caller's stream waits for the last recurrence before it goes on.
 
 Workspace layout (bytes): ``num_slots * HV`` slots of ``SLOT_BYTES``, slot
 ``slot * HV + hv``; then, for varlen, the int32 offsets table, or, for one dense sequence
-of at least ``2 * PIPELINE_MIN_CHUNKS`` chunks, the carried state (float32 ``[HV, 128, 128]``). ``T`` is the input dtype
-(``half_t`` or ``bf16_t``). Nothing here checks arguments: :func:`mate_cupy.kda.chunk.validate`
+of at least ``2 * PIPELINE_MIN_CHUNKS`` chunks, the carried state (float32
+``[HV, 128, 128]``). ``T`` is the input dtype (``half_t`` or ``bf16_t``). Nothing here checks arguments: :func:`mate_cupy.kda.chunk.validate`
 has, and :func:`mate_cupy.kda.chunk.select_config` chose the launch shape.
 """
 from __future__ import annotations
