@@ -25,7 +25,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mate_cupy  # noqa: E402
-from mate_cupy.jit import address, get_kernel, launch  # noqa: E402
+from mate_cupy.jit import address  # noqa: E402
 from mate_cupy.kda import chunk as ch  # noqa: E402
 from mate_cupy.kda import chunk_launch as cl  # noqa: E402
 
@@ -95,26 +95,19 @@ def case(T: int, H: int) -> dict:
     _, p, _ = ch.validate(q=q, k=k, v=v, g=g, beta=beta, scale=None, initial_state=None, output_final_state=True,
                           cu_seqlens=None, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                           use_qk_l2norm_in_kernel=True, output=out, final_state=fs, workspace=ws)
-    dev = cp.cuda.Device().id
     c = ch.select_config(p, cp.cuda.Device().attributes["MultiProcessorCount"], 90)
-    prep = cl.prepare_kernel(p.dtype, dev)[1]
     nw = c.recurrence_warps
-    rec = get_kernel(cl.WGMMA_RECURRENCE_SPECS[(p.dtype, nw)], cl.WGMMA_RECURRENCE_KERNEL[(p.dtype, nw)], dev)
     carry = cp.empty((1, HV, 128, 128), cp.float32)
     a = address
+    inputs = dict(q=a(q), k=a(k), g=a(g), beta=a(beta), A_log=a(A_log), dt_bias=a(dt_bias), ws=a(ws))
 
     def prepare(t0, length, stream):
-        launch(prep, (-(-length // 64), HV), (256,), cl.PREPARE_PARAMS,
-               (a(q) + t0 * H * 256, a(k) + t0 * H * 256, a(g) + t0 * HV * 256, a(beta) + t0 * HV * 2,
-                a(A_log), a(dt_bias), 0, 0, 0, a(ws) + t0 // 64 * HV * cl.SLOT_BYTES, 1, length, length, H, HV,
-                p.scale, p.lower_bound, 1, 1), shared_mem=cl.PREPARE_SMEM, stream=stream)
+        cl.launch_prepare_segment(p, t0, length, stream=stream, **inputs)
 
     def recurrence(t0, length, stream, first, last):
-        s_in, kind_in = (0, 0) if first else (a(carry), 1)
-        launch(rec, (128 // (16 * nw), HV), (32 * nw,), cl.RECURRENCE_PARAMS,
-               (a(v) + t0 * HV * 256, a(ws) + t0 // 64 * HV * cl.SLOT_BYTES, a(out) + t0 * HV * 256, s_in, kind_in,
-                a(fs) if last else a(carry), 1, 0, 0, 0, -(-length // 64), length, length, HV),
-               shared_mem=c.recurrence_smem, stream=stream)
+        cl.launch_recurrence_segment(p, c, t0, length, v=a(v), out=a(out), ws=a(ws),
+                                     state_in=0 if first else a(carry), state_in_kind=0 if first else 1,
+                                     state_out=a(fs) if last else a(carry), state_out_kind=1, stream=stream)
 
     main = cp.cuda.get_current_stream()
     t_prep = timeit(lambda: prepare(0, T, main.ptr))

@@ -391,8 +391,9 @@ def select_config(problem: ChunkProblem, sm_count: int, cc: int) -> ChunkConfig:
         warps = recurrence_warps(units, sm_count, cl.WGMMA_RECURRENCE_WARPS, WGMMA_WARP_COST)
     else:
         warps = recurrence_warps(units, sm_count, recurrence_widths(cc))
-    segments = pipeline_segments(problem, units * (HEAD_DIM // (16 * warps)), sm_count)
-    return chunk_config(problem, warps, wgmma=wgmma, segments=segments)
+    config = chunk_config(problem, warps, wgmma=wgmma)
+    segments = pipeline_segments(problem, config.recurrence_grid[0] * config.recurrence_grid[1], sm_count)
+    return config if segments == 1 else chunk_config(problem, warps, wgmma=wgmma, segments=segments)
 
 
 # ----------------------------------------------------------------------------- the two paths

@@ -21,8 +21,9 @@ free. The caller's stream waits for the last recurrence before it goes on.
 Workspace layout (bytes): ``num_slots * HV`` slots of ``SLOT_BYTES``, slot
 ``slot * HV + hv``; then, for varlen, the int32 offsets table, or, for one dense sequence
 of at least ``2 * PIPELINE_MIN_CHUNKS`` chunks, the carried state (float32
-``[HV, 128, 128]``). ``T`` is the input dtype (``half_t`` or ``bf16_t``). Nothing here checks arguments: :func:`mate_cupy.kda.chunk.validate`
-has, and :func:`mate_cupy.kda.chunk.select_config` chose the launch shape.
+``[HV, 128, 128]``). ``T`` is the input dtype (``half_t`` or ``bf16_t``). Nothing here
+checks arguments: :func:`mate_cupy.kda.chunk.validate` has, and
+:func:`mate_cupy.kda.chunk.select_config` chose the launch shape.
 """
 from __future__ import annotations
 
@@ -174,16 +175,11 @@ def launch_chunk(problem, config, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlen
         launch(prepare_kernel(p.dtype, p.device)[0], (1,), (OFFSETS_THREADS,), OFFSETS_PARAMS,
                (cu_seqlens, cu64, p.num_seqs, total_rows, offsets), stream=stream)
     if c.launch_prepare:
-        launch(prepare_kernel(p.dtype, p.device)[1], c.prepare_grid, (PREPARE_THREADS,), PREPARE_PARAMS,
-               (q, k, g, beta, A_log, dt_bias, cu_seqlens, cu64, offsets, ws, p.num_seqs, seq_len_dense,
-                total_rows, p.num_heads, p.num_v_heads, p.scale, p.lower_bound, int(p.use_qk_l2norm),
-                int(p.has_gate_params)),
-               shared_mem=PREPARE_SMEM, stream=stream)
+        _launch_prepare(p, c.prepare_grid, (q, k, g, beta, A_log, dt_bias, cu_seqlens, cu64, offsets, ws,
+                                            p.num_seqs, seq_len_dense, total_rows), stream)
     if c.launch_recurrence:
-        launch(recurrence_kernel(p, c), c.recurrence_grid, (32 * c.recurrence_warps,), RECURRENCE_PARAMS,
-               (v, ws, out, initial_state, state_in_kind, final_state, state_out_kind, cu_seqlens, cu64, offsets,
-                c.num_slots, seq_len_dense, total_rows, p.num_v_heads),
-               shared_mem=c.recurrence_smem, stream=stream)
+        _launch_recurrence(p, c, (v, ws, out, initial_state, state_in_kind, final_state, state_out_kind, cu_seqlens,
+                                  cu64, offsets, c.num_slots, seq_len_dense, total_rows), stream)
 
 
 def recurrence_kernel(problem, config):
@@ -194,6 +190,43 @@ def recurrence_kernel(problem, config):
     return get_kernel(RECURRENCE_SPECS[key], RECURRENCE_KERNEL[key], problem.device)
 
 
+def _launch_prepare(p, grid, values, stream) -> None:
+    """The prepare kernel over ``grid``: ``values`` are its parameters up to ``total_rows``
+    (``PREPARE_PARAMS``), the rest come from the problem."""
+    launch(prepare_kernel(p.dtype, p.device)[1], grid, (PREPARE_THREADS,), PREPARE_PARAMS,
+           tuple(values) + (p.num_heads, p.num_v_heads, p.scale, p.lower_bound, int(p.use_qk_l2norm),
+                            int(p.has_gate_params)),
+           shared_mem=PREPARE_SMEM, stream=stream)
+
+
+def _launch_recurrence(p, c, values, stream) -> None:
+    """The recurrence kernel ``c`` names: ``values`` are its parameters up to ``total_rows``
+    (``RECURRENCE_PARAMS``), then ``HV``."""
+    launch(recurrence_kernel(p, c), c.recurrence_grid, (32 * c.recurrence_warps,), RECURRENCE_PARAMS,
+           tuple(values) + (p.num_v_heads,), shared_mem=c.recurrence_smem, stream=stream)
+
+
+def launch_prepare_segment(p, t0: int, length: int, *, q, k, g, beta, A_log, dt_bias, ws: int, stream: int) -> None:
+    """The prepare kernel over tokens ``[t0, t0 + length)`` of one dense sequence
+    (``t0`` a multiple of ``CHUNK``), as a batch-1 problem of ``length`` tokens over
+    pointer-offset views (int addresses; 2-byte inputs), its slots from chunk ``t0 / CHUNK``."""
+    HV = p.num_v_heads
+    qk_row, v_row = p.num_heads * HEAD_DIM * 2, HV * HEAD_DIM * 2
+    _launch_prepare(p, (-(-length // CHUNK), HV),
+                    (q + t0 * qk_row, k + t0 * qk_row, g + t0 * v_row, beta + t0 * HV * 2, A_log, dt_bias, 0, 0, 0,
+                     ws + (t0 // CHUNK) * HV * SLOT_BYTES, 1, length, length), stream)
+
+
+def launch_recurrence_segment(p, c, t0: int, length: int, *, v, out, ws: int, state_in, state_in_kind: int,
+                              state_out, state_out_kind: int, stream: int) -> None:
+    """The recurrence over tokens ``[t0, t0 + length)`` of one dense sequence, from
+    ``state_in`` to ``state_out``, on the slots :func:`launch_prepare_segment` wrote."""
+    v_row = p.num_v_heads * HEAD_DIM * 2
+    _launch_recurrence(p, c, (v + t0 * v_row, ws + (t0 // CHUNK) * p.num_v_heads * SLOT_BYTES, out + t0 * v_row,
+                              state_in, state_in_kind, state_out, state_out_kind, 0, 0, 0, -(-length // CHUNK),
+                              length, length), stream)
+
+
 def _launch_pipelined(p, c, *, q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, ws,
                       state_in_kind: int, state_out_kind: int, stream: int) -> None:
     """One dense sequence (``batch == 1``) in ``c.pipeline_segments`` segments: segment ``s``'s
@@ -201,29 +234,21 @@ def _launch_pipelined(p, c, *, q, k, v, g, beta, A_log, dt_bias, initial_state, 
     (and after segment ``s - 1``'s recurrence: stream order), the state carried in float32
     through the workspace tail (each recurrence CTA reads its state rows before it writes
     them, so the carry is read and written in place); ``stream`` then waits for the side
-    stream. Addresses are ints (element offsets below in bytes: 2-byte inputs)."""
+    stream. Addresses are ints."""
     side = side_stream(p.device)
-    prep = prepare_kernel(p.dtype, p.device)[1]
-    rec = recurrence_kernel(p, c)
-    H, HV = p.num_heads, p.num_v_heads
-    qk_row, v_row, beta_row = H * HEAD_DIM * 2, HV * HEAD_DIM * 2, HV * 2
     carry = ws + c.tail_at
     bounds = segment_bounds(p.seqlen, c.pipeline_segments)
     last = c.pipeline_segments - 1
     for s in range(c.pipeline_segments):
         t0, length = bounds[s], bounds[s + 1] - bounds[s]
-        chunks = -(-length // CHUNK)
-        wseg = ws + (t0 // CHUNK) * HV * SLOT_BYTES
-        launch(prep, (chunks, HV), (PREPARE_THREADS,), PREPARE_PARAMS,
-               (q + t0 * qk_row, k + t0 * qk_row, g + t0 * v_row, beta + t0 * beta_row, A_log, dt_bias, 0, 0, 0,
-                wseg, 1, length, length, H, HV, p.scale, p.lower_bound, int(p.use_qk_l2norm),
-                int(p.has_gate_params)),
-               shared_mem=PREPARE_SMEM, stream=stream)
+        launch_prepare_segment(p, t0, length, q=q, k=k, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, ws=ws,
+                               stream=stream)
         side.wait_for(stream, s)
-        launch(rec, c.recurrence_grid, (32 * c.recurrence_warps,), RECURRENCE_PARAMS,
-               (v + t0 * v_row, wseg, out + t0 * v_row,
-                initial_state if s == 0 else carry, state_in_kind if s == 0 else STATE_FLOAT32,
-                final_state if s == last else carry, state_out_kind if s == last else STATE_FLOAT32,
-                0, 0, 0, chunks, length, length, HV),
-               shared_mem=c.recurrence_smem, stream=side.ptr)
+        launch_recurrence_segment(
+            p, c, t0, length, v=v, out=out, ws=ws,
+            state_in=initial_state if s == 0 else carry,
+            state_in_kind=state_in_kind if s == 0 else STATE_FLOAT32,
+            state_out=final_state if s == last else carry,
+            state_out_kind=state_out_kind if s == last else STATE_FLOAT32,
+            stream=side.ptr)
     side.join(stream)

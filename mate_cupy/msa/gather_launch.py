@@ -135,10 +135,12 @@ def gather_bounds(total_q: int, num_heads_kv: int, width: int, batch: int, max_s
     q_rows = max(1, min(int(max_seqlen_q), rows))  # queries of one request in one window
     nb_max = max(1, _cdiv(max_seqlen_k, BLOCK))
     win = query_window(full, width, nb_max)
-    # Queries of one row window: at most (rows - 1) // win + 2 query windows of a request
-    # (non-increasing in win: the key arrays are sized for MIN_WIN).
-    wins = max(1, min(_cdiv(max_seqlen_q, win), (rows - 1) // win + 2))
-    keys = batch * max(1, min(_cdiv(max_seqlen_q, MIN_WIN), (rows - 1) // MIN_WIN + 2)) * hkv * nb_max
+
+    def wins_of(w):  # query windows of w queries of a request that one row window touches
+        return max(1, min(_cdiv(max_seqlen_q, w), (rows - 1) // w + 2))
+
+    wins = wins_of(win)
+    keys = batch * wins_of(MIN_WIN) * hkv * nb_max  # non-increasing in win: sized for MIN_WIN
     max_pairs = min(rows, batch * max_seqlen_q) * hkv * width
     max_items = max(1, min(_cdiv(max_pairs, CAP) + min(keys, max_pairs), 2**31 - 1))
     slots = rows * hkv * width * GROUP

@@ -31,7 +31,6 @@ class SideStream:
             self._stream = cupy.cuda.Stream(non_blocking=True, priority=-(1 << 10))
             self._events = [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(MAX_EDGES)]
         self.ptr = int(self._stream.ptr)
-        self.device = device
 
     def wait_for(self, stream: int, i: int) -> None:
         from cupy.cuda import runtime
