@@ -163,15 +163,18 @@ def model_chunk(q, k, v, g, beta, *, scale, S, A_log=None, dt_bias=None, lower_b
             m = gc[16 * I + 7][None, :]
             fast = np.abs(gc[rows] - m).max() / LOG2E <= diag_span_limit
             # Reference of the off-diagonal blocks J < I (kda_chunk.cu P2b): the mid row m when
-            # the diagonal block is on the fast path, else the row above the block.
+            # the diagonal block is on the fast path, else the row above the block. The tf32
+            # operands are the raw rows; the l2 scales multiply the products.
+            sq, sk = qn[rows, None].astype(np.float32), kn[rows, None].astype(np.float32)
             if I > 0:
                 ref = m if fast else gc[16 * I - 1][None, :]
-                rq, rk = _tf32(qq[rows] * _ex2(gc[rows] - ref)), _tf32(kk[rows] * _ex2(gc[rows] - ref))
+                rq, rk = _tf32(qc[rows] * _ex2(gc[rows] - ref)), _tf32(kc[rows] * _ex2(gc[rows] - ref))
                 for J in range(I):
                     cols = slice(16 * J, 16 * J + 16)
-                    cb = _tf32(kk[cols] * _ex2(ref - gc[cols]))
-                    Aqk[rows, cols] = rq @ cb.T
-                    Akk[rows, cols] = rk @ cb.T
+                    cb = _tf32(kc[cols] * _ex2(ref - gc[cols]))
+                    knj = kn[None, cols].astype(np.float32)
+                    Aqk[rows, cols] = (rq @ cb.T) * sq * knj
+                    Akk[rows, cols] = (rk @ cb.T) * sk * knj
             if not fast:  # element-wise path
                 d = gc[rows][:, None, :] - gc[rows][None, :, :]
                 e = _ex2(np.where(tril[:, :, None], d, -np.inf))
@@ -179,9 +182,10 @@ def model_chunk(q, k, v, g, beta, *, scale, S, A_log=None, dt_bias=None, lower_b
                 ak = (kk[rows][:, None, :] * kk[rows][None, :, :] * e).sum(-1)
             else:
                 with np.errstate(over="ignore", invalid="ignore"):
-                    cb = _tf32(kk[rows] * _ex2(m - gc[rows]))
-                    aq = _tf32(qq[rows] * _ex2(gc[rows] - m)) @ cb.T
-                    ak = _tf32(kk[rows] * _ex2(gc[rows] - m)) @ cb.T
+                    cb = _tf32(kc[rows] * _ex2(m - gc[rows]))
+                    knj = kn[None, rows].astype(np.float32)
+                    aq = (_tf32(qc[rows] * _ex2(gc[rows] - m)) @ cb.T) * sq * knj
+                    ak = (_tf32(kc[rows] * _ex2(gc[rows] - m)) @ cb.T) * sk * knj
             Aqk[rows, rows] = np.where(tril, aq, 0)
             Akk[rows, rows] = np.where(stril, ak, 0)
         Aqk = _round(Aqk * np.float32(scale), op)

@@ -73,7 +73,7 @@ constexpr int kPrepTot = kPrepB + kC * 4;         // f32 [128] gate sums over ro
 constexpr int kPrepFlag = kPrepTot + kD * 4;      // int [8 warps][2] diagonal-block fallback flags
 constexpr int kPrepSmemBytes = kPrepFlag + 64;
 static_assert(kPrepSmemBytes == 75072, "PREPARE_SMEM in chunk_launch.py");
-static_assert(kC * kSA * 4 <= kC * kPQ * 2 && kC * kSA * 4 <= kC * kPG * 4 && 3 * 256 * 4 <= kC * kPQ * 2,
+static_assert(kC * kSA * 4 <= kC * kPQ * 2 && kC * kSA * 4 <= kC * kPG * 4 && 8 * 128 * 4 <= kC * kPQ * 2,
               "Akk, L and Y fit the dead tiles");
 
 // Recurrence kernel shared memory, per pipeline stage (bytes).
@@ -181,6 +181,90 @@ __device__ __forceinline__ float gate_cumsum(float (&gacc)[32], const T* __restr
 __device__ __forceinline__ bool diag_block_wide(const int* sflag, int B) {
     const int* f = sflag + 8 * (B >> 1) + (B & 1);
     return (f[0] | f[2] | f[4] | f[6]) != 0;
+}
+
+// First of the Qs/Kt/Kb rows prepare warp w writes in P2a (w = 0..8; 64 for w = 8):
+// 15, 15, 10, 10, 6, 6, 1, 1 rows. Warp w's P2b work grows with its row block w / 2 (1 + w / 2
+// column blocks), and one P2a row costs about a fifth of one column block's operands and
+// MMAs, so each warp gets about the same instruction count.
+__device__ __forceinline__ int qk_rows_begin(int w) {
+    constexpr unsigned long long kBegin = 0ull | (15ull << 7) | (30ull << 14) | (40ull << 21) | (50ull << 28) |
+                                          (56ull << 35) | (62ull << 42) | (63ull << 49) | (64ull << 56);
+    return (int)((kBegin >> (7 * w)) & 127u);
+}
+
+// N = 2 or 4 consecutive floats (8- or 16-byte aligned) in shared memory.
+template <int N>
+__device__ __forceinline__ void load_floats(const float* p, float (&f)[N]) {
+    if constexpr (N == 2) {
+        const float2 t = *reinterpret_cast<const float2*>(p);
+        f[0] = t.x; f[1] = t.y;
+    } else {
+        const float4 t = *reinterpret_cast<const float4*>(p);
+        f[0] = t.x; f[1] = t.y; f[2] = t.z; f[3] = t.w;
+    }
+}
+template <int N>
+__device__ __forceinline__ void store_floats(float* p, const float (&f)[N]) {
+    if constexpr (N == 2)
+        *reinterpret_cast<float2*>(p) = make_float2(f[0], f[1]);
+    else
+        *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+}
+
+// Prepare P5 for one warp: columns [c0, c0 + 2 VPL) of block column J of Lm = (I + Akk)^-1,
+// blocks I = J + 1 .. 3 in order: Y = sum_{K=J}^{I-1} Akk_IK Lm_KJ, then Lm_IJ = -Lm_II Y (Lm_II
+// is written in full by P4, zeros above its diagonal). Lane: row r = lane / 2 of the block,
+// VPL consecutive columns. sakk, sL: f32 [64][kSA]; sYw: this warp's f32 [16][2 VPL].
+template <int VPL>
+__device__ __forceinline__ void invert_column_slice(const float* sakk, float* sL, float* sYw, int J, int c0, int lane) {
+    constexpr int NC = 2 * VPL;
+    const int r = lane >> 1, cq = (lane & 1) * VPL;
+#pragma unroll 1
+    for (int I = J + 1; I < 4; ++I) {
+        float y[VPL];
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) y[v] = 0.f;
+#pragma unroll 1
+        for (int K = J; K < I; ++K) {
+            const float* a = sakk + (16 * I + r) * kSA + 16 * K;
+            const float* l = sL + (16 * K) * kSA + c0 + cq;
+#pragma unroll
+            for (int x4 = 0; x4 < 16; x4 += 4) {
+                const float4 a4 = *reinterpret_cast<const float4*>(a + x4);
+                const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    float lv[VPL];
+                    load_floats<VPL>(l + (x4 + u) * kSA, lv);
+#pragma unroll
+                    for (int v = 0; v < VPL; ++v) y[v] = fmaf(av[u], lv[v], y[v]);
+                }
+            }
+        }
+        store_floats<VPL>(sYw + r * NC + cq, y);
+        __syncwarp();
+        const float* li = sL + (16 * I + r) * kSA + 16 * I;
+        float o[VPL];
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) o[v] = 0.f;
+#pragma unroll
+        for (int x4 = 0; x4 < 16; x4 += 4) {
+            const float4 l4 = *reinterpret_cast<const float4*>(li + x4);
+            const float lr[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                float yv[VPL];
+                load_floats<VPL>(sYw + (x4 + u) * NC + cq, yv);
+#pragma unroll
+                for (int v = 0; v < VPL; ++v) o[v] = fmaf(lr[u], yv[v], o[v]);
+            }
+        }
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) o[v] = -o[v];
+        store_floats<VPL>(sL + (16 * I + r) * kSA + c0 + cq, o);
+        __syncwarp();  // Lm_IJ visible to the next block row; Y free to be rewritten
+    }
 }
 
 // ---- recurrence helpers (both kernels)
@@ -423,7 +507,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     float* stot = reinterpret_cast<float*>(smem + kPrepTot);
     int* sflag = reinterpret_cast<int*>(smem + kPrepFlag);
     float* sakk = reinterpret_cast<float*>(smem + kPrepQ);  // from P3: f32 [64][kSA]
-    float* sY = reinterpret_cast<float*>(smem + kPrepK);    // from P5: f32 [3][16][16]
+    float* sY = reinterpret_cast<float*>(smem + kPrepK);    // from P5: f32 [8 warps][16][8]
     float* sL = reinterpret_cast<float*>(smem + kPrepGc);   // from P4: f32 [64][kSA]
 
     const int slot = blockIdx.x, hv = blockIdx.y;
@@ -518,20 +602,22 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     unsigned char* wslot = ws + ((long long)slot * HV + hv) * kWsSlotBytes;
     T* wAqk = reinterpret_cast<T*>(wslot + kWsAqk);
 
-    // ---- P2a (warps 0-3): Qs, Kt, Kb (8-byte stores, a warp writes one 256-byte row), egl
-    if (tid < 128) {
+    // ---- P2a: Qs, Kt, Kb (8-byte stores, a warp writes one 256-byte row), egl (warp 0).
+    // Warp w writes rows [qk_rows_begin(w), qk_rows_begin(w + 1)): more rows to the warps
+    // with fewer Aqk/Akk blocks in P2b, so that the warps reach the barrier after P2 together.
+    {
         T* wQs = reinterpret_cast<T*>(wslot + kWsQs);
         T* wKt = reinterpret_cast<T*>(wslot + kWsKt);
         T* wKb = reinterpret_cast<T*>(wslot + kWsKb);
-        const int c4 = (tid & 31) * 4;
+        const int c4 = lane * 4;
         const float4 gl4 = *reinterpret_cast<const float4*>(sgc + (kC - 1) * kPG + c4);
         const float glv[4] = {gl4.x, gl4.y, gl4.z, gl4.w};
         if (tid < 32)
             *reinterpret_cast<float4*>(wslot + kWsEgl + c4 * 4) =
                 make_float4(fast_exp2(glv[0]), fast_exp2(glv[1]), fast_exp2(glv[2]), fast_exp2(glv[3]));
-#pragma unroll 4
-        for (int it = 0; it < kC / 4; ++it) {
-            const int r = (tid >> 5) + 4 * it;
+        const int r_end = qk_rows_begin(warp + 1);
+#pragma unroll 2
+        for (int r = qk_rows_begin(warp); r < r_end; ++r) {
             const float4 gc4 = *reinterpret_cast<const float4*>(sgc + r * kPG + c4);
             const float gcv[4] = {gc4.x, gc4.y, gc4.z, gc4.w};
             const uint2 qw = *reinterpret_cast<const uint2*>(sq + r * kPQ + c4);
@@ -543,9 +629,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
                 const float e1 = fast_exp2(gcv[x]), e2 = fast_exp2(glv[x] - gcv[x]);
+                const float kx = kf[x] * ks;
                 oq[x] = qf[x] * qs * e1;
-                ok[x] = kf[x] * ks * e1;
-                ob[x] = kf[x] * ks * e2;
+                ok[x] = kx * e1;
+                ob[x] = kx * e2;
             }
             *reinterpret_cast<uint2*>(wQs + r * kD + c4) = make_uint2(pack2<T>(oq[0], oq[1]), pack2<T>(oq[2], oq[3]));
             *reinterpret_cast<uint2*>(wKt + r * kD + c4) = make_uint2(pack2<T>(ok[0], ok[1]), pack2<T>(ok[2], ok[3]));
@@ -554,7 +641,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     }
 
     // ---- P2b: Aqk, Akk with tf32 mma.sync m16n8k8. Warp w: row block I = w / 2, the
-    // n-tile nj = w % 2 (8 columns) of every column block J <= I.
+    // n-tile nj = w % 2 (8 columns) of every column block J <= I. The operands are the raw
+    // q, k rows times the gate factors; the l2 row scales (qn_i or kn_i, kn_j) multiply the
+    // accumulators (Aqk here, Akk in P3).
     // One reference per row block: rows get exp(gc_i - ref), columns exp(ref - gc_j).
     //   ref = gc[16 I + 7] (mid-block) when the block's span is small (every J <= I): row
     //     factors within exp(+-60), column factors <= 1 for J < I (an underflowed column
@@ -576,11 +665,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
 #pragma unroll
             for (int x = 0; x < 4; ++x) accq[J][x] = acck[J][x] = 0.f;
         if (diag_fast || I > 0) {
-            const float qn0 = sqn[i0], qn1 = sqn[i1], kn0 = skn[i0], kn1 = skn[i1];
             const float* gref = sgc + (diag_fast ? 16 * I + 7 : 16 * I - 1) * kPG;
-            float knj[4];
-#pragma unroll
-            for (int J = 0; J < 4; ++J) knj[J] = skn[16 * J + 8 * nj + gq];
 #pragma unroll 2
             for (int cb = 0; cb < kD; cb += 16) {
                 const int ch = cb + 4 * tq;
@@ -601,10 +686,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                     for (int x = 0; x < 4; ++x) {
                         const int s = x >> 1, a = 2 * (x & 1);  // a0/a2: row g; a1/a3: row g + 8
                         const float e0 = fast_exp2(gv0[x] - rf[x]), e1 = fast_exp2(gv1[x] - rf[x]);
-                        aq[s][a] = to_tf32(qf0[x] * qn0 * e0);
-                        aq[s][a + 1] = to_tf32(qf1[x] * qn1 * e1);
-                        ak[s][a] = to_tf32(kf0[x] * kn0 * e0);
-                        ak[s][a + 1] = to_tf32(kf1[x] * kn1 * e1);
+                        aq[s][a] = to_tf32(qf0[x] * e0);
+                        aq[s][a + 1] = to_tf32(qf1[x] * e1);
+                        ak[s][a] = to_tf32(kf0[x] * e0);
+                        ak[s][a + 1] = to_tf32(kf1[x] * e1);
                     }
                 }
 #pragma unroll
@@ -618,7 +703,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                     const float gj[4] = {gj4.x, gj4.y, gj4.z, gj4.w};
                     u32 b[2][2];  // [k-step][b0, b1]
 #pragma unroll
-                    for (int x = 0; x < 4; ++x) b[x >> 1][x & 1] = to_tf32(kj[x] * knj[J] * fast_exp2(rf[x] - gj[x]));
+                    for (int x = 0; x < 4; ++x) b[x >> 1][x & 1] = to_tf32(kj[x] * fast_exp2(rf[x] - gj[x]));
 #pragma unroll
                     for (int s = 0; s < 2; ++s) {
                         mma_tf32_16x8x8(accq[J], aq[s], b[s]);
@@ -627,18 +712,21 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                 }
             }
         }
-        // Aqk * scale (j <= i) -> workspace, blocks J <= I (the blocks right of the diagonal
-        // are never read: not written). Masked entries of the diagonal blocks are selected
-        // away (they may hold inf).
+        // Aqk qn_i kn_j scale (j <= i) -> workspace, blocks J <= I (the blocks right of the
+        // diagonal are never read: not written). Masked entries of the diagonal blocks are
+        // selected away (they may hold inf).
+        const float qs0 = sqn[i0] * scale, qs1 = sqn[i1] * scale;
 #pragma unroll
         for (int J = 0; J < 4; ++J) {
             if (J > I || (J == I && !diag_fast)) continue;  // diagonal: maybe the element-wise pass
             const int j = 16 * J + 8 * nj + 2 * tq;
+            const float2 knj = *reinterpret_cast<const float2*>(skn + j);
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int i = hh ? i1 : i0;
-                const float v0 = j <= i ? accq[J][2 * hh] * scale : 0.f;
-                const float v1 = j + 1 <= i ? accq[J][2 * hh + 1] * scale : 0.f;
+                const float qs = hh ? qs1 : qs0;
+                const float v0 = j <= i ? accq[J][2 * hh] * qs * knj.x : 0.f;
+                const float v1 = j + 1 <= i ? accq[J][2 * hh + 1] * qs * knj.y : 0.f;
                 *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(v0, v1);
             }
         }
@@ -669,17 +757,20 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     }
     __syncthreads();  // q, k, gc are dead from here
 
-    // ---- P3: Akk * b_i (j < i) -> smem f32 [64][kSA], blocks J <= I (only those are read)
+    // ---- P3: Akk b_i kn_i kn_j (j < i) -> smem f32 [64][kSA], blocks J <= I (only those
+    // are read)
+    const float kb0 = sb[i0] * skn[i0], kb1 = sb[i1] * skn[i1];
 #pragma unroll
     for (int J = 0; J < 4; ++J) {
         if (J > I || (J == I && !diag_fast)) continue;
         const int j = 16 * J + 8 * nj + 2 * tq;
+        const float2 knj = *reinterpret_cast<const float2*>(skn + j);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = hh ? i1 : i0;
-            const float bi = sb[i];
-            *reinterpret_cast<float2*>(sakk + i * kSA + j) =
-                make_float2(j < i ? acck[J][2 * hh] * bi : 0.f, j + 1 < i ? acck[J][2 * hh + 1] * bi : 0.f);
+            const float kb = hh ? kb1 : kb0;
+            *reinterpret_cast<float2*>(sakk + i * kSA + j) = make_float2(
+                j < i ? acck[J][2 * hh] * kb * knj.x : 0.f, j + 1 < i ? acck[J][2 * hh + 1] * kb * knj.y : 0.f);
         }
     }
 #pragma unroll
@@ -707,48 +798,16 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     }
     __syncthreads();
 
-    // ---- P5: Lm_IJ = -Lm_II sum_{K=J}^{I-1} Akk_IK Lm_KJ by block distance d = I - J.
-    // Thread: block J = tid / 64, row r, four columns cq.. (float4 operands).
-#pragma unroll 1
-    for (int d = 1; d < 4; ++d) {
-        const int J = tid >> 6, r = (tid >> 2) & 15, cq = (tid & 3) * 4, Ib = J + d;
-        const bool active = J < 4 - d;
-        if (active) {
-            float y[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int K = J; K < Ib; ++K) {
-                const float* a = sakk + (16 * Ib + r) * kSA + 16 * K;
-                const float* l = sL + (16 * K) * kSA + 16 * J + cq;
-#pragma unroll
-                for (int x = 0; x < 16; ++x) {
-                    const float av = a[x];
-                    const float4 lv = *reinterpret_cast<const float4*>(l + x * kSA);
-                    y[0] = fmaf(av, lv.x, y[0]);
-                    y[1] = fmaf(av, lv.y, y[1]);
-                    y[2] = fmaf(av, lv.z, y[2]);
-                    y[3] = fmaf(av, lv.w, y[3]);
-                }
-            }
-            *reinterpret_cast<float4*>(sY + J * 256 + r * 16 + cq) = make_float4(y[0], y[1], y[2], y[3]);
-        }
-        __syncthreads();
-        if (active) {
-            const float* l = sL + (16 * Ib + r) * kSA + 16 * Ib;
-            const float* yy = sY + J * 256 + cq;
-            float o[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int x = 0; x < 16; ++x) {  // Lm_II is unit lower triangular: x <= r
-                if (x > r) break;
-                const float lv = l[x];
-                const float4 yv = *reinterpret_cast<const float4*>(yy + x * 16);
-                o[0] = fmaf(lv, yv.x, o[0]);
-                o[1] = fmaf(lv, yv.y, o[1]);
-                o[2] = fmaf(lv, yv.z, o[2]);
-                o[3] = fmaf(lv, yv.w, o[3]);
-            }
-            *reinterpret_cast<float4*>(sL + (16 * Ib + r) * kSA + 16 * J + cq) = make_float4(-o[0], -o[1], -o[2], -o[3]);
-        }
-        __syncthreads();
-    }
+    // ---- P5: Lm_IJ = -Lm_II sum_{K=J}^{I-1} Akk_IK Lm_KJ (invert_column_slice): column
+    // blocks are independent, so each warp walks one column slice down its block column,
+    // ordered by __syncwarp alone. Warps 0-3: 4 columns each of J = 0 (the longest chain);
+    // warps 4, 5: 8 columns of J = 1; warps 6, 7: 8 columns of J = 2.
+    if (warp < 4)
+        invert_column_slice<2>(sakk, sL, sY + warp * 128, 0, 4 * warp, lane);
+    else
+        invert_column_slice<4>(sakk, sL, sY + warp * 128, (warp >> 1) - 1, 16 * ((warp >> 1) - 1) + 8 * (warp & 1),
+                               lane);
+    __syncthreads();
 
     // ---- P6: T = Lm diag(b), blocks on and below the diagonal (those above are never read:
     // not written)
