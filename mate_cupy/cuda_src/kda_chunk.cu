@@ -484,12 +484,14 @@ __global__ void __launch_bounds__(1024) kda_chunk_offsets_kernel(const void* __r
 //       registers and forms the gate and its cumsum over its 32 rows; beta.
 //   P1  rows 32..63 add the first half's sums; gc (log2 units) -> smem; diagonal-block
 //       spans; q/k row scales (two threads per row).
-//   P2  warps 0-3: Qs, Kt, Kb, egl -> workspace. All warps: Aqk/Akk with tf32 mma.sync,
-//       warp w: row block I = w / 2, 8-column half w % 2 of every block J <= I, operands
-//       built in registers (16 channels per step, vector shared loads); Aqk -> workspace.
-//       Element-wise diagonal blocks where the gate span is too large.
+//   P2  Qs, Kt, Kb, egl -> workspace (rows split over the warps, qk_rows_begin). All
+//       warps: Aqk/Akk with tf32 mma.sync, warp w: row block I = w / 2, 8-column half w % 2
+//       of every block J <= I, operands built in registers (16 channels per step, vector
+//       shared loads), l2 scales on the products; Aqk -> workspace. Element-wise diagonal
+//       blocks where the gate span is too large.
 //   P3  Akk -> smem (over the dead q tile).  P4  diagonal blocks of (I + Akk)^-1.
-//   P5  off-diagonal blocks by block distance.  P6  T = L diag(b) -> workspace.
+//   P5  off-diagonal blocks, one warp per column slice (invert_column_slice).
+//   P6  T = L diag(b) -> workspace.
 template <typename T>
 __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepare_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ g, const T* __restrict__ beta,
