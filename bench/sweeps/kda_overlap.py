@@ -8,10 +8,10 @@ B1 bf16 inputs with gate parameters at T32768 H32, T65536 H16 and T16384 H32 (HV
 ``chunk_kda`` call, the prepare kernel alone and the recurrence kernel alone over the whole
 sequence, then the segmented overlap as ``mate_cupy.kda.chunk_launch`` runs it (each
 segment's prepare on the current stream, its recurrence on a highest-priority side stream
-after an event, the float32 state carried in place) with even segments (4, 8, 12) and with
-first and/or last segments of 1/8, 1/4 or 1/2 the size of the others. Every layout's output
-and final state are compared bitwise with the public call's. Writes
-``OUTDIR/kda_overlap.json``.
+after an event, the float32 state carried in place) with even segments (4, 6, 8, 10, 12, 16)
+and with first and/or last segments of 1/8, 1/4 or 1/2 the size of the others (4, 8, 12
+segments). Every layout's output and final state are compared bitwise with the public
+call's. Writes ``OUTDIR/kda_overlap.json``.
 """
 from __future__ import annotations
 
@@ -59,9 +59,8 @@ def layouts(T: int) -> dict:
             b.append(min(T, round(chunks * acc / total) * 64))
         return b + [T]
 
-    out = {}
+    out = {f"even{n}": bounds([1] * n) for n in (4, 6, 8, 10, 12, 16)}
     for n in (4, 8, 12):
-        out[f"even{n}"] = bounds([1] * n)
         for e in (0.125, 0.25, 0.5):
             out[f"edge{n}_{e}"] = bounds([e] + [1] * (n - 2) + [e])
         out[f"first{n}_0.25"] = bounds([0.25] + [1] * (n - 1))
@@ -115,7 +114,7 @@ def case(T: int, H: int) -> dict:
     log(f"T{T} H{H} nw{nw}: public {t_public:.3f} prep {t_prep:.3f} rec {t_rec:.3f} sum {t_prep + t_rec:.3f}")
     r = dict(T=T, H=H, nw=nw, public=t_public, prep=t_prep, rec=t_rec, split={})
     side = cp.cuda.Stream(non_blocking=True, priority=-5)
-    events = [cp.cuda.Event(disable_timing=True) for _ in range(16)]
+    events = [cp.cuda.Event(disable_timing=True) for _ in range(32)]
     for name, bnd in layouts(T).items():
         nseg = len(bnd) - 1
         if any(bnd[i + 1] <= bnd[i] for i in range(nseg)):
@@ -128,8 +127,8 @@ def case(T: int, H: int) -> dict:
                 events[s].record(main)
                 side.wait_event(events[s])
                 recurrence(t0, length, side.ptr, s == 0, s == nseg - 1)
-            events[15].record(side)
-            main.wait_event(events[15])
+            events[31].record(side)
+            main.wait_event(events[31])
 
         out.view(cp.uint16).fill(0x7FC0)
         fs.fill(np.nan)
