@@ -403,19 +403,18 @@ def test_select_config(rng, cuda_standins):
 
 def test_pipeline_segments_choice(rng, cuda_standins):
     """One dense sequence of 128+ chunks whose recurrence CTAs leave half the SMs free is
-    split into segments of 64+ chunks (at most 4); every other problem runs unsplit."""
+    split into segments of 64+ chunks (at most 8); every other problem runs unsplit."""
     def config(B, T, HV, lens=None, sm=132, cc=90):
         x = make_inputs(rng, B, T, 1, HV, gate_params=False, lens=lens)
         return ch.select_config(ch.validate(**validate_args(x))[1], sm, cc)
 
     c = config(1, 32768, 32)  # 32 heads x 2 four-warp CTAs = 64 <= 132 / 2
-    assert c.recurrence_warps == 4 and c.pipeline_segments == 4
+    assert c.recurrence_warps == 4 and c.pipeline_segments == 8
     assert c.tail_at == 512 * 32 * cl.SLOT_BYTES
     assert config(1, 8192, 2).pipeline_segments == 2  # 128 chunks
     assert config(1, 8191, 2).pipeline_segments == 2  # 128 chunks, the last partial
     assert config(1, 8128, 2).pipeline_segments == 1  # 127 chunks
     assert config(1, 12800, 2).pipeline_segments == 3
-    assert config(1, 65536, 2).pipeline_segments == 4  # 1024 chunks
     assert config(1, 8192, 64).pipeline_segments == 1  # 128 CTAs: no SMs left for the prepare
     assert config(1, 8192, 64, sm=264).pipeline_segments == 2
     assert config(2, 8192, 2).pipeline_segments == 1  # two sequences

@@ -345,11 +345,11 @@ def pipeline_segments(problem: ChunkProblem, recurrence_ctas: int, sm_count: int
     """Segments of the prepare/recurrence overlap for ``problem``: 1 (none) unless it is one
     dense sequence of at least two segments of ``PIPELINE_MIN_CHUNKS`` chunks whose
     ``recurrence_ctas`` leave at least half of the ``sm_count`` SMs to the prepare kernel;
-    then as many segments of at least that many chunks as fit, at most ``PIPELINE_SEGMENTS``."""
+    then as many segments of at least that many chunks as fit, at most ``PIPELINE_MAX_SEGMENTS``."""
     p = problem
     if not cl.holds_carry(p.batch, p.seqlen, p.varlen) or 2 * recurrence_ctas > sm_count:
         return 1
-    return min(cl.PIPELINE_SEGMENTS, -(-p.seqlen // cl.CHUNK) // cl.PIPELINE_MIN_CHUNKS)
+    return min(cl.PIPELINE_MAX_SEGMENTS, -(-p.seqlen // cl.CHUNK) // cl.PIPELINE_MIN_CHUNKS)
 
 
 def chunk_config(problem: ChunkProblem, warps: int, wgmma: bool = False, segments: int = 1) -> ChunkConfig:

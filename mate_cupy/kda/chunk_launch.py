@@ -42,8 +42,7 @@ PREPARE_SMEM = 2 * 64 * 144 * 2 + 64 * 144 * 4 + 3 * 64 * 4 + 128 * 4 + 64  # 75
 OFFSETS_THREADS = 1024
 CARRY_BYTES = HEAD_DIM * HEAD_DIM * 4  # float32 [V, K] state carried between pipelined segments, per value head
 PIPELINE_MIN_CHUNKS = 64  # chunks per pipelined segment, at least
-PIPELINE_MAX_SEGMENTS = 8  # the most a configuration may name
-PIPELINE_SEGMENTS = 4  # the most select_config chooses (bench/sweeps/kda_overlap.py on the H200)
+PIPELINE_MAX_SEGMENTS = 8
 RECURRENCE_WARPS = (1, 2, 4, 8)  # V slice = 16 * warps rows of the state per CTA
 WGMMA_STAGE_V = 66048  # wgmma recurrence stage: Qs, Kt, Kb, T, Aqk tiles and egl, then the V slice (kWgV)
 WGMMA_RECURRENCE_WARPS = (4, 8)  # sm_90a: one or two warpgroups of 64 state rows
