@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -68,7 +69,11 @@ def layouts(T: int) -> dict:
     return out
 
 
-def case(T: int, H: int) -> dict:
+def long_sequence(T: int, H: int) -> SimpleNamespace:
+    """One B1 bf16 problem of ``T`` tokens and ``H = HV`` heads with gate parameters (seed 1)
+    and its launchers: ``public()`` (the ``chunk_kda`` call), ``prepare(t0, length, stream)``
+    and ``recurrence(t0, length, stream, first, last)`` (the segment launchers, the float32
+    state carried through ``carry`` between segments), with ``out``, ``fs`` and the config."""
     HV = H
     rng = np.random.default_rng(1)
 
@@ -87,15 +92,10 @@ def case(T: int, H: int) -> dict:
     def public():
         mate_cupy.chunk_kda(q, k, v, g, beta, **kw)
 
-    t_public = timeit(public)
-    public()
-    cp.cuda.Device().synchronize()
-    out_ref, fs_ref = out.copy(), fs.copy()
     _, p, _ = ch.validate(q=q, k=k, v=v, g=g, beta=beta, scale=None, initial_state=None, output_final_state=True,
                           cu_seqlens=None, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                           use_qk_l2norm_in_kernel=True, output=out, final_state=fs, workspace=ws)
     c = ch.select_config(p, cp.cuda.Device().attributes["MultiProcessorCount"], 90)
-    nw = c.recurrence_warps
     carry = cp.empty((1, HV, 128, 128), cp.float32)
     a = address
     inputs = dict(q=a(q), k=a(k), g=a(g), beta=a(beta), A_log=a(A_log), dt_bias=a(dt_bias), ws=a(ws))
@@ -108,6 +108,17 @@ def case(T: int, H: int) -> dict:
                                      state_in=0 if first else a(carry), state_in_kind=0 if first else 1,
                                      state_out=a(fs) if last else a(carry), state_out_kind=1, stream=stream)
 
+    return SimpleNamespace(public=public, prepare=prepare, recurrence=recurrence, out=out, fs=fs, config=c)
+
+
+def case(T: int, H: int) -> dict:
+    x = long_sequence(T, H)
+    public, prepare, recurrence, out, fs = x.public, x.prepare, x.recurrence, x.out, x.fs
+    t_public = timeit(public)
+    public()
+    cp.cuda.Device().synchronize()
+    out_ref, fs_ref = out.copy(), fs.copy()
+    nw = x.config.recurrence_warps
     main = cp.cuda.get_current_stream()
     t_prep = timeit(lambda: prepare(0, T, main.ptr))
     t_rec = timeit(lambda: recurrence(0, T, main.ptr, True, True))
