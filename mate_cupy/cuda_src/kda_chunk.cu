@@ -212,6 +212,24 @@ __device__ __forceinline__ void store_floats(float* p, const float (&f)[N]) {
         *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
 }
 
+// acc[v] += sum_{x < 16} row[x] * block[x * stride + v], v < N: a 16-float row (16-byte
+// aligned, read as float4) times a 16-row slice of N columns (row stride `stride` floats).
+template <int N>
+__device__ __forceinline__ void row_times_block(float (&acc)[N], const float* row, const float* block, int stride) {
+#pragma unroll
+    for (int x4 = 0; x4 < 16; x4 += 4) {
+        const float4 r4 = *reinterpret_cast<const float4*>(row + x4);
+        const float rv[4] = {r4.x, r4.y, r4.z, r4.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float bv[N];
+            load_floats<N>(block + (x4 + u) * stride, bv);
+#pragma unroll
+            for (int v = 0; v < N; ++v) acc[v] = fmaf(rv[u], bv[v], acc[v]);
+        }
+    }
+}
+
 // Prepare P5 for one warp: columns [c0, c0 + 2 VPL) of block column J of Lm = (I + Akk)^-1,
 // blocks I = J + 1 .. 3 in order: Y = sum_{K=J}^{I-1} Akk_IK Lm_KJ, then Lm_IJ = -Lm_II Y (Lm_II
 // is written in full by P4, zeros above its diagonal). Lane: row r = lane / 2 of the block,
@@ -226,40 +244,14 @@ __device__ __forceinline__ void invert_column_slice(const float* sakk, float* sL
 #pragma unroll
         for (int v = 0; v < VPL; ++v) y[v] = 0.f;
 #pragma unroll 1
-        for (int K = J; K < I; ++K) {
-            const float* a = sakk + (16 * I + r) * kSA + 16 * K;
-            const float* l = sL + (16 * K) * kSA + c0 + cq;
-#pragma unroll
-            for (int x4 = 0; x4 < 16; x4 += 4) {
-                const float4 a4 = *reinterpret_cast<const float4*>(a + x4);
-                const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    float lv[VPL];
-                    load_floats<VPL>(l + (x4 + u) * kSA, lv);
-#pragma unroll
-                    for (int v = 0; v < VPL; ++v) y[v] = fmaf(av[u], lv[v], y[v]);
-                }
-            }
-        }
+        for (int K = J; K < I; ++K)
+            row_times_block<VPL>(y, sakk + (16 * I + r) * kSA + 16 * K, sL + (16 * K) * kSA + c0 + cq, kSA);
         store_floats<VPL>(sYw + r * NC + cq, y);
         __syncwarp();
-        const float* li = sL + (16 * I + r) * kSA + 16 * I;
         float o[VPL];
 #pragma unroll
         for (int v = 0; v < VPL; ++v) o[v] = 0.f;
-#pragma unroll
-        for (int x4 = 0; x4 < 16; x4 += 4) {
-            const float4 l4 = *reinterpret_cast<const float4*>(li + x4);
-            const float lr[4] = {l4.x, l4.y, l4.z, l4.w};
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                float yv[VPL];
-                load_floats<VPL>(sYw + (x4 + u) * NC + cq, yv);
-#pragma unroll
-                for (int v = 0; v < VPL; ++v) o[v] = fmaf(lr[u], yv[v], o[v]);
-            }
-        }
+        row_times_block<VPL>(o, sL + (16 * I + r) * kSA + 16 * I, sYw + cq, NC);
 #pragma unroll
         for (int v = 0; v < VPL; ++v) o[v] = -o[v];
         store_floats<VPL>(sL + (16 * I + r) * kSA + c0 + cq, o);
