@@ -4,8 +4,7 @@
     compute-sanitizer --tool racecheck --racecheck-report all python tests/racecheck_kda.py decode-vfirst-t1
 
 Cases (all by default, or the names given): single-token in-place decode on V-first fp32
-and bf16 pools (the bulk-copy staging on sm_90, one-warp CTAs; and launched as for a one-SM
-device, so that each CTA runs many items and prefetches the next slice), K-first pools, a 12-token
+and bf16 pools (the bulk-copy staging on sm_90, one-warp CTAs), K-first pools, a 12-token
 decode (two prologue chunks, the state parked in shared memory between them), [N, C]
 slots with accepted counts, and chunk_kda dense and varlen with mild and extreme gates
 (the prepare kernel's element-wise diagonal blocks). Each case checks its output against
@@ -13,7 +12,6 @@ the float64 reference, so a run that completes also ran the kernels it names.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -24,21 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 K = 128
 
 
-@contextlib.contextmanager
-def _one_sm_launches():
-    """Decode launches computed for a one-SM device: a few CTAs run every work item, each
-    prefetching the next item's slice (the persistent grid of the bulk-copy staging)."""
-    from mate_cupy.kda import decode_launch
-
-    select = decode_launch.select_config
-    decode_launch.select_config = lambda problem, sm_count, cc: select(problem, 1, cc)
-    try:
-        yield
-    finally:
-        decode_launch.select_config = select
-
-
-def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=False, one_sm=False):
+def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=False):
     import cupy as cp
 
     import mate_cupy as m
@@ -63,8 +47,7 @@ def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=Fal
     args = [q, k, v, pool, A_log, a, dt_bias, acc, None, b]
     dev = [None if x is None else cp.asarray(x) for x in args]  # before the host call updates pool in place
     ref_out, ref_pool = m.gated_delta_rule_decode(*args, state_indices=idx, **kw)
-    with _one_sm_launches() if one_sm else contextlib.nullcontext():
-        out, _ = m.gated_delta_rule_decode(*dev, state_indices=cp.asarray(idx), **kw)
+    out, _ = m.gated_delta_rule_decode(*dev, state_indices=cp.asarray(idx), **kw)
     cp.cuda.Device().synchronize()
     err = np.abs(cp.asnumpy(out).astype(np.float64) - np.asarray(ref_out, np.float64)).max()
     scale = np.abs(np.asarray(ref_out, np.float64)).max()
@@ -99,11 +82,6 @@ CASES = {
     "decode-vfirst-t1-bf16": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="bfloat16"),
     "decode-vfirst-t12": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="float32", slots="nc0"),
     "decode-vfirst-spec": lambda rs: _decode(rs, B=3, T=4, H=2, HV=4, state_dtype="float32", slots="nc"),
-    "decode-vfirst-persistent": lambda rs: _decode(rs, B=8, T=1, H=4, HV=8, state_dtype="float32", one_sm=True),
-    "decode-vfirst-persistent-bf16": lambda rs: _decode(rs, B=8, T=1, H=4, HV=8, state_dtype="bfloat16",
-                                                        one_sm=True),
-    "decode-vfirst-persistent-t12": lambda rs: _decode(rs, B=4, T=12, H=2, HV=4, state_dtype="float32",
-                                                       slots="nc0", one_sm=True),
     "decode-kfirst-t1": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="float32", v_first=False),
     "decode-kfirst-t12-bf16": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="bfloat16", v_first=False,
                                                 slots="nc0"),

@@ -373,42 +373,6 @@ def test_decode_matches_reference(name, rng):
     check_results(c, prep, out, pool, final)
 
 
-# V-first cases with whole slices: on sm_90 staged by bulk copies, so that CTAs run several
-# work items and prefetch the next item's slice (single-token and multi-token items, empty
-# and padding sequences, items that park their state between prologues, no initial state).
-PERSISTENT_CASES = ["t1_f32_vfirst", "t1_bf16_vfirst", "t1_large_batch", "t1_pad_oob", "t1_no_slots",
-                    "zero_init_store", "zero_init_inplace", "store_not_inplace", "t4_2d_pad_tok", "t4_spec",
-                    "t8_spec_bf16", "t12_chunked_prologue", "varlen_2d", "varlen_spec_pad", "varlen_long",
-                    "varlen_zero_init"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", PERSISTENT_CASES)
-def test_decode_persistent_ctas(name, rng, monkeypatch):
-    """The case grid's checks with the launch computed for a one-SM device: a few CTAs each
-    run many work items, prefetching every next slice into the stage."""
-    from mate_cupy.kda import decode_launch
-    from mate_cupy.runtime.device import device_info
-
-    cc = device_info()[1]
-    if cc < 90:
-        pytest.skip("bulk-copy staging (and the persistent grid) needs sm_90")
-    seen = []
-    select = decode_launch.select_config
-
-    def one_sm_config(problem, sm_count, cc_):
-        cfg = select(problem, 1, cc_)
-        seen.append((problem, cfg))
-        return cfg
-
-    monkeypatch.setattr(decode_launch, "select_config", one_sm_config)
-    c = CASES[name]
-    prep = build_case(c, rng)
-    out, pool, final = _run_case(c, prep, preallocate=True)
-    check_results(c, prep, out, pool, final)
-    assert seen and all(cfg.bulk_stage and cfg.grid < p.N * p.HV * cfg.n_splits for p, cfg in seen)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["t1_f32_vfirst", "t4_spec", "varlen_2d_kfirst_bf16"])
 def test_decode_allocated_output(name, rng):

@@ -453,15 +453,11 @@ struct VFirst {
     static __device__ constexpr int row_offset(int r) { return r * 4 * kDim; }  // rows r*4 apart
 };
 
-// State [P, HV, V, K] (V-first). Work items: N * HV * n_splits; item (n * HV + hv) *
-// n_splits + split owns rows [split * VS, +VS) of head hv of sequence n, VS = nwarps * 16.
-// CTA b of a grid of G runs items b, b + G, b + 2G, ... (G = items: one item per CTA). Lane:
-// rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices, sm_90): thread 0 stages
-// the contiguous slice with one bulk copy completing on an mbarrier instead of per-lane
-// cp.async, and an item whose tokens fit one prologue (len <= tc) issues the next item's copy
-// into the stage as soon as its own slice is in registers, so the next slice's DRAM reads
-// overlap this item's tokens, stores and the next prologue. Register budget: 128 per thread
-// (96 for bf16 state; at most 256 threads).
+// State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
+// (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
+// VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices,
+// sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
+// instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
 template <typename StateT>
 __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
     using C = VFirst<StateT>;
@@ -471,253 +467,213 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
     const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
+    if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
+
+    const int split = blockIdx.x % p.n_splits;
+    const int nh = blockIdx.x / p.n_splits;
+    const int hv = nh % p.HV, n = nh / p.HV;
+    const int h = hv / (p.HV / p.H);
+    const int v0 = split * VS;
+    const Seq s = sequence_of(p, n);
     // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
-    // arrives, every thread's waits) by a CTA barrier, not by program order: the init is a
-    // warp-wide instruction, so the sanitizer sees the whole warp write the barrier word
-    // (docs/kda_decode.md, "Shared-memory ordering").
-    if (bulk) {
-        if (threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
-        __syncthreads();
-    }
+    // arrive below, every thread's wait after the prologue) by a CTA barrier, not by program
+    // order: the init is a warp-wide instruction, so the sanitizer sees the whole warp write
+    // the barrier word (docs/kda_decode.md, "Shared-memory ordering").
+    if (bulk) __syncthreads();
 
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
+    const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
     const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
     const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
     const int stage_elems = VS * kDim;
-    const unsigned stage_bytes = static_cast<unsigned>(stage_elems * sizeof(StateT));
     StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
-    StateT* const stage_base = reinterpret_cast<StateT*>(kda_decode_smem);
-    const int oc = dtype_of(p.dtypes, kDtOut);
-    // Unsigned item numbers: items < 2^31 (validation), so item + gridDim.x cannot wrap.
-    const unsigned items = static_cast<unsigned>(p.N) * p.HV * p.n_splits;
-    // Element offset (within a pool slot) of an item's slice.
-    auto slice_of = [&](unsigned item) {
-        const int hv = static_cast<int>((item / p.n_splits) % p.HV);
-        return hv * head_elems + static_cast<long long>(item % p.n_splits) * VS * kDim;
-    };
-    unsigned phase = 0;         // parity of the next bulk-copy completion on bulk_bar
-    bool issued_ahead = false;  // the previous item issued this item's bulk copy (if it loads)
+    bool row_ok[C::kRows];
+#pragma unroll
+    for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
 
-    for (unsigned item = blockIdx.x; item < items; item += gridDim.x) {
-        // The previous item's prologue values and stage reads are done (every thread).
-        if (item != blockIdx.x) __syncthreads();
-        const int split = static_cast<int>(item % p.n_splits);
-        const int nh = static_cast<int>(item / p.n_splits);
-        const int hv = nh % p.HV, n = nh / p.HV;
-        const int h = hv / (p.HV / p.H);
-        const int v0 = split * VS;
-        const Seq s = sequence_of(p, n);
-        const long long slice = slice_of(item);
-        const Smem m = carve_smem(stage_elems * static_cast<int>(sizeof(StateT)), p.tc, VS);
-        bool row_ok[C::kRows];
-#pragma unroll
-        for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
-
-        // Stage the initial slice (the stage base is the lane's stage minus its offset).
-        const bool load = !s.pad && (p.flags & kInitialState);
-        if (load && !issued_ahead) {
-            const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
-            if (bulk) {
-                if (threadIdx.x == 0) {
-                    fence_proxy_async_smem();  // the previous item's stage writes, before the copy's
-                    bulk_load(stage_base, src, stage_bytes, &bulk_bar);
-                }
-            } else {
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    if (!row_ok[r]) continue;
-#pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j) {
-                        const int o = C::row_offset(r) + C::chunk_offset(j);
-                        cp_async_16(stage + o, src + lane_off + o);
-                    }
-                }
-            }
-        }
-        cp_async_commit();
-
-        if (s.pad) zero_outputs(p, s, hv, v0, VS);
-        const int len = s.pad ? 0 : s.len;
-        // Whether this item issues the next one's bulk copy once its slice is in registers
-        // (the stage is then not needed again: no parking between token chunks).
-        const unsigned next = item + gridDim.x;
-        const bool ahead = bulk && next < items && len > 0 && len <= p.tc;
-        bool changed = false;
-        typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
-        // Registers <- own staged chunks (zeros for rows past V and without an initial state).
-        auto stage_to_regs = [&](bool from_stage) {
-#pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    if (from_stage && row_ok[r]) {
-                        C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
-                    }
-                }
-            }
-        };
-        for (int c0 = 0; c0 < len; c0 += p.tc) {
-            const int cn = min(p.tc, len - c0);
-            if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
-            prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
-            cp_async_wait<0>();
-            __syncthreads();
-            if (bulk && c0 == 0 && load) {
-                mbarrier_wait(&bulk_bar, phase);
-                phase ^= 1;
-            }
-            stage_to_regs(c0 > 0 || load);
-            if (ahead) {  // (c0 == 0: len <= tc) prefetch the next item's slice into the stage
-                __syncthreads();  // every lane's chunks are in registers
-                if (threadIdx.x == 0) {
-                    const Seq ns = sequence_of(p, static_cast<int>(next / p.n_splits / p.HV));
-                    fence_proxy_async_smem();  // this CTA's stage reads, before the copy's writes
-                    if (!ns.pad && (p.flags & kInitialState))
-                        bulk_load(stage_base, static_cast<const StateT*>(p.state) + ns.slot * slot_elems + slice_of(next),
-                                  stage_bytes, &bulk_bar);
-                }
-            }
-            for (int t = 0; t < cn; ++t) {
-                const long long slot = m.slot[t];
-                const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
-                if (slot == kPadToken) {
-                    if (g == 0) {
-#pragma unroll
-                        for (int r = 0; r < C::kRows; ++r)
-                            if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
-                    }
-                    continue;
-                }
-                const float* qs = m.q + t * kDim + g * C::kEPC;
-                const float* ks = m.k + t * kDim + g * C::kEPC;
-                const float* es = m.e + t * kDim + g * C::kEPC;
-                float dk[C::kRows], dq[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
-                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-                        for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
-                                const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
-                                if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
-                                dk[r] = fmaf(x, ka[e], dk[r]);
-                                dq[r] = fmaf(x, qa[e], dq[r]);
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                        dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                        dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
-                    }
-                }
-                const float kq = m.kq[t];
-                float bu[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    const int i = t * VS + lrow0 + 4 * r;
-                    bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                    const float o = (dq[r] + bu[r] * kq) * p.scale;
-                    if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
-                }
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        if constexpr (C::kPacked) {
-                            // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
-                            const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                            const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; e += 2) {
-                                    u32& w = S[r][4 * j + (e4 + e) / 2];
-                                    const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
-                                    const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
-                                    w = pack2<bf16_t>(x0, x1);
-                                }
-                            }
-                        } else {
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    float& x = S[r][4 * j + e4 + e];
-                                    x = fmaf(bu[r], ka[e], x);
-                                }
-                            }
-                        }
-                    }
-                }
-                changed = true;
-                if (slot >= 0) {
-                    StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
-#pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-                        if (!row_ok[r]) continue;
-#pragma unroll
-                        for (int j = 0; j < C::kChunks; ++j)
-                            C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                    }
-                }
-            }
-            if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j)
-                        C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                }
-            }
-        }
-        issued_ahead = ahead;
-        if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
-            cp_async_wait<0>();
-            if (bulk && load) {
-                mbarrier_wait(&bulk_bar, phase);
-                phase ^= 1;
-            }
-            stage_to_regs(load);
-        }
-        // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
-        StateT* dsts[2] = {nullptr, nullptr};
-        if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
-            dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
-        if (p.final_state != nullptr)
-            dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
-#pragma unroll
-        for (int d = 0; d < 2; ++d) {
-            if (dsts[d] == nullptr) continue;
+    // Stage the initial slice (the stage base is the lane's stage minus its offset).
+    const bool load = !s.pad && (p.flags & kInitialState);
+    if (load) {
+        const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
+        if (bulk) {
+            if (threadIdx.x == 0)
+                bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
+        } else {
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) {
                 if (!row_ok[r]) continue;
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j)
-                    C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                for (int j = 0; j < C::kChunks; ++j) {
+                    const int o = C::row_offset(r) + C::chunk_offset(j);
+                    cp_async_16(stage + o, src + lane_off + o);
+                }
             }
+        }
+    }
+    cp_async_commit();
+
+    const Smem m = carve_smem(stage_elems * static_cast<int>(sizeof(StateT)), p.tc, VS);
+    const int oc = dtype_of(p.dtypes, kDtOut);
+    if (s.pad) zero_outputs(p, s, hv, v0, VS);
+    const int len = s.pad ? 0 : s.len;
+    bool changed = false;
+    typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
+    // Registers <- own staged chunks (zeros for rows past V and without an initial state).
+    auto stage_to_regs = [&](bool from_stage) {
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                if (from_stage && row_ok[r]) {
+                    C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
+                }
+            }
+        }
+    };
+    for (int c0 = 0; c0 < len; c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);
+        if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
+        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+        cp_async_wait<0>();
+        __syncthreads();
+        if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
+        stage_to_regs(c0 > 0 || load);
+        for (int t = 0; t < cn; ++t) {
+            const long long slot = m.slot[t];
+            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
+            if (slot == kPadToken) {
+                if (g == 0) {
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r)
+                        if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                }
+                continue;
+            }
+            const float* qs = m.q + t * kDim + g * C::kEPC;
+            const float* ks = m.k + t * kDim + g * C::kEPC;
+            const float* es = m.e + t * kDim + g * C::kEPC;
+            float dk[C::kRows], dq[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
+                            const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
+                            if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
+                            dk[r] = fmaf(x, ka[e], dk[r]);
+                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                }
+            }
+            const float kq = m.kq[t];
+            float bu[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+                const int i = t * VS + lrow0 + 4 * r;
+                bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                const float o = (dq[r] + bu[r] * kq) * p.scale;
+                if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
+            }
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    if constexpr (C::kPacked) {
+                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; e += 2) {
+                                u32& w = S[r][4 * j + (e4 + e) / 2];
+                                const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
+                                const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
+                                w = pack2<bf16_t>(x0, x1);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                float& x = S[r][4 * j + e4 + e];
+                                x = fmaf(bu[r], ka[e], x);
+                            }
+                        }
+                    }
+                }
+            }
+            changed = true;
+            if (slot >= 0) {
+                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+                    if (!row_ok[r]) continue;
+#pragma unroll
+                    for (int j = 0; j < C::kChunks; ++j)
+                        C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                }
+            }
+        }
+        if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j)
+                    C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+            }
+        }
+    }
+    if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
+        cp_async_wait<0>();
+        if (bulk && load) mbarrier_wait(&bulk_bar, 0);
+        stage_to_regs(load);
+    }
+    // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
+    StateT* dsts[2] = {nullptr, nullptr};
+    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
+    if (p.final_state != nullptr)
+        dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        if (dsts[d] == nullptr) continue;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+            if (!row_ok[r]) continue;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j)
+                C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
         }
     }
 }

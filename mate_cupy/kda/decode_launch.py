@@ -40,11 +40,6 @@ ROWS_PER_WARP = 16  # V rows of one V-first warp: 4 rows per lane x 4 row groups
 MIN_V_SLICE = ROWS_PER_WARP  # the smallest V-slice of any configuration (bounds the grid)
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).
 KFIRST_SHAPE = {FLOAT32: (64, 32), BFLOAT16: (128, 64)}
-#: Registers per thread of the V-first kernels (``VFirst::kMaxRegs`` in the source).
-VFIRST_MAX_REGS = {FLOAT32: 128, BFLOAT16: 96}
-REGS_PER_SM = 65536  # sm_90
-SMEM_PER_SM = 228 * 1024  # sm_90, of which 1 KiB is reserved per resident CTA
-MAX_CTAS_PER_SM = 32
 
 # Option flags and dtype codes: the enums of kda_decode.cu.
 F_VARLEN, F_L2NORM, F_GATE_IN_KERNEL, F_LOWER_BOUND = 1 << 0, 1 << 1, 1 << 2, 1 << 3
@@ -77,10 +72,8 @@ KERNEL_PARAMS = {"kda_decode_vfirst_kernel": PARAMS, "kda_decode_kfirst_kernel":
 class DecodeConfig:
     """How one decode problem is launched on one device.
 
-    ``v_slice``: V rows (V-first) or V columns (K-first) of one head a work item owns;
-    ``n_splits`` slices per head, ``N * HV * n_splits`` items; ``grid`` CTAs of ``threads``
-    (each runs every ``grid``-th item: one item per CTA unless ``bulk_stage``, where the
-    CTAs that fit on the device at once run the items and prefetch each next slice);
+    ``v_slice``: V rows (V-first) or V columns (K-first) of one head a CTA owns;
+    ``n_splits`` slices per head, ``grid = N * HV * n_splits`` CTAs of ``threads``;
     ``token_chunk`` tokens prepared per prologue; ``smem`` dynamic shared memory bytes;
     ``bulk_stage``: the V-first slice is staged by one bulk copy (sm_90, whole slices);
     ``option_flags`` / ``dtype_codes``: the kernel's flag word and packed dtype codes.
@@ -118,25 +111,6 @@ def vfirst_warps(n_heads: int, V: int, sm_count: int) -> int:
     if ctas(2) >= 4 * sm_count:
         return 2
     return 1
-
-
-def resident_ctas(regs_per_thread: int, threads: int, smem: int) -> int:
-    """CTAs of ``threads`` x ``regs_per_thread`` registers and ``smem`` dynamic shared bytes
-    resident on one sm_90 SM at once (registers allocated per warp in units of 256)."""
-    regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
-    by_regs = REGS_PER_SM // (regs_per_warp * (threads // 32))
-    by_smem = SMEM_PER_SM // (smem + 1024)
-    return max(1, min(by_regs, by_smem, MAX_CTAS_PER_SM))
-
-
-def persistent_grid(items: int, slots: int) -> int:
-    """CTAs for ``items`` equal work items when ``slots`` CTAs fit on the device at once:
-    every item its own CTA when they all fit, else the fewest CTAs that still run
-    ``ceil(items / slots)`` items each (so no CTA runs more than any other but the last)."""
-    if items <= slots:
-        return items
-    per_cta = -(-items // slots)
-    return -(-items // per_cta)
 
 
 # Boolean problem fields and the kernel flag each one sets.
@@ -182,14 +156,10 @@ def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     n_splits = -(-p.V // v_slice)
     token_chunk = max(1, min(p.T, MAX_CHUNK))
     bulk_stage = p.state_v_first and cc >= 90 and p.V % v_slice == 0
-    smem = smem_bytes(v_slice * K_DIM * p.state_dtype.itemsize, token_chunk, v_slice, red_floats)
-    items = p.N * p.HV * n_splits
-    grid = items
-    if bulk_stage:
-        grid = persistent_grid(items, sm_count * resident_ctas(VFIRST_MAX_REGS[p.state_dtype], 32 * warps, smem))
     return DecodeConfig(
         spec=SPECS[(p.state_dtype, p.state_v_first)], warps=warps, threads=32 * warps, v_slice=v_slice,
-        n_splits=n_splits, grid=grid, token_chunk=token_chunk, smem=smem,
+        n_splits=n_splits, grid=p.N * p.HV * n_splits, token_chunk=token_chunk,
+        smem=smem_bytes(v_slice * K_DIM * p.state_dtype.itemsize, token_chunk, v_slice, red_floats),
         bulk_stage=bulk_stage, option_flags=_option_flags(p) | (F_BULK if bulk_stage else 0),
         dtype_codes=_dtype_codes(p),
     )

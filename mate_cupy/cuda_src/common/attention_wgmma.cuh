@@ -16,7 +16,6 @@
 // g + 8 (j / 2), column 8i + 2t + (j % 2) (g = lane / 4, t = lane % 4).
 #pragma once
 #include "dtype.cuh"
-#include "bulk_copy.cuh"  // fence_proxy_async_smem
 
 namespace mate {
 namespace attn {
@@ -47,7 +46,7 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Generic-proxy shared-memory writes (cp.async, st.shared) made visible to wgmma reads.
-using mate::fence_proxy_async_smem;
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Keep the compiler from moving accesses of accumulator registers across a
 // wgmma issue / wait (the asm "writes" them, so later reads depend on it).

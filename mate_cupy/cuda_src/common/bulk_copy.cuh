@@ -34,11 +34,6 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, unsigned
 #endif
 }
 
-// Order this thread's earlier generic-proxy shared-memory accesses (st.shared, ld.shared,
-// cp.async) before its later async-proxy ones (a bulk copy or wgmma reading or writing the
-// same bytes).
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // Wait until phase `parity` of `bar` completes (the bulk bytes are then visible).
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
