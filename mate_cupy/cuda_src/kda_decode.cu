@@ -413,20 +413,20 @@ __device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int 
 
 // ------------------------------------------------------------------ V-first kernel
 
-template <typename StateT>
+template <typename StateT, int ROWS>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
     static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
     static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
-    static constexpr int kRows = 4;                     // rows per lane (64 state values)
-    static constexpr int kRowsPerWarp = 4 * kRows;      // 16
-    // The lane's state stays in registers as stored: chunk j of row r is S[r][4j .. 4j+3]
-    // (4 fp32, or 8 bf16 as 4 pairs, widened where used). A bf16 lane holds its 64 values in
-    // 32 registers, so the bf16 kernel fits in 64 registers per thread: twice the CTAs of the
-    // fp32 kernel (128) per SM, the same state bytes in flight per SM.
     static constexpr bool kPacked = sizeof(StateT) == 2;
+    // Rows per lane: 256 bytes of state either way (4 fp32 rows or 8 bf16 rows of 16 values),
+    // held in registers as stored: chunk j of row r is S[r][4j .. 4j+3] (4 fp32, or 8 bf16 as
+    // 4 pairs, widened where used). Equal bytes per lane give both dtypes the same CTAs per SM
+    // and the same state bytes in flight per SM, which is what sets the copy rate.
+    static constexpr int kRows = ROWS;
+    static constexpr int kRowsPerWarp = 4 * kRows;      // 16 / 32
     static constexpr int kRegCols = 4 * kChunks;        // registers per row: 16 / 8
-    static constexpr int kMaxRegs = kPacked ? 96 : 128;
+    static constexpr int kMaxRegs = (kPacked && ROWS == 4) ? 96 : 128;
     typedef typename Chunk<StateT>::Vec Vec;
     typedef typename Chunk<StateT>::Reg Reg;
     // Element e (< kEPC) of the chunk held at x[0..3], widened to float.
@@ -458,9 +458,9 @@ struct VFirst {
 // VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices,
 // sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
 // instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
-template <typename StateT>
-__global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
-    using C = VFirst<StateT>;
+template <typename StateT, int ROWS, int GROUP>
+__global__ void __maxnreg__((VFirst<StateT, ROWS>::kMaxRegs)) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = VFirst<StateT, ROWS>;
     __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -488,9 +488,8 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
     const int stage_elems = VS * kDim;
     StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
-    bool row_ok[C::kRows];
-#pragma unroll
-    for (int r = 0; r < C::kRows; ++r) row_ok[r] = v0 + lrow0 + 4 * r < p.V;
+    // Rows of this lane inside V: r < rows_in (rows lrow0 + 4r, increasing with r).
+    const int rows_in = min(C::kRows, max(0, (p.V - v0 - lrow0 + 3) / 4));
 
     // Stage the initial slice (the stage base is the lane's stage minus its offset).
     const bool load = !s.pad && (p.flags & kInitialState);
@@ -502,7 +501,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         } else {
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) {
-                if (!row_ok[r]) continue;
+                if (r >= rows_in) continue;
 #pragma unroll
                 for (int j = 0; j < C::kChunks; ++j) {
                     const int o = C::row_offset(r) + C::chunk_offset(j);
@@ -525,7 +524,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j) {
-                if (from_stage && row_ok[r]) {
+                if (from_stage && r < rows_in) {
                     C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 } else {
 #pragma unroll
@@ -549,85 +548,91 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                 if (g == 0) {
 #pragma unroll
                     for (int r = 0; r < C::kRows; ++r)
-                        if (row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                        if (r < rows_in) store_from_float(p.out, ob + 4 * r, oc, 0.f);
                 }
                 continue;
             }
             const float* qs = m.q + t * kDim + g * C::kEPC;
             const float* ks = m.k + t * kDim + g * C::kEPC;
             const float* es = m.e + t * kDim + g * C::kEPC;
-            float dk[C::kRows], dq[C::kRows];
+            const float kq = m.kq[t];
+            // Rows in groups of 4 (all of an fp32 lane's, half of a bf16 lane's): a group's dot
+            // products, reductions, outputs and update, then the next group; rows are independent.
+            constexpr int kGroup = GROUP;
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+            for (int r0 = 0; r0 < C::kRows; r0 += kGroup) {
+                float dk[kGroup], dq[kGroup];
 #pragma unroll
-            for (int j = 0; j < C::kChunks; ++j) {
+                for (int r = 0; r < kGroup; ++r) dk[r] = dq[r] = 0.f;
 #pragma unroll
-                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                    const int col = C::chunk_offset(j) + e4;
-                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
-                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+                for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
+                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                        const int col = C::chunk_offset(j) + e4;
+                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
-                            const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
-                            if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
-                            dk[r] = fmaf(x, ka[e], dk[r]);
-                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        for (int r = 0; r < kGroup; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
+                                const float x = C::elem(&S[r0 + r][4 * j], e4 + e) * ea[e];
+                                if constexpr (!C::kPacked) S[r0 + r][4 * j + e4 + e] = x;
+                                dk[r] = fmaf(x, ka[e], dk[r]);
+                                dq[r] = fmaf(x, qa[e], dq[r]);
+                            }
                         }
                     }
                 }
-            }
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
+                for (int r = 0; r < kGroup; ++r) {
 #pragma unroll
-                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                    for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                        dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                        dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
+                    }
                 }
-            }
-            const float kq = m.kq[t];
-            float bu[C::kRows];
+                float bu[kGroup];
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-                const int i = t * VS + lrow0 + 4 * r;
-                bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                const float o = (dq[r] + bu[r] * kq) * p.scale;
-                if (g == 0 && row_ok[r]) store_from_float(p.out, ob + 4 * r, oc, o);
-            }
+                for (int r = 0; r < kGroup; ++r) {
+                    const int i = t * VS + lrow0 + 4 * (r0 + r);
+                    bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                    const float o = (dq[r] + bu[r] * kq) * p.scale;
+                    if (g == 0 && r0 + r < rows_in) store_from_float(p.out, ob + 4 * (r0 + r), oc, o);
+                }
 #pragma unroll
-            for (int j = 0; j < C::kChunks; ++j) {
+                for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                    const int col = C::chunk_offset(j) + e4;
-                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                    if constexpr (C::kPacked) {
-                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
-                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                        const int col = C::chunk_offset(j) + e4;
+                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                        if constexpr (C::kPacked) {
+                            // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                            const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                            const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
 #pragma unroll
-                        for (int r = 0; r < C::kRows; ++r) {
+                            for (int r = 0; r < kGroup; ++r) {
 #pragma unroll
-                            for (int e = 0; e < 4; e += 2) {
-                                u32& w = S[r][4 * j + (e4 + e) / 2];
-                                const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
-                                const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
-                                w = pack2<bf16_t>(x0, x1);
+                                for (int e = 0; e < 4; e += 2) {
+                                    u32& w = S[r0 + r][4 * j + (e4 + e) / 2];
+                                    const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
+                                    const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
+                                    w = pack2<bf16_t>(x0, x1);
+                                }
                             }
-                        }
-                    } else {
+                        } else {
 #pragma unroll
-                        for (int r = 0; r < C::kRows; ++r) {
+                            for (int r = 0; r < kGroup; ++r) {
 #pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                float& x = S[r][4 * j + e4 + e];
-                                x = fmaf(bu[r], ka[e], x);
+                                for (int e = 0; e < 4; ++e) {
+                                    float& x = S[r0 + r][4 * j + e4 + e];
+                                    x = fmaf(bu[r], ka[e], x);
+                                }
                             }
                         }
                     }
@@ -638,7 +643,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                 StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
 #pragma unroll
                 for (int r = 0; r < C::kRows; ++r) {
-                    if (!row_ok[r]) continue;
+                    if (r >= rows_in) continue;
 #pragma unroll
                     for (int j = 0; j < C::kChunks; ++j)
                         C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
@@ -670,7 +675,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         if (dsts[d] == nullptr) continue;
 #pragma unroll
         for (int r = 0; r < C::kRows; ++r) {
-            if (!row_ok[r]) continue;
+            if (r >= rows_in) continue;
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j)
                 C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);

@@ -27,16 +27,25 @@ SOURCE = "kda_decode.cu"
 _STATE_CTYPE = {FLOAT32: "float", BFLOAT16: "__nv_bfloat16"}
 
 #: (state dtype, state_v_first) -> the registered variant.
-SPECS = {
-    (dt, v_first): register(SOURCE, f"kda_decode::kda_decode_{'vfirst' if v_first else 'kfirst'}_kernel<{ctype}>")
-    for dt, ctype in _STATE_CTYPE.items()
-    for v_first in (True, False)
-}
+#: V-first rows per lane and rows per group of the token update, per state dtype.
+VFIRST_ROWS = {FLOAT32: (4, 4), BFLOAT16: (8, 8)}
+
+
+def _spec_name(dt, v_first, rows=None):
+    if not v_first:
+        return f"kda_decode::kda_decode_kfirst_kernel<{_STATE_CTYPE[dt]}>"
+    r, g = rows or VFIRST_ROWS[dt]
+    return f"kda_decode::kda_decode_vfirst_kernel<{_STATE_CTYPE[dt]}, {r}, {g}>"
+
+
+SPECS = {(dt, v_first): register(SOURCE, _spec_name(dt, v_first)) for dt in _STATE_CTYPE for v_first in (True, False)}
+#: Experiment variants (bf16 state): (rows per lane, rows per group) -> spec.
+BF16_VARIANTS = {rg: register(SOURCE, _spec_name(BFLOAT16, True, rg)) for rg in ((4, 4), (8, 4), (8, 8))}
 
 K_DIM = 128  # the kernels' q/k head dim (one state row)
 STATE_CHUNK_BYTES = 16  # the kernels move the state in 16-byte chunks (K-first: along V)
 MAX_CHUNK = 8  # tokens prepared per prologue (kMaxChunk in the kernel)
-ROWS_PER_WARP = 16  # V rows of one V-first warp: 4 rows per lane x 4 row groups of 8 lanes
+ROWS_PER_WARP = 16  # V rows of one V-first fp32 warp: 4 rows per lane x 4 row groups of 8 lanes
 MIN_V_SLICE = ROWS_PER_WARP  # the smallest V-slice of any configuration (bounds the grid)
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).
 KFIRST_SHAPE = {FLOAT32: (64, 32), BFLOAT16: (128, 64)}
@@ -99,12 +108,12 @@ def smem_bytes(stage_bytes: int, token_chunk: int, v_slice: int, red_floats: int
             + 2 * tc * v_slice * 4 + red_floats * 4)
 
 
-def vfirst_warps(n_heads: int, V: int, sm_count: int) -> int:
+def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int = ROWS_PER_WARP) -> int:
     """Warps per V-first CTA over ``n_heads`` = N * HV states: 4 when that still gives >= 16
     CTAs per SM, else 2 when that gives >= 4 per SM, else 1 (H200 sweep: at B32 x HV32
     two-warp CTAs are 4-6% faster than four-warp ones; at B256 and up the two are even)."""
     def ctas(warps):
-        return n_heads * -(-V // (ROWS_PER_WARP * warps))
+        return n_heads * -(-V // (rows_per_warp * warps))
 
     if ctas(4) >= 16 * sm_count:
         return 4
@@ -146,8 +155,9 @@ def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor). Pure."""
     p = problem
     if p.state_v_first:
-        warps = vfirst_warps(p.N * p.HV, p.V, sm_count)
-        v_slice = ROWS_PER_WARP * warps
+        rpw = 4 * VFIRST_ROWS[p.state_dtype][0]
+        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, rpw)
+        v_slice = rpw * warps
         red_floats = 0
     else:
         threads, v_slice = KFIRST_SHAPE[p.state_dtype]

@@ -1,0 +1,157 @@
+"""KDA decode (V-first pools) under several launch grids and CTA sizes, CUDA-graph replay.
+
+    PYTHONPATH=. python bench/sweeps/kda_decode_grid.py OUTDIR [TAG]
+
+Case: HV 32, H 16, K = V = 128, fp16 q/k/v/a/b (the bf16 inputs' kernel path), gate ``lower_bound * sigmoid(exp(A_log) *
+(a + dt_bias))``, q/k L2 norm and beta sigmoid in kernel, a pool of 4 * B slots updated in
+place through 4 rotated slot permutations (each graph replays 4 calls, one per
+permutation). Rows: fp32 and bf16 pools at B 32 / 256 / 1024 (T = 1, ``[B]`` slots) and
+speculative verify (T = 4, ``[B, 4]`` slots and accepted counts) at B 64 / 256.
+
+Launches per row: ``select_config``'s, and ``decode_launch.select_config`` replaced by each
+variant: ``warps`` in {2, 4}; for bf16 pools also the kernel's rows per lane and rows per
+update group, (4, 4), (8, 4), (8, 8). Beside them a device-to-device copy of the state bytes one
+call moves (read + written). Writes ``OUTDIR/kda_decode_grid_TAG.json``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mate_cupy as m  # noqa: E402
+from mate_cupy.kda import decode_launch as dl  # noqa: E402
+
+HV, H, K = 32, 16, 128
+NSETS = 4
+
+
+def variant(warps: int, rows=None):
+    """A ``select_config`` replacement: V-first ``warps``-warp CTAs of the kernel with
+    ``rows`` = (rows per lane, rows per update group) (bf16 state; None: the default's)."""
+    select = dl.select_config
+
+    def config(problem, sm_count, cc):
+        base = select(problem, sm_count, cc)
+        p = problem
+        r = rows or dl.VFIRST_ROWS[p.state_dtype]
+        spec = dl.BF16_VARIANTS[r] if rows and p.state_dtype.itemsize == 2 else base.spec
+        v_slice = 4 * r[0] * warps
+        n_splits = -(-p.V // v_slice)
+        smem = dl.smem_bytes(v_slice * K * p.state_dtype.itemsize, base.token_chunk, v_slice, 0)
+        return dataclasses.replace(base, spec=spec, warps=warps, threads=32 * warps, v_slice=v_slice,
+                                   n_splits=n_splits, smem=smem, grid=p.N * p.HV * n_splits)
+
+    return config
+
+
+def make_case(B: int, T: int, state_dtype: str, seed: int = 0):
+    rs = cp.random.RandomState(seed)
+    h = lambda *s: rs.standard_normal(s, dtype=cp.float32).astype(cp.float16)  # noqa: E731  (bf16's kernel path)
+    q, k, v, a, b = h(B, T, H, K), h(B, T, H, K), h(B, T, HV, K), h(B, T, HV, K), h(B, T, HV)
+    A_log = rs.standard_normal(HV, dtype=cp.float32) * 0.5
+    dt_bias = rs.standard_normal((HV, K), dtype=cp.float32) * 0.5
+    P = NSETS * B * T
+    pool = (rs.standard_normal((P, HV, K, K), dtype=cp.float32) * 0.1)
+    if state_dtype == "bfloat16":
+        import ml_dtypes
+
+        pool = cp.asarray(cp.asnumpy(pool).astype(ml_dtypes.bfloat16).view(np.uint16)).view(ml_dtypes.bfloat16)
+    perms = [cp.asarray(np.random.default_rng(i).permutation(P)[:B * T].astype(np.int32)) for i in range(NSETS)]
+    if T > 1:
+        idx = [p.reshape(B, T) for p in perms]
+        acc = cp.asarray(np.random.default_rng(9).integers(1, T + 1, size=B).astype(np.int32))
+    else:
+        idx, acc = perms, None
+    outs = [cp.empty((B, T, HV, K), dtype=q.dtype) for _ in range(NSETS)]
+
+    def step(i):
+        m.gated_delta_rule_decode(q, k, v, pool, A_log, a, dt_bias, acc, None, b, state_indices=idx[i],
+                                  output=outs[i], use_lower_bound=True, apply_beta_sigmoid=True,
+                                  inplace_final_state=True, state_v_first=True)
+
+    itemsize = 4 if state_dtype == "float32" else 2
+    state_bytes = (1 + T) * B * HV * K * K * itemsize  # one read, one write per token
+    return step, state_bytes
+
+
+def graph_us(step, reps: int = 20) -> float:
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for i in range(NSETS):
+            step(i)
+        s.begin_capture()
+        for i in range(NSETS):
+            step(i)
+        g = s.end_capture()
+        for _ in range(3):
+            g.launch()
+        times = []
+        for _ in range(5):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            for _ in range(reps):
+                g.launch()
+            e1.record()
+            e1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps / NSETS)
+    return float(np.median(times))
+
+
+def copy_us(nbytes: int, reps: int = 20) -> float:
+    """Device-to-device copy of nbytes / 2 (read + written = nbytes)."""
+    half = nbytes // 2
+    src, dst = cp.empty(half, dtype=cp.uint8), cp.empty(half, dtype=cp.uint8)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(3):
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, 0)
+    e0.record()
+    for _ in range(reps):
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, 0)
+    e1.record()
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+
+
+VARIANTS = {
+    "default": None,
+    "w2": variant(2),
+    "w4": variant(4),
+}
+BF16_VARIANTS = {f"r{r}g{g}-w{w}": variant(w, (r, g)) for r, g in ((4, 4), (8, 4), (8, 8)) for w in (2, 4)}
+ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
+        ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]
+
+
+def main(argv) -> None:
+    outdir = Path(argv[0])
+    tag = argv[1] if len(argv) > 1 else "run"
+    outdir.mkdir(parents=True, exist_ok=True)
+    select = dl.select_config
+    results = []
+    for sdt, B, T in ROWS:
+        step, nbytes = make_case(B, T, sdt)
+        row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes))
+        variants = dict(VARIANTS, **(BF16_VARIANTS if sdt == "bfloat16" else {}))
+        for name, cfg in variants.items():
+            dl.select_config = select if cfg is None else cfg
+            try:
+                us = graph_us(step)
+            finally:
+                dl.select_config = select
+            row[name] = us
+        row["best"] = min(variants, key=lambda n: row[n])
+        results.append(row)
+        print(f"{sdt:8s} B{B:<5d} T{T} copy {row['copy_us']:8.1f} us ({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in variants), flush=True)
+    (outdir / f"kda_decode_grid_{tag}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
