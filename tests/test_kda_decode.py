@@ -807,14 +807,19 @@ def _problem(rng, B=32, HV=32, H=16, V=128, T=1, sdt=F32, v_first=True):
 def test_vfirst_warps_fill_the_gpu(rng):
     from mate_cupy.kda.decode_launch import select_config, vfirst_warps
 
-    assert vfirst_warps(256 * 32, 128, 132) == 4  # large batch: 4-warp CTAs
-    assert vfirst_warps(64 * 32, 128, 132) == 4  # 4096 CTAs >= 16 per SM
-    assert vfirst_warps(32 * 32, 128, 132) == 2  # B32: 2048 four-warp CTAs would be < 16 per SM
-    assert vfirst_warps(8 * 32, 128, 132) == 2
-    assert vfirst_warps(1 * 32, 128, 132) == 1  # B = 1: 256 one-warp CTAs
+    assert vfirst_warps(256 * 32, 128, 132, 16) == 4  # large batch: 4-warp CTAs
+    assert vfirst_warps(64 * 32, 128, 132, 16) == 4  # 4096 CTAs >= 16 per SM
+    assert vfirst_warps(32 * 32, 128, 132, 16) == 2  # B32: 2048 four-warp CTAs would be < 16 per SM
+    assert vfirst_warps(8 * 32, 128, 132, 16) == 2
+    assert vfirst_warps(1 * 32, 128, 132, 16) == 1  # B = 1: 256 one-warp CTAs
+    assert vfirst_warps(64 * 32, 128, 132, 32) == 2  # bf16 rows: 2048 four-warp CTAs < 16 per SM
+    assert vfirst_warps(256 * 32, 128, 132, 32) == 4
     cfg = select_config(_problem(rng, B=32), 132, 90)
     assert (cfg.warps, cfg.threads, cfg.v_slice, cfg.n_splits, cfg.grid) == (2, 64, 32, 4, 32 * 32 * 4)
     assert cfg.spec.kernels == ("kda_decode::kda_decode_vfirst_kernel<float>",)
+    cfg = select_config(_problem(rng, B=256, sdt=BF16), 132, 90)  # 8 bf16 rows per lane: 32 per warp
+    assert (cfg.warps, cfg.threads, cfg.v_slice, cfg.n_splits, cfg.grid) == (4, 128, 128, 1, 256 * 32)
+    assert cfg.spec.kernels == ("kda_decode::kda_decode_vfirst_kernel<__nv_bfloat16>",)
 
 
 @pytest.mark.torch

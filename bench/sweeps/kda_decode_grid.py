@@ -1,17 +1,16 @@
-"""KDA decode (V-first pools) under several launch grids and CTA sizes, CUDA-graph replay.
+"""KDA decode (V-first pools) with two- and four-warp CTAs, CUDA-graph replay.
 
     PYTHONPATH=. python bench/sweeps/kda_decode_grid.py OUTDIR [TAG]
 
-Case: HV 32, H 16, K = V = 128, fp16 q/k/v/a/b (the bf16 inputs' kernel path), gate ``lower_bound * sigmoid(exp(A_log) *
-(a + dt_bias))``, q/k L2 norm and beta sigmoid in kernel, a pool of 4 * B slots updated in
+Case: HV 32, H 16, K = V = 128, fp16 q/k/v/a/b (the bf16 inputs' kernel path), gate
+``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``, q/k L2 norm and beta sigmoid in kernel, a pool of 4 * B slots updated in
 place through 4 rotated slot permutations (each graph replays 4 calls, one per
 permutation). Rows: fp32 and bf16 pools at B 32 / 256 / 1024 (T = 1, ``[B]`` slots) and
 speculative verify (T = 4, ``[B, 4]`` slots and accepted counts) at B 64 / 256.
 
-Launches per row: ``select_config``'s, and ``decode_launch.select_config`` replaced by each
-variant: ``warps`` in {2, 4}; for bf16 pools also the kernel's rows per lane and rows per
-update group, (4, 4), (8, 4), (8, 8). Beside them a device-to-device copy of the state bytes one
-call moves (read + written). Writes ``OUTDIR/kda_decode_grid_TAG.json``.
+Launches per row: ``select_config``'s (``default``), and ``decode_launch.select_config``
+replaced by two- and four-warp CTAs (``w2``, ``w4``). Beside them a device-to-device copy of
+the state bytes one call moves (read + written). Writes ``OUTDIR/kda_decode_grid_TAG.json``.
 """
 from __future__ import annotations
 
@@ -32,20 +31,17 @@ HV, H, K = 32, 16, 128
 NSETS = 4
 
 
-def variant(warps: int, rows=None):
-    """A ``select_config`` replacement: V-first ``warps``-warp CTAs of the kernel with
-    ``rows`` = (rows per lane, rows per update group) (bf16 state; None: the default's)."""
+def variant(warps: int):
+    """A ``select_config`` replacement: V-first ``warps``-warp CTAs."""
     select = dl.select_config
 
     def config(problem, sm_count, cc):
         base = select(problem, sm_count, cc)
         p = problem
-        r = rows or dl.VFIRST_ROWS[p.state_dtype]
-        spec = dl.BF16_VARIANTS[r] if rows and p.state_dtype.itemsize == 2 else base.spec
-        v_slice = 4 * r[0] * warps
+        v_slice = dl.VFIRST_ROWS_PER_WARP[p.state_dtype] * warps
         n_splits = -(-p.V // v_slice)
         smem = dl.smem_bytes(v_slice * K * p.state_dtype.itemsize, base.token_chunk, v_slice, 0)
-        return dataclasses.replace(base, spec=spec, warps=warps, threads=32 * warps, v_slice=v_slice,
+        return dataclasses.replace(base, warps=warps, threads=32 * warps, v_slice=v_slice,
                                    n_splits=n_splits, smem=smem, grid=p.N * p.HV * n_splits)
 
     return config
@@ -124,7 +120,6 @@ VARIANTS = {
     "w2": variant(2),
     "w4": variant(4),
 }
-BF16_VARIANTS = {f"r{r}g{g}-w{w}": variant(w, (r, g)) for r, g in ((4, 4), (8, 4), (8, 8)) for w in (2, 4)}
 ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
         ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]
 
@@ -138,7 +133,7 @@ def main(argv) -> None:
     for sdt, B, T in ROWS:
         step, nbytes = make_case(B, T, sdt)
         row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes))
-        variants = dict(VARIANTS, **(BF16_VARIANTS if sdt == "bfloat16" else {}))
+        variants = VARIANTS
         for name, cfg in variants.items():
             dl.select_config = select if cfg is None else cfg
             try:

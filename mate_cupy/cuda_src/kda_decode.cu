@@ -11,10 +11,11 @@
 //
 // Work split. V rows of the state evolve independently (the only per-token values shared
 // across V are q, k and the gate, all [K]), so the grid is N * HV * (V-splits) CTAs:
-//   * V-first storage [P, HV, V, K]: a CTA owns nwarps * 16 consecutive V rows (nwarps 1, 2
-//     or 4, chosen by the launcher to fill the GPU); 8 lanes cover one 128-wide row, each lane 16
-//     columns as 16-byte chunks (a warp instruction touches four full 128-byte lines); each
-//     lane holds 4 rows (64 state floats: the register file, not overhead, holds the state).
+//   * V-first storage [P, HV, V, K]: a CTA owns nwarps * 16 (fp32) or nwarps * 32 (bf16)
+//     consecutive V rows (nwarps 1, 2 or 4, chosen by the launcher to fill the GPU); 8 lanes
+//     cover one 128-wide row, each lane 16 columns as 16-byte chunks (a warp instruction
+//     touches four full 128-byte lines); each lane holds 4 fp32 or 8 bf16 rows, 256 bytes of
+//     state in 64 registers (the register file, not overhead, holds the state).
 //   * K-first storage [P, HV, K, V]: a CTA owns 32 (fp32) or 64 (bf16) V columns, i.e. 128
 //     contiguous bytes of each of the 128 K rows; lanes run along V (16 bytes each), K is
 //     spread over 4 lane groups and 2 (fp32) / 4 (bf16) warps; the K reductions finish
@@ -413,7 +414,7 @@ __device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int 
 
 // ------------------------------------------------------------------ V-first kernel
 
-template <typename StateT, int ROWS>
+template <typename StateT>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
     static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
@@ -423,10 +424,10 @@ struct VFirst {
     // held in registers as stored: chunk j of row r is S[r][4j .. 4j+3] (4 fp32, or 8 bf16 as
     // 4 pairs, widened where used). Equal bytes per lane give both dtypes the same CTAs per SM
     // and the same state bytes in flight per SM, which is what sets the copy rate.
-    static constexpr int kRows = ROWS;
+    static constexpr int kRows = kPacked ? 8 : 4;
     static constexpr int kRowsPerWarp = 4 * kRows;      // 16 / 32
     static constexpr int kRegCols = 4 * kChunks;        // registers per row: 16 / 8
-    static constexpr int kMaxRegs = (kPacked && ROWS == 4) ? 96 : 128;
+    static constexpr int kMaxRegs = 128;
     typedef typename Chunk<StateT>::Vec Vec;
     typedef typename Chunk<StateT>::Reg Reg;
     // Element e (< kEPC) of the chunk held at x[0..3], widened to float.
@@ -455,12 +456,13 @@ struct VFirst {
 
 // State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
 // (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
-// VS = nwarps * 16. Lane: rows warp*16 + (lane>>3) + 4r, r < 4. Flag kBulk (whole slices,
-// sm_90): thread 0 stages the contiguous slice with one bulk copy completing on an mbarrier
-// instead of per-lane cp.async. Register budget: 128 per thread (at most 256 threads).
-template <typename StateT, int ROWS, int GROUP>
-__global__ void __maxnreg__((VFirst<StateT, ROWS>::kMaxRegs)) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
-    using C = VFirst<StateT, ROWS>;
+// VS = nwarps * kRowsPerWarp (16 fp32, 32 bf16). Lane: rows warp*kRowsPerWarp + (lane>>3) + 4r,
+// r < kRows. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous slice with one
+// bulk copy completing on an mbarrier instead of per-lane cp.async. Register budget: 128 per
+// thread (at most 256 threads).
+template <typename StateT>
+__global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
+    using C = VFirst<StateT>;
     __shared__ unsigned long long bulk_bar;
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -556,83 +558,77 @@ __global__ void __maxnreg__((VFirst<StateT, ROWS>::kMaxRegs)) kda_decode_vfirst_
             const float* ks = m.k + t * kDim + g * C::kEPC;
             const float* es = m.e + t * kDim + g * C::kEPC;
             const float kq = m.kq[t];
-            // Rows in groups of 4 (all of an fp32 lane's, half of a bf16 lane's): a group's dot
-            // products, reductions, outputs and update, then the next group; rows are independent.
-            constexpr int kGroup = GROUP;
+            float dk[C::kRows], dq[C::kRows];
 #pragma unroll
-            for (int r0 = 0; r0 < C::kRows; r0 += kGroup) {
-                float dk[kGroup], dq[kGroup];
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
 #pragma unroll
-                for (int r = 0; r < kGroup; ++r) dk[r] = dq[r] = 0.f;
+            for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
 #pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
-                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+                    for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
-                        for (int r = 0; r < kGroup; ++r) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
-                                const float x = C::elem(&S[r0 + r][4 * j], e4 + e) * ea[e];
-                                if constexpr (!C::kPacked) S[r0 + r][4 * j + e4 + e] = x;
-                                dk[r] = fmaf(x, ka[e], dk[r]);
-                                dq[r] = fmaf(x, qa[e], dq[r]);
-                            }
+                        for (int e = 0; e < 4; ++e) {
+                            // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
+                            const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
+                            if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
+                            dk[r] = fmaf(x, ka[e], dk[r]);
+                            dq[r] = fmaf(x, qa[e], dq[r]);
                         }
                     }
                 }
+            }
 #pragma unroll
-                for (int r = 0; r < kGroup; ++r) {
+            for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
-                    for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                        dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                        dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
-                    }
+                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
+                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
+                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
                 }
-                float bu[kGroup];
+            }
+            float bu[C::kRows];
 #pragma unroll
-                for (int r = 0; r < kGroup; ++r) {
-                    const int i = t * VS + lrow0 + 4 * (r0 + r);
-                    bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                    const float o = (dq[r] + bu[r] * kq) * p.scale;
-                    if (g == 0 && r0 + r < rows_in) store_from_float(p.out, ob + 4 * (r0 + r), oc, o);
-                }
+            for (int r = 0; r < C::kRows; ++r) {
+                const int i = t * VS + lrow0 + 4 * r;
+                bu[r] = m.b[i] * (m.v[i] - dk[r]);
+                const float o = (dq[r] + bu[r] * kq) * p.scale;
+                if (g == 0 && r < rows_in) store_from_float(p.out, ob + 4 * r, oc, o);
+            }
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
+            for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        if constexpr (C::kPacked) {
-                            // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
-                            const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                            const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    if constexpr (C::kPacked) {
+                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
 #pragma unroll
-                            for (int r = 0; r < kGroup; ++r) {
+                        for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
-                                for (int e = 0; e < 4; e += 2) {
-                                    u32& w = S[r0 + r][4 * j + (e4 + e) / 2];
-                                    const float x0 = fmaf(bu[r], ka[e], bf16_lo_prmt(w) * ea[e]);
-                                    const float x1 = fmaf(bu[r], ka[e + 1], bf16_hi_prmt(w) * ea[e + 1]);
-                                    w = pack2<bf16_t>(x0, x1);
-                                }
+                            for (int e = 0; e < 4; e += 2) {
+                                u32& w = S[r][4 * j + (e4 + e) / 2];
+                                const float x0 = fmaf(bf16_lo_prmt(w), ea[e], bu[r] * ka[e]);
+                                const float x1 = fmaf(bf16_hi_prmt(w), ea[e + 1], bu[r] * ka[e + 1]);
+                                w = pack2<bf16_t>(x0, x1);
                             }
-                        } else {
+                        }
+                    } else {
 #pragma unroll
-                            for (int r = 0; r < kGroup; ++r) {
+                        for (int r = 0; r < C::kRows; ++r) {
 #pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    float& x = S[r0 + r][4 * j + e4 + e];
-                                    x = fmaf(bu[r], ka[e], x);
-                                }
+                            for (int e = 0; e < 4; ++e) {
+                                float& x = S[r][4 * j + e4 + e];
+                                x = fmaf(bu[r], ka[e], x);
                             }
                         }
                     }

@@ -8,7 +8,8 @@ and beta modes, L2 norm, slot mode, varlen, token count) is a runtime argument: 
 changes the per-token prologue, which runs once per CTA outside the state loop.
 
 Work split (``docs/kda_decode.md``): one CTA per (sequence, value head, V-slice).
-V-first slices are ``16 * warps`` rows, ``warps`` in {1, 2, 4} picked by
+V-first slices are ``16 * warps`` (fp32) or ``32 * warps`` (bf16) rows, 256 bytes of state
+per lane either way, ``warps`` in {1, 2, 4} picked by
 :func:`select_config` so that small batches still put work on every SM, staged by one bulk
 copy on sm_90 when V is a whole number of slices; K-first slices are 128 bytes of each
 K row (32 fp32 or 64 bf16 columns).
@@ -27,26 +28,19 @@ SOURCE = "kda_decode.cu"
 _STATE_CTYPE = {FLOAT32: "float", BFLOAT16: "__nv_bfloat16"}
 
 #: (state dtype, state_v_first) -> the registered variant.
-#: V-first rows per lane and rows per group of the token update, per state dtype.
-VFIRST_ROWS = {FLOAT32: (4, 4), BFLOAT16: (8, 8)}
-
-
-def _spec_name(dt, v_first, rows=None):
-    if not v_first:
-        return f"kda_decode::kda_decode_kfirst_kernel<{_STATE_CTYPE[dt]}>"
-    r, g = rows or VFIRST_ROWS[dt]
-    return f"kda_decode::kda_decode_vfirst_kernel<{_STATE_CTYPE[dt]}, {r}, {g}>"
-
-
-SPECS = {(dt, v_first): register(SOURCE, _spec_name(dt, v_first)) for dt in _STATE_CTYPE for v_first in (True, False)}
-#: Experiment variants (bf16 state): (rows per lane, rows per group) -> spec.
-BF16_VARIANTS = {rg: register(SOURCE, _spec_name(BFLOAT16, True, rg)) for rg in ((4, 4), (8, 4), (8, 8))}
+SPECS = {
+    (dt, v_first): register(SOURCE, f"kda_decode::kda_decode_{'vfirst' if v_first else 'kfirst'}_kernel<{ctype}>")
+    for dt, ctype in _STATE_CTYPE.items()
+    for v_first in (True, False)
+}
 
 K_DIM = 128  # the kernels' q/k head dim (one state row)
 STATE_CHUNK_BYTES = 16  # the kernels move the state in 16-byte chunks (K-first: along V)
 MAX_CHUNK = 8  # tokens prepared per prologue (kMaxChunk in the kernel)
-ROWS_PER_WARP = 16  # V rows of one V-first fp32 warp: 4 rows per lane x 4 row groups of 8 lanes
-MIN_V_SLICE = ROWS_PER_WARP  # the smallest V-slice of any configuration (bounds the grid)
+#: V rows of one V-first warp per state dtype: 4 row groups of 8 lanes x the rows of a lane
+#: (``VFirst::kRows``: 256 bytes of state per lane, 4 fp32 or 8 bf16 rows of 16 values).
+VFIRST_ROWS_PER_WARP = {FLOAT32: 16, BFLOAT16: 32}
+MIN_V_SLICE = min(VFIRST_ROWS_PER_WARP.values())  # the smallest V-slice of any configuration (bounds the grid)
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).
 KFIRST_SHAPE = {FLOAT32: (64, 32), BFLOAT16: (128, 64)}
 
@@ -108,10 +102,11 @@ def smem_bytes(stage_bytes: int, token_chunk: int, v_slice: int, red_floats: int
             + 2 * tc * v_slice * 4 + red_floats * 4)
 
 
-def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int = ROWS_PER_WARP) -> int:
-    """Warps per V-first CTA over ``n_heads`` = N * HV states: 4 when that still gives >= 16
-    CTAs per SM, else 2 when that gives >= 4 per SM, else 1 (H200 sweep: at B32 x HV32
-    two-warp CTAs are 4-6% faster than four-warp ones; at B256 and up the two are even)."""
+def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int) -> int:
+    """Warps per V-first CTA over ``n_heads`` = N * HV states of V rows, ``rows_per_warp``
+    rows per warp: 4 when that still gives >= 16 CTAs per SM, else 2 when that gives >= 4
+    per SM, else 1 (H200 sweeps: at B32 x HV32 two-warp CTAs are 1-6% faster than four-warp
+    ones; at B256 and up four-warp CTAs are as fast (fp32) or 4% faster (bf16))."""
     def ctas(warps):
         return n_heads * -(-V // (rows_per_warp * warps))
 
@@ -155,9 +150,9 @@ def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor). Pure."""
     p = problem
     if p.state_v_first:
-        rpw = 4 * VFIRST_ROWS[p.state_dtype][0]
-        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, rpw)
-        v_slice = rpw * warps
+        rows_per_warp = VFIRST_ROWS_PER_WARP[p.state_dtype]
+        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, rows_per_warp)
+        v_slice = rows_per_warp * warps
         red_floats = 0
     else:
         threads, v_slice = KFIRST_SHAPE[p.state_dtype]
