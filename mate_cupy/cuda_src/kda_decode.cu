@@ -572,15 +572,31 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                     const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
                     const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
                     const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+                    if constexpr (C::kPacked) {
+                        // bf16: S_dec k = S (e k), S_dec q = S (e q); the decayed state itself
+                        // (64 fp32 values more than the registers hold) is formed in the update.
+                        float eka[4], eqa[4];
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
+                        for (int e = 0; e < 4; ++e) eka[e] = ea[e] * ka[e], eqa[e] = ea[e] * qa[e];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            // The decayed value; fp32 keeps it, bf16 recomputes it in the update.
-                            const float x = C::elem(&S[r][4 * j], e4 + e) * ea[e];
-                            if constexpr (!C::kPacked) S[r][4 * j + e4 + e] = x;
-                            dk[r] = fmaf(x, ka[e], dk[r]);
-                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float x = C::elem(&S[r][4 * j], e4 + e);
+                                dk[r] = fmaf(x, eka[e], dk[r]);
+                                dq[r] = fmaf(x, eqa[e], dq[r]);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float x = S[r][4 * j + e4 + e] * ea[e];  // the decayed value, kept
+                                S[r][4 * j + e4 + e] = x;
+                                dk[r] = fmaf(x, ka[e], dk[r]);
+                                dq[r] = fmaf(x, qa[e], dq[r]);
+                            }
                         }
                     }
                 }
