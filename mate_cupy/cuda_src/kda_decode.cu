@@ -414,6 +414,20 @@ __device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int 
 
 // ------------------------------------------------------------------ V-first kernel
 
+// One step of a transposed reduction over lanes: of the N values x[0..N) a lane keeps the
+// upper half when bit `msk` of its lane index g is set, the lower half otherwise, and adds
+// the half its partner (lane ^ msk) gives away; x[0..N/2) then holds the kept half's sums.
+template <int N>
+__device__ __forceinline__ void reduce_halves(float* x, int g, int msk) {
+    const bool upper = (g & msk) != 0;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        const float send = upper ? x[i] : x[i + N / 2];
+        const float keep = upper ? x[i + N / 2] : x[i];
+        x[i] = keep + __shfl_xor_sync(0xffffffffu, send, msk);
+    }
+}
+
 template <typename StateT>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
@@ -601,22 +615,30 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                     }
                 }
             }
+            // Reduce the 2 * kRows partial sums over the 8 lanes of the row group, transposed:
+            // each xor step halves the values a lane keeps (lanes with bit m set keep the upper
+            // half), so lane g ends with the sums of values 2g, 2g + 1 (8 rows: dk and dq of row
+            // g) or value g (4 rows: dk or dq of row g / 2) after 2 * kRows - 2 shuffles.
+            float red[2 * C::kRows];
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                for (int msk = 1; msk < 8; msk <<= 1) {  // the 8 lanes of a row
-                    dk[r] += __shfl_xor_sync(0xffffffffu, dk[r], msk);
-                    dq[r] += __shfl_xor_sync(0xffffffffu, dq[r], msk);
-                }
+            for (int r = 0; r < C::kRows; ++r) red[2 * r] = dk[r], red[2 * r + 1] = dq[r];
+            reduce_halves<2 * C::kRows>(red, g, 4);
+            reduce_halves<C::kRows>(red, g, 2);
+            reduce_halves<C::kRows / 2>(red, g, 1);
+            const int my_row = C::kRows == 8 ? g : g >> 1;  // the lane's row (r) after the reduction
+            float my_dk = red[0], my_dq = red[1];
+            if constexpr (C::kRows == 4) {  // row r's dk in lane 2r, its dq in lane 2r + 1
+                const float other = __shfl_xor_sync(0xffffffffu, red[0], 1);
+                my_dk = (g & 1) ? other : red[0];
+                my_dq = (g & 1) ? red[0] : other;
             }
-            float bu[C::kRows];
+            const int vi = t * VS + lrow0 + 4 * my_row;
+            const float my_bu = m.b[vi] * (m.v[vi] - my_dk);
+            const float o = (my_dq + my_bu * kq) * p.scale;
+            if (my_row < rows_in && (C::kRows == 8 || (g & 1) == 0)) store_from_float(p.out, ob + 4 * my_row, oc, o);
+            float bu[C::kRows];  // b * (v - S_dec k) of every row of the lane, from its row's lane
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-                const int i = t * VS + lrow0 + 4 * r;
-                bu[r] = m.b[i] * (m.v[i] - dk[r]);
-                const float o = (dq[r] + bu[r] * kq) * p.scale;
-                if (g == 0 && r < rows_in) store_from_float(p.out, ob + 4 * r, oc, o);
-            }
+            for (int r = 0; r < C::kRows; ++r) bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (C::kRows == 8 ? r : 2 * r));
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
