@@ -616,9 +616,10 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                 }
             }
             // Reduce the 2 * kRows partial sums over the 8 lanes of the row group, transposed:
-            // each xor step halves the values a lane keeps (lanes with bit m set keep the upper
+            // each xor step halves the values a lane keeps (lanes with bit msk set keep the upper
             // half), so lane g ends with the sums of values 2g, 2g + 1 (8 rows: dk and dq of row
-            // g) or value g (4 rows: dk or dq of row g / 2) after 2 * kRows - 2 shuffles.
+            // g) or value g (4 rows: dk or dq of row g / 2) after 7 * kRows / 4 shuffles (14 or 7,
+            // against 6 * kRows for an all-reduce of every sum).
             float red[2 * C::kRows];
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) red[2 * r] = dk[r], red[2 * r + 1] = dq[r];
