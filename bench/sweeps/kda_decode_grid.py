@@ -115,24 +115,10 @@ def copy_us(nbytes: int, reps: int = 20) -> float:
     return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
 
 
-def flags(extra: int):
-    """A ``select_config`` replacement adding kernel option flags (experiments)."""
-    select = dl.select_config
-
-    def config(problem, sm_count, cc):
-        base = select(problem, sm_count, cc)
-        return dataclasses.replace(base, option_flags=base.option_flags | extra)
-
-    return config
-
-
 VARIANTS = {
     "default": None,
     "w2": variant(2),
     "w4": variant(4),
-    "plain-store": flags(1 << 14),
-    "load-ef": flags(1 << 15),
-    "both": flags(3 << 14),
 }
 ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
         ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]

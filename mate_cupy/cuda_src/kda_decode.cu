@@ -69,8 +69,6 @@ enum : int {
     kCu64 = 1 << 11,
     kHasAccepted = 1 << 12,
     kBulk = 1 << 13,  // V-first, V % VS == 0, sm_90: the slice staged by one bulk copy
-    kPlainStore = 1 << 14,  // experiment: V-first state stores without the streaming hint
-    kLoadEvictFirst = 1 << 15,  // experiment: the bulk copy with an L2 evict-first policy
 };
 // Per-token slot codes held in shared memory (>= 0: store the state there).
 constexpr long long kNoStore = -1;
@@ -414,21 +412,6 @@ __device__ __forceinline__ void zero_outputs(const Params& p, const Seq& s, int 
     }
 }
 
-__device__ __forceinline__ void bulk_load_evict_first(void* smem, const void* gmem, unsigned bytes,
-                                                      unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
-            smem_u32(smem)),
-        "l"(gmem), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
-        : "memory");
-#endif
-}
-
 // ------------------------------------------------------------------ V-first kernel
 
 // One step of a transposed reduction over lanes: of the N values x[0..N) a lane keeps the
@@ -476,9 +459,8 @@ struct VFirst {
         return v;
     }
     static __device__ __forceinline__ void store(StateT* smem, const Reg* x) { *reinterpret_cast<Vec*>(smem) = vec(x); }
-    static __device__ __forceinline__ void store_global(StateT* gmem, const Reg* x, bool plain) {
-        if (plain) *reinterpret_cast<Vec*>(gmem) = vec(x);
-        else __stcs(reinterpret_cast<Vec*>(gmem), vec(x));  // streaming: every byte is touched once
+    static __device__ __forceinline__ void store_global(StateT* gmem, const Reg* x) {
+        __stcs(reinterpret_cast<Vec*>(gmem), vec(x));  // streaming: every byte is touched once
     }
     // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
     // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
@@ -501,7 +483,6 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
     const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
-    const bool plain_store = (p.flags & kPlainStore) != 0;
     if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
 
     const int split = blockIdx.x % p.n_splits;
@@ -532,12 +513,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
         if (bulk) {
             if (threadIdx.x == 0)
-            {
-                if (p.flags & kLoadEvictFirst)
-                    bulk_load_evict_first(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
-                else
-                    bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
-            }
+                bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
         } else {
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) {
@@ -705,7 +681,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                     if (r >= rows_in) continue;
 #pragma unroll
                     for (int j = 0; j < C::kChunks; ++j)
-                        C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j], plain_store);
+                        C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
                 }
             }
         }
@@ -737,7 +713,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             if (r >= rows_in) continue;
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j)
-                C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j], plain_store);
+                C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
         }
     }
 }
