@@ -133,18 +133,17 @@ def main(argv) -> None:
     for sdt, B, T in ROWS:
         step, nbytes = make_case(B, T, sdt)
         row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes))
-        variants = VARIANTS
-        for name, cfg in variants.items():
+        for name, cfg in VARIANTS.items():
             dl.select_config = select if cfg is None else cfg
             try:
                 us = graph_us(step)
             finally:
                 dl.select_config = select
             row[name] = us
-        row["best"] = min(variants, key=lambda n: row[n])
+        row["best"] = min(VARIANTS, key=lambda n: row[n])
         results.append(row)
         print(f"{sdt:8s} B{B:<5d} T{T} copy {row['copy_us']:8.1f} us ({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in variants), flush=True)
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in VARIANTS), flush=True)
     (outdir / f"kda_decode_grid_{tag}.json").write_text(json.dumps(results, indent=1))
 
 

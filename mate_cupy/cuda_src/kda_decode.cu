@@ -626,9 +626,12 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             reduce_halves<2 * C::kRows>(red, g, 4);
             reduce_halves<C::kRows>(red, g, 2);
             reduce_halves<C::kRows / 2>(red, g, 1);
-            const int my_row = C::kRows == 8 ? g : g >> 1;  // the lane's row (r) after the reduction
-            float my_dk = red[0], my_dq = red[1];
-            if constexpr (C::kRows == 4) {  // row r's dk in lane 2r, its dq in lane 2r + 1
+            constexpr int kRowLanes = 8 / C::kRows;  // lanes holding one row's sums: 1 or 2
+            const int my_row = g / kRowLanes;       // the lane's row (r) after the reduction
+            float my_dk = red[0], my_dq;
+            if constexpr (kRowLanes == 1) {
+                my_dq = red[1];
+            } else {  // row r's dk in lane 2r, its dq in lane 2r + 1
                 const float other = __shfl_xor_sync(0xffffffffu, red[0], 1);
                 my_dk = (g & 1) ? other : red[0];
                 my_dq = (g & 1) ? red[0] : other;
@@ -636,10 +639,10 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             const int vi = t * VS + lrow0 + 4 * my_row;
             const float my_bu = m.b[vi] * (m.v[vi] - my_dk);
             const float o = (my_dq + my_bu * kq) * p.scale;
-            if (my_row < rows_in && (C::kRows == 8 || (g & 1) == 0)) store_from_float(p.out, ob + 4 * my_row, oc, o);
+            if (my_row < rows_in && g % kRowLanes == 0) store_from_float(p.out, ob + 4 * my_row, oc, o);
             float bu[C::kRows];  // b * (v - S_dec k) of every row of the lane, from its row's lane
 #pragma unroll
-            for (int r = 0; r < C::kRows; ++r) bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (C::kRows == 8 ? r : 2 * r));
+            for (int r = 0; r < C::kRows; ++r) bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (r * kRowLanes));
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
