@@ -14,7 +14,6 @@ the state bytes one call moves (read + written). Writes ``OUTDIR/kda_decode_grid
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,19 +31,8 @@ NSETS = 4
 
 
 def variant(warps: int):
-    """A ``select_config`` replacement: V-first ``warps``-warp CTAs."""
-    select = dl.select_config
-
-    def config(problem, sm_count, cc):
-        base = select(problem, sm_count, cc)
-        p = problem
-        v_slice = dl.VFIRST_ROWS_PER_WARP[p.state_dtype] * warps
-        n_splits = -(-p.V // v_slice)
-        smem = dl.smem_bytes(v_slice * K * p.state_dtype.itemsize, base.token_chunk, v_slice, 0)
-        return dataclasses.replace(base, warps=warps, threads=32 * warps, v_slice=v_slice,
-                                   n_splits=n_splits, smem=smem, grid=p.N * p.HV * n_splits)
-
-    return config
+    """A ``select_config`` replacement: V-first ``warps``-warp CTAs (``decode_config``)."""
+    return lambda problem, sm_count, cc: dl.decode_config(problem, cc, warps)
 
 
 def make_case(B: int, T: int, state_dtype: str, seed: int = 0):

@@ -149,10 +149,18 @@ def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     """The launch of ``problem`` (a :class:`~mate_cupy.kda.decode.DecodeProblem`) on a device
     with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor). Pure."""
     p = problem
+    warps = None
     if p.state_v_first:
-        rows_per_warp = VFIRST_ROWS_PER_WARP[p.state_dtype]
-        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, rows_per_warp)
-        v_slice = rows_per_warp * warps
+        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, VFIRST_ROWS_PER_WARP[p.state_dtype])
+    return decode_config(p, cc, warps)
+
+
+def decode_config(problem, cc: int, warps: int | None = None) -> DecodeConfig:
+    """The launch of ``problem`` with V-first CTAs of ``warps`` warps (required for a V-first
+    state; K-first CTAs have one shape per state dtype, and ``warps`` is ignored). Pure."""
+    p = problem
+    if p.state_v_first:
+        v_slice = VFIRST_ROWS_PER_WARP[p.state_dtype] * warps
         red_floats = 0
     else:
         threads, v_slice = KFIRST_SHAPE[p.state_dtype]
