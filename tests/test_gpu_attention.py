@@ -65,15 +65,18 @@ def test_every_variant_fits_shared_memory_and_occupancy():
         lay = al.smem_layout(shape, d, code)
         defines = dict(spec.defines)
         assert defines["ATT_SMEM_FIXED"] == str(lay["fixed"]) and defines["ATT_KV"] == str(kv)
-        assert defines["ATT_WGMMA"] == str(int(shape.wgmma)) and defines["ATT_WG_ROT"] == str(int(shape.rotated))
-        pad = al.WG_PAD if shape.wgmma else 0
+        assert defines["ATT_WS"] == str(int(shape.producer))
+        pad = al.WG_PAD if shape.producer else 0
         # the widest sparse lists (W = 64) with the smallest group (8)
-        extra = al.sparse_smem_bytes((shape.rows - 1) // 8 + 2, 64)[0] if kv == al.KV_SPARSE else 0
+        extra = al.sparse_smem_bytes((shape.rows - 1) // 8 + 2, 64, shape.producer)[0] if kv == al.KV_SPARSE else 0
         assert lay["fixed"] + pad + extra <= al.SMEM_LIMIT, spec.name
         if kv == al.KV_SPARSE:
             assert d == execute.SPARSE_HEAD_DIM
-            assert lay["union_blocks"] * al.SPARSE_BLOCK >= execute.SPARSE_MAX_SEQLEN_K, spec.name
-        if shape.wgmma:
+            if shape.producer:  # longer requests take the mma.sync tile (test_select_config_choices)
+                assert al.WS_UNION_WORDS * 32 * al.SPARSE_BLOCK >= al.WS_SPARSE_MAX_SEQLEN_K
+            else:
+                assert lay["union_blocks"] * al.SPARSE_BLOCK >= execute.SPARSE_MAX_SEQLEN_K, spec.name
+        if shape.producer:
             assert spec.min_sm == 90 and code in (0, 1) and d in (64, 128)
             # tiles on 1024-byte boundaries (the hardware swizzle keys on address bits 7-9)
             assert lay["q"] % 1024 == 0 and (2 * shape.block_n * d * 2) % 1024 == 0
@@ -115,12 +118,17 @@ def test_select_config_choices():
     assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "ws2n128s3"
     g = _config()
     assert g.threads == 384 and g.grid == (132, 1, 1) and g.row_tiles == 8192 * 8 // 128 and g.splits == 1
-    # paged prefill keeps the cp.async tiles
+    # paged prefill: the same tile, its producer looking the pages up
     paged = dict(kv_mode=al.KV_PAGED, page_size=64)
-    assert _config(**paged).tile == "wg2n128s3r"
-    assert _config(causal=False, **paged).tile == "wg3n64s3"
-    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384, **paged).tile == "wg3n64s3"
-    assert _config(head_dim=64, **paged).tile == "wg3n64s3"
+    assert _config(**paged).tile == _config(causal=False, **paged).tile == al.WS_TILE
+    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384, **paged).tile == al.WS_TILE
+    assert _config(head_dim=64, **paged).tile == al.WS_TILE
+    # block-sparse prefill on the query tiles: the two-stage tile, up to its union's reach
+    sparse = dict(kv_mode=al.KV_SPARSE, page_size=128, num_heads_kv=4)
+    g = _config(**sparse)
+    assert g.tile == al.WS_SPARSE_TILE and g.threads == 384 and g.grid == (132, 1, 1)
+    assert _config(**{**sparse, "max_seqlen_k": al.WS_SPARSE_MAX_SEQLEN_K}).tile == al.WS_SPARSE_TILE
+    assert _config(**{**sparse, "max_seqlen_k": al.WS_SPARSE_MAX_SEQLEN_K + 1}).tile == "prefill"
     # the mma.sync tile where the warpgroup tiles do not run
     assert _config(cc=80).tile == "prefill" and _config(head_dim=256).tile == "prefill"
     assert _config(dtype_code=al.DTYPE_E4M3).tile == "prefill"
@@ -143,9 +151,9 @@ def test_select_config_choices():
     g = _config(batch=1, max_seqlen_q=1, total_q=1, num_heads_q=40000, num_heads_kv=40000, max_seqlen_k=1 << 20,
                 num_kv_splits=64)
     assert g.grid[2] <= al.MAX_GRID_YZ
-    # block-sparse: the warpgroup tile for prefill, the decode tile for decode plans
+    # block-sparse: the warp-specialised tile for prefill, the decode tile for decode plans
     g = _config(kv_mode=al.KV_SPARSE, num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768)
-    assert g.tile == "wg2n128s2" and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
+    assert g.tile == al.WS_SPARSE_TILE and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
     assert _config(kv_mode=al.KV_SPARSE, cc=80).tile == "prefill"
     assert _config(kv_mode=al.KV_SPARSE, dtype_code=al.DTYPE_E4M3).tile == "prefill"
     assert _config(kv_mode=al.KV_SPARSE, sparse_decode=True, max_seqlen_q=4, total_q=4).tile == "decode"
@@ -155,13 +163,13 @@ def test_select_config_choices():
 
 def test_gather_is_chosen_by_the_plan_where_it_applies():
     base = dict(kv_mode=al.KV_SPARSE, num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768)
-    assert _config(**base).tile == "wg2n128s2"
+    assert _config(**base).tile == al.WS_SPARSE_TILE
     g = _config(gather=True, **base)
     assert g.tile == al.GATHER and g.workspace_bytes == gather_launch.workspace_bytes(
         total_q=32768, num_heads_kv=4, width=16, batch=1, max_seqlen_q=32768, max_seqlen_k=32768)
     assert al.config_specs(g, al.DTYPE_BF16) == (gather_launch.SPECS[al.DTYPE_BF16],)
     # where the gather kernels do not apply the query tile runs
-    assert _config(gather=True, **{**base, "num_heads_kv": 8}).tile == "wg2n128s2"  # 8 heads per KV head
+    assert _config(gather=True, **{**base, "num_heads_kv": 8}).tile == al.WS_SPARSE_TILE  # 8 heads per KV head
     assert _config(gather=True, cc=80, **base).tile == "prefill"
     assert _config(gather=True, sparse_decode=True, **base).tile == "decode"
     assert _config(gather=True, dtype_code=al.DTYPE_E4M3, **base).tile == "prefill"
@@ -306,7 +314,7 @@ def test_wgmma_descriptor_bits():
     body = text[text.index("u64 wg_desc("):text.index("wg_desc_add")]
     assert "(saddr >> 4) & 0x3FFFu" in body and "(lbo >> 4) & 0x3FFFu) << 16" in body
     assert "(sbo >> 4) & 0x3FFFu) << 32" in body and "1ull << 62" in body
-    kernel = SRC.read_text()
+    kernel = (SRC.parent / "attention" / "mainloop_sm90.cuh").read_text()
     # Q/K descriptors: SBO 1024 (8-row groups); V: the same, transposed (imm-trans-b = 1)
     assert kernel.count("wg_desc(") == 3 and kernel.count(", 16, 1024)") == 3
     # immediates after scale-d: RS "1, 1, TRANS" (WgmmaRS: B transposed, as V; WgmmaRSKMajor:
@@ -705,9 +713,9 @@ def test_fp8_dense_and_paged(rng, d):
 # ============================================================================ GPU: every registered query tile
 
 # The query tiles per KV mode (each reached by select_config for some inputs; forced here).
-DENSE_TILES = ["prefill", "wg3n64s3", al.WS_TILE]
-PAGED_TILES = ["prefill", "wg3n64s3", "wg2n128s3r"]
-SPARSE_TILES = ["prefill", "wg2n128s2"]
+DENSE_TILES = ["prefill", al.WS_TILE]
+PAGED_TILES = ["prefill", al.WS_TILE]
+SPARSE_TILES = ["prefill", al.WS_SPARSE_TILE]
 
 
 def _tile_dims(tile, kv=al.KV_DENSE):
@@ -776,6 +784,24 @@ def test_ws_tile_long_requests(rng, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 4, 16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page_size,layout,source", [(16, "NHD", "table"), (64, "HND", "csr")])
+def test_ws_tile_paged_lengths_and_groups(rng, group, d, page_size, layout, source):
+    # the warp-specialised tile over a paged cache: the producer's per-row page lookups,
+    # keys on invalid pages flagged per key (pages of 16 keys: every lane's flag word varies)
+    p = make_problem(rng, WS_QO, WS_KV, 2 * group, 2, d, page_size=page_size, layout=layout)
+    out, lse = _run(p, source=source, tile=al.WS_TILE)
+    _check(out, lse, _paged_ref(p), BF16, f"{al.WS_TILE} paged d{d} group {group} page {page_size}")
+    table = p.page_table.copy()
+    table[4, 3] = p.k_cache.shape[0] + 7  # invalid ids inside and at the start of a request: masked
+    table[4, 40 * 16 // page_size] = -2
+    table[6, 0] = -1
+    out, lse = _run(p, source="table", table=table, tile=al.WS_TILE)
+    _check(out, lse, _paged_ref(p, table=table), BF16, f"{al.WS_TILE} paged invalid ids page {page_size}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", PAGED_TILES)
 @pytest.mark.parametrize("page_size,layout,source", [(16, "NHD", "table"), (64, "HND", "csr"), (128, "NHD", "csr"),
                                                      (256, "HND", "table")])
@@ -812,6 +838,17 @@ def test_sparse_prefill_tiles_shared_blocks(rng, tile):
             sel[128 * t:128 * (t + 1), h] = rng.choice(reach, size=16, replace=False).astype(np.int32)
     out, lse = _run(p, source="table", sel=sel, tile=tile)
     _check(out, lse, _sparse_ref(p, sel), BF16, f"{tile} sparse tile-shared lists")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ws_sparse_tile_many_items(rng, splits):
+    # more work items than CTAs (each CTA builds several unions, the membership buffers
+    # alternate), per-token lists with padding and out-of-range ids, split-KV
+    p = make_problem(rng, [2000, 300, 0, 1], [6000, 300, 10, 700], 16, 1, 128, page_size=128)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    out, lse = _run(p, source="table", sel=sel, splits=splits, tile=al.WS_SPARSE_TILE)
+    _check(out, lse, _sparse_ref(p, sel), BF16, f"{al.WS_SPARSE_TILE} many items splits {splits}")
 
 
 @pytest.mark.gpu

@@ -97,7 +97,7 @@ def test_every_registered_variant_compiles(arch):
 
 def _is_wgmma(spec) -> bool:
     d = dict(spec.defines)
-    return (d.get("ATT_WGMMA") == "1" or spec.source == "attention_gather.cu"
+    return (d.get("ATT_WS") == "1" or spec.source == "attention_gather.cu"
             or any(k.startswith(("msa_max_score_ws_kernel", "kda_chunk_recurrence_wgmma_kernel"))
                    for k in spec.kernels))
 
@@ -105,7 +105,7 @@ def _is_wgmma(spec) -> bool:
 def test_hopper_only_variants_build_for_sm90a_alone():
     specs = registered()
     hopper = [s for s in specs if _is_wgmma(s)]
-    assert len(hopper) == 27 and len(specs) == 159  # 4 of them the wgmma chunk_kda recurrence (2 dtypes x 2 widths)
+    assert len(hopper) == 25 and len(specs) == 157  # 4 of them the wgmma chunk_kda recurrence (2 dtypes x 2 widths)
     for s in specs:
         if _is_wgmma(s):
             assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90
@@ -178,7 +178,7 @@ def test_dispatch_picks_only_variants_the_gpu_builds(cc):
         tiles.add(cfg.tile)
         for spec in al.config_specs(cfg, code):
             assert spec.builds_for(arch), (cc, cfg.tile, spec.name)
-    assert ({"ws2n128s3", "wg3n64s3", "wg2n128s3r", "wg2n128s2", "gather"} <= tiles) == (cc == 90)
+    assert ({"ws2n128s3", "ws2n128s2", "gather"} <= tiles) == (cc == 90)
     if cc != 90:
         assert tiles <= {"decode", "prefill"}
     for rows in (1, 64, 65, 8192, 1 << 20):

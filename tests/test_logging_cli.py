@@ -125,14 +125,14 @@ def test_progress_lines_fit_and_cut_between_tokens():
     from mate_cupy.cli import fit, progress_line, short_name
 
     name = ("attention_fwd[ATT_BLOCK_N=128,ATT_DTYPE=1,ATT_HEAD_DIM=64,ATT_KV=0,ATT_MIN_BLOCKS=2,ATT_MTILES=2,"
-            "ATT_SMEM_FIXED=49152,ATT_STAGES=3,ATT_WARPS_M=4,ATT_WARPS_N=1,ATT_WGMMA=0,ATT_WG_ROT=0]")
+            "ATT_SMEM_FIXED=49152,ATT_STAGES=3,ATT_WARPS_M=4,ATT_WARPS_N=1,ATT_WS=0]")
     assert short_name(name).startswith("attention_fwd[BLOCK_N=128,DTYPE=1,HEAD_DIM=64,")
     for columns in (30, 60, 80, 120, 300):
         line = progress_line(7, 127, {"name": name, "kernels": ("msa_attention_fwd_kernel",)}, 12.5, columns)
         assert len(line) <= max(columns - 1, 20)
         assert " 7/127" in line and "ok" in line
         if columns >= 200:
-            assert line.endswith("WG_ROT=0]")
+            assert line.endswith(",WS=0]")
         else:
             assert line.endswith("\u2026")
             if columns >= 60:

@@ -197,7 +197,7 @@ EAGER_ERRORS = [
     ("usable-sm-zero", ([1], [3], 4), {"usable_SM_count": 0}, ValueError),
     ("usable-sm-float", ([1], [3], 4), {"usable_SM_count": 1.5}, ValueError),
     ("device-name", ([1], [3], 4), {"device": "tpu"}, ValueError),
-    ("prefill-tile-query", ([1], [3], 4), {"prefill_tile": "wg2n128s2"}, ValueError),
+    ("prefill-tile-query", ([1], [3], 4), {"prefill_tile": "ws2n128s2"}, ValueError),
 ]
 
 
@@ -274,7 +274,7 @@ def test_prefill_tile_option_in_eager_static_and_sparse_plans():
     assert mc.msa_plan_from_lengths([3], [5], 4, prefill_tile=None)[3].prefill_tile == "gather"
     assert mc.msa_plan(1, 8, 8, 4)[3].prefill_tile == "gather"
     assert mc.sparse_msa_plan([300], [600], 16, 1, prefill_tile="query", **SPARSE)[3].prefill_tile == "query"
-    for bad in ("nope", "", 3, "prefill", "wg3n64s3", "mma256"):  # query tiles are not options
+    for bad in ("nope", "", 3, "prefill", "ws2n128s3", "mma256"):  # query tiles are not options
         with pytest.raises(ValueError, match="prefill_tile"):
             mc.msa_plan_from_lengths([3], [5], 4, prefill_tile=bad)
         with pytest.raises(ValueError, match="prefill_tile"):

@@ -23,24 +23,22 @@
 // tile (decode shapes split the keys across warps and merge at the end).
 // K/V tiles stream through an ATT_STAGES-deep cp.async ring with one barrier
 // per tile. S = Q K^T and O += P V run on mma.sync (m16n8k16 fp16/bf16,
-// m16n8k32 e4m3 with P quantised to e4m3 after scaling by 256), or, with
-// ATT_WGMMA (sm_90a, fp16/bf16, D 64/128), on warpgroup MMAs: each warpgroup
-// of four warps owns 64 rows, S = Q K^T reads Q and K straight from shared
-// memory (column-block tiles, attention_wgmma.cuh), O += P V takes P from
-// registers; masking, softmax and the epilogue are the same code.
+// m16n8k32 e4m3 with P quantised to e4m3 after scaling by 256).
 //
-// This file is the mainloop; masking (attention/mask.cuh) and the epilogue and split-KV
-// combine (attention/epilogue.cuh) are role headers.
+// On sm_90a (fp16/bf16, D 64/128; ATT_WS) the kernel body is instead the warp-specialised
+// mainloop of attention/mainloop_sm90.cuh: a producer warpgroup and two consumer
+// warpgroups of warpgroup MMAs, for dense, paged and block-sparse KV.
+//
+// This file is the mma.sync mainloop; masking (attention/mask.cuh) and the epilogue and
+// split-KV combine (attention/epilogue.cuh) are role headers.
 //
 // Compile-time specialisation (macros): ATT_HEAD_DIM, ATT_DTYPE (0 fp16,
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
-// ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS,
-// ATT_WGMMA (0 mma.sync, 1 warpgroup MMA), ATT_WG_ROT (1: warpgroup 1 one phase
-// behind warpgroup 0), ATT_WS (1: the warp-specialised dense mainloop of
-// attention/mainloop_sm90.cuh: a producer warpgroup and ATT_WARPS_M / 4 = 2 consumer
-// warpgroups, mbarrier-tracked K/V stages), ATT_SMEM_FIXED (host's view of the
-// fixed shared-memory bytes, checked below; wgmma variants get 1024 more bytes
-// from the host to align the tiles).
+// ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS, ATT_WS (1: the
+// warp-specialised mainloop of attention/mainloop_sm90.cuh: a producer warpgroup and
+// ATT_WARPS_M / 4 = 2 consumer warpgroups of warpgroup MMAs, mbarrier-tracked K/V stages),
+// ATT_SMEM_FIXED (host's view of the fixed shared-memory bytes, checked below; the
+// warp-specialised variants get 1024 more bytes from the host to align the tiles).
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/attention_tile.cuh"
@@ -72,9 +70,6 @@ typedef bf16_t OutT;
 typedef bf16_t Mma16;
 #endif
 
-#ifndef ATT_WS
-#define ATT_WS 0
-#endif
 #if ATT_WS
 // The warp-specialised variant's body is its own mainloop: the constants of the one in this
 // file are left unreferenced.
@@ -107,34 +102,19 @@ constexpr int kDT = kD / 8;                  // O n-tiles
 constexpr float kPScale = kFp8 ? 256.f : 1.f;
 constexpr int kSparseBlock = 128;
 constexpr int kTilesPerBlock = kSparseBlock / kBN;
-constexpr bool kWG = ATT_WGMMA != 0;  // warpgroup MMAs (sm_90a)
-#ifndef ATT_WG_ROT
-#define ATT_WG_ROT 0
-#endif
-// Warpgroup 1 runs one phase behind warpgroup 0 (softmax + O += P V of the previous tile,
-// then S = Q K^T of this one), so one warpgroup's softmax overlaps the other's MMAs.
-constexpr bool kRot = kWG && ATT_WG_ROT != 0;
-// Tiles loaded ahead of the one being computed: a rotated tile keeps the previous stage busy.
-constexpr int kPrefetch = kRot ? ATT_STAGES - 2 : ATT_STAGES - 1;
+constexpr int kPrefetch = ATT_STAGES - 1;  // tiles loaded ahead of the one being computed
 
-// Q and K/V tile layouts: row-swizzled for ldmatrix, column blocks for wgmma.
-template <bool WG, int ROWS> struct TileOf { typedef SwizzledTile<kRowBytes> type; };
-template <int ROWS> struct TileOf<true, ROWS> { typedef ColumnBlockTile<ROWS> type; };
-typedef typename TileOf<kWG, kM>::type QTile;
-typedef typename TileOf<kWG, kBN>::type KvTile;
-constexpr int kKvRowStride = kWG ? 128 : kRowBytes;  // bytes between rows r and r + 8k (same swizzle)
+// Q and K/V tile layouts of the mma.sync tiles: row-swizzled for ldmatrix.
+typedef SwizzledTile<kRowBytes> QTile;
+typedef SwizzledTile<kRowBytes> KvTile;
 
 static_assert(kD == 64 || kD == 128 || kD == 256, "head dim");
 static_assert(kKW % (kFp8 ? 32 : 16) == 0, "a warp's key slice must fill whole PV k-steps");
 static_assert(kThreads % kChunks == 0, "K/V tile loads cover whole rows per pass");
 static_assert(kBN <= kSparseBlock && kSparseBlock % kBN == 0, "key tiles must tile a 128-key block");
 static_assert(kStages >= 2 && kStages <= 4, "pipeline depth");
-static_assert(!kWG || (!kFp8 && (kD == 64 || kD == 128) && kWN == 1 && kMT == 1 && kWM % 4 == 0 &&
-                       (kBN == 64 || kBN == 128)),
-              "wgmma tiles: fp16/bf16, D 64/128, one 16-row m-tile per warp, warpgroups of 4 warps, 64/128 keys");
-static_assert(!kRot || (kWM == 8 && kStages >= 3), "rotated wgmma tiles: two warpgroups, three or more stages");
-static_assert(!kWS || (kWG && !kRot && kWM == 8 && ATT_KV == 0),
-              "warp-specialised tiles: dense KV, two consumer warpgroups of wgmma");
+static_assert(!kWS || (!kFp8 && (kD == 64 || kD == 128) && kWN == 1 && kMT == 1 && kWM == 8 && kBN == 128),
+              "warp-specialised tiles: fp16/bf16, D 64/128, two consumer warpgroups of wgmma, 128 keys");
 
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -145,14 +125,16 @@ constexpr int kStageBytes = 2 * kBN * kRowBytes;
 typedef AttentionEpilogue<kD, kM, kMT, kWN, kThreads, kFp8> Epilogue;
 constexpr int kEpiBytes = Epilogue::kSmemBytes;
 constexpr int kRegionBytes = round_up(cmax(kStages * kStageBytes, kEpiBytes), 128);
-constexpr int kFlagBytes = round_up(kStages * kBN, 128);
+// (warp-specialised tiles: 256 more bytes for the mbarriers and the work item)
+constexpr int kFlagBytes = round_up(kStages * kBN, 128) + (kWS ? 256 : 0);
 constexpr int kSmemFixed = kQBytes + kRegionBytes + kFlagBytes;
 static_assert(kSmemFixed == ATT_SMEM_FIXED, "host and device disagree on the shared-memory layout");
 // Sparse scratch (bitmap + prefix words) aliases the region.
 constexpr int kUnionWords = kRegionBytes / 8;
 #if ATT_WS
-// Warp-specialised tiles: the ring is the region, the mbarriers sit in the page-flag bytes.
-typedef DenseMainloopSm90<kD, kBN, kStages, Elem> WsMainloop;
+// Warp-specialised tiles: the ring is the region; the mbarriers, the work item and the key
+// flags sit in the page-flag bytes.
+typedef MainloopSm90<kD, kBN, kStages, Elem, ATT_KV> WsMainloop;
 static_assert(WsMainloop::kThreads == kThreads && WsMainloop::kM == kM && WsMainloop::kBarBytes <= kFlagBytes &&
                   WsMainloop::kStageBytes == kStageBytes,
               "warp-specialised tile: shape and shared-memory layout");
@@ -171,18 +153,33 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
     int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int num_splits,
     int row_tiles, int batch, float scale_log2, float out_scale) {
-    extern __shared__ __align__(kWG ? 1024 : 128) unsigned char smem_raw[];
+    extern __shared__ __align__(kWS ? 1024 : 128) unsigned char smem_raw[];
     // wgmma tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this).
-    unsigned char* smem = smem_raw + (kWG ? ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : 0u);
+    unsigned char* smem = smem_raw + (kWS ? ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : 0u);
     unsigned char* sQ = smem;
     unsigned char* sR = smem + kQBytes;
     unsigned char* sFlags = sR + kRegionBytes;
 #if ATT_WS
+    // Block-sparse: [ulist | upage: nq_cap * W ints each][membership: 2 x nq_cap * qmask_words]
+    // [union bitmap | prefix: kUnionWords each] after the flag bytes.
+    auto ws_sparse_lists = [](const int* lists, int width, int nq_cap, int qwords, unsigned char* base) {
+        SparseLists sp;
+        sp.lists = lists;
+        sp.width = width;
+        sp.nq_cap = nq_cap;
+        sp.qwords = qwords;
+        sp.ulist = reinterpret_cast<int*>(base);
+        sp.upage = sp.ulist + nq_cap * width;
+        sp.qmask = reinterpret_cast<u32*>(sp.upage + nq_cap * width);
+        sp.scratch = sp.qmask + 2 * nq_cap * qwords;
+        return sp;
+    };
     WsMainloop::run(q, k, v, out, lse, ws_o, ws_lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k,
-                    q_tok_stride, q_head_stride, out_tok_stride, out_head_stride, k_slot_stride, k_head_stride,
-                    v_slot_stride, v_head_stride, total_q, kv_extent, num_heads_q, num_heads_kv, group, causal,
-                    num_splits, row_tiles, batch, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags),
-                    reinterpret_cast<WsMainloop::Item*>(sFlags + WsMainloop::kItemOffset));
+                    page_list, page_indptr, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride,
+                    k_page_stride, k_slot_stride, k_head_stride, v_page_stride, v_slot_stride, v_head_stride,
+                    total_q, kv_extent, num_heads_q, num_heads_kv, group, causal, page_size_log2, page_list_len,
+                    num_splits, row_tiles, batch, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags), sFlags,
+                    ws_sparse_lists(block_lists, list_width, nq_cap, qmask_words, sFlags + kFlagBytes));
 }
 #else
     int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);
@@ -337,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     const int r = ld_r0 + i * kLdStep;
                     if (!kLdExact && r >= kBN) break;
                     const bool ok = kstart + r < Lk;
-                    const u32 so = (kLdStep % 8 == 0) ? i * kLdStep * kKvRowStride
+                    const u32 so = (kLdStep % 8 == 0) ? i * kLdStep * kRowBytes
                                                       : KvTile::offset(r, ld_c) - KvTile::offset(ld_r0, ld_c);
                     cp_async_16_u32(dK + so, ok ? kp : kbase, ok);
                     cp_async_16_u32(dV + so, ok ? vp : vbase, ok);
@@ -405,45 +402,28 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     const u32 off_b0 = lane_offset_b<kRowBytes>(wn * kKW, lane);
     const u32 off_v0 = kFp8 ? lane_offset_vt8<kRowBytes>(wn * kKW, lane) : lane_offset_vt<kRowBytes>(wn * kKW, lane);
 
-    // wgmma: this warp's warpgroup, its named barrier, and its 64 rows of the Q tile.
-    const int wgrp = warp >> 2;
-    const u64 q_desc = wg_desc(smem_u32(sQ) + wgrp * 64 * 128, 16, 1024);
-
-    // Rotated warpgroup: S of the previous tile and that tile's metadata, carried across the barrier.
-    const bool rot = kRot && wgrp == 1;
     float S[kMT][kNT][4];
-    bool p_active = false, p_need_mask = false, p_tile_bad = false;
-    int p_kstart = 0, p_stage = 0;
-    u32 p_member = 0, p_k_addr = 0, p_v_addr = 0;
-    bool p_warp_on = false;
 
-    // (A rotated kernel runs one extra iteration: warpgroup 1 finishes the last tile.)
-    for (int t = t_begin, n = 0; t < t_end + (kRot ? 1 : 0); ++t, ++n) {
-        const bool real = !kRot || t < t_end;
-        int stage = n % kStages;
+    for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
+        const int stage = n % kStages;
         cp_async_wait<kPrefetch - 1>();
-        // wgmma reads shared memory through the async proxy: publish this thread's landed
-        // cp.async bytes to it before the barrier. (Every MMA of the tiles whose stage is
-        // refilled below has completed.)
-        if constexpr (kWG) fence_proxy_async_smem();
         if constexpr (kPaged && !kSparse) {
             if (__syncthreads_or(pending_bad)) flags |= 1u << (kPrefetch - 1);
         } else {
             __syncthreads();
         }
-        // Stage (n - 1) % kStages (rotated: (n - 2) % kStages) is free: every warp finished it.
+        // Stage (n - 1) % kStages is free: every warp finished it.
         pending_bad = issue_tile(t + kPrefetch, (n + kPrefetch) % kStages);
 
-        u32 k_addr = sR_addr + stage * kStageBytes;
-        u32 v_addr = k_addr + kBN * kRowBytes;
+        const u32 k_addr = sR_addr + stage * kStageBytes;
+        const u32 v_addr = k_addr + kBN * kRowBytes;
         // Per-lane offsets and row data, re-materialised each tile (cheaper than spilling
         // their derived addresses and limits).
-        const u32 off_a = kWG ? 0u : opaque(off_a0), off_b = kWG ? 0u : opaque(off_b0),
-                  off_v = kWG ? 0u : opaque(off_v0);
+        const u32 off_a = opaque(off_a0), off_b = opaque(off_b0), off_v = opaque(off_v0);
         const u32 row_qls = opaque(row_qls0);
         int spage;
-        int kstart = real ? tile_start(t, spage) : 0;
-        int kw0 = kstart + wn * kKW;  // first key of this warp's slice
+        const int kstart = tile_start(t, spage);
+        const int kw0 = kstart + wn * kKW;  // first key of this warp's slice
         bool tile_bad = flags & 1u;
         flags >>= 1;
 
@@ -459,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
             for (int i = 0; i < 2 * kMT; ++i) {
                 const int ql = (row_qls >> (8 * i)) & 0xff;
-                if (ql == 0xff || !real) continue;
+                if (ql == 0xff) continue;
                 const bool mem = ql < nq && ((sQmask[ql * qmask_words + (u >> 5)] >> (u & 31)) & 1u);
                 const int lim = row_limit(ql);
                 member |= (mem ? 1u : 0u) << i;
@@ -469,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
             any = live != 0;
             active = __any_sync(0xffffffffu, any);
             need_mask = tile_bad || !__all_sync(0xffffffffu, full);
-            if constexpr (!kWG && kMT > 1) {
+            if constexpr (kMT > 1) {
                 // Per-token lists: an m-tile (one query of a 16-head group) often did not pick
                 // the block its warp-mate did; skip its MMAs and softmax step.
                 u32 mine = 0;
@@ -478,53 +458,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 mt_on = __reduce_or_sync(0xffffffffu, mine);
             }
         } else {
-            active = real && kw0 < warp_lim_hi;
+            active = kw0 < warp_lim_hi;
             need_mask = tile_bad || kw0 + kKW > warp_lim_lo;
         }
-        // A warpgroup issues its MMAs together: it skips a tile only when none of its warps needs it.
-        // Block-sparse: a warp of an active warpgroup with no row attending the tile (with
-        // per-token lists, most warps) skips masking and softmax: its P is zero, its running
-        // max, sum and O stay as they are. (Dense kernels keep their registers for the MMAs.)
-        bool warp_on = active;
-        if constexpr (kWG) active = warpgroup_any(active, 1 + wgrp);
-
-        // S = Q K^T of the tile at k_addr, 64 x kBN per warpgroup; k-step ks reads 32 bytes of
-        // column block ks / 4 of Q and K.
-        auto wg_qk = [&](u32 kaddr) {
-            const u64 k_desc = wg_desc(kaddr, 16, 1024);
-            wg_fence();
-            wg_issue_qk<kD, kM, kBN, Elem>(&S[0][0][0], q_desc, k_desc);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs<kNT * 4>(&S[0][0][0]);
-        };
-
-        if (rot) {
-            // Softmax and O += P V below run on the previous tile (whose S is in registers);
-            // this tile's metadata waits for the next iteration.
-            bool b;
-            int i;
-            u32 w;
-            b = active, active = p_active, p_active = b;
-            b = warp_on, warp_on = p_warp_on, p_warp_on = b;
-            b = need_mask, need_mask = p_need_mask, p_need_mask = b;
-            b = tile_bad, tile_bad = p_tile_bad, p_tile_bad = b;
-            i = kstart, kstart = p_kstart, p_kstart = i;
-            i = stage, stage = p_stage, p_stage = i;
-            w = member, member = p_member, p_member = w;
-            w = k_addr, k_addr = p_k_addr, p_k_addr = w;
-            w = v_addr, v_addr = p_v_addr, p_v_addr = w;
-            kw0 = kstart + wn * kKW;
-        }
-        if (!active) {
-            if (rot && p_active) wg_qk(p_k_addr);
-            continue;
-        }
+        if (!active) continue;
 
         // ---- S = Q K^T (raw scores) ----
-        if constexpr (kWG) {
-            if (!rot) wg_qk(k_addr);
-        } else {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -547,14 +486,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                 }
             }
         }
-        }
 
-        if (kWG && kSparse && !warp_on) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int n8 = 0; n8 < kNT; ++n8) S[mt][n8][0] = S[mt][n8][1] = S[mt][n8][2] = S[mt][n8][3] = 0.f;
-        } else {
         if (need_mask)
             mask_scores<kMT, kNT>(S, row_qls, member, row_limit, kw0, t4, tile_bad ? sFlags + stage * kBN : nullptr,
                                   kstart);
@@ -563,7 +495,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
             if ((mt_on >> mt) & 1u) online_softmax_update<kNT, kDT>(S[mt], O[mt], m_run[mt], l_run[mt], scale_log2);
-        }
 
         // ---- O += P V (P converted to the MMA operand type first, so S dies early) ----
         if constexpr (!kFp8) {
@@ -578,27 +509,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     pa[mt][kk][3] = pack2<Mma16>(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3]);
                 }
             }
-            if constexpr (kWG) {
-                // O[64 x D] += P[64 x kBN] V[kBN x D]: per 16-key step one n64 MMA per 64-dim
-                // column block of V (MN-major); waited for at the top of the next tile.
-                const u64 v_desc = wg_desc(v_addr, 16, 1024);
-                // The rescaled O and the packed P are written before the fence (pinned here).
-                wg_fence_regs<kDT * 4>(&O[0][0][0]);
-                wg_fence_regs<kBN / 4>(&pa[0][0][0]);
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < kBN / 16; ++kk) {
-#pragma unroll
-                    for (int cb = 0; cb < kD / 64; ++cb)
-                        WgmmaRS<64, Mma16>::run(&O[0][8 * cb][0], pa[0][kk],
-                                                wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048), 1);
-                }
-                wg_commit();
-                // Waited for here: deferring it across the loop back-edge makes ptxas serialize the MMAs.
-                wg_wait<0>();
-                wg_fence_regs<kDT * 4>(&O[0][0][0]);
-                if (rot && p_active) wg_qk(p_k_addr);  // this iteration's tile, for the next one
-            } else {
 #pragma unroll
             for (int kk = 0; kk < kKW / 16; ++kk) {
 #pragma unroll
@@ -612,7 +522,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                         mma_16x8x16<Mma16>(O[mt][2 * dp + 1], pa[mt][kk], bf + 2);
                     }
                 }
-            }
             }
         } else {
             u32 pa[kMT][kKW >= 32 ? kKW / 32 : 1][4];  // (this branch is compiled, not run, for 16-bit types)

@@ -16,18 +16,15 @@ shapes and the measurements behind each choice):
 
 * ``decode``: 16 packed rows, the keys of a tile split over 4 warps. Dense/paged calls
   with ``max_seqlen_q * group <= 16``; block-sparse decode plans.
-* ``prefill``: mma.sync, 128 rows (64 for D 256). Every prefill call the warpgroup tiles
-  do not cover (fp8, D 256, GPUs other than sm_90).
-* ``ws2n128s3``: warp-specialised (sm_90a, fp16/bf16, D 64/128, dense KV): a producer
-  warpgroup streams K/V through a three-stage mbarrier ring, two consumer warpgroups of 64
-  rows overlap the next tile's ``Q K^T`` with the softmax (``attention/mainloop_sm90.cuh``):
-  dense prefill.
-* ``wg3n64s3``: warpgroup MMA (sm_90a, fp16/bf16, D 64/128), 192 rows: paged prefill.
-* ``wg2n128s3r``: 128 rows, warpgroup 1 one phase behind warpgroup 0 (its softmax overlaps
-  the other's MMAs), three stages: causal paged prefill with ``group <= 8`` and
-  ``max_seqlen_q >= 4096`` at D 128 (fastest where measured).
-* ``wg2n128s2``: 128 rows, two stages: block-sparse prefill (the sparse lists take the
-  shared memory a third stage would need).
+* ``prefill``: mma.sync, 128 rows (64 for D 256). Every prefill call the warp-specialised
+  tiles do not cover (fp8, D 256, GPUs other than sm_90).
+* ``ws2n128s3``: warp-specialised (sm_90a, fp16/bf16, D 64/128): a producer warpgroup
+  streams K/V through a three-stage mbarrier ring, two consumer warpgroups of 64 rows
+  overlap the next tile's ``Q K^T`` with the softmax (``attention/mainloop_sm90.cuh``):
+  dense and paged prefill.
+* ``ws2n128s2``: the same with two stages: block-sparse prefill on the query tiles (the
+  union of the CTA's selected blocks and its membership bits take the shared memory a third
+  stage would need).
 * ``gather``: the block-stationary kernels of :mod:`mate_cupy.msa.gather_launch`, taken
   when the plan asks for it (``prefill_tile="gather"``) and they apply to the problem.
 
@@ -54,18 +51,16 @@ MAX_SPLITS = 128
 MAX_GRID_YZ = 65535
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_80 / sm_90
 SMEM_PER_SM = 228 * 1024
-WG_PAD = 1024  # extra shared bytes of a wgmma tile: the kernel aligns its tiles to 1024 bytes
+WG_PAD = 1024  # extra shared bytes of a warp-specialised tile: the kernel aligns its tiles to 1024 bytes
 GATHER = "gather"
-# Paged prefill with the rotated tile: causal, D 128, group <= 8, max_seqlen_q >= 4096.
-ROTATED_MIN_SEQLEN_Q = 4096
-ROTATED_MAX_GROUP = 8
 
 
 @dataclass(frozen=True)
 class TileShape:
     """One CTA shape: ``warps_m x warps_n`` warps, ``mtiles`` 16-row m-tiles per warp,
     ``block_n`` keys per K/V tile (split over ``warps_n``), a ``stages``-deep cp.async ring.
-    ``producer``: warp-specialised, one more warpgroup that only loads K/V."""
+    ``producer``: warp-specialised (sm_90a, warpgroup MMAs), one more warpgroup that only
+    loads K/V."""
 
     name: str
     warps_m: int
@@ -74,8 +69,6 @@ class TileShape:
     block_n: int
     stages: int
     min_blocks: int
-    wgmma: bool = False
-    rotated: bool = False
     producer: bool = False
 
     @property
@@ -87,11 +80,15 @@ class TileShape:
         return 32 * self.warps_m * self.warps_n + (128 if self.producer else 0)
 
 
-# Warpgroup tiles: name -> (consumer warpgroups, keys per tile, stages, rotated, producer warpgroup).
-WG_TILES = {"wg3n64s3": (3, 64, 3, False, False), "wg2n128s3r": (2, 128, 3, True, False),
-            "wg2n128s2": (2, 128, 2, False, False), "ws2n128s3": (2, 128, 3, False, True)}
-TILES = ("decode", "prefill") + tuple(WG_TILES)
 WS_TILE = "ws2n128s3"
+WS_SPARSE_TILE = "ws2n128s2"  # the sparse lists take the shared memory of a third stage
+# Warp-specialised tiles: name -> stages (two consumer warpgroups, 128 keys per tile).
+WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
+TILES = ("decode", "prefill") + tuple(WS_TILES)
+WS_UNION_WORDS = 1024  # words of each union scratch array of a warp-specialised sparse tile
+# Longest requests the warp-specialised sparse tile's union holds (32768 blocks); longer
+# block-sparse prefills take the mma.sync tile, whose union reuses its K/V ring.
+WS_SPARSE_MAX_SEQLEN_K = WS_UNION_WORDS * 32 * SPARSE_BLOCK
 
 
 def tile_shape(name: str, head_dim: int, dtype_code: int) -> TileShape:
@@ -103,9 +100,8 @@ def tile_shape(name: str, head_dim: int, dtype_code: int) -> TileShape:
         if head_dim == 128:
             return TileShape(name, 4, 2, 1, 64, 2, 2)
         return TileShape(name, 4, 1, 1, 32, 2, 2)
-    if name in WG_TILES:
-        wgs, bn, stages, rot, producer = WG_TILES[name]
-        return TileShape(name, 4 * wgs, 1, 1, bn, stages, 1, wgmma=True, rotated=rot, producer=producer)
+    if name in WS_TILES:
+        return TileShape(name, 8, 1, 1, 128, WS_TILES[name], 1, producer=True)
     if name == "decode":
         if head_dim == 64:
             return TileShape(name, 1, 1, 4, 128, 3, 2)
@@ -126,15 +122,19 @@ def smem_layout(shape: TileShape, head_dim: int, dtype_code: int) -> dict:
     stage_bytes = 2 * shape.block_n * row_bytes
     epi_bytes = shape.warps_n * shape.rows * (head_dim + 8) * 4 + 3 * shape.warps_n * shape.rows * 4
     region = _round_up(max(shape.stages * stage_bytes, epi_bytes), 128)
-    flags = _round_up(shape.stages * shape.block_n, 128)
+    # (a warp-specialised tile keeps its mbarriers, work item and key flags there too)
+    flags = _round_up(shape.stages * shape.block_n, 128) + (256 if shape.producer else 0)
     return {"q": q_bytes, "region": region, "flags": flags, "fixed": q_bytes + region + flags,
             "union_blocks": (region // 8) * 32}
 
 
-def sparse_smem_bytes(nq_cap: int, width: int) -> tuple:
-    """(bytes, qmask_words) of the per-CTA block lists of the block-sparse variants."""
+def sparse_smem_bytes(nq_cap: int, width: int, producer: bool = False) -> tuple:
+    """(bytes, qmask_words) of the per-CTA block lists of the block-sparse variants (a
+    warp-specialised tile double-buffers the membership words and has its own union scratch)."""
     list_cap = nq_cap * width
     qwords = max(1, (list_cap + 31) // 32)
+    if producer:
+        return 4 * (2 * list_cap + 2 * nq_cap * qwords + 2 * WS_UNION_WORDS), qwords
     return 4 * (2 * list_cap + nq_cap * qwords), qwords
 
 
@@ -151,24 +151,19 @@ def _reachable():
                 if code == DTYPE_E4M3:
                     continue
                 if kv == KV_SPARSE:
-                    out.append((d, code, "wg2n128s2", kv))
-                elif kv == KV_DENSE and d in (64, 128):
-                    out.append((d, code, WS_TILE, kv))
+                    out.append((d, code, WS_SPARSE_TILE, kv))
                 elif d in (64, 128):
-                    out.append((d, code, "wg3n64s3", kv))
-                    if d == 128:
-                        out.append((d, code, "wg2n128s3r", kv))
+                    out.append((d, code, WS_TILE, kv))
     return out
 
 
 def _register(d: int, code: int, tile: str, kv: int) -> KernelSpec:
     shape = tile_shape(tile, d, code)
-    min_sm = 90 if shape.wgmma else (89 if code == DTYPE_E4M3 else 80)
-    return register(SOURCE, KERNELS, min_sm=min_sm, only_arch=SM90A if shape.wgmma else "", ATT_HEAD_DIM=d, ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m,
-                    ATT_MTILES=shape.mtiles, ATT_WARPS_N=shape.warps_n, ATT_BLOCK_N=shape.block_n,
-                    ATT_STAGES=shape.stages, ATT_KV=kv, ATT_MIN_BLOCKS=shape.min_blocks,
-                    ATT_WGMMA=int(shape.wgmma), ATT_WG_ROT=int(shape.rotated), ATT_WS=int(shape.producer),
-                    ATT_SMEM_FIXED=smem_layout(shape, d, code)["fixed"])
+    min_sm = 90 if shape.producer else (89 if code == DTYPE_E4M3 else 80)
+    return register(SOURCE, KERNELS, min_sm=min_sm, only_arch=SM90A if shape.producer else "", ATT_HEAD_DIM=d,
+                    ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m, ATT_MTILES=shape.mtiles, ATT_WARPS_N=shape.warps_n,
+                    ATT_BLOCK_N=shape.block_n, ATT_STAGES=shape.stages, ATT_KV=kv, ATT_MIN_BLOCKS=shape.min_blocks,
+                    ATT_WS=int(shape.producer), ATT_SMEM_FIXED=smem_layout(shape, d, code)["fixed"])
 
 
 #: (head_dim, dtype_code, tile, kv_mode) -> registered variant
@@ -305,20 +300,15 @@ def choose_tile(p: AttentionProblem, cc: int) -> str:
     if cc != 90 or p.dtype_code == DTYPE_E4M3 or p.head_dim not in (64, 128):
         return "prefill"
     if p.kv_mode == KV_SPARSE:
-        return "wg2n128s2"
-    if p.kv_mode == KV_DENSE:
-        return WS_TILE
-    if (p.causal and p.head_dim == 128 and p.group <= ROTATED_MAX_GROUP
-            and p.max_seqlen_q >= ROTATED_MIN_SEQLEN_Q):
-        return "wg2n128s3r"
-    return "wg3n64s3"
+        return WS_SPARSE_TILE if p.max_seqlen_k <= WS_SPARSE_MAX_SEQLEN_K else "prefill"
+    return WS_TILE
 
 
 def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfig:
     """The launch configuration of ``p`` with the query tile ``tile`` (a name of :data:`TILES`)."""
     shape = tile_shape(tile, p.head_dim, p.dtype_code)
     lay = smem_layout(shape, p.head_dim, p.dtype_code)
-    smem = lay["fixed"] + (WG_PAD if shape.wgmma else 0)
+    smem = lay["fixed"] + (WG_PAD if shape.producer else 0)
     group = p.group
     packed = p.max_seqlen_q * group
     row_tiles = max(1, -(-packed // shape.rows))
@@ -326,7 +316,7 @@ def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfi
     nq_cap = qwords = 0
     if p.kv_mode == KV_SPARSE:
         nq_cap = min((shape.rows - 1) // group + 2, max(1, p.max_seqlen_q))
-        extra, qwords = sparse_smem_bytes(nq_cap, p.list_width)
+        extra, qwords = sparse_smem_bytes(nq_cap, p.list_width, shape.producer)
         smem += extra
         n_blocks = -(-max_seqlen_k // SPARSE_BLOCK)
         max_tiles = min(nq_cap * p.list_width, n_blocks) * (SPARSE_BLOCK // shape.block_n)

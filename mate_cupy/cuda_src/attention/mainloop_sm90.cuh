@@ -1,4 +1,5 @@
-// Warp-specialised Hopper mainloop of the dense attention forward (sm_90a, fp16/bf16).
+// Warp-specialised Hopper mainloop of the attention forward over dense or paged KV
+// (sm_90a, fp16/bf16).
 //
 // A CTA of three warpgroups owns 128 packed rows (GQA: row P = query * group + head in
 // group) of one request and KV head, like the other query tiles:
@@ -9,7 +10,15 @@
 //     .noinc (128 arrivals once their copies land), and an "empty" mbarrier the consumer
 //     warps arrive on (8 arrivals) once their MMAs have read the stage. K and V have their
 //     own barriers: K of tile n is loaded before V of tile n - 1, the order the consumers
-//     read them in.
+//     read them in. Paged KV: each producer thread looks up the page of one key row of a
+//     tile a tile ahead, and its warp-mates take their rows' pages from it by shuffle;
+//     keys on invalid pages are zero-filled and flagged (one byte per key of the stage,
+//     written before each producer warp's plain arrival on the stage's K barrier), and
+//     the consumers mask them. Block-sparse KV: before each item the producer warpgroup builds
+//     the ascending union of the 128-key blocks its queries selected (block_union.cuh;
+//     the query membership bits double-buffered by item), walks it tile by tile and
+//     publishes each K tile's first key with the stage; the consumers mask the blocks a
+//     row's query did not select.
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each, S = Q K^T with both
 //     operands in shared memory, O += P V with P from registers (attention_wgmma.cuh).
 //     Inside a warpgroup the product of the next tile overlaps the softmax of the
@@ -34,33 +43,69 @@
 #include "../common/attention_wgmma.cuh"
 #include "../common/softmax.cuh"
 #include "../common/request_rows.cuh"
+#include "../common/kv_pages.cuh"
+#include "../common/block_union.cuh"
 #include "../common/warp_specialized.cuh"
 #include "mask.cuh"
 
 namespace mate {
 namespace attn {
 
-template <int kD, int kBN, int kStages, typename Elem>
-struct DenseMainloopSm90 {
+// Block-sparse lists of the current kernel call and their shared-memory homes.
+struct SparseLists {
+    const int* lists;  // [total_q, Hkv, width] block ids
+    int width, nq_cap, qwords;
+    int* ulist;        // [nq_cap * width] the union's block ids, then their page ids (producer only)
+    int* upage;
+    u32* qmask;        // 2 x [nq_cap][qwords]: membership, by item parity
+    u32* scratch;      // 2 x kUnionWords: bitmap and prefix of the union build
+};
+
+// kKv: 0 dense, 1 paged, 2 block-sparse (128-key blocks on pages of 128).
+template <int kD, int kBN, int kStages, typename Elem, int kKv>
+struct MainloopSm90 {
+    static constexpr bool kPaged = kKv == 1;
+    static constexpr bool kSparse = kKv == 2;
+    // Block ids a union can hold (blocks past it are dropped: requests beyond 4M keys).
+    static constexpr int kUnionWords = 1024;
+    static constexpr int kBarProducer = 3;  // named barrier of the producer warpgroup
     static constexpr int kM = 128;  // rows per CTA: two consumer warpgroups of 64
     static constexpr int kThreads = 384;
-    static constexpr int kProducerRegs = 40;
-    static constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
+    // Paged, the producer's page lookups and per-page pointers need more than 40 registers.
+#ifdef ATT_WS_PRODUCER_REGS
+    static constexpr int kProducerRegs = ATT_WS_PRODUCER_REGS;
+    static constexpr int kConsumerRegs = ATT_WS_CONSUMER_REGS;
+#else
+    static constexpr int kProducerRegs = kPaged ? 72 : 40;
+    static constexpr int kConsumerRegs = kPaged ? 208 : 232;  // 128 * producer + 256 * consumer <= 65536
+#endif
     static constexpr int kRowBytes = kD * 2;
     static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row
     static constexpr int kNT = kBN / 8;             // S n-tiles per warp
     static constexpr int kDT = kD / 8;              // O n-tiles per warp
     static constexpr int kTileBytes = kBN * kRowBytes;
     static constexpr int kStageBytes = 2 * kTileBytes;  // K then V
-    // full/empty x K/V x stages, Q full/empty, then the current item's geometry (Item)
+    // full/empty x K/V x stages, Q full/empty, then the current item's geometry (Item), then
+    // per stage (paged) one page-validity byte per key of its K tile or (sparse) its K tile's
+    // first key.
     static constexpr int kItemOffset = 4 * kStages * 8 + 16;
-    static constexpr int kBarBytes = kItemOffset + 64;
+    static constexpr int kItemBytes = 80;
+    static constexpr int kKeyFlagOffset = kItemOffset + kItemBytes;
+    static constexpr int kBarBytes = kKeyFlagOffset + (kPaged ? kStages * kBN : kSparse ? 4 * kStages : 0);
+    // Plain arrivals on a K stage's full barrier besides the 128 cp.async ones.
+    // (paged: lane 0 of each producer warp; sparse: thread 0)
+    static constexpr int kKeyMetaArrivals = kPaged ? 4 : kSparse ? 1 : 0;
+    static constexpr u32 kAllKeysValid = 0x01010101u;  // a flag word of four valid keys
+    struct TileMeta {
+        int kstart;  // first key of the tile
+        u32 word;    // paged: this lane's key flag word; sparse: the rows' membership bits
+    };
     // Named barriers: 1 + w: consumer warpgroup w's issue turn.
     static constexpr int kBarTurn = 1;
     typedef ColumnBlockTile<kM> QTile;
     typedef ColumnBlockTile<kBN> KvTile;
     static_assert(kD == 64 || kD == 128, "head dim");
-    static_assert(kBN == 64 || kBN == 128, "keys per tile");
+    static_assert(kBN == 128, "keys per tile: one 4-key flag word per lane");
     static_assert(kStages >= 2 && kStages <= 4, "pipeline depth");
     static_assert(128 % kChunks == 0 && kBN % (128 / kChunks) == 0, "K/V tile loads cover whole rows per pass");
     static_assert((128 / kChunks) % 8 == 0, "a producer thread's rows share one swizzle phase");
@@ -68,11 +113,12 @@ struct DenseMainloopSm90 {
     // One work item: row tile, request and (KV head, split) of a CTA in the non-persistent
     // grid. The producer derives it from the item index and hands it to the consumers in
     // shared memory with the item's Q tile (n_count < 0: no more items).
+    // kend: keys any row may attend; nq: queries whose lists make the union (sparse).
     struct Item {
         long long k_row0, qoff;
-        int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count;
+        int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count, b, kend, nq;
     };
-    static_assert(sizeof(Item) <= 64, "item slot");
+    static_assert(sizeof(Item) <= kItemBytes, "item slot");
     // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
     // false when the row tile lies past the request.
     static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
@@ -80,7 +126,7 @@ struct DenseMainloopSm90 {
                                                    const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
                                                    const int* __restrict__ qo_offset,
                                                    const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
-                                                   int group, int causal, Item& it) {
+                                                   int group, int causal, int nq_cap, Item& it) {
         const long long per_rt = (long long)batch * heads_splits;
         const int rt = (int)(i / per_rt);
         const long long rem = i - rt * per_rt;
@@ -91,42 +137,54 @@ struct DenseMainloopSm90 {
         const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
         it.q_start = qr.start;
         it.rows_total = qr.len * group;
+        it.b = b;
         if (it.row0 >= it.rows_total) return false;
         int Lk = max(kv_lens[b], 0);
         it.k_row0 = 0;
-        const int ks = cu_seqlens_k[b];
-        if (ks < 0 || ks > kv_extent) {
-            Lk = 0;
-        } else {
-            Lk = min(Lk, kv_extent - ks);
-            it.k_row0 = ks;
+        if constexpr (kKv == 0) {
+            const int ks = cu_seqlens_k[b];
+            if (ks < 0 || ks > kv_extent) {
+                Lk = 0;
+            } else {
+                Lk = min(Lk, kv_extent - ks);
+                it.k_row0 = ks;
+            }
         }
         it.Lk = Lk;
         it.qoff = qo_offset[b];
         it.qi_first = it.row0 / group;
         const int qi_last = min(qr.len - 1, (it.row0 + kM - 1) / group);
-        const int kend = causal ? (int)max(0LL, min((long long)Lk, it.qoff + qi_last + 1)) : Lk;
-        const int n_tiles = (kend + kBN - 1) / kBN;
+        it.kend = causal ? (int)max(0LL, min((long long)Lk, it.qoff + qi_last + 1)) : Lk;
+        it.nq = min(qi_last - it.qi_first + 1, nq_cap);
+        split_tiles((it.kend + kBN - 1) / kBN, num_splits, it);
+        return true;
+    }
+    // The item's share of n_tiles key tiles.
+    static __device__ __forceinline__ void split_tiles(int n_tiles, int num_splits, Item& it) {
         const int per_split = (n_tiles + num_splits - 1) / num_splits;
         it.t_begin = min(n_tiles, it.split * per_split);
         it.n_count = min(n_tiles, it.t_begin + per_split) - it.t_begin;
-        return true;
     }
 
     // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
     // gridDim.x items.
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
-    // of shared memory (8-byte aligned), the item slot at kItemOffset (its generic pointer).
+    // of shared memory (8-byte aligned) at the generic pointer bars_ptr: the item slot at
+    // kItemOffset, the key flags at kKeyFlagOffset. kv_extent: rows of k (dense) or pages of
+    // the cache (paged; page_list/page_indptr/page_list_len as PageList::of_request).
     template <typename OutT>
     static __device__ __forceinline__ void run(
         const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v, OutT* __restrict__ out,
         float* __restrict__ lse, float* __restrict__ ws_o, float* __restrict__ ws_lse,
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
-        const int* __restrict__ qo_offset, const int* __restrict__ cu_seqlens_k, long long q_tok_stride,
-        long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_slot_stride,
-        long long k_head_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
-        int num_heads_q, int num_heads_kv, int group, int causal, int num_splits, int row_tiles, int batch,
-        float scale_log2, u32 sQ, u32 sKV, u32 bars, Item* slot) {
+        const int* __restrict__ qo_offset, const int* __restrict__ cu_seqlens_k, const int* __restrict__ page_list,
+        const int* __restrict__ page_indptr, long long q_tok_stride, long long q_head_stride, long long out_tok_stride,
+        long long out_head_stride, long long k_page_stride, long long k_slot_stride, long long k_head_stride,
+        long long v_page_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
+        int num_heads_q, int num_heads_kv, int group, int causal, int page_size_log2, int page_list_len,
+        int num_splits, int row_tiles, int batch, float scale_log2, u32 sQ, u32 sKV, u32 bars,
+        unsigned char* bars_ptr, SparseLists sp) {
+        Item* slot = reinterpret_cast<Item*>(bars_ptr + kItemOffset);
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
@@ -137,8 +195,9 @@ struct DenseMainloopSm90 {
         auto item = [&](long long w, Item& it) {
             const long long i =
                 w * gridDim.x + ((w & 1) ? (long long)gridDim.x - 1 - blockIdx.x : (long long)blockIdx.x);
-            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens, kv_lens, qo_offset,
-                           cu_seqlens_k, total_q, kv_extent, group, causal, it);
+            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens,
+                                          kv_lens, qo_offset, cu_seqlens_k, total_q, kv_extent, group, causal,
+                                          sp.nq_cap, it);
         };
 
         // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty. Q full
@@ -149,9 +208,9 @@ struct DenseMainloopSm90 {
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
-                mbar_init(full_k + 8 * s, 128);
+                mbar_init(full_k + 8 * s, 128 + kKeyMetaArrivals);
                 mbar_init(full_v + 8 * s, 128);
-                mbar_init(empty_k + 8 * s, 8);
+                mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
             mbar_init(q_full, 129);
@@ -165,6 +224,13 @@ struct DenseMainloopSm90 {
             regs_release<kProducerRegs>();
             constexpr int kStep = 128 / kChunks;  // rows between one thread's chunks
             const int c = tid % kChunks, r0 = tid / kChunks;
+            // Paged: a warp's threads copy the rows of kIdRows values of r0; lane l looks up the
+            // page of row kIdRows (warp + l % kIdRows) ... (its "id row"), so the warp's rows
+            // r0 + j kStep are exactly its lanes' id rows.
+            constexpr int kIdRows = 32 / kChunks;
+            constexpr int kStepLog2 = kStep == 8 ? 3 : 4;
+            static_assert(kStep == 8 || kStep == 16, "rows between a thread's chunks");
+            const int id_row = kIdRows * warp + lane % kIdRows + kStep * (lane / kIdRows);
             const u32 kv_off = sKV + KvTile::offset(r0, c);
             const u32 q_off = sQ + QTile::offset(r0, c);
             int kv_n = 0;  // K/V tiles loaded so far (ring position)
@@ -172,6 +238,21 @@ struct DenseMainloopSm90 {
             for (long long w = 0; w * gridDim.x < n_items; ++w) {
                 Item it;
                 if (!item(w, it)) continue;
+                PageList pages{nullptr, 0};
+                if constexpr (kKv != 0) pages = PageList::of_request(page_list, page_indptr, page_list_len, it.b);
+                if constexpr (kSparse) {
+                    // The union of the item's queries' blocks (ends with the producer barrier).
+                    // Built before the wait below: the consumers are still on the previous item,
+                    // whose membership bits sit in the other buffer.
+                    const int nb = min((it.kend + kBN - 1) / kBN, min(pages.count, kUnionWords * 32));
+                    const long long list_row0 =
+                        ((long long)(it.q_start + it.qi_first) * num_heads_kv + it.kvh) * sp.width;
+                    const int n_union = build_block_union<128, kBarProducer>(
+                        sp.lists, list_row0, (long long)num_heads_kv * sp.width, sp.width, it.nq, max(nb, 0),
+                        pages, kv_extent, sp.scratch, reinterpret_cast<int*>(sp.scratch) + kUnionWords, sp.ulist,
+                        sp.upage, sp.qmask + (q_n & 1) * sp.nq_cap * sp.qwords, sp.qwords);
+                    split_tiles(n_union, num_splits, it);
+                }
                 // Q: the item's 128 packed rows (zero past the request), once the consumers'
                 // last Q K^T of the previous item has completed; the item's geometry with it.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
@@ -193,33 +274,102 @@ struct DenseMainloopSm90 {
                 ++q_n;
                 const Elem* kb = k + (long long)it.kvh * k_head_stride + c * 8;
                 const Elem* vb = v + (long long)it.kvh * v_head_stride + c * 8;
-                // Tile t of an operand (base, stride) into the shared tile at dst; keys past the
-                // request are zero-filled. Completes on `full` (this thread's arrival).
-                auto load_tile = [&](const Elem* base, long long stride, int t, u32 dst, u32 full) {
-                    const int kstart = t * kBN;
-                    const Elem* p = base + (it.k_row0 + kstart + r0) * stride;
-                    const long long step = kStep * stride;
-#pragma unroll
-                    for (int j = 0; j < kBN / kStep; ++j) {
-                        const bool ok = kstart + r0 + j * kStep < it.Lk;
-                        cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
-                        p += step;
-                    }
-                    cp_async_mbar_arrive_noinc(full);
+                // Paged: the page of this thread's id row of tile t (-1 past the request).
+                auto page_of = [&](int t) -> int {
+                    const int key = t * kBN + id_row;
+                    return key < it.Lk ? pages.page(key >> page_size_log2, kv_extent) : -1;
                 };
-                // K of tile n, then V of tile n - 1 (the order the consumers read them in).
+                // Tile t of an operand (base, page and slot strides; paged: pid, this thread's
+                // id-row page of the tile) into the shared tile at dst; keys past the request (and,
+                // paged, on invalid pages) are zero-filled. Completes on `full` (this thread's
+                // cp.async arrival; with `meta`, the K tile's stage metadata, also a plain arrival
+                // of its writers after writing it).
+                auto load_tile = [&](const Elem* base, long long page_stride, long long stride, int t, int pid,
+                                     u32 dst, u32 full, unsigned char* meta) {
+                    if constexpr (kSparse) {
+                        // Tile t is union block t: one page of kBN keys.
+                        const int kstart = sp.ulist[t] * kBN;
+                        const Elem* p = base + sp.upage[t] * page_stride + r0 * stride;
+                        const long long step = kStep * stride;
+#pragma unroll
+                        for (int j = 0; j < kBN / kStep; ++j) {
+                            const bool ok = kstart + r0 + j * kStep < it.Lk;
+                            cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
+                            p += step;
+                        }
+                        cp_async_mbar_arrive_noinc(full);
+                        if (meta != nullptr && tid == 0) {
+                            *reinterpret_cast<int*>(meta) = kstart;
+                            mbar_arrive(full);
+                        }
+                        return;
+                    }
+                    const int kstart = t * kBN;
+                    if constexpr (kPaged) {
+                        // pid: the page of this thread's id row of tile t (-1: invalid or past
+                        // the request); row r0 + j kStep's page sits in lane lane / kChunks + kIdRows j.
+                        if (meta != nullptr) {
+                            const int key = kstart + id_row;
+                            meta[id_row] = (key >= it.Lk || pid >= 0) ? 1 : 0;
+                        }
+                        // A new page every 2^rows_log2 of this thread's rows (each row when <= 0).
+                        const int slot_mask = (1 << page_size_log2) - 1;
+                        const int rows_log2 = page_size_log2 - kStepLog2;
+                        const long long step = kStep * stride;
+                        int pg = -1;
+                        const Elem* p = base;
+#pragma unroll
+                        for (int j = 0; j < kBN / kStep; ++j) {
+                            const int key = kstart + r0 + j * kStep;
+                            if (j == 0 || rows_log2 <= 0 || (j & ((1 << rows_log2) - 1)) == 0) {
+                                pg = __shfl_sync(0xffffffffu, pid, lane / kChunks + kIdRows * j);
+                                p = base + pg * page_stride + (long long)(key & slot_mask) * stride;
+                            }
+                            const bool ok = key < it.Lk && pg >= 0;
+                            cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
+                            p += step;
+                        }
+                        cp_async_mbar_arrive_noinc(full);
+                        if (meta != nullptr) {
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(full);
+                        }
+                    } else {
+                        const Elem* p = base + (it.k_row0 + kstart + r0) * stride;
+                        const long long step = kStep * stride;
+#pragma unroll
+                        for (int j = 0; j < kBN / kStep; ++j) {
+                            const bool ok = kstart + r0 + j * kStep < it.Lk;
+                            cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
+                            p += step;
+                        }
+                        cp_async_mbar_arrive_noinc(full);
+                    }
+                };
+                // K of tile n, then V of tile n - 1 (the order the consumers read them in). Paged:
+                // the id rows' pages of tile n + 1 are fetched before tile n waits for its stage.
+                int pid_prev = -1, pid_cur = -1;
+                if constexpr (kPaged) pid_cur = it.n_count > 0 ? page_of(it.t_begin) : -1;
                 for (int n = 0; n <= it.n_count; ++n) {
+                    int pid_next = -1;
+                    if constexpr (kPaged) pid_next = n + 1 < it.n_count ? page_of(it.t_begin + n + 1) : -1;
                     if (n < it.n_count) {
                         const int g = kv_n + n, s = g % kStages;
                         mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
-                        load_tile(kb, k_slot_stride, it.t_begin + n, kv_off + s * kStageBytes, full_k + 8 * s);
+                        load_tile(kb, k_page_stride, k_slot_stride, it.t_begin + n, pid_cur, kv_off + s * kStageBytes,
+                                  full_k + 8 * s,
+                                  kPaged    ? bars_ptr + kKeyFlagOffset + s * kBN
+                                  : kSparse ? bars_ptr + kKeyFlagOffset + 4 * s
+                                            : nullptr);
                     }
                     if (n >= 1) {
                         const int g = kv_n + n - 1, s = g % kStages;
                         mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
-                        load_tile(vb, v_slot_stride, it.t_begin + n - 1, kv_off + s * kStageBytes + kTileBytes,
-                                  full_v + 8 * s);
+                        load_tile(vb, v_page_stride, v_slot_stride, it.t_begin + n - 1, pid_prev,
+                                  kv_off + s * kStageBytes + kTileBytes, full_v + 8 * s, nullptr);
                     }
+                    pid_prev = pid_cur;
+                    pid_cur = pid_next;
                 }
                 kv_n += it.n_count;
             }
@@ -287,9 +437,14 @@ struct DenseMainloopSm90 {
                 O[d][3] *= alpha[1];
             }
         };
-        // A warp's lane 0 releases a stage once the warpgroup's MMAs on it have completed.
+        // A warp's lane 0 releases a stage once the warpgroup's MMAs on it have completed. Paged,
+        // every consumer thread releases the K stages: each read the stage's key flags, and its
+        // own arrival orders that read before the producer's next write.
         auto release = [&](u32 bar) {
             if (lane == 0) mbar_arrive(bar);
+        };
+        auto release_k = [&](u32 bar) {
+            if (kPaged || lane == 0) mbar_arrive(bar);
         };
         // Every consumer thread releases the Q tile and item slot: each thread read the slot,
         // so each thread's own arrival orders its read before the producer's next write.
@@ -301,6 +456,7 @@ struct DenseMainloopSm90 {
             const Item it = *slot;
             const int n_count = it.n_count;
             if (n_count < 0) break;
+            const u32* qmask = kSparse ? sp.qmask + ((q_n - 1) & 1) * sp.nq_cap * sp.qwords : nullptr;
 
             // ---- this thread's rows: local query (0xff padding) and key limits ----
             const RowLimits row_limit{(int)max(-(1LL << 30), min(1LL << 30, it.qoff + it.qi_first + 1)), it.Lk,
@@ -318,11 +474,46 @@ struct DenseMainloopSm90 {
                 row_qls |= (u32)ql << (8 * h);
             }
             const int warp_lim_lo = __reduce_min_sync(0xffffffffu, lim_lo);
-            // Mask (where this warp's rows need it) and the online softmax of tile t's scores.
-            auto softmax = [&](int t) {
-                const int kstart = t * kBN;
-                if (kstart + kBN > warp_lim_lo)
-                    mask_scores<1, kNT>(S, row_qls, 0xffffffffu, row_limit, kstart, t4, nullptr, kstart);
+            // Key tile t (stage s): its first key and, paged, the page-validity bytes of keys
+            // 4 lane .. 4 lane + 3, or, sparse, bit h: row h's query selected the block. Read
+            // once the stage's K barrier completed, before the stage and the Q tile (whose
+            // release lets the producer reuse the membership buffer) are released.
+            auto tile_meta = [&](int s, int t) -> TileMeta {
+                TileMeta m{t * kBN, kAllKeysValid};
+                if constexpr (kPaged) m.word = reinterpret_cast<const u32*>(bars_ptr + kKeyFlagOffset)[s * (kBN / 4) + lane];
+                if constexpr (kSparse) {
+                    // (lane 0 reads it: its arrival releases the stage)
+                    int ks = 0;
+                    if (lane == 0) ks = *reinterpret_cast<const int*>(bars_ptr + kKeyFlagOffset + 4 * s);
+                    m.kstart = __shfl_sync(0xffffffffu, ks, 0);
+                    m.word = 0;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int ql = (row_qls >> (8 * h)) & 0xff;
+                        if (ql < it.nq) m.word |= ((qmask[ql * sp.qwords + (t >> 5)] >> (t & 31)) & 1u) << h;
+                    }
+                }
+                return m;
+            };
+            // Mask (where this warp's rows need it: causal limits, keys on invalid pages, blocks
+            // a row's query did not select) and the online softmax of a tile's scores.
+            auto softmax = [&](const TileMeta& m) {
+                const int kstart = m.kstart;
+                if constexpr (kSparse) {
+                    bool full = true;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int ql = (row_qls >> (8 * h)) & 0xff;
+                        if (ql != 0xff) full = full && ((m.word >> h) & 1u) && kstart + kBN <= row_limit(ql);
+                    }
+                    if (!__all_sync(0xffffffffu, full))
+                        mask_scores<1, kNT>(S, row_qls, m.word, row_limit, kstart, t4, nullptr, kstart);
+                } else {
+                    const bool flagged = kPaged && __any_sync(0xffffffffu, m.word != kAllKeysValid);
+                    if (flagged || kstart + kBN > warp_lim_lo)
+                        mask_scores<1, kNT>(S, row_qls, 0xffffffffu, row_limit, kstart, t4, nullptr, kstart);
+                    if (flagged) mask_flagged_keys<kNT>(S[0], m.word, t4);
+                }
                 online_softmax_scores<kNT>(S[0], m_run, l_run, scale_log2, alpha);
             };
 
@@ -338,15 +529,16 @@ struct DenseMainloopSm90 {
                 {
                     const int s = kv_n % kStages;
                     mbar_wait(full_k + 8 * s, (kv_n / kStages) & 1);
+                    const TileMeta meta = tile_meta(s, it.t_begin);
                     fence_proxy_async_smem();
                     named_sync(turn_mine, 256);
                     issue_qk(sKV + s * kStageBytes);
                     if (!(cw == 1 && n_count == 1)) named_arrive(turn_other, 256);
                     wg_wait<0>();
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
-                    release(empty_k + 8 * s);
+                    release_k(empty_k + 8 * s);
                     if (n_count == 1) release_q();
-                    softmax(it.t_begin);
+                    softmax(meta);
                     pack_p();
                 }
                 for (int n = 1; n < n_count; ++n) {
@@ -355,6 +547,7 @@ struct DenseMainloopSm90 {
                     // (V_{n-1} was loaded right after K_n: one proxy fence covers both.)
                     mbar_wait(full_k + 8 * s, (gk / kStages) & 1);
                     mbar_wait(full_v + 8 * sp, (gv / kStages) & 1);
+                    const TileMeta meta = tile_meta(s, it.t_begin + n);
                     fence_proxy_async_smem();
                     named_sync(turn_mine, 256);
                     issue_qk(sKV + s * kStageBytes);
@@ -363,9 +556,9 @@ struct DenseMainloopSm90 {
                     if (!(cw == 1 && n == n_count - 1)) named_arrive(turn_other, 256);
                     wg_wait<1>();  // S_n has landed; the PV product is still in flight
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
-                    release(empty_k + 8 * s);
+                    release_k(empty_k + 8 * s);
                     if (n == n_count - 1) release_q();  // the producer may load the next Q
-                    softmax(it.t_begin + n);
+                    softmax(meta);
                     wg_wait<0>();
                     wg_fence_regs<kDT * 4>(&O[0][0]);
                     release(empty_v + 8 * sp);

@@ -50,5 +50,23 @@ __device__ __forceinline__ void mask_scores(float (&S)[kMT][kNT][4], u32 row_qls
     }
 }
 
+// Keys of a 128-key tile on invalid pages become -inf. flag_word: this lane's validity bytes
+// of keys 4 lane .. 4 lane + 3 (0: invalid); S [kNT][4] as in mask_scores (one m-tile).
+template <int kNT>
+__device__ __forceinline__ void mask_flagged_keys(float (&S)[kNT][4], u32 flag_word, int t4) {
+    static_assert(kNT == 16, "a 128-key tile: 32 lanes of 4 keys");
+    // by[e] bit l: key 4 l + e is valid. Lane t4 holds keys 8 n + 2 t4 + e = 4 (2 n + t4 / 2) + 2 (t4 % 2) + e.
+    u32 by[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) by[e] = __ballot_sync(0xffffffffu, (flag_word >> (8 * e)) & 0xffu);
+    const int odd = t4 & 1, sh = t4 >> 1;
+    const u32 w0 = (odd ? by[2] : by[0]) >> sh, w1 = (odd ? by[3] : by[1]) >> sh;
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+        if (!((w0 >> (2 * n)) & 1u)) S[n][0] = S[n][2] = kNegInf;
+        if (!((w1 >> (2 * n)) & 1u)) S[n][1] = S[n][3] = kNegInf;
+    }
+}
+
 }  // namespace attn
 }  // namespace mate

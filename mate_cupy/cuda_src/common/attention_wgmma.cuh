@@ -62,18 +62,6 @@ __device__ __forceinline__ void wg_fence_regs(u32* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-// OR of `x` over the 128 threads of warpgroup barrier `bar_id` (1..15; 0 is __syncthreads).
-// Every thread of the warpgroup must call it (warp-uniform control flow).
-__device__ __forceinline__ bool warpgroup_any(bool x, int bar_id) {
-    u32 r;
-    asm volatile(
-        "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-        : "=r"(r)
-        : "r"((u32)x), "r"(bar_id)
-        : "memory");
-    return r != 0;
-}
-
 // Shapes/types without a specialisation below exist only so that discarded
 // `if constexpr` branches of non-wgmma kernel variants compile; never executed.
 template <int N, typename E> struct WgmmaSS {

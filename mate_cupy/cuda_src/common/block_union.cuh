@@ -12,6 +12,10 @@
 // A block id is kept only when 0 <= id < nb (the caller folds the request's
 // block count, the page-list length and the causal horizon into nb) and its
 // page id lies inside the cache; anything else is skipped, never dereferenced.
+//
+// The NT threads that build a union are threads 0 .. NT - 1 of the CTA and meet at barrier
+// kBar: 0 is __syncthreads (the whole CTA builds it), another id a named barrier of those NT
+// threads (the producer warpgroup of a warp-specialised kernel).
 #pragma once
 #include "dtype.cuh"
 #include "kv_pages.cuh"
@@ -19,9 +23,18 @@
 namespace mate {
 namespace attn {
 
+template <int NT, int kBar>
+__device__ __forceinline__ void union_sync() {
+    if constexpr (kBar == 0) {
+        __syncthreads();
+    } else {
+        asm volatile("bar.sync %0, %1;\n" ::"n"(kBar), "n"(NT) : "memory");
+    }
+}
+
 // Exclusive prefix sum of popc(bitmap[w]) over w < nwords into prefix[];
 // returns the total. All NT threads call it; it ends with a barrier.
-template <int NT>
+template <int NT, int kBar = 0>
 __device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* prefix, int nwords) {
     __shared__ int warp_total[NT / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -36,7 +49,7 @@ __device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* pre
         if (lane >= off) incl += y;
     }
     if (lane == 31) warp_total[warp] = incl;
-    __syncthreads();
+    union_sync<NT, kBar>();
     int before = 0, total = 0;
 #pragma unroll
     for (int w = 0; w < NT / 32; ++w) {
@@ -49,7 +62,7 @@ __device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* pre
         prefix[w] = run;
         run += __popc(bitmap[w]);
     }
-    __syncthreads();
+    union_sync<NT, kBar>();
     return total;
 }
 
@@ -57,7 +70,7 @@ __device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* pre
 //   lists: entry x of query ql is lists[row0 + ql * row_stride + x], x < width.
 //   bitmap, prefix: scratch of ceil(nb / 32) words each (may alias tiles not yet in use).
 // All NT threads call it; it ends with a barrier.
-template <int NT>
+template <int NT, int kBar = 0>
 __device__ int build_block_union(const int* __restrict__ lists, long long row0, long long row_stride, int width,
                                  int nq, int nb, PageList pages, int num_pages, u32* bitmap, int* prefix, int* ulist,
                                  int* upage, u32* qmask, int qwords) {
@@ -66,14 +79,14 @@ __device__ int build_block_union(const int* __restrict__ lists, long long row0, 
     const int nent = nq * width;
     for (int w = tid; w < nwords; w += NT) bitmap[w] = 0u;
     for (int i = tid; i < nq * qwords; i += NT) qmask[i] = 0u;
-    __syncthreads();
+    union_sync<NT, kBar>();
     for (int e = tid; e < nent; e += NT) {
         const int ql = e / width, x = e - ql * width;
         const int s = lists[row0 + ql * row_stride + x];
         if (s >= 0 && s < nb && pages.page(s, num_pages) >= 0) atomicOr(&bitmap[s >> 5], 1u << (s & 31));
     }
-    __syncthreads();
-    const int total = bitmap_exclusive_scan<NT>(bitmap, prefix, nwords);
+    union_sync<NT, kBar>();
+    const int total = bitmap_exclusive_scan<NT, kBar>(bitmap, prefix, nwords);
     // Compaction and membership only read bitmap/prefix: no barrier between them.
     for (int w = tid; w < nwords; w += NT) {
         u32 bits = bitmap[w];
@@ -95,7 +108,7 @@ __device__ int build_block_union(const int* __restrict__ lists, long long row0, 
         const int pos = prefix[s >> 5] + __popc(word & ((1u << (s & 31)) - 1u));
         atomicOr(&qmask[ql * qwords + (pos >> 5)], 1u << (pos & 31));
     }
-    __syncthreads();
+    union_sync<NT, kBar>();
     return total;
 }
 

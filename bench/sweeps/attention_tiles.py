@@ -1,0 +1,135 @@
+"""Query tiles of the attention forward side by side: paged and block-sparse prefill per tile.
+
+    PYTHONPATH=. python bench/sweeps/attention_tiles.py OUTDIR
+
+For each case, the public ``msa`` call on an eager plan with each registered query tile
+forced (the configuration's tile choice replaced before the plan is built), CUDA events, median of 10
+after two warm-ups, two input sets rotated; our dense prefill (its default tile) on the same
+values laid out contiguously is the baseline of the paged rows, and every paged output is
+compared with the dense one (relative error). The block-sparse rows time ``sparse_msa`` with
+the query tiles (``prefill_tile="query"``) on the benchmark's inputs (``bench_attention``'s
+sparse case, S32768 Hq64 Hkv4 top 16, lists shared per 128-query tile or chosen per token),
+outputs compared with the first tile's. Writes ``OUTDIR/attention_tiles.json`` and prints a
+table.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+D = 128
+# (batch, seqlen, page size, Hq, Hkv, causal)
+CASES = ((4, 8192, 64, 64, 8, True), (16, 1024, 64, 64, 8, True), (1, 8192, 16, 64, 8, True),
+         (1, 8192, 256, 64, 8, False), (1, 32768, 64, 64, 4, True))
+
+
+def _tiles(al, kv: int) -> list:
+    """The registered prefill query tiles of KV mode ``kv`` (bf16, D 128)."""
+    return [t for t in al.TILES if t != "decode" and (D, al.DTYPE_BF16, t, kv) in al.SPECS]
+
+
+def _time(fn, reps: int = 10) -> float:
+    import torch
+
+    for _ in range(2):
+        fn(0)
+        fn(1)
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(r & 1)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(outdir: str) -> None:
+    import torch
+
+    from bench import bench_attention as ba
+    from bench import ours
+    from bench.models import attention_flops
+    from mate_cupy.msa import attention_launch as al
+
+    out_path = Path(outdir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    choose = al.choose_tile
+    records = []
+    for batch, s, page, hq, hkv, causal in CASES:
+        g = ba._gen("cuda", 5)
+        ppr = -(-s // page)
+        n_pages = batch * ppr
+        sets = []
+        for _ in range(2):
+            perm = torch.randperm(n_pages, generator=g, device="cuda").to(torch.int32)
+            x = {"q": ba._randn((batch * s, hq, D), g, "cuda"), "k_cache": ba._randn((n_pages, page, hkv, D), g, "cuda"),
+                 "v_cache": ba._randn((n_pages, page, hkv, D), g, "cuda"), "kv_indices": perm}
+            pt = perm.view(batch, ppr)
+            x["k"] = ba._linear_pages(x["k_cache"], pt, s).reshape(batch * s, hkv, D).contiguous()
+            x["v"] = ba._linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D).contiguous()
+            sets.append(x)
+        flops = attention_flops(batch, hq, s, s, D, causal)
+        name = f"B{batch} S{s} page{page} Hq{hq} Hkv{hkv} " + ("causal" if causal else "non-causal")
+
+        al.choose_tile = choose
+        al.select_config.cache_clear()
+        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=causal)
+        outs = [torch.empty_like(x["q"]) for x in sets]
+        dense_ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=outs[i]))
+        ref = outs[0].float()
+        rec = {"case": name, "tflops_dense": flops / dense_ms * 1e-9, "dense_ms": dense_ms, "tiles": {}}
+        for tile in _tiles(al, al.KV_PAGED):
+            al.choose_tile = lambda p, cc, _t=tile: _t
+            al.select_config.cache_clear()
+            plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, page_size=page, causal=causal)
+            pouts = [torch.full_like(x["q"], float("nan")) for x in sets]
+            ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
+                                          kv_indices=sets[i]["kv_indices"], out=pouts[i]))
+            err = float(((pouts[0].float() - ref).norm() / ref.norm()).item())
+            rec["tiles"][tile] = {"ms": ms, "tflops": flops / ms * 1e-9, "vs_dense": dense_ms / ms, "rel_err": err}
+        al.choose_tile = choose
+        records.append(rec)
+        print(f"{name}: dense {dense_ms:.3f} ms ({rec['tflops_dense']:.0f} TF/s); " + "; ".join(
+            f"{t} {r['ms']:.3f} ms {r['vs_dense']:.2f}x err {r['rel_err']:.1e}" for t, r in rec["tiles"].items()),
+            flush=True)
+        del sets, outs
+    cfg = SimpleNamespace(device="cuda", flex_per_token=False, size="full")
+    for per_token in (False, True):
+        case = ba.sparse_case(cfg, 32768, 64, 4, 16, per_token=per_token, target=None)
+        sets = case.make_inputs(2)
+        flops = case.flops
+        rec = {"case": case.name, "tiles": {}}
+        ref = None
+        for tile in _tiles(al, al.KV_SPARSE):
+            al.choose_tile = lambda p, cc, _t=tile: _t
+            al.select_config.cache_clear()
+            plan = ours.sparse_plan([32768], [32768], 64, 4, page_size=128, kv_block_num=16, causal=True,
+                                    prefill_tile="query")
+            pouts = [torch.full_like(x["q"], float("nan")) for x in sets]
+            ms = _time(lambda i: ours.sparse_msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
+                                                 kv_indices=sets[i]["kv_indices"],
+                                                 kv_block_indexes=sets[i]["kv_block_indexes"], out=pouts[i]))
+            o = pouts[0].float()
+            err = 0.0 if ref is None else float(((o - ref).norm() / ref.norm()).item())
+            ref = o if ref is None else ref
+            rec["tiles"][tile] = {"ms": ms, "rel_err_vs_first": err, "nan": bool(torch.isnan(o).any().item())}
+            if flops:
+                rec["tiles"][tile]["tflops"] = flops / ms * 1e-9
+        al.choose_tile = choose
+        records.append(rec)
+        print(f"{case.name}: " + "; ".join(f"{t} {r['ms']:.3f} ms err {r['rel_err_vs_first']:.1e} nan {r['nan']}"
+                                           for t, r in rec["tiles"].items()), flush=True)
+        del sets
+    (out_path / "attention_tiles.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
