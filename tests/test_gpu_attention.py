@@ -66,6 +66,12 @@ def test_every_variant_fits_shared_memory_and_occupancy():
         defines = dict(spec.defines)
         assert defines["ATT_SMEM_FIXED"] == str(lay["fixed"]) and defines["ATT_KV"] == str(kv)
         assert defines["ATT_WS"] == str(int(shape.producer))
+        if shape.producer:  # setmaxnreg: multiples of 8 within the 64K-register file
+            p, c = al.WS_REGISTERS[kv]
+            assert (defines["ATT_WS_PRODUCER_REGS"], defines["ATT_WS_CONSUMER_REGS"]) == (str(p), str(c))
+            assert 128 * p + 256 * c <= 65536 and p % 8 == 0 and c % 8 == 0
+        else:
+            assert "ATT_WS_PRODUCER_REGS" not in defines
         pad = al.WG_PAD if shape.producer else 0
         # the widest sparse lists (W = 64) with the smallest group (8)
         extra = al.sparse_smem_bytes((shape.rows - 1) // 8 + 2, 64, shape.producer)[0] if kv == al.KV_SPARSE else 0

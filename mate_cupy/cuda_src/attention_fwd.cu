@@ -36,7 +36,8 @@
 // 1 bf16, 2 e4m3), ATT_WARPS_M, ATT_MTILES, ATT_WARPS_N, ATT_BLOCK_N,
 // ATT_STAGES, ATT_KV (0 dense, 1 paged, 2 block-sparse), ATT_MIN_BLOCKS, ATT_WS (1: the
 // warp-specialised mainloop of attention/mainloop_sm90.cuh: a producer warpgroup and
-// ATT_WARPS_M / 4 = 2 consumer warpgroups of warpgroup MMAs, mbarrier-tracked K/V stages),
+// ATT_WARPS_M / 4 = 2 consumer warpgroups of warpgroup MMAs, mbarrier-tracked K/V stages;
+// with ATT_WS_PRODUCER_REGS / ATT_WS_CONSUMER_REGS, their registers after setmaxnreg),
 // ATT_SMEM_FIXED (host's view of the fixed shared-memory bytes, checked below; the
 // warp-specialised variants get 1024 more bytes from the host to align the tiles).
 #include "common/dtype.cuh"
@@ -134,7 +135,7 @@ constexpr int kUnionWords = kRegionBytes / 8;
 #if ATT_WS
 // Warp-specialised tiles: the ring is the region; the mbarriers, the work item and the key
 // flags sit in the page-flag bytes.
-typedef MainloopSm90<kD, kBN, kStages, Elem, ATT_KV> WsMainloop;
+typedef MainloopSm90<kD, kBN, kStages, Elem, ATT_KV, ATT_WS_PRODUCER_REGS * 1000 + ATT_WS_CONSUMER_REGS> WsMainloop;
 static_assert(WsMainloop::kThreads == kThreads && WsMainloop::kM == kM && WsMainloop::kBarBytes <= kFlagBytes &&
                   WsMainloop::kStageBytes == kStageBytes,
               "warp-specialised tile: shape and shared-memory layout");

@@ -84,6 +84,11 @@ WS_TILE = "ws2n128s3"
 WS_SPARSE_TILE = "ws2n128s2"  # the sparse lists take the shared memory of a third stage
 # Warp-specialised tiles: name -> stages (two consumer warpgroups, 128 keys per tile).
 WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
+# Registers per thread of a warp-specialised tile's (producer, consumer) warpgroups after
+# setmaxnreg, per KV mode (128 * producer + 256 * consumer <= 65536). Paged K/V: the
+# producer's page lookups spill under 72, and a spilled page id stalls the producer on its
+# load (bench/sweeps/ws_registers.py).
+WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (72, 208), KV_SPARSE: (40, 232)}
 TILES = ("decode", "prefill") + tuple(WS_TILES)
 WS_UNION_WORDS = 1024  # words of each union scratch array of a warp-specialised sparse tile
 # Longest requests the warp-specialised sparse tile's union holds (32768 blocks); longer
@@ -160,10 +165,13 @@ def _reachable():
 def _register(d: int, code: int, tile: str, kv: int) -> KernelSpec:
     shape = tile_shape(tile, d, code)
     min_sm = 90 if shape.producer else (89 if code == DTYPE_E4M3 else 80)
+    regs = {}
+    if shape.producer:
+        regs = dict(zip(("ATT_WS_PRODUCER_REGS", "ATT_WS_CONSUMER_REGS"), WS_REGISTERS[kv]))
     return register(SOURCE, KERNELS, min_sm=min_sm, only_arch=SM90A if shape.producer else "", ATT_HEAD_DIM=d,
                     ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m, ATT_MTILES=shape.mtiles, ATT_WARPS_N=shape.warps_n,
                     ATT_BLOCK_N=shape.block_n, ATT_STAGES=shape.stages, ATT_KV=kv, ATT_MIN_BLOCKS=shape.min_blocks,
-                    ATT_WS=int(shape.producer), ATT_SMEM_FIXED=smem_layout(shape, d, code)["fixed"])
+                    ATT_WS=int(shape.producer), ATT_SMEM_FIXED=smem_layout(shape, d, code)["fixed"], **regs)
 
 
 #: (head_dim, dtype_code, tile, kv_mode) -> registered variant

@@ -61,8 +61,9 @@ struct SparseLists {
     u32* scratch;      // 2 x kUnionWords: bitmap and prefix of the union build
 };
 
-// kKv: 0 dense, 1 paged, 2 block-sparse (128-key blocks on pages of 128).
-template <int kD, int kBN, int kStages, typename Elem, int kKv>
+// kKv: 0 dense, 1 paged, 2 block-sparse (128-key blocks on pages of 128); kRegs: the
+// producer's and the consumers' registers per thread, producer * 1000 + consumer.
+template <int kD, int kBN, int kStages, typename Elem, int kKv, int kRegs>
 struct MainloopSm90 {
     static constexpr bool kPaged = kKv == 1;
     static constexpr bool kSparse = kKv == 2;
@@ -71,14 +72,11 @@ struct MainloopSm90 {
     static constexpr int kBarProducer = 3;  // named barrier of the producer warpgroup
     static constexpr int kM = 128;  // rows per CTA: two consumer warpgroups of 64
     static constexpr int kThreads = 384;
-    // Paged, the producer's page lookups and per-page pointers need more than 40 registers.
-#ifdef ATT_WS_PRODUCER_REGS
-    static constexpr int kProducerRegs = ATT_WS_PRODUCER_REGS;
-    static constexpr int kConsumerRegs = ATT_WS_CONSUMER_REGS;
-#else
-    static constexpr int kProducerRegs = kPaged ? 72 : 40;
-    static constexpr int kConsumerRegs = kPaged ? 208 : 232;  // 128 * producer + 256 * consumer <= 65536
-#endif
+    // Registers per thread after setmaxnreg (the host's choice, attention_launch.WS_REGISTERS).
+    static constexpr int kProducerRegs = kRegs / 1000, kConsumerRegs = kRegs % 1000;
+    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 && kProducerRegs % 8 == 0 &&
+                      kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+                  "setmaxnreg: multiples of 8 within the register file");
     static constexpr int kRowBytes = kD * 2;
     static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row
     static constexpr int kNT = kBN / 8;             // S n-tiles per warp
