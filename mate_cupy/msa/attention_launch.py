@@ -86,10 +86,9 @@ WS_SPARSE_TILE = "ws2n128s2"  # the sparse lists take the shared memory of a thi
 WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
 # Registers per thread of a warp-specialised tile's (producer, consumer) warpgroups after
 # setmaxnreg, per KV mode (128 * producer + 256 * consumer <= 65536). Paged K/V: the
-# producer's page lookups spill under 72 registers, and a spilled page id stalls the
-# producer on its load; of the splits measured, (88, 200) was the fastest overall
-# (bench/sweeps/ws_registers.py).
-WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (88, 200), KV_SPARSE: (40, 232)}
+# producer's page lookups spill under 72, and a spilled page id stalls the producer on its
+# load (bench/sweeps/ws_registers.py).
+WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (72, 208), KV_SPARSE: (40, 232)}
 TILES = ("decode", "prefill") + tuple(WS_TILES)
 WS_UNION_WORDS = 1024  # words of each union scratch array of a warp-specialised sparse tile
 # Longest requests the warp-specialised sparse tile's union holds (32768 blocks); longer
