@@ -92,6 +92,16 @@ def test_every_variant_fits_shared_memory_and_occupancy():
         assert shape.block_n // shape.warps_n % (32 if code == 2 else 16) == 0
 
 
+def test_ws_sparse_union_capacity_matches_the_kernel():
+    """The host's union scratch (shared-memory bytes, the longest requests the tile takes)
+    and the mainloop's kUnionWords are one number."""
+    text = (SRC.parent / "attention" / "mainloop_sm90.cuh").read_text()
+    assert int(re.search(r"kUnionWords = (\d+);", text).group(1)) == al.WS_UNION_WORDS
+    _, qwords = al.sparse_smem_bytes(9, 16, True)
+    assert al.sparse_smem_bytes(9, 16, True)[0] - al.sparse_smem_bytes(9, 16)[0] == 4 * (
+        9 * qwords + 2 * al.WS_UNION_WORDS)  # a second membership buffer and the scratch
+
+
 def test_registered_variants_are_exactly_the_ones_the_configuration_picks():
     picked = set()
     for kv in (al.KV_DENSE, al.KV_PAGED, al.KV_SPARSE):

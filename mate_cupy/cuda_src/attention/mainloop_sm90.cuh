@@ -1,5 +1,5 @@
-// Warp-specialised Hopper mainloop of the attention forward over dense or paged KV
-// (sm_90a, fp16/bf16).
+// Warp-specialised Hopper mainloop of the attention forward over dense, paged or
+// block-sparse KV (sm_90a, fp16/bf16).
 //
 // A CTA of three warpgroups owns 128 packed rows (GQA: row P = query * group + head in
 // group) of one request and KV head, like the other query tiles:
@@ -7,18 +7,20 @@
 //   warpgroup 0, the producer (setmaxnreg down): its 128 threads stream K and V tiles of
 //     kBN keys with 16-byte cp.async into a kStages-deep ring; each stage has a "full"
 //     mbarrier per operand, completed by the producer threads' cp.async.mbarrier.arrive
-//     .noinc (128 arrivals once their copies land), and an "empty" mbarrier the consumer
-//     warps arrive on (8 arrivals) once their MMAs have read the stage. K and V have their
-//     own barriers: K of tile n is loaded before V of tile n - 1, the order the consumers
-//     read them in. Paged KV: each producer thread looks up the page of one key row of a
-//     tile a tile ahead, and its warp-mates take their rows' pages from it by shuffle;
-//     keys on invalid pages are zero-filled and flagged (one byte per key of the stage,
-//     written before each producer warp's plain arrival on the stage's K barrier), and
-//     the consumers mask them. Block-sparse KV: before each item the producer warpgroup builds
-//     the ascending union of the 128-key blocks its queries selected (block_union.cuh;
-//     the query membership bits double-buffered by item), walks it tile by tile and
-//     publishes each K tile's first key with the stage; the consumers mask the blocks a
-//     row's query did not select.
+//     .noinc (128 arrivals once their copies land; a K stage also waits for the writers of
+//     its metadata), and an "empty" mbarrier the consumer warps arrive on once their MMAs
+//     have read the stage (lane 0 of each warp; every consumer thread on a paged K stage,
+//     since each read its key flags). K and V have their own barriers: K of tile n is
+//     loaded before V of tile n - 1, the order the consumers read them in.
+//     Paged KV: each producer thread looks up the page of one key row of a tile a tile
+//     ahead, and its warp-mates take their rows' pages from it by shuffle; keys on invalid
+//     pages are zero-filled and flagged (one byte per key of the stage, written before
+//     each producer warp's plain arrival on the stage's K barrier), and the consumers mask
+//     them. Block-sparse KV: before each item the producer warpgroup builds the ascending
+//     union of the 128-key blocks its queries selected (block_union.cuh; the query
+//     membership bits double-buffered by item), walks it tile by tile and publishes each K
+//     tile's first key with the stage; the consumers mask the blocks a row's query did not
+//     select.
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each, S = Q K^T with both
 //     operands in shared memory, O += P V with P from registers (attention_wgmma.cuh).
 //     Inside a warpgroup the product of the next tile overlaps the softmax of the
@@ -55,8 +57,8 @@ namespace attn {
 struct SparseLists {
     const int* lists;  // [total_q, Hkv, width] block ids
     int width, nq_cap, qwords;
-    int* ulist;        // [nq_cap * width] the union's block ids, then their page ids (producer only)
-    int* upage;
+    int* ulist;        // [nq_cap * width] the union's block ids (producer only)
+    int* upage;        // [nq_cap * width] their page ids (producer only)
     u32* qmask;        // 2 x [nq_cap][qwords]: membership, by item parity
     u32* scratch;      // 2 x kUnionWords: bitmap and prefix of the union build
 };
