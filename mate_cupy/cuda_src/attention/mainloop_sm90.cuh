@@ -284,19 +284,23 @@ struct MainloopSm90 {
                 // paged, on invalid pages) are zero-filled. Completes on `full` (this thread's
                 // cp.async arrival; with `meta`, the K tile's stage metadata, also a plain arrival
                 // of its writers after writing it).
+                // This thread's rows of a tile whose keys are consecutive rows `stride` apart from
+                // p (row r0 of the tile, key kstart + r0).
+                auto copy_rows = [&](const Elem* base, const Elem* p, long long stride, int kstart, u32 dst) {
+                    const long long step = kStep * stride;
+#pragma unroll
+                    for (int j = 0; j < kBN / kStep; ++j) {
+                        const bool ok = kstart + r0 + j * kStep < it.Lk;
+                        cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
+                        p += step;
+                    }
+                };
                 auto load_tile = [&](const Elem* base, long long page_stride, long long stride, int t, int pid,
                                      u32 dst, u32 full, unsigned char* meta) {
                     if constexpr (kSparse) {
                         // Tile t is union block t: one page of kBN keys.
                         const int kstart = sp.ulist[t] * kBN;
-                        const Elem* p = base + sp.upage[t] * page_stride + r0 * stride;
-                        const long long step = kStep * stride;
-#pragma unroll
-                        for (int j = 0; j < kBN / kStep; ++j) {
-                            const bool ok = kstart + r0 + j * kStep < it.Lk;
-                            cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
-                            p += step;
-                        }
+                        copy_rows(base, base + sp.upage[t] * page_stride + r0 * stride, stride, kstart, dst);
                         cp_async_mbar_arrive_noinc(full);
                         if (meta != nullptr && tid == 0) {
                             *reinterpret_cast<int*>(meta) = kstart;
@@ -335,14 +339,7 @@ struct MainloopSm90 {
                             if (lane == 0) mbar_arrive(full);
                         }
                     } else {
-                        const Elem* p = base + (it.k_row0 + kstart + r0) * stride;
-                        const long long step = kStep * stride;
-#pragma unroll
-                        for (int j = 0; j < kBN / kStep; ++j) {
-                            const bool ok = kstart + r0 + j * kStep < it.Lk;
-                            cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
-                            p += step;
-                        }
+                        copy_rows(base, base + (it.k_row0 + kstart + r0) * stride, stride, kstart, dst);
                         cp_async_mbar_arrive_noinc(full);
                     }
                 };
