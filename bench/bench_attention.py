@@ -122,28 +122,36 @@ def dense_case(cfg, batch: int, s: int, hq: int, hkv: int, *, target: Target | N
 
 # --------------------------------------------------------------------------- paged prefill
 
+def paged_prefill_inputs(dev, n: int, batch: int, s: int, page: int, hq: int, hkv: int) -> list:
+    """``n`` input sets of a paged prefill of ``batch`` sequences of ``s`` tokens: "q"
+    [B*S, Hq, D]; "k_cache", "v_cache" [pages, page, Hkv, D] with the pages in random order,
+    their CSR "kv_indices" (int32); and "k", "v" [B*S, Hkv, D], the same values laid out
+    contiguously (the dense baselines' operands)."""
+    import torch
+
+    ppr = math.ceil(s / page)
+    n_pages = batch * ppr
+    g = _gen(dev, 5)
+    sets = []
+    for _ in range(n):
+        perm = torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)
+        x = {"q": _randn((batch * s, hq, D), g, dev), "k_cache": _randn((n_pages, page, hkv, D), g, dev),
+             "v_cache": _randn((n_pages, page, hkv, D), g, dev), "kv_indices": perm}
+        pt = perm.view(batch, ppr)
+        x["k"] = _linear_pages(x["k_cache"], pt, s).reshape(batch * s, hkv, D)
+        x["v"] = _linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D)
+        sets.append(x)
+    return sets
+
+
 def paged_prefill_case(cfg, batch: int, s: int, page: int, hq: int, hkv: int, *, target: Target | None) -> Case:
     """Causal prefill of ``batch`` sequences of ``s`` tokens whose K/V sit in a paged cache
     ([pages, page, Hkv, D], pages in random order, CSR ``kv_indices``), beside our dense
     prefill and cuDNN on the same values laid out contiguously (copies made untimed)."""
     dev = cfg.device
-    ppr = math.ceil(s / page)
-    n_pages = batch * ppr
 
     def make_inputs(n):
-        import torch
-
-        g = _gen(dev, 5)
-        sets = []
-        for _ in range(n):
-            perm = torch.randperm(n_pages, generator=g, device=dev).to(torch.int32)
-            x = {"q": _randn((batch * s, hq, D), g, dev), "k_cache": _randn((n_pages, page, hkv, D), g, dev),
-                 "v_cache": _randn((n_pages, page, hkv, D), g, dev), "kv_indices": perm}
-            pt = perm.view(batch, ppr)
-            x["k"] = _linear_pages(x["k_cache"], pt, s).reshape(batch * s, hkv, D)
-            x["v"] = _linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D)
-            sets.append(x)
-        return sets
+        return paged_prefill_inputs(dev, n, batch, s, page, hq, hkv)
 
     def paged_build(inputs):
         import torch

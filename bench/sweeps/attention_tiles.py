@@ -3,8 +3,9 @@
     PYTHONPATH=. python bench/sweeps/attention_tiles.py OUTDIR
 
 For each case, the public ``msa`` call on an eager plan with each registered query tile
-forced (the configuration's tile choice replaced before the plan is built), CUDA events, median of 10
-after two warm-ups, two input sets rotated; our dense prefill (its default tile) on the same
+forced (the configuration's tile choice replaced before the plan is built), timed by
+``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``);
+our dense prefill (its default tile) on the same
 values laid out contiguously is the baseline of the paged rows, and every paged output is
 compared with the dense one (relative error). The block-sparse rows time ``sparse_msa`` with
 the query tiles (``prefill_tile="query"``) on the benchmark's inputs (``bench_attention``'s
@@ -15,7 +16,6 @@ table.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,21 +33,12 @@ def _tiles(al, kv: int) -> list:
     return [t for t in al.TILES if t != "decode" and (D, al.DTYPE_BF16, t, kv) in al.SPECS]
 
 
-def _time(fn, reps: int = 10) -> float:
-    import torch
+def _time(run) -> float:
+    """Median ms per call of ``run(i)`` over the two rotated input sets (``bench.timing.Timer``,
+    as ``bench/run.py`` times)."""
+    from bench.timing import Timer, TimingConfig
 
-    for _ in range(2):
-        fn(0)
-        fn(1)
-    times = []
-    for r in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(r & 1)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return Timer(TimingConfig()).time(run, 2)["ms"]
 
 
 def main(outdir: str) -> None:
@@ -63,18 +54,7 @@ def main(outdir: str) -> None:
     choose = al.choose_tile
     records = []
     for batch, s, page, hq, hkv, causal in CASES:
-        g = ba._gen("cuda", 5)
-        ppr = -(-s // page)
-        n_pages = batch * ppr
-        sets = []
-        for _ in range(2):
-            perm = torch.randperm(n_pages, generator=g, device="cuda").to(torch.int32)
-            x = {"q": ba._randn((batch * s, hq, D), g, "cuda"), "k_cache": ba._randn((n_pages, page, hkv, D), g, "cuda"),
-                 "v_cache": ba._randn((n_pages, page, hkv, D), g, "cuda"), "kv_indices": perm}
-            pt = perm.view(batch, ppr)
-            x["k"] = ba._linear_pages(x["k_cache"], pt, s).reshape(batch * s, hkv, D).contiguous()
-            x["v"] = ba._linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D).contiguous()
-            sets.append(x)
+        sets = ba.paged_prefill_inputs("cuda", 2, batch, s, page, hq, hkv)
         flops = attention_flops(batch, hq, s, s, D, causal)
         name = f"B{batch} S{s} page{page} Hq{hq} Hkv{hkv} " + ("causal" if causal else "non-causal")
 

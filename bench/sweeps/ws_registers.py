@@ -7,13 +7,13 @@ The tile's producer and consumer warpgroups run with (producer, consumer) regist
 thread after ``setmaxnreg`` (``attention_launch.WS_REGISTERS``). For each split of
 :data:`SPLITS` this registers the variant with those registers (bf16, D 128) and times our
 dense prefill and our paged prefill (random page order, CSR ``kv_indices``) through the
-public ``msa`` call with that variant in place of the configured one: CUDA events, median of
-10 after two warm-ups, two input sets rotated. Writes ``OUTDIR/ws_registers.json``.
+public ``msa`` call with that variant in place of the configured one, timed by
+``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``).
+Writes ``OUTDIR/ws_registers.json``.
 """
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -46,21 +46,12 @@ def build(cubin_dir: str) -> None:
         print(r["name"], "error" if "error" in r else "ok")
 
 
-def _time(fn, reps: int = 10) -> float:
-    import torch
+def _time(run) -> float:
+    """Median ms per call of ``run(i)`` over the two rotated input sets (``bench.timing.Timer``,
+    as ``bench/run.py`` times)."""
+    from bench.timing import Timer, TimingConfig
 
-    for _ in range(2):
-        fn(0)
-        fn(1)
-    times = []
-    for r in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(r & 1)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return Timer(TimingConfig()).time(run, 2)["ms"]
 
 
 def main(outdir: str) -> None:
@@ -76,18 +67,7 @@ def main(outdir: str) -> None:
     records = []
     configured = dict(al.SPECS)
     for batch, s, page, hq, hkv in CASES:
-        g = ba._gen("cuda", 5)
-        ppr = -(-s // page)
-        n_pages = batch * ppr
-        sets = []
-        for _ in range(2):
-            perm = torch.randperm(n_pages, generator=g, device="cuda").to(torch.int32)
-            x = {"q": ba._randn((batch * s, hq, D), g, "cuda"), "k_cache": ba._randn((n_pages, page, hkv, D), g, "cuda"),
-                 "v_cache": ba._randn((n_pages, page, hkv, D), g, "cuda"), "kv_indices": perm}
-            pt = perm.view(batch, ppr)
-            x["k"] = ba._linear_pages(x["k_cache"], pt, s).reshape(batch * s, hkv, D).contiguous()
-            x["v"] = ba._linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D).contiguous()
-            sets.append(x)
+        sets = ba.paged_prefill_inputs("cuda", 2, batch, s, page, hq, hkv)
         flops = attention_flops(batch, hq, s, s, D, True)
         outs = [torch.empty_like(x["q"]) for x in sets]
         for kv in (al.KV_DENSE, al.KV_PAGED):
