@@ -62,7 +62,7 @@ def _config(cc=90, sm=132, **kw):
 def test_every_variant_fits_shared_memory_and_occupancy():
     for (d, code, tile, kv), spec in al.SPECS.items():
         shape = al.tile_shape(tile, d, code)
-        lay = al.smem_layout(shape, d, code)
+        lay = al.smem_layout(shape, d, code, kv)
         defines = dict(spec.defines)
         assert defines["ATT_SMEM_FIXED"] == str(lay["fixed"]) and defines["ATT_KV"] == str(kv)
         assert defines["ATT_WS"] == str(int(shape.producer))
@@ -73,15 +73,16 @@ def test_every_variant_fits_shared_memory_and_occupancy():
         else:
             assert "ATT_WS_PRODUCER_REGS" not in defines
         pad = al.WG_PAD if shape.producer else 0
-        # the widest sparse lists (W = 64) with the smallest group (8)
-        extra = al.sparse_smem_bytes((shape.rows - 1) // 8 + 2, 64, shape.producer)[0] if kv == al.KV_SPARSE else 0
-        assert lay["fixed"] + pad + extra <= al.SMEM_LIMIT, spec.name
         if kv == al.KV_SPARSE:
             assert d == execute.SPARSE_HEAD_DIM
-            if shape.producer:  # longer requests take the mma.sync tile (test_select_config_choices)
-                assert al.WS_UNION_WORDS * 32 * al.SPARSE_BLOCK >= al.WS_SPARSE_MAX_SEQLEN_K
-            else:
+            if shape.producer:  # its union scratch grows with the requests: test_select_config_choices
+                extra = al.sparse_smem_bytes(9, 16, al.union_words(32768))[0]  # MiniMax-M3's lists at 32K
+            else:  # the widest sparse lists (W = 64) with the smallest group (8)
+                extra = al.sparse_smem_bytes((shape.rows - 1) // 8 + 2, 64)[0]
                 assert lay["union_blocks"] * al.SPARSE_BLOCK >= execute.SPARSE_MAX_SEQLEN_K, spec.name
+        else:
+            extra = 0
+        assert lay["fixed"] + pad + extra <= al.SMEM_LIMIT, spec.name
         if shape.producer:
             assert spec.min_sm == 90 and code in (0, 1) and d in (64, 128)
             # tiles on 1024-byte boundaries (the hardware swizzle keys on address bits 7-9)
@@ -92,14 +93,19 @@ def test_every_variant_fits_shared_memory_and_occupancy():
         assert shape.block_n // shape.warps_n % (32 if code == 2 else 16) == 0
 
 
-def test_ws_sparse_union_capacity_matches_the_kernel():
-    """The host's union scratch (shared-memory bytes, the longest requests the tile takes)
-    and the mainloop's kUnionWords are one number."""
+def test_ws_shared_layout_matches_the_kernel():
+    """The host's view of a warp-specialised tile's barrier region (ws_bar_bytes) is the
+    kernel's formula, and its sparse lists add a second membership buffer and a union
+    scratch of one bit per block of the longest request."""
     text = (SRC.parent / "attention" / "mainloop_sm90.cuh").read_text()
-    assert int(re.search(r"kUnionWords = (\d+);", text).group(1)) == al.WS_UNION_WORDS
-    _, qwords = al.sparse_smem_bytes(9, 16, True)
-    assert al.sparse_smem_bytes(9, 16, True)[0] - al.sparse_smem_bytes(9, 16)[0] == 4 * (
-        9 * qwords + 2 * al.WS_UNION_WORDS)  # a second membership buffer and the scratch
+    body = text[text.index("constexpr int ws_bar_bytes("):]
+    body = body[:body.index("}")]
+    assert "return 4 * stages * 8 + 16 + 80 + (kv == 1 ? stages * 128 : kv == 2 ? 4 * stages : 0) + 16;" in body
+    assert al.ws_bar_bytes(3, al.KV_DENSE) == 208 and al.ws_bar_bytes(3, al.KV_PAGED) == 592
+    assert al.ws_bar_bytes(2, al.KV_SPARSE) == 184
+    assert [al.union_words(k) for k in (1, 128, 129, 4096, 4097, 32768, 1 << 25)] == [1, 1, 1, 1, 2, 8, 8192]
+    _, qwords = al.sparse_smem_bytes(9, 16)
+    assert al.sparse_smem_bytes(9, 16, 8)[0] - al.sparse_smem_bytes(9, 16)[0] == 4 * (9 * qwords + 2 * 8)
 
 
 def test_registered_variants_are_exactly_the_ones_the_configuration_picks():
@@ -139,12 +145,18 @@ def test_select_config_choices():
     assert _config(**paged).tile == _config(causal=False, **paged).tile == al.WS_TILE
     assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384, **paged).tile == al.WS_TILE
     assert _config(head_dim=64, **paged).tile == al.WS_TILE
-    # block-sparse prefill on the query tiles: the two-stage tile, up to its union's reach
+    # block-sparse prefill on the query tiles: three stages where the lists and the union
+    # scratch leave room (MiniMax-M3's lists up to 128K keys), else two, else the mma.sync tile
     sparse = dict(kv_mode=al.KV_SPARSE, page_size=128, num_heads_kv=4)
     g = _config(**sparse)
-    assert g.tile == al.WS_SPARSE_TILE and g.threads == 384 and g.grid == (132, 1, 1)
-    assert _config(**{**sparse, "max_seqlen_k": al.WS_SPARSE_MAX_SEQLEN_K}).tile == al.WS_SPARSE_TILE
-    assert _config(**{**sparse, "max_seqlen_k": al.WS_SPARSE_MAX_SEQLEN_K + 1}).tile == "prefill"
+    assert g.tile == al.WS_TILE and g.threads == 384 and g.grid == (132, 1, 1) and g.union_words == 2
+    assert g.shared_mem <= al.SMEM_LIMIT
+    assert _config(**{**sparse, "max_seqlen_k": 131072}).tile == al.WS_TILE
+    g = _config(**{**sparse, "max_seqlen_k": 1 << 20})
+    assert g.tile == al.WS_SPARSE_TILE and g.union_words == 256
+    assert _config(**{**sparse, "list_width": 64}).tile == al.WS_SPARSE_TILE
+    assert _config(**{**sparse, "num_heads_kv": 8}).tile == al.WS_SPARSE_TILE  # group 8: 17 queries' lists
+    assert _config(**{**sparse, "max_seqlen_k": 1 << 25, "list_width": 64}).tile == "prefill"
     # the mma.sync tile where the warpgroup tiles do not run
     assert _config(cc=80).tile == "prefill" and _config(head_dim=256).tile == "prefill"
     assert _config(dtype_code=al.DTYPE_E4M3).tile == "prefill"
@@ -169,7 +181,7 @@ def test_select_config_choices():
     assert g.grid[2] <= al.MAX_GRID_YZ
     # block-sparse: the warp-specialised tile for prefill, the decode tile for decode plans
     g = _config(kv_mode=al.KV_SPARSE, num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768)
-    assert g.tile == al.WS_SPARSE_TILE and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
+    assert g.tile == al.WS_TILE and g.nq_cap == 9 and g.qmask_words == (9 * 16 + 31) // 32
     assert _config(kv_mode=al.KV_SPARSE, cc=80).tile == "prefill"
     assert _config(kv_mode=al.KV_SPARSE, dtype_code=al.DTYPE_E4M3).tile == "prefill"
     assert _config(kv_mode=al.KV_SPARSE, sparse_decode=True, max_seqlen_q=4, total_q=4).tile == "decode"
@@ -179,7 +191,7 @@ def test_select_config_choices():
 
 def test_gather_is_chosen_by_the_plan_where_it_applies():
     base = dict(kv_mode=al.KV_SPARSE, num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768)
-    assert _config(**base).tile == al.WS_SPARSE_TILE
+    assert _config(**base).tile == al.WS_TILE
     g = _config(gather=True, **base)
     assert g.tile == al.GATHER and g.workspace_bytes == gather_launch.workspace_bytes(
         total_q=32768, num_heads_kv=4, width=16, batch=1, max_seqlen_q=32768, max_seqlen_k=32768)
@@ -491,6 +503,8 @@ def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=No
         0 if sel is None else sel.shape[2], causal, sparse_decode, splits, gather)
     sm, cc = device_info()
     config = al.select_config(problem, sm, cc) if tile is None else al.tile_config(problem, tile, sm)
+    if config.shared_mem > al.SMEM_LIMIT:  # a forced tile whose lists leave it no room
+        pytest.skip(f"{tile}: {config.shared_mem} bytes of shared memory for these lists")
     ws = cupy.empty(max(1, config.workspace_bytes), dtype=np.uint8)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
 
@@ -731,7 +745,7 @@ def test_fp8_dense_and_paged(rng, d):
 # The query tiles per KV mode (each reached by select_config for some inputs; forced here).
 DENSE_TILES = ["prefill", al.WS_TILE]
 PAGED_TILES = ["prefill", al.WS_TILE]
-SPARSE_TILES = ["prefill", al.WS_SPARSE_TILE]
+SPARSE_TILES = ["prefill", al.WS_TILE, al.WS_SPARSE_TILE]
 
 
 def _tile_dims(tile, kv=al.KV_DENSE):
@@ -857,14 +871,15 @@ def test_sparse_prefill_tiles_shared_blocks(rng, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [al.WS_TILE, al.WS_SPARSE_TILE])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_ws_sparse_tile_many_items(rng, splits):
+def test_ws_sparse_tile_many_items(rng, splits, tile):
     # more work items than CTAs (each CTA builds several unions, the membership buffers
     # alternate), per-token lists with padding and out-of-range ids, split-KV
     p = make_problem(rng, [2000, 300, 0, 1], [6000, 300, 10, 700], 16, 1, 128, page_size=128)
     sel = _corrupt(rng, random_selection(rng, p, 16), p)
-    out, lse = _run(p, source="table", sel=sel, splits=splits, tile=al.WS_SPARSE_TILE)
-    _check(out, lse, _sparse_ref(p, sel), BF16, f"{al.WS_SPARSE_TILE} many items splits {splits}")
+    out, lse = _run(p, source="table", sel=sel, splits=splits, tile=tile)
+    _check(out, lse, _sparse_ref(p, sel), BF16, f"{tile} many items splits {splits}")
 
 
 @pytest.mark.gpu

@@ -105,7 +105,7 @@ def _is_wgmma(spec) -> bool:
 def test_hopper_only_variants_build_for_sm90a_alone():
     specs = registered()
     hopper = [s for s in specs if _is_wgmma(s)]
-    assert len(hopper) == 25 and len(specs) == 157  # 4 of them the wgmma chunk_kda recurrence (2 dtypes x 2 widths)
+    assert len(hopper) == 27 and len(specs) == 159  # 4 of them the wgmma chunk_kda recurrence (2 dtypes x 2 widths)
     for s in specs:
         if _is_wgmma(s):
             assert s.only_arch == "sm_90a" and s.requirement == "sm_90a only" and s.min_sm == 90

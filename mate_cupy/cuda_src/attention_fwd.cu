@@ -126,8 +126,8 @@ constexpr int kStageBytes = 2 * kBN * kRowBytes;
 typedef AttentionEpilogue<kD, kM, kMT, kWN, kThreads, kFp8> Epilogue;
 constexpr int kEpiBytes = Epilogue::kSmemBytes;
 constexpr int kRegionBytes = round_up(cmax(kStages * kStageBytes, kEpiBytes), 128);
-// (warp-specialised tiles: 256 more bytes for the mbarriers and the work item)
-constexpr int kFlagBytes = round_up(kStages * kBN, 128) + (kWS ? 256 : 0);
+// (warp-specialised tiles: their mbarriers, work item and stage metadata instead)
+constexpr int kFlagBytes = kWS ? round_up(ws_bar_bytes(kStages, ATT_KV), 128) : round_up(kStages * kBN, 128);
 constexpr int kSmemFixed = kQBytes + kRegionBytes + kFlagBytes;
 static_assert(kSmemFixed == ATT_SMEM_FIXED, "host and device disagree on the shared-memory layout");
 // Sparse scratch (bitmap + prefix words) aliases the region.
@@ -152,7 +152,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     long long q_head_stride, long long out_tok_stride, long long out_head_stride, long long k_page_stride,
     long long k_slot_stride, long long k_head_stride, long long v_page_stride, long long v_slot_stride,
     long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
-    int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int num_splits,
+    int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int union_words,
+    int num_splits,
     int row_tiles, int batch, float scale_log2, float out_scale) {
     extern __shared__ __align__(kWS ? 1024 : 128) unsigned char smem_raw[];
     // wgmma tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this).
@@ -162,13 +163,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     unsigned char* sFlags = sR + kRegionBytes;
 #if ATT_WS
     // Block-sparse: [ulist | upage: nq_cap * W ints each][membership: 2 x nq_cap * qmask_words]
-    // [union bitmap | prefix: kUnionWords each] after the flag bytes.
-    auto ws_sparse_lists = [](const int* lists, int width, int nq_cap, int qwords, unsigned char* base) {
+    // [union bitmap | prefix: union_words each] after the flag bytes.
+    auto ws_sparse_lists = [](const int* lists, int width, int nq_cap, int qwords, int union_words,
+                              unsigned char* base) {
         SparseLists sp;
         sp.lists = lists;
         sp.width = width;
         sp.nq_cap = nq_cap;
         sp.qwords = qwords;
+        sp.union_words = union_words;
         sp.ulist = reinterpret_cast<int*>(base);
         sp.upage = sp.ulist + nq_cap * width;
         sp.qmask = reinterpret_cast<u32*>(sp.upage + nq_cap * width);
@@ -180,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     k_page_stride, k_slot_stride, k_head_stride, v_page_stride, v_slot_stride, v_head_stride,
                     total_q, kv_extent, num_heads_q, num_heads_kv, group, causal, page_size_log2, page_list_len,
                     num_splits, row_tiles, batch, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags), sFlags,
-                    ws_sparse_lists(block_lists, list_width, nq_cap, qmask_words, sFlags + kFlagBytes));
+                    ws_sparse_lists(block_lists, list_width, nq_cap, qmask_words, union_words, sFlags + kFlagBytes));
 }
 #else
     int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);
@@ -271,13 +274,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     int n_tiles;
     int nq = 0;  // queries whose block lists are loaded (sparse)
     if constexpr (kSparse) {
+        __shared__ int union_warp_total[kThreads / 32];
         nq = min(qi_last - qi_first + 1, nq_cap);
         int nb = (kend + kSparseBlock - 1) / kSparseBlock;
         nb = min(nb, min(pages.count, kUnionWords * 32));
         const long long list_row0 = ((long long)(q_start + qi_first) * num_heads_kv + kvh) * list_width;
         const int U = build_block_union<kThreads>(
             block_lists, list_row0, (long long)num_heads_kv * list_width, list_width, nq, max(nb, 0), pages, kv_extent,
-            reinterpret_cast<u32*>(sR), reinterpret_cast<int*>(sR) + kUnionWords, sList, sPage, sQmask, qmask_words);
+            reinterpret_cast<u32*>(sR), reinterpret_cast<int*>(sR) + kUnionWords, sList, sPage, sQmask, qmask_words,
+            union_warp_total);
         n_tiles = U * kTilesPerBlock;
     } else {
         n_tiles = (kend + kBN - 1) / kBN;

@@ -21,10 +21,10 @@ shapes and the measurements behind each choice):
 * ``ws2n128s3``: warp-specialised (sm_90a, fp16/bf16, D 64/128): a producer warpgroup
   streams K/V through a three-stage mbarrier ring, two consumer warpgroups of 64 rows
   overlap the next tile's ``Q K^T`` with the softmax (``attention/mainloop_sm90.cuh``):
-  dense and paged prefill.
-* ``ws2n128s2``: the same with two stages: block-sparse prefill on the query tiles (the
-  union of the CTA's selected blocks and its membership bits take the shared memory a third
-  stage would need).
+  dense and paged prefill, and block-sparse prefill on the query tiles where the CTA's lists
+  and block-union scratch leave room for the third stage.
+* ``ws2n128s2``: the same with two stages: the other block-sparse prefills on the query
+  tiles.
 * ``gather``: the block-stationary kernels of :mod:`mate_cupy.msa.gather_launch`, taken
   when the plan asks for it (``prefill_tile="gather"``) and they apply to the problem.
 
@@ -81,7 +81,7 @@ class TileShape:
 
 
 WS_TILE = "ws2n128s3"
-WS_SPARSE_TILE = "ws2n128s2"  # the sparse lists take the shared memory of a third stage
+WS_SPARSE_TILE = "ws2n128s2"  # block-sparse lists too long for a third stage
 # Warp-specialised tiles: name -> stages (two consumer warpgroups, 128 keys per tile).
 WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
 # Registers per thread of a warp-specialised tile's (producer, consumer) warpgroups after
@@ -90,10 +90,6 @@ WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
 # load (bench/sweeps/ws_registers.py).
 WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (72, 208), KV_SPARSE: (40, 232)}
 TILES = ("decode", "prefill") + tuple(WS_TILES)
-WS_UNION_WORDS = 1024  # words of each union scratch array of a warp-specialised sparse tile
-# Longest requests the warp-specialised sparse tile's union holds (32768 blocks); longer
-# block-sparse prefills take the mma.sync tile, whose union reuses its K/V ring.
-WS_SPARSE_MAX_SEQLEN_K = WS_UNION_WORDS * 32 * SPARSE_BLOCK
 
 
 def tile_shape(name: str, head_dim: int, dtype_code: int) -> TileShape:
@@ -120,27 +116,41 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def smem_layout(shape: TileShape, head_dim: int, dtype_code: int) -> dict:
+def ws_bar_bytes(stages: int, kv: int) -> int:
+    """Shared bytes of a warp-specialised tile's mbarriers, work item, per-stage K metadata
+    and union warp totals (``ws_bar_bytes`` of ``attention/mainloop_sm90.cuh``)."""
+    meta = stages * 128 if kv == KV_PAGED else 4 * stages if kv == KV_SPARSE else 0
+    return 4 * stages * 8 + 16 + 80 + meta + 16
+
+
+def smem_layout(shape: TileShape, head_dim: int, dtype_code: int, kv: int = KV_DENSE) -> dict:
     """Fixed shared-memory layout, mirrored by the kernel (checked by its static_assert)."""
     row_bytes = head_dim * (1 if dtype_code == DTYPE_E4M3 else 2)
     q_bytes = shape.rows * row_bytes
     stage_bytes = 2 * shape.block_n * row_bytes
     epi_bytes = shape.warps_n * shape.rows * (head_dim + 8) * 4 + 3 * shape.warps_n * shape.rows * 4
     region = _round_up(max(shape.stages * stage_bytes, epi_bytes), 128)
-    # (a warp-specialised tile keeps its mbarriers, work item and key flags there too)
-    flags = _round_up(shape.stages * shape.block_n, 128) + (256 if shape.producer else 0)
+    # (a warp-specialised tile keeps its mbarriers, work item and stage metadata there instead)
+    flags = _round_up(ws_bar_bytes(shape.stages, kv) if shape.producer else shape.stages * shape.block_n, 128)
     return {"q": q_bytes, "region": region, "flags": flags, "fixed": q_bytes + region + flags,
             "union_blocks": (region // 8) * 32}
 
 
-def sparse_smem_bytes(nq_cap: int, width: int, producer: bool = False) -> tuple:
-    """(bytes, qmask_words) of the per-CTA block lists of the block-sparse variants (a
-    warp-specialised tile double-buffers the membership words and has its own union scratch)."""
+def sparse_smem_bytes(nq_cap: int, width: int, union_words: int = 0) -> tuple:
+    """(bytes, qmask_words) of the per-CTA block lists of the block-sparse variants. A
+    warp-specialised tile (``union_words > 0``) double-buffers the membership words and has
+    its own union scratch: a bitmap and prefix sums of ``union_words`` words each."""
     list_cap = nq_cap * width
     qwords = max(1, (list_cap + 31) // 32)
-    if producer:
-        return 4 * (2 * list_cap + 2 * nq_cap * qwords + 2 * WS_UNION_WORDS), qwords
+    if union_words:
+        return 4 * (2 * list_cap + 2 * nq_cap * qwords + 2 * union_words), qwords
     return 4 * (2 * list_cap + nq_cap * qwords), qwords
+
+
+def union_words(max_seqlen_k: int) -> int:
+    """Words of a warp-specialised tile's union bitmap: one bit per 128-key block of the
+    longest request."""
+    return max(1, -(-(-(-max(1, max_seqlen_k) // SPARSE_BLOCK)) // 32))
 
 
 # ----------------------------------------------------------------------------- variants
@@ -156,7 +166,7 @@ def _reachable():
                 if code == DTYPE_E4M3:
                     continue
                 if kv == KV_SPARSE:
-                    out.append((d, code, WS_SPARSE_TILE, kv))
+                    out += [(d, code, WS_TILE, kv), (d, code, WS_SPARSE_TILE, kv)]
                 elif d in (64, 128):
                     out.append((d, code, WS_TILE, kv))
     return out
@@ -171,7 +181,7 @@ def _register(d: int, code: int, tile: str, kv: int) -> KernelSpec:
     return register(SOURCE, KERNELS, min_sm=min_sm, only_arch=SM90A if shape.producer else "", ATT_HEAD_DIM=d,
                     ATT_DTYPE=code, ATT_WARPS_M=shape.warps_m, ATT_MTILES=shape.mtiles, ATT_WARPS_N=shape.warps_n,
                     ATT_BLOCK_N=shape.block_n, ATT_STAGES=shape.stages, ATT_KV=kv, ATT_MIN_BLOCKS=shape.min_blocks,
-                    ATT_WS=int(shape.producer), ATT_SMEM_FIXED=smem_layout(shape, d, code)["fixed"], **regs)
+                    ATT_WS=int(shape.producer), ATT_SMEM_FIXED=smem_layout(shape, d, code, kv)["fixed"], **regs)
 
 
 #: (head_dim, dtype_code, tile, kv_mode) -> registered variant
@@ -188,7 +198,7 @@ FWD_PARAMS = KernelParams((
     ("v_page_stride", "i64"), ("v_slot_stride", "i64"), ("v_head_stride", "i64"),
     ("total_q", "i32"), ("kv_extent", "i32"), ("num_heads_q", "i32"), ("num_heads_kv", "i32"), ("group", "i32"),
     ("causal", "i32"), ("page_size_log2", "i32"), ("page_list_len", "i32"), ("list_width", "i32"),
-    ("nq_cap", "i32"), ("qmask_words", "i32"), ("num_splits", "i32"), ("row_tiles", "i32"), ("batch", "i32"),
+    ("nq_cap", "i32"), ("qmask_words", "i32"), ("union_words", "i32"), ("num_splits", "i32"), ("row_tiles", "i32"), ("batch", "i32"),
     ("scale_log2", "f32"), ("out_scale", "f32"),
 ))
 MERGE_PARAMS = KernelParams((
@@ -243,7 +253,8 @@ class AttentionConfig:
     ``workspace_bytes`` is the scratch the launch takes (split-KV partials or the gather
     tile's lists and partials). ``row_tiles``: the query row tiles per (request, KV head); a
     persistent tile's ``grid`` is ``(CTAs, 1, 1)`` over ``row_tiles x batch x (Hkv * splits)``
-    work items.
+    work items. ``nq_cap``, ``qmask_words``, ``union_words``: the block-sparse lists' shared
+    memory (queries per CTA, membership words per query, union bitmap words).
     """
 
     tile: str
@@ -259,6 +270,7 @@ class AttentionConfig:
     page_size_log2: int = -1
     merge_grid: tuple = (0, 0)
     row_tiles: int = 0
+    union_words: int = 0
 
 
 NOTHING = AttentionConfig("", None, (0, 0, 0), 0, 0, 1, 0, 0, 0, 0)
@@ -308,24 +320,35 @@ def choose_tile(p: AttentionProblem, cc: int) -> str:
     if cc != 90 or p.dtype_code == DTYPE_E4M3 or p.head_dim not in (64, 128):
         return "prefill"
     if p.kv_mode == KV_SPARSE:
-        return WS_SPARSE_TILE if p.max_seqlen_k <= WS_SPARSE_MAX_SEQLEN_K else "prefill"
+        # three stages where the lists and the union scratch leave room for them, else two
+        for tile in (WS_TILE, WS_SPARSE_TILE):
+            if _smem_bytes(p, tile_shape(tile, p.head_dim, p.dtype_code))[0] <= SMEM_LIMIT:
+                return tile
+        return "prefill"
     return WS_TILE
+
+
+def _smem_bytes(p: AttentionProblem, shape: TileShape) -> tuple:
+    """(dynamic shared bytes, nq_cap, qmask_words, union_words) of ``p`` on ``shape``."""
+    smem = smem_layout(shape, p.head_dim, p.dtype_code, p.kv_mode)["fixed"] + (WG_PAD if shape.producer else 0)
+    nq_cap = qwords = words = 0
+    if p.kv_mode == KV_SPARSE:
+        nq_cap = min((shape.rows - 1) // p.group + 2, max(1, p.max_seqlen_q))
+        words = union_words(p.max_seqlen_k) if shape.producer else 0
+        extra, qwords = sparse_smem_bytes(nq_cap, p.list_width, words)
+        smem += extra
+    return smem, nq_cap, qwords, words
 
 
 def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfig:
     """The launch configuration of ``p`` with the query tile ``tile`` (a name of :data:`TILES`)."""
     shape = tile_shape(tile, p.head_dim, p.dtype_code)
-    lay = smem_layout(shape, p.head_dim, p.dtype_code)
-    smem = lay["fixed"] + (WG_PAD if shape.producer else 0)
+    smem, nq_cap, qwords, words = _smem_bytes(p, shape)
     group = p.group
     packed = p.max_seqlen_q * group
     row_tiles = max(1, -(-packed // shape.rows))
     max_seqlen_k = max(1, p.max_seqlen_k)
-    nq_cap = qwords = 0
     if p.kv_mode == KV_SPARSE:
-        nq_cap = min((shape.rows - 1) // group + 2, max(1, p.max_seqlen_q))
-        extra, qwords = sparse_smem_bytes(nq_cap, p.list_width, shape.producer)
-        smem += extra
         n_blocks = -(-max_seqlen_k // SPARSE_BLOCK)
         max_tiles = min(nq_cap * p.list_width, n_blocks) * (SPARSE_BLOCK // shape.block_n)
     else:
@@ -343,7 +366,7 @@ def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfi
     return AttentionConfig(
         tile=tile, spec=SPECS[(p.head_dim, p.dtype_code, tile, p.kv_mode)],
         grid=grid, row_tiles=row_tiles, threads=shape.threads, shared_mem=smem,
-        splits=splits, nq_cap=nq_cap, qmask_words=qwords,
+        splits=splits, nq_cap=nq_cap, qmask_words=qwords, union_words=words,
         workspace_bytes=split_workspace_bytes(p.total_q, p.num_heads_q, p.head_dim, splits), num_sms=sm_count,
         page_size_log2=p.page_size.bit_length() - 1 if p.kv_mode != KV_DENSE else -1,
         merge_grid=(-(-p.max_seqlen_q * p.num_heads_q // 4), p.batch))
@@ -469,6 +492,7 @@ def attention_launches(problem: AttentionProblem, config: AttentionConfig, array
         q_strides[0], q_strides[1], out_strides[0], out_strides[1], k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2], p.total_q, kv_extent, p.num_heads_q, p.num_heads_kv, p.group,
         int(p.causal), config.page_size_log2, page_list_len, p.list_width, config.nq_cap, config.qmask_words,
+        config.union_words,
         splits, config.row_tiles, p.batch, scale_log2, out_scale,
     ), config.shared_mem),)
     if splits > 1:

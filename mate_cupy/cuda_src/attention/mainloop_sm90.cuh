@@ -60,8 +60,17 @@ struct SparseLists {
     int* ulist;        // [nq_cap * width] the union's block ids (producer only)
     int* upage;        // [nq_cap * width] their page ids (producer only)
     u32* qmask;        // 2 x [nq_cap][qwords]: membership, by item parity
-    u32* scratch;      // 2 x kUnionWords: bitmap and prefix of the union build
+    u32* scratch;      // 2 x union_words: bitmap and prefix of the union build
+    int union_words;   // blocks a union can hold / 32 (the plan's longest request)
 };
+
+// Shared bytes of a warp-specialised tile's mbarriers (full/empty x K/V x stages, Q
+// full/empty), work item (80), per-stage K metadata (paged: a validity byte per key of
+// 128; sparse: the first key) and the union build's warp totals (16); mirrored by
+// attention_launch.ws_bar_bytes.
+constexpr int ws_bar_bytes(int stages, int kv) {
+    return 4 * stages * 8 + 16 + 80 + (kv == 1 ? stages * 128 : kv == 2 ? 4 * stages : 0) + 16;
+}
 
 // kKv: 0 dense, 1 paged, 2 block-sparse (128-key blocks on pages of 128); kRegs: the
 // producer's and the consumers' registers per thread, producer * 1000 + consumer.
@@ -69,8 +78,6 @@ template <int kD, int kBN, int kStages, typename Elem, int kKv, int kRegs>
 struct MainloopSm90 {
     static constexpr bool kPaged = kKv == 1;
     static constexpr bool kSparse = kKv == 2;
-    // Block ids a union can hold (blocks past it are dropped: requests beyond 4M keys).
-    static constexpr int kUnionWords = 1024;
     static constexpr int kBarProducer = 3;  // named barrier of the producer warpgroup
     static constexpr int kM = 128;  // rows per CTA: two consumer warpgroups of 64
     static constexpr int kThreads = 384;
@@ -91,7 +98,9 @@ struct MainloopSm90 {
     static constexpr int kItemOffset = 4 * kStages * 8 + 16;
     static constexpr int kItemBytes = 80;
     static constexpr int kKeyFlagOffset = kItemOffset + kItemBytes;
-    static constexpr int kBarBytes = kKeyFlagOffset + (kPaged ? kStages * kBN : kSparse ? 4 * kStages : 0);
+    static constexpr int kWarpTotalOffset = kKeyFlagOffset + (kPaged ? kStages * kBN : kSparse ? 4 * kStages : 0);
+    static constexpr int kBarBytes = kWarpTotalOffset + 16;
+    static_assert(kBarBytes == ws_bar_bytes(kStages, kKv) && kItemBytes == 80 && kBN == 128, "host's layout");
     // Plain arrivals on a K stage's full barrier besides the 128 cp.async ones.
     // (paged: lane 0 of each producer warp; sparse: thread 0)
     static constexpr int kKeyMetaArrivals = kPaged ? 4 : kSparse ? 1 : 0;
@@ -244,13 +253,14 @@ struct MainloopSm90 {
                     // The union of the item's queries' blocks (ends with the producer barrier).
                     // Built before the wait below: the consumers are still on the previous item,
                     // whose membership bits sit in the other buffer.
-                    const int nb = min((it.kend + kBN - 1) / kBN, min(pages.count, kUnionWords * 32));
+                    const int nb = min((it.kend + kBN - 1) / kBN, min(pages.count, sp.union_words * 32));
                     const long long list_row0 =
                         ((long long)(it.q_start + it.qi_first) * num_heads_kv + it.kvh) * sp.width;
                     const int n_union = build_block_union<128, kBarProducer>(
                         sp.lists, list_row0, (long long)num_heads_kv * sp.width, sp.width, it.nq, max(nb, 0),
-                        pages, kv_extent, sp.scratch, reinterpret_cast<int*>(sp.scratch) + kUnionWords, sp.ulist,
-                        sp.upage, sp.qmask + (q_n & 1) * sp.nq_cap * sp.qwords, sp.qwords);
+                        pages, kv_extent, sp.scratch, reinterpret_cast<int*>(sp.scratch) + sp.union_words, sp.ulist,
+                        sp.upage, sp.qmask + (q_n & 1) * sp.nq_cap * sp.qwords, sp.qwords,
+                        reinterpret_cast<int*>(bars_ptr + kWarpTotalOffset));
                     split_tiles(n_union, num_splits, it);
                 }
                 // Q: the item's 128 packed rows (zero past the request), once the consumers'

@@ -33,10 +33,10 @@ __device__ __forceinline__ void union_sync() {
 }
 
 // Exclusive prefix sum of popc(bitmap[w]) over w < nwords into prefix[];
-// returns the total. All NT threads call it; it ends with a barrier.
+// returns the total. warp_total: NT / 32 ints of shared scratch. All NT threads call it;
+// it ends with a barrier.
 template <int NT, int kBar = 0>
-__device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* prefix, int nwords) {
-    __shared__ int warp_total[NT / 32];
+__device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* prefix, int nwords, int* warp_total) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int per = (nwords + NT - 1) / NT;
     const int w0 = min(nwords, tid * per), w1 = min(nwords, w0 + per);
@@ -68,12 +68,13 @@ __device__ __forceinline__ int bitmap_exclusive_scan(const u32* bitmap, int* pre
 
 // Builds ulist/upage/qmask (see the file comment) and returns U.
 //   lists: entry x of query ql is lists[row0 + ql * row_stride + x], x < width.
-//   bitmap, prefix: scratch of ceil(nb / 32) words each (may alias tiles not yet in use).
+//   bitmap, prefix: scratch of ceil(nb / 32) words each (may alias tiles not yet in use);
+//   warp_total: NT / 32 ints of shared scratch.
 // All NT threads call it; it ends with a barrier.
 template <int NT, int kBar = 0>
 __device__ int build_block_union(const int* __restrict__ lists, long long row0, long long row_stride, int width,
                                  int nq, int nb, PageList pages, int num_pages, u32* bitmap, int* prefix, int* ulist,
-                                 int* upage, u32* qmask, int qwords) {
+                                 int* upage, u32* qmask, int qwords, int* warp_total) {
     const int tid = threadIdx.x;
     const int nwords = (nb + 31) >> 5;
     const int nent = nq * width;
@@ -86,7 +87,7 @@ __device__ int build_block_union(const int* __restrict__ lists, long long row0, 
         if (s >= 0 && s < nb && pages.page(s, num_pages) >= 0) atomicOr(&bitmap[s >> 5], 1u << (s & 31));
     }
     union_sync<NT, kBar>();
-    const int total = bitmap_exclusive_scan<NT, kBar>(bitmap, prefix, nwords);
+    const int total = bitmap_exclusive_scan<NT, kBar>(bitmap, prefix, nwords, warp_total);
     // Compaction and membership only read bitmap/prefix: no barrier between them.
     for (int w = tid; w < nwords; w += NT) {
         u32 bits = bitmap[w];
