@@ -140,6 +140,11 @@ def test_select_config_choices():
     assert _config(causal=False).tile == "ws2n128s3" and _config(head_dim=64).tile == "ws2n128s3"
     g = _config()
     assert g.threads == 384 and g.grid == (132, 1, 1) and g.row_tiles == 8192 * 8 // 128 and g.splits == 1
+    # L2 sections: requests x KV heads whose K/V (2 x keys x 256 bytes each) fit in 50 MiB
+    assert g.l2_section == 8  # all 8 heads (32 MiB)
+    assert _config(batch=16, max_seqlen_q=1024, max_seqlen_k=1024, total_q=16384).l2_section == 64
+    assert _config(num_heads_kv=4, max_seqlen_q=32768, max_seqlen_k=32768, total_q=32768).l2_section == 2
+    assert _config(max_seqlen_k=1 << 20).l2_section == 1 and _config(cc=80).l2_section == 0
     # paged prefill: the same tile, its producer looking the pages up
     paged = dict(kv_mode=al.KV_PAGED, page_size=64)
     assert _config(**paged).tile == _config(causal=False, **paged).tile == al.WS_TILE
@@ -811,6 +816,22 @@ def test_ws_tile_long_requests(rng, causal):
     kvl = np.array([1400, 1900], np.int32)
     out, lse = _run(p, causal=causal, qo_offset=offs, kv_lens=kvl, splits=2)
     _check(out, lse, _dense_ref(p, causal=causal, qo_offset=offs, kv_lens=kvl), BF16, f"{al.WS_TILE} long split")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["dense", "csr"])
+@pytest.mark.parametrize("splits,section", [(1, 2), (2, 4)])
+def test_ws_tile_l2_sections(rng, monkeypatch, source, splits, section):
+    # work items walked in L2 sections smaller than the grid, the last one partial
+    # (3 requests x 3 KV heads x splits triples), with a smaller L2 budget
+    p = make_problem(rng, [700, 300, 1100], [1500, 300, 2200], 6, 3, 128, page_size=64)
+    monkeypatch.setattr(al, "L2_BYTES", 5 * 2200 * 128 * 2)  # 2.5 requests' K/V of 2200 keys
+    problem = al.AttentionProblem(al.KV_DENSE, 3, p.total_q, 6, 3, 128, al.DTYPE_BF16, 1100, 2200, 0, 0,
+                                  True, False, splits, False)
+    assert al.tile_config(problem, al.WS_TILE, 132).l2_section == section
+    out, lse = _run(p, source=source, splits=splits, tile=al.WS_TILE)
+    ref = _dense_ref(p) if source == "dense" else _paged_ref(p)
+    _check(out, lse, ref, BF16, f"{al.WS_TILE} {source} L2 sections of {section}")
 
 
 @pytest.mark.gpu

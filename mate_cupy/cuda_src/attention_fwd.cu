@@ -17,7 +17,8 @@
 //
 // Grid: x = row tiles (heaviest first), y = request, z = KV head * splits; the
 // warp-specialised tile is persistent instead: a 1-D grid whose CTAs walk the work items
-// row_tiles x batch x (KV head * splits) in that order (ignored by the other tiles).
+// row_tiles x batch x (KV head * splits) in L2 sections of l2_section (request, KV head,
+// split) triples (row_tiles, batch, l2_section: ignored by the other tiles).
 // CTA: ATT_WARPS_M x ATT_WARPS_N warps; warp (wm, wn) owns ATT_MTILES 16-row
 // m-tiles and the wn-th slice of ATT_BLOCK_N / ATT_WARPS_N keys of each K/V
 // tile (decode shapes split the keys across warps and merge at the end).
@@ -153,8 +154,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     long long k_slot_stride, long long k_head_stride, long long v_page_stride, long long v_slot_stride,
     long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
     int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int union_words,
-    int num_splits,
-    int row_tiles, int batch, float scale_log2, float out_scale) {
+    int num_splits, int row_tiles, int batch, int l2_section, float scale_log2, float out_scale) {
     extern __shared__ __align__(kWS ? 1024 : 128) unsigned char smem_raw[];
     // wgmma tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this).
     unsigned char* smem = smem_raw + (kWS ? ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : 0u);
@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     page_list, page_indptr, q_tok_stride, q_head_stride, out_tok_stride, out_head_stride,
                     k_page_stride, k_slot_stride, k_head_stride, v_page_stride, v_slot_stride, v_head_stride,
                     total_q, kv_extent, num_heads_q, num_heads_kv, group, causal, page_size_log2, page_list_len,
-                    num_splits, row_tiles, batch, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags), sFlags,
+                    num_splits, row_tiles, batch, l2_section, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags), sFlags,
                     ws_sparse_lists(block_lists, list_width, nq_cap, qmask_words, union_words, sFlags + kFlagBytes));
 }
 #else

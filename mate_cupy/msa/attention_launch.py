@@ -51,6 +51,9 @@ MAX_SPLITS = 128
 MAX_GRID_YZ = 65535
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_80 / sm_90
 SMEM_PER_SM = 228 * 1024
+# L2 of the GPUs the warp-specialised tile runs on (H100, H200): the K/V one L2 section of
+# the persistent tile's work items may take (l2_section).
+L2_BYTES = 50 * 1024 * 1024
 WG_PAD = 1024  # extra shared bytes of a warp-specialised tile: the kernel aligns its tiles to 1024 bytes
 GATHER = "gather"
 
@@ -198,8 +201,8 @@ FWD_PARAMS = KernelParams((
     ("v_page_stride", "i64"), ("v_slot_stride", "i64"), ("v_head_stride", "i64"),
     ("total_q", "i32"), ("kv_extent", "i32"), ("num_heads_q", "i32"), ("num_heads_kv", "i32"), ("group", "i32"),
     ("causal", "i32"), ("page_size_log2", "i32"), ("page_list_len", "i32"), ("list_width", "i32"),
-    ("nq_cap", "i32"), ("qmask_words", "i32"), ("union_words", "i32"), ("num_splits", "i32"), ("row_tiles", "i32"), ("batch", "i32"),
-    ("scale_log2", "f32"), ("out_scale", "f32"),
+    ("nq_cap", "i32"), ("qmask_words", "i32"), ("union_words", "i32"), ("num_splits", "i32"),
+    ("row_tiles", "i32"), ("batch", "i32"), ("l2_section", "i32"), ("scale_log2", "f32"), ("out_scale", "f32"),
 ))
 MERGE_PARAMS = KernelParams((
     ("ws_o", "ptr"), ("ws_lse", "ptr"), ("out", "ptr"), ("lse", "ptr"), ("cu_seqlens_q", "ptr"),
@@ -253,7 +256,8 @@ class AttentionConfig:
     ``workspace_bytes`` is the scratch the launch takes (split-KV partials or the gather
     tile's lists and partials). ``row_tiles``: the query row tiles per (request, KV head); a
     persistent tile's ``grid`` is ``(CTAs, 1, 1)`` over ``row_tiles x batch x (Hkv * splits)``
-    work items. ``nq_cap``, ``qmask_words``, ``union_words``: the block-sparse lists' shared
+    work items, walked in L2 sections of ``l2_section`` (request, KV head, split) triples
+    (:func:`l2_section`). ``nq_cap``, ``qmask_words``, ``union_words``: the block-sparse lists' shared
     memory (queries per CTA, membership words per query, union bitmap words).
     """
 
@@ -271,6 +275,7 @@ class AttentionConfig:
     merge_grid: tuple = (0, 0)
     row_tiles: int = 0
     union_words: int = 0
+    l2_section: int = 0
 
 
 NOTHING = AttentionConfig("", None, (0, 0, 0), 0, 0, 1, 0, 0, 0, 0)
@@ -340,6 +345,17 @@ def _smem_bytes(p: AttentionProblem, shape: TileShape) -> tuple:
     return smem, nq_cap, qwords, words
 
 
+def l2_section(p: AttentionProblem, splits: int) -> int:
+    """(request, KV head, split) triples whose K and V fit in :data:`L2_BYTES` together, a
+    power of two (at least 1, at most all of them): the persistent tile walks all row tiles
+    of one such section, heaviest first, before the next, so each K/V tile is read from
+    memory about once however many row tiles share it (FlashAttention-3's L2 swizzle)."""
+    keys = -(-max(1, p.max_seqlen_k) // splits)
+    kv_bytes = 2 * keys * p.head_dim * (1 if p.dtype_code == DTYPE_E4M3 else 2)
+    fit = max(1, L2_BYTES // kv_bytes)
+    return min(1 << (fit.bit_length() - 1), p.batch * p.num_heads_kv * splits)
+
+
 def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfig:
     """The launch configuration of ``p`` with the query tile ``tile`` (a name of :data:`TILES`)."""
     shape = tile_shape(tile, p.head_dim, p.dtype_code)
@@ -367,6 +383,7 @@ def tile_config(p: AttentionProblem, tile: str, sm_count: int) -> AttentionConfi
         tile=tile, spec=SPECS[(p.head_dim, p.dtype_code, tile, p.kv_mode)],
         grid=grid, row_tiles=row_tiles, threads=shape.threads, shared_mem=smem,
         splits=splits, nq_cap=nq_cap, qmask_words=qwords, union_words=words,
+        l2_section=l2_section(p, splits) if shape.producer else 0,
         workspace_bytes=split_workspace_bytes(p.total_q, p.num_heads_q, p.head_dim, splits), num_sms=sm_count,
         page_size_log2=p.page_size.bit_length() - 1 if p.kv_mode != KV_DENSE else -1,
         merge_grid=(-(-p.max_seqlen_q * p.num_heads_q // 4), p.batch))
@@ -492,8 +509,7 @@ def attention_launches(problem: AttentionProblem, config: AttentionConfig, array
         q_strides[0], q_strides[1], out_strides[0], out_strides[1], k_strides[0], k_strides[1], k_strides[2],
         v_strides[0], v_strides[1], v_strides[2], p.total_q, kv_extent, p.num_heads_q, p.num_heads_kv, p.group,
         int(p.causal), config.page_size_log2, page_list_len, p.list_width, config.nq_cap, config.qmask_words,
-        config.union_words,
-        splits, config.row_tiles, p.batch, scale_log2, out_scale,
+        config.union_words, splits, config.row_tiles, p.batch, config.l2_section, scale_log2, out_scale,
     ), config.shared_mem),)
     if splits > 1:
         launches += ((merge, config.merge_grid, (128,), MERGE_PARAMS, (

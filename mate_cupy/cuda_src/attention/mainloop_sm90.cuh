@@ -31,9 +31,11 @@
 //     through two named barriers, so one warpgroup's softmax runs under the other's MMAs.
 //
 // The CTA is persistent: it walks work items (row tile, request, KV head and split) in a
-// static heaviest-first order, and the producer runs ahead into the next item: it loads
-// the next Q tile (one buffer, with its own full/empty mbarriers) as soon as the consumers'
-// last Q K^T of the current item has completed, then that item's K/V tiles.
+// static order, in L2 sections of (request, KV head, split) triples whose K/V fit in L2
+// together and heaviest row tiles first within a section, and the producer runs ahead into
+// the next item: it loads the next Q tile (one buffer, with its own full/empty mbarriers)
+// as soon as the consumers' last Q K^T of the current item has completed, then that item's
+// K/V tiles.
 // Causal items walk only the key tiles their rows can see ([0, kend)); rows past a query's
 // limit are masked where a warp's rows need it (mask.cuh). Keys past the request are
 // zero-filled (never NaN garbage under a zero weight). The epilogue normalises in
@@ -128,18 +130,25 @@ struct MainloopSm90 {
         int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count, b, kend, nq;
     };
     static_assert(sizeof(Item) <= kItemBytes, "item slot");
-    // Item i, heaviest row tiles first (row tile index reversed, then request, then head):
-    // false when the row tile lies past the request.
+    // Item i. The (request, KV head, split) triples run in L2 sections of `section`
+    // consecutive triples, whose K/V the host sized to stay in L2 together; inside a section
+    // the heaviest row tiles come first (row tile index reversed), then the triple. False
+    // when the row tile lies past the request.
     static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
-                                                   int num_splits, const int* __restrict__ cu_seqlens_q,
+                                                   int num_splits, int section, const int* __restrict__ cu_seqlens_q,
                                                    const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
                                                    const int* __restrict__ qo_offset,
                                                    const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
                                                    int group, int causal, int nq_cap, Item& it) {
-        const long long per_rt = (long long)batch * heads_splits;
-        const int rt = (int)(i / per_rt);
-        const long long rem = i - rt * per_rt;
-        const int b = (int)(rem / heads_splits), z = (int)(rem - (long long)b * heads_splits);
+        const long long n_triples = (long long)batch * heads_splits;
+        const long long per_section = (long long)section * row_tiles;
+        const long long sec = i / per_section;
+        const long long first = sec * section;
+        const int width = (int)min((long long)section, n_triples - first);
+        const long long r = i - sec * per_section;
+        const int rt = (int)(r / width);
+        const long long triple = first + (r - (long long)rt * width);
+        const int b = (int)(triple / heads_splits), z = (int)(triple - (long long)b * heads_splits);
         it.kvh = z / num_splits;
         it.split = z - it.kvh * num_splits;
         it.row0 = (row_tiles - 1 - rt) * kM;
@@ -176,7 +185,7 @@ struct MainloopSm90 {
     }
 
     // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
-    // gridDim.x items.
+    // gridDim.x items (item_at's order; section: triples per L2 section).
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
     // of shared memory (8-byte aligned) at the generic pointer bars_ptr: the item slot at
     // kItemOffset, the key flags at kKeyFlagOffset. kv_extent: rows of k (dense) or pages of
@@ -191,7 +200,7 @@ struct MainloopSm90 {
         long long out_head_stride, long long k_page_stride, long long k_slot_stride, long long k_head_stride,
         long long v_page_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
         int num_heads_q, int num_heads_kv, int group, int causal, int page_size_log2, int page_list_len,
-        int num_splits, int row_tiles, int batch, float scale_log2, u32 sQ, u32 sKV, u32 bars,
+        int num_splits, int row_tiles, int batch, int section, float scale_log2, u32 sQ, u32 sKV, u32 bars,
         unsigned char* bars_ptr, SparseLists sp) {
         Item* slot = reinterpret_cast<Item*>(bars_ptr + kItemOffset);
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -204,7 +213,7 @@ struct MainloopSm90 {
         auto item = [&](long long w, Item& it) {
             const long long i =
                 w * gridDim.x + ((w & 1) ? (long long)gridDim.x - 1 - blockIdx.x : (long long)blockIdx.x);
-            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, cu_seqlens_q, qo_lens,
+            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, section, cu_seqlens_q, qo_lens,
                                           kv_lens, qo_offset, cu_seqlens_k, total_q, kv_extent, group, causal,
                                           sp.nq_cap, it);
         };
