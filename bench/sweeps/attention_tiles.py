@@ -1,4 +1,5 @@
-"""Query tiles of the attention forward side by side: paged and block-sparse prefill per tile.
+"""Query tiles of the attention forward side by side: dense, paged and block-sparse prefill per
+tile.
 
     PYTHONPATH=. python bench/sweeps/attention_tiles.py OUTDIR
 
@@ -6,8 +7,8 @@ For each case, the public ``msa`` call on an eager plan with each registered que
 forced (the configuration's tile choice replaced before the plan is built), timed by
 ``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``);
 our dense prefill (its default tile) on the same
-values laid out contiguously is the baseline of the paged rows, and every paged output is
-compared with the dense one (relative error). The block-sparse rows time ``sparse_msa`` with
+values laid out contiguously is the baseline of the paged rows, and every paged output and
+every dense output of a forced warp-specialised tile is compared with it (relative error). The block-sparse rows time ``sparse_msa`` with
 the query tiles (``prefill_tile="query"``) on the benchmark's inputs (``bench_attention``'s
 sparse case, S32768 Hq64 Hkv4 top 16, lists shared per 128-query tile or chosen per token),
 outputs compared with the first tile's. Writes ``OUTDIR/attention_tiles.json`` and prints a
@@ -24,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 D = 128
 # (batch, seqlen, page size, Hq, Hkv, causal)
-CASES = ((4, 8192, 64, 64, 8, True), (16, 1024, 64, 64, 8, True), (1, 8192, 16, 64, 8, True),
-         (1, 8192, 256, 64, 8, False), (1, 32768, 64, 64, 4, True))
+CASES = ((4, 8192, 64, 64, 8, True), (16, 1024, 64, 64, 8, True), (16, 1024, 64, 64, 8, False),
+         (8, 2048, 64, 64, 8, True), (4, 4096, 64, 64, 8, True),
+         (1, 8192, 16, 64, 8, True), (1, 8192, 256, 64, 8, False), (1, 32768, 64, 64, 4, True))
 
 
 def _tiles(al, kv: int) -> list:
@@ -64,7 +66,18 @@ def main(outdir: str) -> None:
         outs = [torch.empty_like(x["q"]) for x in sets]
         dense_ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=outs[i]))
         ref = outs[0].float()
-        rec = {"case": name, "tflops_dense": flops / dense_ms * 1e-9, "dense_ms": dense_ms, "tiles": {}}
+        rec = {"case": name, "tflops_dense": flops / dense_ms * 1e-9, "dense_ms": dense_ms, "tiles": {},
+               "dense_tiles": {}}
+        for tile in _tiles(al, al.KV_DENSE):
+            if tile == "prefill":  # (the mma.sync tile: GPUs without the warpgroup tiles)
+                continue
+            al.choose_tile = lambda p, cc, _t=tile: _t
+            al.select_config.cache_clear()
+            plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=causal)
+            douts = [torch.full_like(x["q"], float("nan")) for x in sets]
+            ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=douts[i]))
+            err = float(((douts[0].float() - ref).norm() / ref.norm()).item())
+            rec["dense_tiles"][tile] = {"ms": ms, "tflops": flops / ms * 1e-9, "rel_err": err}
         for tile in _tiles(al, al.KV_PAGED):
             al.choose_tile = lambda p, cc, _t=tile: _t
             al.select_config.cache_clear()
@@ -77,6 +90,7 @@ def main(outdir: str) -> None:
         al.choose_tile = choose
         records.append(rec)
         print(f"{name}: dense {dense_ms:.3f} ms ({rec['tflops_dense']:.0f} TF/s); " + "; ".join(
+            f"dense {t} {r['ms']:.3f} ms err {r['rel_err']:.1e}" for t, r in rec["dense_tiles"].items()) + "; " + "; ".join(
             f"{t} {r['ms']:.3f} ms {r['vs_dense']:.2f}x err {r['rel_err']:.1e}" for t, r in rec["tiles"].items()),
             flush=True)
         del sets, outs

@@ -33,9 +33,9 @@
 // The CTA is persistent: it walks work items (row tile, request, KV head and split) in a
 // static order, in L2 sections of (request, KV head, split) triples whose K/V fit in L2
 // together and heaviest row tiles first within a section, and the producer runs ahead into
-// the next item: it loads the next Q tile (one buffer, with its own full/empty mbarriers)
-// as soon as the consumers' last Q K^T of the current item has completed, then that item's
-// K/V tiles.
+// the next item: it prefetches the next Q tile's rows into L2 as soon as it reaches the item,
+// loads the tile (one buffer, with its own full/empty mbarriers) once the consumers' last
+// Q K^T of the current item has completed, then that item's K/V tiles.
 // Causal items walk only the key tiles their rows can see ([0, kend)); rows past a query's
 // limit are masked where a warp's rows need it (mask.cuh). Keys past the request are
 // zero-filled (never NaN garbage under a zero weight). The epilogue normalises in
@@ -256,6 +256,15 @@ struct MainloopSm90 {
             for (long long w = 0; w * gridDim.x < n_items; ++w) {
                 Item it;
                 if (!item(w, it)) continue;
+                // The item's Q rows into L2 (thread tid: packed row tid): its load below waits
+                // for the consumers' last Q K^T of the previous item, and then hits L2.
+                if (it.row0 + tid < it.rows_total) {
+                    const int P = it.row0 + tid, qi = P / group, h = P - qi * group;
+                    const char* row = reinterpret_cast<const char*>(
+                        q + (long long)(it.q_start + qi) * q_tok_stride + (long long)(it.kvh * group + h) * q_head_stride);
+#pragma unroll
+                    for (int l = 0; l < kRowBytes / 128; ++l) prefetch_l2(row + 128 * l);
+                }
                 PageList pages{nullptr, 0};
                 if constexpr (kKv != 0) pages = PageList::of_request(page_list, page_indptr, page_list_len, it.b);
                 if constexpr (kSparse) {
