@@ -28,7 +28,9 @@
 //     O += P_{n-1} V_{n-1} (O rescaled first), waits for S_n only, masks it and runs the
 //     online softmax while the PV product is in flight, then waits for it and packs P_n.
 //     Between the warpgroups the issue sections (the MMAs of one iteration) alternate
-//     through two named barriers, so one warpgroup's softmax runs under the other's MMAs.
+//     through two named barriers, so one warpgroup's softmax runs under the other's MMAs;
+//     the alternation runs on across items, so one warpgroup starts the next item while
+//     the other drains the current one.
 //
 // The CTA is persistent: it walks work items (row tile, request, KV head and split) in a
 // static order, in L2 sections of (request, KV head, split) triples whose K/V fit in L2
@@ -416,6 +418,7 @@ struct MainloopSm90 {
         const int turn_mine = kBarTurn + cw, turn_other = kBarTurn + (cw ^ 1);
         const long long split_rows = (long long)total_q * num_heads_q;
         int kv_n = 0, q_n = 0;
+        bool turns_started = false;  // the first issue section has been handed to warpgroup 0
 
         float S[1][kNT][4];
         float O[kDT][4];
@@ -548,9 +551,14 @@ struct MainloopSm90 {
             l_run[0] = l_run[1] = 0.f;
 
             if (n_count > 0) {
-                // Issue sections alternate between the warpgroups: warpgroup 0 goes first, and
-                // warpgroup 1 skips its last hand-over, so each item completes every barrier phase.
-                if (cw == 1) named_arrive(turn_other, 256);
+                // Issue sections alternate between the warpgroups across items: warpgroup 1 hands
+                // the first one to warpgroup 0 once, warpgroup 0 takes the last hand-over back
+                // after the loop. Warpgroup 0 starts an item once warpgroup 1 has issued its
+                // last MMAs of the previous one, while warpgroup 1 finishes that item.
+                if (!turns_started) {
+                    if (cw == 1) named_arrive(turn_other, 256);
+                    turns_started = true;
+                }
                 {
                     const int s = kv_n % kStages;
                     mbar_wait(full_k + 8 * s, (kv_n / kStages) & 1);
@@ -558,7 +566,7 @@ struct MainloopSm90 {
                     fence_proxy_async_smem();
                     named_sync(turn_mine, 256);
                     issue_qk(sKV + s * kStageBytes);
-                    if (!(cw == 1 && n_count == 1)) named_arrive(turn_other, 256);
+                    named_arrive(turn_other, 256);
                     wg_wait<0>();
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
                     release_k(empty_k + 8 * s);
@@ -578,7 +586,7 @@ struct MainloopSm90 {
                     issue_qk(sKV + s * kStageBytes);
                     rescale_o();
                     issue_pv(sKV + sp * kStageBytes + kTileBytes);
-                    if (!(cw == 1 && n == n_count - 1)) named_arrive(turn_other, 256);
+                    named_arrive(turn_other, 256);
                     wg_wait<1>();  // S_n has landed; the PV product is still in flight
                     wg_fence_regs<kNT * 4>(&S[0][0][0]);
                     release_k(empty_k + 8 * s);
@@ -646,6 +654,7 @@ struct MainloopSm90 {
                 }
             }
         }
+        if (cw == 0 && turns_started) named_sync(turn_mine, 256);  // warpgroup 1's last hand-over
     }
 };
 
