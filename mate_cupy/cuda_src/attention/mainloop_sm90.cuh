@@ -258,12 +258,15 @@ struct MainloopSm90 {
             for (long long w = 0; w * gridDim.x < n_items; ++w) {
                 Item it;
                 if (!item(w, it)) continue;
+                // Packed row P (< rows_total) of the item's Q tile: query P / group, head in group P % group.
+                auto q_row = [&](int P) {
+                    const int qi = P / group, h = P - qi * group;
+                    return q + (long long)(it.q_start + qi) * q_tok_stride + (long long)(it.kvh * group + h) * q_head_stride;
+                };
                 // The item's Q rows into L2 (thread tid: packed row tid): its load below waits
                 // for the consumers' last Q K^T of the previous item, and then hits L2.
                 if (it.row0 + tid < it.rows_total) {
-                    const int P = it.row0 + tid, qi = P / group, h = P - qi * group;
-                    const char* row = reinterpret_cast<const char*>(
-                        q + (long long)(it.q_start + qi) * q_tok_stride + (long long)(it.kvh * group + h) * q_head_stride);
+                    const char* row = reinterpret_cast<const char*>(q_row(it.row0 + tid));
 #pragma unroll
                     for (int l = 0; l < kRowBytes / 128; ++l) prefetch_l2(row + 128 * l);
                 }
@@ -291,13 +294,7 @@ struct MainloopSm90 {
                 for (int j = 0; j < kM / kStep; ++j) {
                     const int P = it.row0 + r0 + j * kStep;
                     const bool ok = P < it.rows_total;
-                    const Elem* src = q;
-                    if (ok) {
-                        const int qi = P / group, h = P - qi * group;
-                        src = q + (long long)(it.q_start + qi) * q_tok_stride +
-                              (long long)(it.kvh * group + h) * q_head_stride + c * 8;
-                    }
-                    cp_async_16_u32(q_off + j * kStep * 128, src, ok);
+                    cp_async_16_u32(q_off + j * kStep * 128, ok ? q_row(P) + c * 8 : q, ok);
                 }
                 cp_async_mbar_arrive_noinc(q_full);
                 if (tid == 0) mbar_arrive(q_full);

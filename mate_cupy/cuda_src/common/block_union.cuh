@@ -19,6 +19,7 @@
 #pragma once
 #include "dtype.cuh"
 #include "kv_pages.cuh"
+#include "warp_specialized.cuh"
 
 namespace mate {
 namespace attn {
@@ -28,7 +29,7 @@ __device__ __forceinline__ void union_sync() {
     if constexpr (kBar == 0) {
         __syncthreads();
     } else {
-        asm volatile("bar.sync %0, %1;\n" ::"n"(kBar), "n"(NT) : "memory");
+        named_sync(kBar, NT);
     }
 }
 
