@@ -144,6 +144,29 @@ def paged_prefill_inputs(dev, n: int, batch: int, s: int, page: int, hq: int, hk
     return sets
 
 
+def time_prefill(sets: list, outs: list, batch: int, s: int, hq: int, hkv: int, *, page: int = 0,
+                 causal: bool = True) -> float:
+    """Median ms per call of our prefill over ``sets`` of :func:`paged_prefill_inputs`: the
+    public ``msa`` call on an eager plan built now (so it takes the current configuration),
+    dense on "k"/"v" or, with ``page``, paged on the caches, writing ``outs[i]``; timed by
+    ``bench.timing.Timer`` as ``bench/run.py`` times (the sweeps' measurement)."""
+    from .timing import Timer, TimingConfig
+
+    if page:
+        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, page_size=page, causal=causal)
+
+        def run(i):
+            return ours.msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
+                            kv_indices=sets[i]["kv_indices"], out=outs[i])
+    else:
+        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=causal)
+
+        def run(i):
+            return ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=outs[i])
+
+    return Timer(TimingConfig()).time(run, len(sets))["ms"]
+
+
 def paged_prefill_case(cfg, batch: int, s: int, page: int, hq: int, hkv: int, *, target: Target | None) -> Case:
     """Causal prefill of ``batch`` sequences of ``s`` tokens whose K/V sit in a paged cache
     ([pages, page, Hkv, D], pages in random order, CSR ``kv_indices``), beside our dense

@@ -5,7 +5,8 @@ tile.
 
 For each case, the public ``msa`` call on an eager plan with each registered query tile
 forced (the configuration's tile choice replaced before the plan is built), timed by
-``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``);
+``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``
+and ``time_prefill``);
 our dense prefill (its default tile) on the same
 values laid out contiguously is the baseline of the paged rows, and every paged output and
 every dense output of a forced warp-specialised tile is compared with it (relative error). The block-sparse rows time ``sparse_msa`` with
@@ -35,20 +36,13 @@ def _tiles(al, kv: int) -> list:
     return [t for t in al.TILES if t != "decode" and (D, al.DTYPE_BF16, t, kv) in al.SPECS]
 
 
-def _time(run) -> float:
-    """Median ms per call of ``run(i)`` over the two rotated input sets (``bench.timing.Timer``,
-    as ``bench/run.py`` times)."""
-    from bench.timing import Timer, TimingConfig
-
-    return Timer(TimingConfig()).time(run, 2)["ms"]
-
-
 def main(outdir: str) -> None:
     import torch
 
     from bench import bench_attention as ba
     from bench import ours
     from bench.models import attention_flops
+    from bench.timing import Timer, TimingConfig
     from mate_cupy.msa import attention_launch as al
 
     out_path = Path(outdir)
@@ -62,9 +56,8 @@ def main(outdir: str) -> None:
 
         al.choose_tile = choose
         al.select_config.cache_clear()
-        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=causal)
         outs = [torch.empty_like(x["q"]) for x in sets]
-        dense_ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=outs[i]))
+        dense_ms = ba.time_prefill(sets, outs, batch, s, hq, hkv, causal=causal)
         ref = outs[0].float()
         rec = {"case": name, "tflops_dense": flops / dense_ms * 1e-9, "dense_ms": dense_ms, "tiles": {},
                "dense_tiles": {}}
@@ -73,18 +66,15 @@ def main(outdir: str) -> None:
                 continue
             al.choose_tile = lambda p, cc, _t=tile: _t
             al.select_config.cache_clear()
-            plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=causal)
             douts = [torch.full_like(x["q"], float("nan")) for x in sets]
-            ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=douts[i]))
+            ms = ba.time_prefill(sets, douts, batch, s, hq, hkv, causal=causal)
             err = float(((douts[0].float() - ref).norm() / ref.norm()).item())
             rec["dense_tiles"][tile] = {"ms": ms, "tflops": flops / ms * 1e-9, "rel_err": err}
         for tile in _tiles(al, al.KV_PAGED):
             al.choose_tile = lambda p, cc, _t=tile: _t
             al.select_config.cache_clear()
-            plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, page_size=page, causal=causal)
             pouts = [torch.full_like(x["q"], float("nan")) for x in sets]
-            ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
-                                          kv_indices=sets[i]["kv_indices"], out=pouts[i]))
+            ms = ba.time_prefill(sets, pouts, batch, s, hq, hkv, page=page, causal=causal)
             err = float(((pouts[0].float() - ref).norm() / ref.norm()).item())
             rec["tiles"][tile] = {"ms": ms, "tflops": flops / ms * 1e-9, "vs_dense": dense_ms / ms, "rel_err": err}
         al.choose_tile = choose
@@ -107,9 +97,13 @@ def main(outdir: str) -> None:
             plan = ours.sparse_plan([32768], [32768], 64, 4, page_size=128, kv_block_num=16, causal=True,
                                     prefill_tile="query")
             pouts = [torch.full_like(x["q"], float("nan")) for x in sets]
-            ms = _time(lambda i: ours.sparse_msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
-                                                 kv_indices=sets[i]["kv_indices"],
-                                                 kv_block_indexes=sets[i]["kv_block_indexes"], out=pouts[i]))
+
+            def run(i):
+                return ours.sparse_msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
+                                       kv_indices=sets[i]["kv_indices"],
+                                       kv_block_indexes=sets[i]["kv_block_indexes"], out=pouts[i])
+
+            ms = Timer(TimingConfig()).time(run, len(sets))["ms"]
             o = pouts[0].float()
             err = 0.0 if ref is None else float(((o - ref).norm() / ref.norm()).item())
             ref = o if ref is None else ref

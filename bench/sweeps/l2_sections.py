@@ -7,8 +7,8 @@ The tile walks its work items in sections of (request, KV head, split) triples w
 fit in ``attention_launch.L2_BYTES`` together (``l2_section``). For each budget of
 :data:`BUDGETS` (``None``: one section of every triple, row tiles outermost) this sets the
 budget and times our dense prefill and our paged prefill (random page order, CSR
-``kv_indices``) through the public ``msa`` call, with ``bench.timing.Timer`` over two rotated
-input sets (``bench_attention.paged_prefill_inputs``). Writes ``OUTDIR/l2_sections.json``.
+``kv_indices``) on two rotated input sets (``bench_attention.paged_prefill_inputs`` and
+``time_prefill``). Writes ``OUTDIR/l2_sections.json``.
 """
 from __future__ import annotations
 
@@ -25,19 +25,10 @@ BUDGETS = (None, 50 * MIB, 25 * MIB, 12 * MIB, 4 * MIB)
 CASES = ((16, 1024, 64, 64, 8), (4, 8192, 64, 64, 8), (1, 8192, 64, 64, 8), (1, 32768, 64, 64, 4))
 
 
-def _time(run) -> float:
-    """Median ms per call of ``run(i)`` over the two rotated input sets (``bench.timing.Timer``,
-    as ``bench/run.py`` times)."""
-    from bench.timing import Timer, TimingConfig
-
-    return Timer(TimingConfig()).time(run, 2)["ms"]
-
-
 def main(outdir: str) -> None:
     import torch
 
     from bench import bench_attention as ba
-    from bench import ours
     from bench.models import attention_flops
     from mate_cupy.msa import attention_launch as al
 
@@ -54,13 +45,7 @@ def main(outdir: str) -> None:
                 al.L2_BYTES = 1 << 62 if budget is None else budget
                 al.select_config.cache_clear()
                 try:
-                    if kv == "dense":
-                        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=True)
-                        ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=outs[i]))
-                    else:
-                        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, page_size=page, causal=True)
-                        ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
-                                                      kv_indices=sets[i]["kv_indices"], out=outs[i]))
+                    ms = ba.time_prefill(sets, outs, batch, s, hq, hkv, page=page if kv == "paged" else 0)
                 finally:
                     al.L2_BYTES = configured
                     al.select_config.cache_clear()

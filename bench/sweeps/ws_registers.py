@@ -8,7 +8,8 @@ thread after ``setmaxnreg`` (``attention_launch.WS_REGISTERS``). For each split 
 :data:`SPLITS` this registers the variant with those registers (bf16, D 128) and times our
 dense prefill and our paged prefill (random page order, CSR ``kv_indices``) through the
 public ``msa`` call with that variant in place of the configured one, timed by
-``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``).
+``bench.timing.Timer`` over two rotated input sets (``bench_attention.paged_prefill_inputs``
+and ``time_prefill``).
 Writes ``OUTDIR/ws_registers.json``.
 """
 from __future__ import annotations
@@ -46,19 +47,10 @@ def build(cubin_dir: str) -> None:
         print(r["name"], "error" if "error" in r else "ok")
 
 
-def _time(run) -> float:
-    """Median ms per call of ``run(i)`` over the two rotated input sets (``bench.timing.Timer``,
-    as ``bench/run.py`` times)."""
-    from bench.timing import Timer, TimingConfig
-
-    return Timer(TimingConfig()).time(run, 2)["ms"]
-
-
 def main(outdir: str) -> None:
     import torch
 
     from bench import bench_attention as ba
-    from bench import ours
     from bench.models import attention_flops
     from mate_cupy.msa import attention_launch as al
 
@@ -75,13 +67,7 @@ def main(outdir: str) -> None:
                 al.SPECS[(D, al.DTYPE_BF16, al.WS_TILE, kv)] = variant(kv, p, c)
                 al.select_config.cache_clear()
                 try:
-                    if kv == al.KV_DENSE:
-                        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, causal=True)
-                        ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k"], sets[i]["v"], plan, out=outs[i]))
-                    else:
-                        plan = ours.eager_plan([s] * batch, [s] * batch, hq, hkv, page_size=page, causal=True)
-                        ms = _time(lambda i: ours.msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
-                                                      kv_indices=sets[i]["kv_indices"], out=outs[i]))
+                    ms = ba.time_prefill(sets, outs, batch, s, hq, hkv, page=page if kv == al.KV_PAGED else 0)
                 finally:
                     al.SPECS.update(configured)
                     al.select_config.cache_clear()

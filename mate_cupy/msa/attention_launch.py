@@ -127,9 +127,14 @@ def ws_bar_bytes(stages: int, kv: int) -> int:
     return 4 * stages * 8 + 16 + 80 + meta + 16
 
 
+def _row_bytes(head_dim: int, dtype_code: int) -> int:
+    """Bytes of one Q/K/V row."""
+    return head_dim * (1 if dtype_code == DTYPE_E4M3 else 2)
+
+
 def smem_layout(shape: TileShape, head_dim: int, dtype_code: int, kv: int = KV_DENSE) -> dict:
     """Fixed shared-memory layout, mirrored by the kernel (checked by its static_assert)."""
-    row_bytes = head_dim * (1 if dtype_code == DTYPE_E4M3 else 2)
+    row_bytes = _row_bytes(head_dim, dtype_code)
     q_bytes = shape.rows * row_bytes
     stage_bytes = 2 * shape.block_n * row_bytes
     epi_bytes = shape.warps_n * shape.rows * (head_dim + 8) * 4 + 3 * shape.warps_n * shape.rows * 4
@@ -154,7 +159,7 @@ def sparse_smem_bytes(nq_cap: int, width: int, union_words: int = 0) -> tuple:
 def union_words(max_seqlen_k: int) -> int:
     """Words of a warp-specialised tile's union bitmap: one bit per 128-key block of the
     longest request."""
-    return max(1, -(-(-(-max(1, max_seqlen_k) // SPARSE_BLOCK)) // 32))
+    return -(-max(1, max_seqlen_k) // (SPARSE_BLOCK * 32))
 
 
 # ----------------------------------------------------------------------------- variants
@@ -352,7 +357,7 @@ def l2_section(p: AttentionProblem, splits: int) -> int:
     of one such section, heaviest first, before the next, so each K/V tile is read from
     memory about once however many row tiles share it (FlashAttention-3's L2 swizzle)."""
     keys = -(-max(1, p.max_seqlen_k) // splits)
-    kv_bytes = 2 * keys * p.head_dim * (1 if p.dtype_code == DTYPE_E4M3 else 2)
+    kv_bytes = 2 * keys * _row_bytes(p.head_dim, p.dtype_code)
     fit = max(1, L2_BYTES // kv_bytes)
     return min(1 << (fit.bit_length() - 1), p.batch * p.num_heads_kv * splits)
 
