@@ -87,9 +87,11 @@ struct MainloopSm90 {
     static constexpr int kThreads = 384;
     // Registers per thread after setmaxnreg (the host's choice, attention_launch.WS_REGISTERS).
     static constexpr int kProducerRegs = kRegs / 1000, kConsumerRegs = kRegs % 1000;
-    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 && kProducerRegs % 8 == 0 &&
+    // (setmaxnreg moves registers inside the CTA's launch allocation: 168 x 384 threads; a
+    // claim beyond it would wait forever)
+    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * kThreads && kProducerRegs % 8 == 0 &&
                       kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
-                  "setmaxnreg: multiples of 8 within the register file");
+                  "setmaxnreg: multiples of 8 within the launch allocation");
     static constexpr int kRowBytes = kD * 2;
     static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row
     static constexpr int kNT = kBN / 8;             // S n-tiles per warp
