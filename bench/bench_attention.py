@@ -8,6 +8,7 @@ All bf16, D = 128; sparse rows at MiniMax-M3's shapes (Hq 64, Hkv 4, 16 blocks o
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 from . import ours
@@ -142,6 +143,22 @@ def paged_prefill_inputs(dev, n: int, batch: int, s: int, page: int, hq: int, hk
         x["v"] = _linear_pages(x["v_cache"], pt, s).reshape(batch * s, hkv, D)
         sets.append(x)
     return sets
+
+
+@contextlib.contextmanager
+def launch_patch(patcher):
+    """Run the block under ``patcher`` (a ``unittest.mock`` patcher of
+    ``mate_cupy.msa.attention_launch``: a launch choice or a registered variant), with
+    ``select_config``'s memo cleared on entry and exit, so plans built inside take the patched
+    configuration and plans built after it the configured one (the sweeps' override)."""
+    from mate_cupy.msa import attention_launch as al
+
+    with patcher:
+        al.select_config.cache_clear()
+        try:
+            yield
+        finally:
+            al.select_config.cache_clear()
 
 
 def time_prefill(sets: list, outs: list, batch: int, s: int, hq: int, hkv: int, *, page: int = 0,

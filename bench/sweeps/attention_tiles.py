@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from unittest import mock
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +37,13 @@ def _tiles(al, kv: int) -> list:
     return [t for t in al.TILES if t != "decode" and (D, al.DTYPE_BF16, t, kv) in al.SPECS]
 
 
+def _forced(al, tile: str):
+    """The block with ``tile`` as the configuration's tile choice (``bench_attention.launch_patch``)."""
+    from bench import bench_attention as ba
+
+    return ba.launch_patch(mock.patch.object(al, "choose_tile", lambda p, cc: tile))
+
+
 def main(outdir: str) -> None:
     import torch
 
@@ -47,15 +55,12 @@ def main(outdir: str) -> None:
 
     out_path = Path(outdir)
     out_path.mkdir(parents=True, exist_ok=True)
-    choose = al.choose_tile
     records = []
     for batch, s, page, hq, hkv, causal in CASES:
         sets = ba.paged_prefill_inputs("cuda", 2, batch, s, page, hq, hkv)
         flops = attention_flops(batch, hq, s, s, D, causal)
         name = f"B{batch} S{s} page{page} Hq{hq} Hkv{hkv} " + ("causal" if causal else "non-causal")
 
-        al.choose_tile = choose
-        al.select_config.cache_clear()
         outs = [torch.empty_like(x["q"]) for x in sets]
         dense_ms = ba.time_prefill(sets, outs, batch, s, hq, hkv, causal=causal)
         ref = outs[0].float()
@@ -64,20 +69,17 @@ def main(outdir: str) -> None:
         for tile in _tiles(al, al.KV_DENSE):
             if tile == "prefill":  # (the mma.sync tile: GPUs without the warpgroup tiles)
                 continue
-            al.choose_tile = lambda p, cc, _t=tile: _t
-            al.select_config.cache_clear()
             douts = [torch.full_like(x["q"], float("nan")) for x in sets]
-            ms = ba.time_prefill(sets, douts, batch, s, hq, hkv, causal=causal)
+            with _forced(al, tile):
+                ms = ba.time_prefill(sets, douts, batch, s, hq, hkv, causal=causal)
             err = float(((douts[0].float() - ref).norm() / ref.norm()).item())
             rec["dense_tiles"][tile] = {"ms": ms, "tflops": flops / ms * 1e-9, "rel_err": err}
         for tile in _tiles(al, al.KV_PAGED):
-            al.choose_tile = lambda p, cc, _t=tile: _t
-            al.select_config.cache_clear()
             pouts = [torch.full_like(x["q"], float("nan")) for x in sets]
-            ms = ba.time_prefill(sets, pouts, batch, s, hq, hkv, page=page, causal=causal)
+            with _forced(al, tile):
+                ms = ba.time_prefill(sets, pouts, batch, s, hq, hkv, page=page, causal=causal)
             err = float(((pouts[0].float() - ref).norm() / ref.norm()).item())
             rec["tiles"][tile] = {"ms": ms, "tflops": flops / ms * 1e-9, "vs_dense": dense_ms / ms, "rel_err": err}
-        al.choose_tile = choose
         records.append(rec)
         print(f"{name}: dense {dense_ms:.3f} ms ({rec['tflops_dense']:.0f} TF/s); " + "; ".join(
             f"dense {t} {r['ms']:.3f} ms err {r['rel_err']:.1e}" for t, r in rec["dense_tiles"].items()) + "; " + "; ".join(
@@ -92,25 +94,23 @@ def main(outdir: str) -> None:
         rec = {"case": case.name, "tiles": {}}
         ref = None
         for tile in _tiles(al, al.KV_SPARSE):
-            al.choose_tile = lambda p, cc, _t=tile: _t
-            al.select_config.cache_clear()
-            plan = ours.sparse_plan([32768], [32768], 64, 4, page_size=128, kv_block_num=16, causal=True,
-                                    prefill_tile="query")
             pouts = [torch.full_like(x["q"], float("nan")) for x in sets]
+            with _forced(al, tile):
+                plan = ours.sparse_plan([32768], [32768], 64, 4, page_size=128, kv_block_num=16, causal=True,
+                                        prefill_tile="query")
 
-            def run(i):
-                return ours.sparse_msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
-                                       kv_indices=sets[i]["kv_indices"],
-                                       kv_block_indexes=sets[i]["kv_block_indexes"], out=pouts[i])
+                def run(i):
+                    return ours.sparse_msa(sets[i]["q"], sets[i]["k_cache"], sets[i]["v_cache"], plan,
+                                           kv_indices=sets[i]["kv_indices"],
+                                           kv_block_indexes=sets[i]["kv_block_indexes"], out=pouts[i])
 
-            ms = Timer(TimingConfig()).time(run, len(sets))["ms"]
+                ms = Timer(TimingConfig()).time(run, len(sets))["ms"]
             o = pouts[0].float()
             err = 0.0 if ref is None else float(((o - ref).norm() / ref.norm()).item())
             ref = o if ref is None else ref
             rec["tiles"][tile] = {"ms": ms, "rel_err_vs_first": err, "nan": bool(torch.isnan(o).any().item())}
             if flops:
                 rec["tiles"][tile]["tflops"] = flops / ms * 1e-9
-        al.choose_tile = choose
         records.append(rec)
         print(f"{case.name}: " + "; ".join(f"{t} {r['ms']:.3f} ms err {r['rel_err_vs_first']:.1e} nan {r['nan']}"
                                            for t, r in rec["tiles"].items()), flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from unittest import mock
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -35,20 +36,14 @@ def main(outdir: str) -> None:
     out_path = Path(outdir)
     out_path.mkdir(parents=True, exist_ok=True)
     records = []
-    configured = al.L2_BYTES
     for batch, s, page, hq, hkv in CASES:
         sets = ba.paged_prefill_inputs("cuda", 2, batch, s, page, hq, hkv)
         flops = attention_flops(batch, hq, s, s, D, True)
         outs = [torch.empty_like(x["q"]) for x in sets]
         for kv in ("dense", "paged"):
             for budget in BUDGETS:
-                al.L2_BYTES = 1 << 62 if budget is None else budget
-                al.select_config.cache_clear()
-                try:
+                with ba.launch_patch(mock.patch.object(al, "L2_BYTES", 1 << 62 if budget is None else budget)):
                     ms = ba.time_prefill(sets, outs, batch, s, hq, hkv, page=page if kv == "paged" else 0)
-                finally:
-                    al.L2_BYTES = configured
-                    al.select_config.cache_clear()
                 rec = {"case": f"B{batch} S{s} page{page} Hq{hq} Hkv{hkv} causal", "kv": kv,
                        "l2_budget_mib": None if budget is None else budget / MIB, "ms": ms,
                        "tflops": flops / ms * 1e-9}

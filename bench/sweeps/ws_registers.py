@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from unittest import mock
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -57,20 +58,15 @@ def main(outdir: str) -> None:
     out_path = Path(outdir)
     out_path.mkdir(parents=True, exist_ok=True)
     records = []
-    configured = dict(al.SPECS)
     for batch, s, page, hq, hkv in CASES:
         sets = ba.paged_prefill_inputs("cuda", 2, batch, s, page, hq, hkv)
         flops = attention_flops(batch, hq, s, s, D, True)
         outs = [torch.empty_like(x["q"]) for x in sets]
         for kv in (al.KV_DENSE, al.KV_PAGED):
             for p, c in SPLITS:
-                al.SPECS[(D, al.DTYPE_BF16, al.WS_TILE, kv)] = variant(kv, p, c)
-                al.select_config.cache_clear()
-                try:
+                key = (D, al.DTYPE_BF16, al.WS_TILE, kv)
+                with ba.launch_patch(mock.patch.dict(al.SPECS, {key: variant(kv, p, c)})):
                     ms = ba.time_prefill(sets, outs, batch, s, hq, hkv, page=page if kv == al.KV_PAGED else 0)
-                finally:
-                    al.SPECS.update(configured)
-                    al.select_config.cache_clear()
                 rec = {"case": f"B{batch} S{s} page{page} Hq{hq} Hkv{hkv} causal",
                        "kv": "dense" if kv == al.KV_DENSE else "paged", "registers": [p, c], "ms": ms,
                        "tflops": flops / ms * 1e-9}

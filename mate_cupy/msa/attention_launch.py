@@ -88,7 +88,8 @@ WS_SPARSE_TILE = "ws2n128s2"  # block-sparse lists too long for a third stage
 # Warp-specialised tiles: name -> stages (two consumer warpgroups, 128 keys per tile).
 WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
 # Registers per thread of a warp-specialised tile's (producer, consumer) warpgroups after
-# setmaxnreg, per KV mode (128 * producer + 256 * consumer <= 65536): the fewest producer
+# setmaxnreg, per KV mode (128 * producer + 256 * consumer <= 168 * 384, the CTA's registers
+# at launch, which setmaxnreg only moves between the warpgroups): the fewest producer
 # registers that compile without spills. Paged K/V: the producer's page lookups spill under
 # 72, and a spilled page id stalls the producer on its load (bench/sweeps/ws_registers.py);
 # block-sparse: the union build spills under 56.
