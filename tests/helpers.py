@@ -51,7 +51,7 @@ def kernel_params(source, kernel: str, macros=()) -> list:
     """``(name, kind)`` of each parameter of ``kernel`` as declared in the ``.cu`` file ``source``.
 
     ``macros`` names ``#define``d parameter lists used in the declaration (expanded first).
-    Kinds as in :class:`mate_cupy.jit.KernelParams`: ptr, i64, u32, i32, f32.
+    Kinds as in :class:`mate_cupy.jit.KernelParams`: ptr, i64, u32, i32, f32, map.
     """
     import re
     from pathlib import Path
@@ -68,7 +68,9 @@ def kernel_params(source, kernel: str, macros=()) -> list:
     for decl in decls.split(","):
         decl = " ".join(decl.replace("__restrict__", "").replace("const ", "").split())
         name = decl.split()[-1].lstrip("*")
-        if "*" in decl:
+        if decl.startswith("__grid_constant__ TensorMap "):
+            kind = "map"
+        elif "*" in decl:
             kind = "ptr"
         elif decl.startswith("long long"):
             kind = "i64"

@@ -11,6 +11,7 @@ replays it with new runtime lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -252,6 +253,38 @@ def test_run_attention_packs_values_in_parameter_order(monkeypatch):
     assert merge[1] == cfg.merge_grid == (-(-64 // 4), 2)
 
 
+def test_tensor_maps_of_the_dense_warp_specialised_tile():
+    from mate_cupy.jit.tensor_map import NO_MAP, TensorMap
+
+    def problem(kv, hq, hkv, d=128):
+        return al.AttentionProblem(kv, 2, 300, hq, hkv, d, al.DTYPE_BF16, 200, 900, 0 if kv == al.KV_DENSE else 64,
+                                   0, True, False, -1, False)
+
+    p = problem(al.KV_DENSE, 64, 8)
+    cfg = al.select_config(p, 132, 90)
+    assert cfg.tile == al.WS_TILE
+    # q: a view with a padded head and token stride
+    qm, km, vm = al.tensor_maps(p, cfg, 0x1000, 0x2000, 0x3000, (64 * 256, 256), (0, 1024, 128), (0, 1024, 128), 1000)
+    assert qm == TensorMap(0x1000, 9, (128, 64, 300), (512, 64 * 512), (64, 8, 16))
+    assert km == TensorMap(0x2000, 9, (128, 8, 1000), (256, 2048), (64, 1, 128))
+    # one KV head, whose head stride the validation leaves free: the map takes the packed one
+    p1 = problem(al.KV_DENSE, 4, 1, 64)
+    cfg1 = al.select_config(p1, 132, 90)
+    qm, km, vm = al.tensor_maps(p1, cfg1, 0x1000, 0x2000, 0x3000, (4 * 64, 64), (0, 64, 7), (0, 64, 64), 1000)
+    assert qm.box == (64, 4, 32) and km.strides == (128, 128) and vm.strides == (128, 128)
+    # group 3 does not divide the tile's 128 rows: Q is copied by rows, K/V still by boxes
+    p3 = problem(al.KV_DENSE, 6, 2)
+    qm, km, _ = al.tensor_maps(p3, al.select_config(p3, 132, 90), 1, 2, 3, (768, 128), (0, 256, 128), (0, 256, 128), 9)
+    assert qm == NO_MAP and isinstance(km, TensorMap)
+    assert al.tensor_maps(p, cfg, 1, 2, 3, (768, 128), (0, 256, 128), (0, 256, 128), 0)[1:] == (NO_MAP, NO_MAP)
+    # only the dense warp-specialised tile loads by tensor maps
+    pp = problem(al.KV_PAGED, 64, 8)
+    assert al.tensor_maps(pp, al.select_config(pp, 132, 90), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
+        (NO_MAP,) * 3
+    assert al.tensor_maps(p, al.select_config(p, 132, 80), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
+        (NO_MAP,) * 3
+
+
 def test_split_choice_is_monotone_in_occupancy():
     assert al.choose_splits(1000, 100, 132, 2) == 1
     assert al.choose_splits(64, 1, 132, 2) == 1
@@ -462,7 +495,7 @@ def _el(a) -> tuple:
 
 def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=None, sm_scale=None,
          k_scale=1.0, v_scale=1.0, splits=-1, sparse_decode=False, table=None, with_lse=True, q=None, out=None,
-         tile=None, gather=False):
+         tile=None, gather=False, k=None, v=None):
     """Configure and launch the problem's attention pass; returns (out, lse) as device arrays.
 
     ``tile`` names a query tile (``tile_config``); by default ``select_config`` chooses, with
@@ -480,7 +513,8 @@ def _run(p, *, causal=True, qo_offset=None, kv_lens=None, source="dense", sel=No
     out = _poison(p.q.shape, BF16 if fp8 else p.q.dtype) if out is None else out
     lse = _poison((p.total_q, p.hq), np.float32) if with_lse else None
     if source == "dense":
-        k, v = _cp(p.k), _cp(p.v)
+        k = _cp(p.k) if k is None else k
+        v = _cp(p.v) if v is None else v
         kv_mode, page_size = al.KV_DENSE, 0
         ks, vs = _el(k), _el(v)
         k_strides, v_strides = (0, ks[0], ks[1]), (0, vs[0], vs[1])
@@ -796,13 +830,35 @@ WS_KV = [1, 127, 129, 50, 1000, 0, 700]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 12, 16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_ws_tile_lengths_and_groups(rng, dtype, group, d, causal):
+    # groups 3 and 12 do not divide the 128-row tile: Q by cp.async rows, not TMA boxes
     p = make_problem(rng, WS_QO, WS_KV, 2 * group, 2, d, dtype=dtype)
     out, lse = _run(p, causal=causal, tile=al.WS_TILE)
     _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{al.WS_TILE} d{d} group {group}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_tile_never_reads_keys_outside_the_request(rng, d):
+    # K/V rows between and after the requests are NaN, and k/v are views with a padded
+    # head stride: a key tile reaching past its request must not bring those rows in
+    # (the partial last tile is zero-filled; NaN * 0 would poison the output)
+    p = make_problem(rng, [200, 77, 129, 300], [300, 77, 129, 333], 16, 2, d)
+    gap = 37
+    cu = np.concatenate([[0], np.cumsum(p.kv + gap)]).astype(np.int32)
+    kb = np.full((int(cu[-1]), 2, 2 * d), np.nan, np.float32).astype(BF16)
+    vb = kb.copy()
+    for b in range(len(p.kv)):
+        kb[cu[b]:cu[b] + p.kv[b], :, :d] = p.k[p.cu_k[b]:p.cu_k[b + 1]]
+        vb[cu[b]:cu[b] + p.kv[b], :, :d] = p.v[p.cu_k[b]:p.cu_k[b + 1]]
+    gapped = dataclasses.replace(p, cu_k=cu)
+    k, v = _cp(kb)[:, :, :d], _cp(vb)[:, :, :d]
+    for causal in (True, False):
+        out, lse = _run(gapped, causal=causal, tile=al.WS_TILE, k=k, v=v)
+        _check(out, lse, _dense_ref(p, causal=causal), BF16, f"{al.WS_TILE} d{d} NaN between requests")
 
 
 @pytest.mark.gpu

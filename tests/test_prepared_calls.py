@@ -318,3 +318,60 @@ def test_prepared_launch_run_packs_what_launch_packs(monkeypatch):
     t.join()
     launch(K(), (3, 2), (128,), params, (-3, 0x600, 7, 0x900, 0.5, 0x500, 1 << 40, -2.25), stream=9)
     assert len(seen) == 2 and seen[0] == seen[1]
+
+
+def test_prepared_launch_encodes_tensor_maps_on_the_call_address(monkeypatch):
+    """A tensor map on a source's address is encoded with each run's address (again only when
+    it changed), and a run hands cuLaunchKernel the bytes :func:`launch` hands it; a map on a
+    fixed address is encoded once. The driver's encoder is replaced by one that writes the
+    address and the box into the descriptor."""
+    import ctypes
+    import importlib
+    import struct
+
+    from mate_cupy.jit import KernelParams, PreparedLaunch, Source, launch
+    from mate_cupy.jit import tensor_map as tm
+
+    launch_mod = importlib.import_module("mate_cupy.jit.launch")
+    encoded = []
+
+    def fake_encode(dest, dtype, rank, addr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        assert dest % 64 == 0
+        encoded.append(addr)
+        ctypes.memmove(dest, struct.pack("<QI", addr, box[rank - 1]).ljust(tm.MAP_BYTES, b"\x01"), tm.MAP_BYTES)
+        return 0
+
+    monkeypatch.setattr(tm, "_ENCODE", [fake_encode])
+    params = KernelParams((("a", "ptr"), ("n", "i32"), ("qm", "map"), ("km", "map")))
+    seen = []
+
+    def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, table, extra):
+        ptrs = (ctypes.c_void_p * 4).from_address(table)
+        sizes = (8, 4, tm.MAP_BYTES, tm.MAP_BYTES)
+        seen.append(b"".join(ctypes.string_at(ptrs[i], n) for i, n in enumerate(sizes)))
+
+    monkeypatch.setattr(launch_mod, "_launch_kernel", fake_launch)
+
+    class K:
+        ptr, name = 11, "k"
+
+    qm = tm.TensorMap(Source(1), tm.DTYPE_BFLOAT16, (128, 8, 100), (256, 2048), (64, 8, 16))
+    km = tm.TensorMap(0x7000, tm.DTYPE_BFLOAT16, (128, 1, 50), (256, 256), (64, 1, 128))
+    pl = PreparedLaunch(K(), (1,), (384,), params, (Source(0), 5, qm, km), n_addresses=2)
+    assert encoded == [0x7000]
+    for addrs, encodes in (((0x100, 0x200), [0x200]), ((0x300, 0x200), []), ((0x100, 0x400), [0x400])):
+        encoded.clear()
+        seen.clear()
+        pl.run(addrs, 0)
+        assert encoded == encodes, addrs
+        launch(K(), (1,), (384,), params, (addrs[0], 5, tm.TensorMap(addrs[1], *astuple_tail(qm)), km))
+        assert len(seen) == 2 and seen[0] == seen[1], addrs
+        assert seen[0][12:20] == struct.pack("<Q", addrs[1])
+    assert pl.values((0x100, 0x200))[2][:8] == struct.pack("<Q", 0x200)
+    with pytest.raises(ValueError, match="qm"):
+        PreparedLaunch(K(), (1,), (1,), params, (0, 5, qm, km), n_addresses=1)
+
+
+def astuple_tail(m):
+    """A tensor map's fields after its address."""
+    return (m.dtype, m.dims, m.strides, m.box, m.swizzle)

@@ -49,6 +49,7 @@
 #include "common/request_rows.cuh"
 #include "common/block_union.cuh"
 #include "common/attention_wgmma.cuh"
+#include "common/tma.cuh"
 #include "attention/mask.cuh"
 #include "attention/epilogue.cuh"
 #include "attention/mainloop_sm90.cuh"
@@ -154,7 +155,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
     long long k_slot_stride, long long k_head_stride, long long v_page_stride, long long v_slot_stride,
     long long v_head_stride, int total_q, int kv_extent, int num_heads_q, int num_heads_kv, int group, int causal,
     int page_size_log2, int page_list_len, int list_width, int nq_cap, int qmask_words, int union_words,
-    int num_splits, int row_tiles, int batch, int l2_section, float scale_log2, float out_scale) {
+    int num_splits, int row_tiles, int batch, int l2_section, float scale_log2, float out_scale,
+    const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+    const __grid_constant__ TensorMap v_map) {
     extern __shared__ __align__(kWS ? 1024 : 128) unsigned char smem_raw[];
     // wgmma tiles need 1024-byte aligned shared addresses (the host adds 1024 bytes for this).
     unsigned char* smem = smem_raw + (kWS ? ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : 0u);
@@ -183,7 +186,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, ATT_MIN_BLOCKS) msa_atten
                     k_page_stride, k_slot_stride, k_head_stride, v_page_stride, v_slot_stride, v_head_stride,
                     total_q, kv_extent, num_heads_q, num_heads_kv, group, causal, page_size_log2, page_list_len,
                     num_splits, row_tiles, batch, l2_section, scale_log2, smem_u32(sQ), smem_u32(sR), smem_u32(sFlags), sFlags,
-                    ws_sparse_lists(block_lists, list_width, nq_cap, qmask_words, union_words, sFlags + kFlagBytes));
+                    ws_sparse_lists(block_lists, list_width, nq_cap, qmask_words, union_words, sFlags + kFlagBytes),
+                    &q_map, &k_map, &v_map);
 }
 #else
     int* sList = reinterpret_cast<int*>(sFlags + kFlagBytes);

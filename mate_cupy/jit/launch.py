@@ -18,10 +18,12 @@ import operator
 import struct
 import threading
 
+from .tensor_map import MAP_BYTES, TensorMap
+
 __all__ = ["KernelParams", "PreparedLaunch", "Source", "address", "launch"]
 
-_FORMAT = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "f32": "f"}
-_SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4}
+_FORMAT = {"ptr": "Q", "i32": "i", "u32": "I", "i64": "q", "f32": "f", "map": f"{MAP_BYTES}s"}
+_SIZE = {"ptr": 8, "i32": 4, "u32": 4, "i64": 8, "f32": 4, "map": MAP_BYTES}
 
 
 def address(x) -> int:
@@ -37,9 +39,11 @@ def address(x) -> int:
 
 
 class KernelParams:
-    """The parameter list of one kernel: ``((name, kind), ...)``, kind in ptr/i32/u32/i64/f32."""
+    """The parameter list of one kernel: ``((name, kind), ...)``, kind in ptr/i32/u32/i64/f32/map
+    (map: a 128-byte tensor map, the value a :class:`~mate_cupy.jit.tensor_map.TensorMap` or its
+    encoded bytes)."""
 
-    __slots__ = ("params", "names", "kinds", "_struct", "_offsets", "_ptr_pos", "_tls")
+    __slots__ = ("params", "names", "kinds", "_struct", "_offsets", "_ptr_pos", "_map_pos", "_tls")
 
     def __init__(self, params):
         self.params = tuple((str(n), str(k)) for n, k in params)
@@ -57,6 +61,7 @@ class KernelParams:
         self._struct = struct.Struct(fmt)
         self._offsets = tuple(offsets)
         self._ptr_pos = tuple(i for i, k in enumerate(self.kinds) if k == "ptr")
+        self._map_pos = tuple(i for i, k in enumerate(self.kinds) if k == "map")
         self._tls = threading.local()
 
     def __len__(self) -> int:
@@ -88,6 +93,9 @@ class KernelParams:
             v = vals[i]
             if not isinstance(v, int):
                 vals[i] = address(v)
+        for i in self._map_pos:
+            if isinstance(vals[i], TensorMap):
+                vals[i] = vals[i].encode()
         return vals
 
     def fill(self, values) -> int:
@@ -95,7 +103,7 @@ class KernelParams:
         data, _, table_addr = self._buffers()
         try:  # the launchers pass plain integers and floats: pack them as they are
             self._struct.pack_into(data, 0, *values)
-        except (struct.error, TypeError):  # arrays in pointer slots, or a wrong count
+        except (struct.error, TypeError):  # arrays in pointer slots, maps to encode, or a wrong count
             self._struct.pack_into(data, 0, *self._normalise(values))
         return table_addr
 
@@ -149,7 +157,9 @@ class PreparedLaunch:
     """One kernel launch with every argument fixed but the addresses of a call's arrays.
 
     ``values`` follow ``params``; a :class:`Source` in a pointer slot stands for
-    ``addresses[source.index]`` of each :meth:`run`, every other value is fixed. Each thread
+    ``addresses[source.index]`` of each :meth:`run`, and a tensor map on a source's address is
+    encoded again when a run's address differs from the one it holds; every other value is
+    fixed. Each thread
     that runs the launch holds its own parameter buffer with the fixed values packed once;
     a run packs only the span of parameters from the first to the last source (one C-level
     pick from ``addresses + fixed values`` and one ``struct`` call) and calls
@@ -158,7 +168,7 @@ class PreparedLaunch:
     """
 
     __slots__ = ("kernel", "grid", "block", "params", "shared_mem", "n_addresses", "_fixed", "_pick",
-                 "_span", "_span_offset", "_span_pick", "_tls")
+                 "_span", "_span_offset", "_span_pick", "_maps", "_tls")
 
     def __init__(self, kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, n_addresses: int):
         values = tuple(values)
@@ -168,16 +178,26 @@ class PreparedLaunch:
         self.grid = (tuple(int(x) for x in grid) + (1, 1))[:3]
         self.block = (tuple(int(x) for x in block) + (1, 1))[:3]
         self.n_addresses = n = int(n_addresses)
-        fixed, picks, sourced = [], [], []
+        fixed, picks, sourced, maps = [], [], [], []
         for i, v in enumerate(values):
+            kind = params.kinds[i]
             if v.__class__ is Source:
-                if params.kinds[i] != "ptr" or not 0 <= v.index < n:
+                if kind != "ptr" or not 0 <= v.index < n:
                     raise ValueError(f"parameter {params.names[i]}: a source must fill a pointer slot in [0, {n})")
                 fixed.append(0)
                 picks.append(v.index)
                 sourced.append(i)
+            elif kind == "map" and isinstance(v, TensorMap):
+                if v.address.__class__ is Source:  # encoded at each run with the call's address
+                    if not 0 <= v.address.index < n:
+                        raise ValueError(f"parameter {params.names[i]}: a map's source must be in [0, {n})")
+                    maps.append((i, v))
+                    fixed.append(bytes(MAP_BYTES))
+                else:
+                    fixed.append(v.encode())
+                picks.append(n + i)
             else:
-                fixed.append(address(v) if params.kinds[i] == "ptr" else v)
+                fixed.append(address(v) if kind == "ptr" else v)
                 picks.append(n + i)
         self._fixed = tuple(fixed)
         params._struct.pack(*self._fixed)  # every fixed value packs (refused here, not at a launch)
@@ -190,24 +210,40 @@ class PreparedLaunch:
             end = params._offsets[i] + _SIZE[params.kinds[i]]
         self._span, self._span_offset = struct.Struct(fmt), (params._offsets[lo] if sourced else 0)
         self._span_pick = _itemgetter(picks[lo:hi + 1]) if sourced else (lambda t: ())
+        # Maps on a call's address: (parameter, map, offset, inside the packed span)
+        self._maps = tuple((i, m, params._offsets[i], lo <= i <= hi) for i, m in maps)
         self._tls = threading.local()
         if self.shared_mem > 48 * 1024:
             kernel.reserve_shared_memory(self.shared_mem)
 
     def values(self, addresses: tuple) -> tuple:
         """The kernel arguments of a call with ``addresses`` (``n_addresses`` integers)."""
-        return self._pick(addresses + self._fixed)
+        vals = self._pick(addresses + self._fixed)
+        if self._maps:
+            vals = list(vals)
+            for i, m, _, _ in self._maps:
+                vals[i] = m.encode(addresses[m.address.index])
+            vals = tuple(vals)
+        return vals
 
     def _buffers(self):
         """This thread's ``(buffer, table, table address)`` with the fixed values packed."""
         bufs = self._tls.bufs = self.params.new_buffers()
         self.params._struct.pack_into(bufs[0], 0, *self._fixed)
+        self._tls.map_addresses = [None] * len(self._maps)  # the address each map slot holds
         return bufs
 
     def run(self, addresses: tuple, stream: int) -> None:
         """Launch on the stream address ``stream`` with the call's ``addresses``."""
         bufs = getattr(self._tls, "bufs", None) or self._buffers()
         self._span.pack_into(bufs[0], self._span_offset, *self._span_pick(addresses + self._fixed))
+        if self._maps:
+            held, base = self._tls.map_addresses, ctypes.addressof(bufs[0])
+            for j, (_, m, offset, inside) in enumerate(self._maps):
+                a = addresses[m.address.index]
+                if inside or held[j] != a:
+                    m.encode_into(base + offset, a)
+                    held[j] = a
         g, b = self.grid, self.block
         (_launch_kernel or _driver_launch())(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
                                              stream, bufs[2], 0)

@@ -40,6 +40,7 @@ from typing import Optional
 
 from ..jit import KernelParams, get_kernel, launch, load, register
 from ..jit.registry import SM90A, KernelSpec
+from ..jit.tensor_map import DTYPE_BFLOAT16, DTYPE_FLOAT16, NO_MAP, TensorMap
 from . import gather_launch
 
 SOURCE = "attention_fwd.cu"
@@ -210,6 +211,7 @@ FWD_PARAMS = KernelParams((
     ("causal", "i32"), ("page_size_log2", "i32"), ("page_list_len", "i32"), ("list_width", "i32"),
     ("nq_cap", "i32"), ("qmask_words", "i32"), ("union_words", "i32"), ("num_splits", "i32"),
     ("row_tiles", "i32"), ("batch", "i32"), ("l2_section", "i32"), ("scale_log2", "f32"), ("out_scale", "f32"),
+    ("q_map", "map"), ("k_map", "map"), ("v_map", "map"),
 ))
 MERGE_PARAMS = KernelParams((
     ("ws_o", "ptr"), ("ws_lse", "ptr"), ("out", "ptr"), ("lse", "ptr"), ("cu_seqlens_q", "ptr"),
@@ -487,6 +489,41 @@ def run_attention(problem: AttentionProblem, config: AttentionConfig, arrays: tu
         launch(kernel, grid, block, params, values, shared_mem=smem, stream=stream)
 
 
+def _map_strides(dims: tuple, strides: tuple, element: int) -> tuple:
+    """Byte strides of dims 1.. of a tensor map; a dimension of one index (whose stride the
+    validation leaves free) takes the packed stride, a multiple of 16 like the others."""
+    out, packed = [], dims[0] * element
+    for n, s in zip(dims[1:], strides):
+        out.append(s * element if n > 1 else -(-packed // 16) * 16)
+        packed = out[-1] * n
+    return tuple(out)
+
+
+def tensor_maps(p: AttentionProblem, config: AttentionConfig, q, k, v, q_strides: tuple, k_strides: tuple,
+                v_strides: tuple, kv_extent: int) -> tuple:
+    """The ``(q_map, k_map, v_map)`` parameters of a launch: the dense warp-specialised tile
+    loads K/V by TMA boxes of (64 columns, 1 head, 128 keys) of ``[kv_extent, Hkv, D]`` and Q
+    by boxes of (64 columns, group heads, 128 / group queries) of ``[total_q, Hq, D]`` where
+    the group divides 128 (``attention/mainloop_sm90.cuh``); every other launch takes none
+    (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses (or prepared-launch sources); strides
+    in elements as :func:`run_attention`'s ``layout``."""
+    if config.tile not in WS_TILES or p.kv_mode != KV_DENSE:
+        return NO_MAP, NO_MAP, NO_MAP
+    dtype = DTYPE_BFLOAT16 if p.dtype_code == DTYPE_BF16 else DTYPE_FLOAT16
+    d, rows = p.head_dim, tile_shape(config.tile, p.head_dim, p.dtype_code).rows
+    q_map = NO_MAP
+    if rows % p.group == 0:
+        dims = (d, p.num_heads_q, p.total_q)
+        q_map = TensorMap(q, dtype, dims, _map_strides(dims, (q_strides[1], q_strides[0]), 2),
+                          (64, p.group, rows // p.group))
+    if kv_extent <= 0:  # no keys to load
+        return q_map, NO_MAP, NO_MAP
+    dims = (d, p.num_heads_kv, kv_extent)
+    box = (64, 1, tile_shape(config.tile, p.head_dim, p.dtype_code).block_n)
+    return (q_map, TensorMap(k, dtype, dims, _map_strides(dims, (k_strides[2], k_strides[1]), 2), box),
+            TensorMap(v, dtype, dims, _map_strides(dims, (v_strides[2], v_strides[1]), 2), box))
+
+
 def attention_launches(problem: AttentionProblem, config: AttentionConfig, arrays: tuple, lengths: tuple,
                        pages: tuple, layout: tuple, scales: tuple, workspace: int, kernels: tuple) -> tuple:
     """The launches of a query-tile ``config`` (not the gather tile): ``(kernel, grid, block,
@@ -517,6 +554,7 @@ def attention_launches(problem: AttentionProblem, config: AttentionConfig, array
         v_strides[0], v_strides[1], v_strides[2], p.total_q, kv_extent, p.num_heads_q, p.num_heads_kv, p.group,
         int(p.causal), config.page_size_log2, page_list_len, p.list_width, config.nq_cap, config.qmask_words,
         config.union_words, splits, config.row_tiles, p.batch, config.l2_section, scale_log2, out_scale,
+        *tensor_maps(p, config, q.ptr, k.ptr, v.ptr, q_strides, k_strides, v_strides, kv_extent),
     ), config.shared_mem),)
     if splits > 1:
         launches += ((merge, config.merge_grid, (128,), MERGE_PARAMS, (

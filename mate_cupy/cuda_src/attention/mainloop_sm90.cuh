@@ -52,6 +52,7 @@
 #include "../common/kv_pages.cuh"
 #include "../common/block_union.cuh"
 #include "../common/warp_specialized.cuh"
+#include "../common/tma.cuh"
 #include "mask.cuh"
 
 namespace mate {
@@ -80,6 +81,7 @@ constexpr int ws_bar_bytes(int stages, int kv) {
 // producer's and the consumers' registers per thread, producer * 1000 + consumer.
 template <int kD, int kBN, int kStages, typename Elem, int kKv, int kRegs>
 struct MainloopSm90 {
+    static constexpr bool kDense = kKv == 0;
     static constexpr bool kPaged = kKv == 1;
     static constexpr bool kSparse = kKv == 2;
     static constexpr int kBarProducer = 3;  // named barrier of the producer warpgroup
@@ -189,6 +191,115 @@ struct MainloopSm90 {
         it.n_count = min(n_tiles, it.t_begin + per_split) - it.t_begin;
     }
 
+    // The dense producer: one warp (the producer warpgroup's others exit). Lane 0 loads each
+    // K/V tile of kBN keys with kD / 64 TMA boxes of (64 columns, 1 head, kBN keys) into the
+    // swizzled stage (ColumnBlockTile is the 128-byte swizzle's layout), arriving on the
+    // stage's full barrier with the tile's bytes; a tile that reaches past the request's keys
+    // (the next request's rows, or memory no request owns, lie there) is copied by the
+    // warp's cp.async instead, zero-filled past the request. The Q tile is one box of
+    // (64 columns, group heads, kM / group queries) per column block where the packed rows
+    // are whole queries (kM % group == 0; its rows past the request are not stored), else
+    // the warp's cp.async rows. q_map/k_map/v_map: [total_q, Hq, D], [rows, Hkv, D] (host:
+    // mate_cupy.msa.attention_launch.tensor_maps).
+    template <typename ItemAt>
+    static __device__ __forceinline__ void produce_dense(
+        ItemAt item, long long n_items, const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
+        const Elem* __restrict__ q, long long q_tok_stride, long long q_head_stride, const Elem* __restrict__ k, const Elem* __restrict__ v, long long k_stride, long long v_stride,
+        long long k_head_stride, long long v_head_stride, int group, u32 sQ, u32 sKV, u32 full_k, u32 full_v,
+        u32 empty_k, u32 empty_v, u32 q_full, u32 q_empty, Item* slot) {
+        const int lane = threadIdx.x & 31;
+        const bool q_boxes = kM % group == 0;
+        if (lane == 0) {
+            if (q_boxes) tma_prefetch_map(q_map);
+            tma_prefetch_map(k_map);
+            tma_prefetch_map(v_map);
+        }
+        constexpr int kLaneRows = 32 / kChunks;  // rows between a lane's cp.async chunks
+        int kv_n = 0, q_n = 0;
+        for (long long w = 0; w * gridDim.x < n_items; ++w) {
+            Item it;
+            if (!item(w, it)) continue;
+            const int q_tok = it.q_start + it.qi_first, q_head = it.kvh * group;
+            // The item's Q rows into L2: the load below waits for the consumers' last Q K^T of
+            // the previous item.
+            if (q_boxes && lane == 0) {
+#pragma unroll
+                for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
+            }
+            mbar_wait(q_empty, (q_n & 1) ^ 1);
+            if (lane == 0) *slot = it;
+            if (q_boxes) {
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(q_full, kM * kRowBytes);
+#pragma unroll
+                    for (int cb = 0; cb < kD / 64; ++cb)
+                        tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
+                }
+            } else {
+                const int c = lane % kChunks;
+                for (int r = lane / kChunks; r < kM; r += kLaneRows) {
+                    const int P = it.row0 + r;
+                    const bool ok = P < it.rows_total;
+                    const int qi = ok ? P / group : 0, h = ok ? P - qi * group : 0;
+                    cp_async_16_u32(sQ + QTile::offset(r, c),
+                                    q + (long long)(it.q_start + qi) * q_tok_stride + (long long)(q_head + h) * q_head_stride + c * 8,
+                                    ok);
+                }
+                cp_async_mbar_arrive_inc(q_full);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(q_full);
+            }
+            ++q_n;
+            const Elem* kb = k + (long long)it.kvh * k_head_stride;
+            const Elem* vb = v + (long long)it.kvh * v_head_stride;
+            // Tile t of K or V (base: the item's KV head, rows `stride` apart) into the stage at dst.
+            auto load_tile = [&](const TensorMap* map, const Elem* base, long long stride, int t, u32 dst, u32 full) {
+                const int kstart = t * kBN;
+                if (kstart + kBN <= it.Lk) {
+                    if (lane == 0) {
+                        mbar_arrive_expect_tx(full, kTileBytes);
+#pragma unroll
+                        for (int cb = 0; cb < kD / 64; ++cb)
+                            tma_load_3d(dst + cb * KvTile::kBlockBytes, map, cb * 64, it.kvh,
+                                        (int)(it.k_row0 + kstart), full);
+                    }
+                } else {
+                    const Elem* p0 = base + (it.k_row0 + kstart) * stride;
+                    const int c = lane % kChunks;
+                    for (int r = lane / kChunks; r < kBN; r += kLaneRows) {
+                        const bool ok = kstart + r < it.Lk;
+                        cp_async_16_u32(dst + KvTile::offset(r, c), (ok ? p0 + r * stride : p0) + c * 8, ok);
+                    }
+                    cp_async_mbar_arrive_inc(full);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(full);
+                }
+            };
+            // K of tile n, then V of tile n - 1 (the order the consumers read them in).
+            for (int n = 0; n <= it.n_count; ++n) {
+                if (n < it.n_count) {
+                    const int g = kv_n + n, s = g % kStages;
+                    mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
+                    load_tile(k_map, kb, k_stride, it.t_begin + n, sKV + s * kStageBytes, full_k + 8 * s);
+                }
+                if (n >= 1) {
+                    const int g = kv_n + n - 1, s = g % kStages;
+                    mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
+                    load_tile(v_map, vb, v_stride, it.t_begin + n - 1, sKV + s * kStageBytes + kTileBytes,
+                              full_v + 8 * s);
+                }
+            }
+            kv_n += it.n_count;
+        }
+        // No more items.
+        mbar_wait(q_empty, (q_n & 1) ^ 1);
+        if (lane == 0) {
+            slot->n_count = -1;
+            mbar_arrive(q_full);
+        }
+        cp_async_wait_all();  // nothing in flight when the warp exits
+    }
+
     // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
     // gridDim.x items (item_at's order; section: triples per L2 section).
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
@@ -206,7 +317,8 @@ struct MainloopSm90 {
         long long v_page_stride, long long v_slot_stride, long long v_head_stride, int total_q, int kv_extent,
         int num_heads_q, int num_heads_kv, int group, int causal, int page_size_log2, int page_list_len,
         int num_splits, int row_tiles, int batch, int section, float scale_log2, u32 sQ, u32 sKV, u32 bars,
-        unsigned char* bars_ptr, SparseLists sp) {
+        unsigned char* bars_ptr, SparseLists sp, const TensorMap* q_map, const TensorMap* k_map,
+        const TensorMap* v_map) {
         Item* slot = reinterpret_cast<Item*>(bars_ptr + kItemOffset);
         const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
         const int wg = warp >> 2;
@@ -231,12 +343,12 @@ struct MainloopSm90 {
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
-                mbar_init(full_k + 8 * s, 128 + kKeyMetaArrivals);
-                mbar_init(full_v + 8 * s, 128);
+                mbar_init(full_k + 8 * s, kDense ? 1 : 128 + kKeyMetaArrivals);
+                mbar_init(full_v + 8 * s, kDense ? 1 : 128);
                 mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
-            mbar_init(q_full, 129);
+            mbar_init(q_full, kDense ? 1 : 129);
             mbar_init(q_empty, 256);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
@@ -245,6 +357,12 @@ struct MainloopSm90 {
         if (wg == 0) {
             // ================= producer =================
             regs_release<kProducerRegs>();
+            if constexpr (kDense) {
+                if (warp == 0) produce_dense(item, n_items, q_map, k_map, v_map, q, q_tok_stride, q_head_stride, k, v, k_slot_stride, v_slot_stride,
+                                             k_head_stride, v_head_stride, group, sQ, sKV, full_k, full_v, empty_k,
+                                             empty_v, q_full, q_empty, slot);
+                return;
+            }
             constexpr int kStep = 128 / kChunks;  // rows between one thread's chunks
             const int c = tid % kChunks, r0 = tid / kChunks;
             // Paged: a warp's threads copy the rows of kIdRows values of r0; lane l looks up the
