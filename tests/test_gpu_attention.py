@@ -277,9 +277,22 @@ def test_tensor_maps_of_the_dense_warp_specialised_tile():
     qm, km, _ = al.tensor_maps(p3, al.select_config(p3, 132, 90), 1, 2, 3, (768, 128), (0, 256, 128), (0, 256, 128), 9)
     assert qm == NO_MAP and isinstance(km, TensorMap)
     assert al.tensor_maps(p, cfg, 1, 2, 3, (768, 128), (0, 256, 128), (0, 256, 128), 0)[1:] == (NO_MAP, NO_MAP)
-    # only the dense warp-specialised tile loads by tensor maps
+    # paged, pages of 64 (NHD) and 256 (HND): one box per page, at most 128 slots; pages under 8 by cp.async
     pp = problem(al.KV_PAGED, 64, 8)
-    assert al.tensor_maps(pp, al.select_config(pp, 132, 90), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
+    cfg_p = al.select_config(pp, 132, 90)
+    qm, km, vm = al.tensor_maps(pp, cfg_p, 1, 0x2000, 0x3000, (8192, 128), (64 * 1024, 1024, 128),
+                                (64 * 1024, 1024, 128), 9)
+    assert km == TensorMap(0x2000, 9, (128, 8, 64, 9), (256, 2048, 128 * 1024), (64, 1, 64, 1))
+    p256 = dataclasses.replace(pp, page_size=256)
+    km = al.tensor_maps(p256, al.select_config(p256, 132, 90), 1, 2, 3, (8192, 128), (256 * 1024, 128, 256 * 128),
+                        (256 * 1024, 128, 256 * 128), 9)[1]
+    assert km.dims == (128, 8, 256, 9) and km.strides == (64 * 1024, 256, 512 * 1024) and km.box == (64, 1, 128, 1)
+    p4 = dataclasses.replace(pp, page_size=4)
+    assert al.tensor_maps(p4, al.select_config(p4, 132, 90), 1, 2, 3, (8192, 128), (512, 128, 16), (512, 128, 16),
+                          9)[1:] == (NO_MAP, NO_MAP)
+    # block-sparse and the other tiles take none
+    ps = dataclasses.replace(pp, kv_mode=al.KV_SPARSE, page_size=128, list_width=16)
+    assert al.tensor_maps(ps, al.select_config(ps, 132, 90), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
         (NO_MAP,) * 3
     assert al.tensor_maps(p, al.select_config(p, 132, 80), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
         (NO_MAP,) * 3

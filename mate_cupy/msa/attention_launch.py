@@ -91,10 +91,11 @@ WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
 # Registers per thread of a warp-specialised tile's (producer, consumer) warpgroups after
 # setmaxnreg, per KV mode (128 * producer + 256 * consumer <= 168 * 384, the CTA's registers
 # at launch, which setmaxnreg only moves between the warpgroups): the fewest producer
-# registers that compile without spills. Paged K/V: the producer's page lookups spill under
-# 72, and a spilled page id stalls the producer on its load (bench/sweeps/ws_registers.py);
+# registers that compile without spills. Dense and paged: one TMA-issuing producer warp;
 # block-sparse: the union build spills under 56.
-WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (72, 208), KV_SPARSE: (56, 224)}
+WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (40, 232), KV_SPARSE: (56, 224)}
+# Paged K/V arrive by TMA boxes of whole pages from this page size on (smaller pages by cp.async).
+WS_MIN_BOX_PAGE = 8
 TILES = ("decode", "prefill") + tuple(WS_TILES)
 
 
@@ -501,13 +502,16 @@ def _map_strides(dims: tuple, strides: tuple, element: int) -> tuple:
 
 def tensor_maps(p: AttentionProblem, config: AttentionConfig, q, k, v, q_strides: tuple, k_strides: tuple,
                 v_strides: tuple, kv_extent: int) -> tuple:
-    """The ``(q_map, k_map, v_map)`` parameters of a launch: the dense warp-specialised tile
-    loads K/V by TMA boxes of (64 columns, 1 head, 128 keys) of ``[kv_extent, Hkv, D]`` and Q
-    by boxes of (64 columns, group heads, 128 / group queries) of ``[total_q, Hq, D]`` where
-    the group divides 128 (``attention/mainloop_sm90.cuh``); every other launch takes none
-    (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses (or prepared-launch sources); strides
-    in elements as :func:`run_attention`'s ``layout``."""
-    if config.tile not in WS_TILES or p.kv_mode != KV_DENSE:
+    """The ``(q_map, k_map, v_map)`` parameters of a launch (``attention/mainloop_sm90.cuh``).
+
+    The dense and paged warp-specialised tiles load Q by boxes of (64 columns, group heads,
+    128 / group queries) of ``[total_q, Hq, D]`` where the group divides 128, and K/V by
+    boxes of (64 columns, 1 head, 128 keys) of dense ``[kv_extent, Hkv, D]``, or of
+    (64 columns, 1 head, min(page, 128) slots, 1 page) of the cache's ``(D, Hkv, page,
+    pages)`` view (NHD or HND strides) for pages of at least :data:`WS_MIN_BOX_PAGE` keys.
+    Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
+    (or prepared-launch sources); strides in elements as :func:`run_attention`'s ``layout``."""
+    if config.tile not in WS_TILES or p.kv_mode == KV_SPARSE:
         return NO_MAP, NO_MAP, NO_MAP
     dtype = DTYPE_BFLOAT16 if p.dtype_code == DTYPE_BF16 else DTYPE_FLOAT16
     d, rows = p.head_dim, tile_shape(config.tile, p.head_dim, p.dtype_code).rows
@@ -516,12 +520,21 @@ def tensor_maps(p: AttentionProblem, config: AttentionConfig, q, k, v, q_strides
         dims = (d, p.num_heads_q, p.total_q)
         q_map = TensorMap(q, dtype, dims, _map_strides(dims, (q_strides[1], q_strides[0]), 2),
                           (64, p.group, rows // p.group))
-    if kv_extent <= 0:  # no keys to load
+    block_n = tile_shape(config.tile, p.head_dim, p.dtype_code).block_n
+    if kv_extent <= 0 or (p.kv_mode == KV_PAGED and p.page_size < WS_MIN_BOX_PAGE):
         return q_map, NO_MAP, NO_MAP
-    dims = (d, p.num_heads_kv, kv_extent)
-    box = (64, 1, tile_shape(config.tile, p.head_dim, p.dtype_code).block_n)
-    return (q_map, TensorMap(k, dtype, dims, _map_strides(dims, (k_strides[2], k_strides[1]), 2), box),
-            TensorMap(v, dtype, dims, _map_strides(dims, (v_strides[2], v_strides[1]), 2), box))
+    if p.kv_mode == KV_DENSE:
+        dims, box = (d, p.num_heads_kv, kv_extent), (64, 1, block_n)
+
+        def strides(s):
+            return s[2], s[1]
+    else:
+        dims, box = (d, p.num_heads_kv, p.page_size, kv_extent), (64, 1, min(p.page_size, block_n), 1)
+
+        def strides(s):
+            return s[2], s[1], s[0]
+    return (q_map, TensorMap(k, dtype, dims, _map_strides(dims, strides(k_strides), 2), box),
+            TensorMap(v, dtype, dims, _map_strides(dims, strides(v_strides), 2), box))
 
 
 def attention_launches(problem: AttentionProblem, config: AttentionConfig, arrays: tuple, lengths: tuple,

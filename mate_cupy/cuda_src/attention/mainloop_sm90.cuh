@@ -4,23 +4,24 @@
 // A CTA of three warpgroups owns 128 packed rows (GQA: row P = query * group + head in
 // group) of one request and KV head, like the other query tiles:
 //
-//   warpgroup 0, the producer (setmaxnreg down): its 128 threads stream K and V tiles of
-//     kBN keys with 16-byte cp.async into a kStages-deep ring; each stage has a "full"
-//     mbarrier per operand, completed by the producer threads' cp.async.mbarrier.arrive
-//     .noinc (128 arrivals once their copies land; a K stage also waits for the writers of
-//     its metadata), and an "empty" mbarrier the consumer warps arrive on once their MMAs
-//     have read the stage (lane 0 of each warp; every consumer thread on a paged K stage,
-//     since each read its key flags). K and V have their own barriers: K of tile n is
-//     loaded before V of tile n - 1, the order the consumers read them in.
-//     Paged KV: each producer thread looks up the page of one key row of a tile a tile
-//     ahead, and its warp-mates take their rows' pages from it by shuffle; keys on invalid
-//     pages are zero-filled and flagged (one byte per key of the stage, written before
-//     each producer warp's plain arrival on the stage's K barrier), and the consumers mask
-//     them. Block-sparse KV: before each item the producer warpgroup builds the ascending
-//     union of the 128-key blocks its queries selected (block_union.cuh; the query
-//     membership bits double-buffered by item), walks it tile by tile and publishes each K
-//     tile's first key with the stage; the consumers mask the blocks a row's query did not
-//     select.
+//   warpgroup 0, the producer (setmaxnreg down), streams K and V tiles of kBN keys into a
+//     kStages-deep ring. Each stage has a "full" mbarrier per operand and an "empty" one the
+//     consumer warps arrive on once their MMAs have read the stage (lane 0 of each warp;
+//     every consumer thread on a paged K stage, since each read its key flags). K and V have
+//     their own barriers: K of tile n is loaded before V of tile n - 1, the order the
+//     consumers read them in.
+//     Dense and paged KV (produce_tma): one warp; tiles inside the request arrive by TMA
+//     boxes (cp.async.bulk.tensor) completing the stage's transaction count, the Q tile
+//     too where the group divides kM; a request's partial last tile (and pages under 8
+//     keys) by the warp's cp.async, zero-filled past the request. Paged: the tile's pages
+//     are looked up a tile ahead, one per lane; keys on invalid pages are zero-filled and
+//     flagged (one byte per key of the stage, written before the warp's arrival on the K
+//     barrier), and the consumers mask them.
+//     Block-sparse KV: 128 threads; before each item they build the ascending union of the
+//     128-key blocks its queries selected (block_union.cuh; the query membership bits
+//     double-buffered by item), walk it tile by tile with 16-byte cp.async (completed by
+//     cp.async.mbarrier.arrive.noinc) and publish each K tile's first key with the stage;
+//     the consumers mask the blocks a row's query did not select.
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each, S = Q K^T with both
 //     operands in shared memory, O += P V with P from registers (attention_wgmma.cuh).
 //     Inside a warpgroup the product of the next tile overlaps the softmax of the
@@ -110,9 +111,6 @@ struct MainloopSm90 {
     static constexpr int kWarpTotalOffset = kKeyFlagOffset + (kPaged ? kStages * kBN : kSparse ? 4 * kStages : 0);
     static constexpr int kBarBytes = kWarpTotalOffset + 16;
     static_assert(kBarBytes == ws_bar_bytes(kStages, kKv) && kItemBytes == 80 && kBN == 128, "host's layout");
-    // Plain arrivals on a K stage's full barrier besides the 128 cp.async ones.
-    // (paged: lane 0 of each producer warp; sparse: thread 0)
-    static constexpr int kKeyMetaArrivals = kPaged ? 4 : kSparse ? 1 : 0;
     static constexpr u32 kAllKeysValid = 0x01010101u;  // a flag word of four valid keys
     struct TileMeta {
         int kstart;  // first key of the tile
@@ -191,30 +189,47 @@ struct MainloopSm90 {
         it.n_count = min(n_tiles, it.t_begin + per_split) - it.t_begin;
     }
 
-    // The dense producer: one warp (the producer warpgroup's others exit). Lane 0 loads each
-    // K/V tile of kBN keys with kD / 64 TMA boxes of (64 columns, 1 head, kBN keys) into the
-    // swizzled stage (ColumnBlockTile is the 128-byte swizzle's layout), arriving on the
-    // stage's full barrier with the tile's bytes; a tile that reaches past the request's keys
-    // (the next request's rows, or memory no request owns, lie there) is copied by the
-    // warp's cp.async instead, zero-filled past the request. The Q tile is one box of
-    // (64 columns, group heads, kM / group queries) per column block where the packed rows
-    // are whole queries (kM % group == 0; its rows past the request are not stored), else
-    // the warp's cp.async rows. q_map/k_map/v_map: [total_q, Hq, D], [rows, Hkv, D] (host:
-    // mate_cupy.msa.attention_launch.tensor_maps).
+    // The producer of dense and paged K/V: one warp (the producer warpgroup's others exit).
+    // Each K/V tile of kBN keys whose keys all lie in the request is loaded by the tensor
+    // memory accelerator: dense, lane 0 issues kD / 64 boxes of (64 columns, 1 head, kBN
+    // keys); paged (pages of at least 8 keys), lane j issues the boxes of (64 columns, 1 head,
+    // min(page, kBN) slots, 1 page) of the tile's j-th page, at page -1 (zero-filled) where
+    // the page id is invalid, after lane 0 raised the stage's transaction count by the tile's
+    // bytes. The boxes land in the 128-byte-swizzled ColumnBlockTile layout. Any other tile
+    // (the request's last, when it is partial: the next request's rows or memory no request
+    // owns lie past it; pages under 8 keys) is copied by the warp's cp.async, zero-filled
+    // past the request and on invalid pages. Paged K stages also carry a validity byte per
+    // key, written by the warp before lane 0 arrives. The Q tile is one box of (64 columns,
+    // group heads, kM / group queries) per column block where the packed rows are whole
+    // queries (kM % group == 0; its rows past the request are not stored), else the warp's
+    // cp.async rows. Maps (host: mate_cupy.msa.attention_launch.tensor_maps): q
+    // [total_q, Hq, D]; k/v dense [rows, Hkv, D], paged [pages, page, Hkv, D] as
+    // (D, Hkv, page, pages) whatever the layout's strides.
     template <typename ItemAt>
-    static __device__ __forceinline__ void produce_dense(
+    static __device__ __forceinline__ void produce_tma(
         ItemAt item, long long n_items, const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
-        const Elem* __restrict__ q, long long q_tok_stride, long long q_head_stride, const Elem* __restrict__ k, const Elem* __restrict__ v, long long k_stride, long long v_stride,
-        long long k_head_stride, long long v_head_stride, int group, u32 sQ, u32 sKV, u32 full_k, u32 full_v,
-        u32 empty_k, u32 empty_v, u32 q_full, u32 q_empty, Item* slot) {
+        const Elem* __restrict__ q, long long q_tok_stride, long long q_head_stride, const Elem* __restrict__ k,
+        const Elem* __restrict__ v, long long k_page_stride, long long k_slot_stride, long long k_head_stride,
+        long long v_page_stride, long long v_slot_stride, long long v_head_stride, int group, int kv_extent,
+        int page_size_log2, const int* __restrict__ page_list, const int* __restrict__ page_indptr,
+        int page_list_len, u32 sQ, u32 sKV, u32 full_k, u32 full_v, u32 empty_k, u32 empty_v, u32 q_full,
+        u32 q_empty, Item* slot, unsigned char* key_flags) {
         const int lane = threadIdx.x & 31;
         const bool q_boxes = kM % group == 0;
+        // Paged: slots per box (<= kBN) and boxes (pages) per tile; pages under 8 slots take cp.async.
+        const int box_log2 = kPaged ? min(page_size_log2, 7) : 7;
+        const int n_boxes = kBN >> box_log2;
+        const bool page_boxes = !kPaged || page_size_log2 >= 3;
+        const int slot_mask = kPaged ? (1 << page_size_log2) - 1 : 0;
         if (lane == 0) {
             if (q_boxes) tma_prefetch_map(q_map);
-            tma_prefetch_map(k_map);
-            tma_prefetch_map(v_map);
+            if (page_boxes) {
+                tma_prefetch_map(k_map);
+                tma_prefetch_map(v_map);
+            }
         }
         constexpr int kLaneRows = 32 / kChunks;  // rows between a lane's cp.async chunks
+        const int c = lane % kChunks;
         int kv_n = 0, q_n = 0;
         for (long long w = 0; w * gridDim.x < n_items; ++w) {
             Item it;
@@ -226,6 +241,8 @@ struct MainloopSm90 {
 #pragma unroll
                 for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
             }
+            PageList pages{nullptr, 0};
+            if constexpr (kPaged) pages = PageList::of_request(page_list, page_indptr, page_list_len, it.b);
             mbar_wait(q_empty, (q_n & 1) ^ 1);
             if (lane == 0) *slot = it;
             if (q_boxes) {
@@ -236,13 +253,13 @@ struct MainloopSm90 {
                         tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
                 }
             } else {
-                const int c = lane % kChunks;
                 for (int r = lane / kChunks; r < kM; r += kLaneRows) {
                     const int P = it.row0 + r;
                     const bool ok = P < it.rows_total;
                     const int qi = ok ? P / group : 0, h = ok ? P - qi * group : 0;
                     cp_async_16_u32(sQ + QTile::offset(r, c),
-                                    q + (long long)(it.q_start + qi) * q_tok_stride + (long long)(q_head + h) * q_head_stride + c * 8,
+                                    q + (long long)(it.q_start + qi) * q_tok_stride +
+                                        (long long)(q_head + h) * q_head_stride + c * 8,
                                     ok);
                 }
                 cp_async_mbar_arrive_inc(q_full);
@@ -252,42 +269,89 @@ struct MainloopSm90 {
             ++q_n;
             const Elem* kb = k + (long long)it.kvh * k_head_stride;
             const Elem* vb = v + (long long)it.kvh * v_head_stride;
-            // Tile t of K or V (base: the item's KV head, rows `stride` apart) into the stage at dst.
-            auto load_tile = [&](const TensorMap* map, const Elem* base, long long stride, int t, u32 dst, u32 full) {
+            // Whether tile t is loaded by boxes, and (paged) this lane's page of its boxes: the
+            // page id of box `lane`, -1 when invalid (looked up a tile ahead).
+            auto by_boxes = [&](int t) { return page_boxes && (t + 1) * kBN <= it.Lk; };
+            auto box_page = [&](int t) -> int {
+                if (!kPaged || lane >= n_boxes || !by_boxes(t)) return -1;
+                return pages.page((t * kBN + (lane << box_log2)) >> page_size_log2, kv_extent);
+            };
+            // Tile t of K or V (base: the item's KV head; page and slot strides) into the stage at
+            // dst, completing on `full`; flags: the stage's key validity bytes (paged K).
+            auto load_tile = [&](const TensorMap* map, const Elem* base, long long page_stride, long long stride,
+                                 int t, int pid, u32 dst, u32 full, unsigned char* flags) {
                 const int kstart = t * kBN;
-                if (kstart + kBN <= it.Lk) {
-                    if (lane == 0) {
+                if (by_boxes(t)) {
+                    if constexpr (kPaged) {
+                        if (lane == 0) mbar_expect_tx(full, kTileBytes);
+                        __syncwarp();
+                        if (lane < n_boxes) {
+                            const int key0 = kstart + (lane << box_log2);
+#pragma unroll
+                            for (int cb = 0; cb < kD / 64; ++cb)
+                                tma_load_4d(dst + cb * KvTile::kBlockBytes + (lane << box_log2) * 128, map, cb * 64,
+                                            it.kvh, key0 & slot_mask, pid, full);
+                        }
+                        if (flags != nullptr) {
+                            const int owner = __shfl_sync(0xffffffffu, pid, (4 * lane) >> box_log2);
+                            reinterpret_cast<u32*>(flags)[lane] = owner >= 0 ? kAllKeysValid : 0u;
+                        }
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(full);
+                    } else if (lane == 0) {
                         mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
                         for (int cb = 0; cb < kD / 64; ++cb)
                             tma_load_3d(dst + cb * KvTile::kBlockBytes, map, cb * 64, it.kvh,
                                         (int)(it.k_row0 + kstart), full);
                     }
-                } else {
-                    const Elem* p0 = base + (it.k_row0 + kstart) * stride;
-                    const int c = lane % kChunks;
-                    for (int r = lane / kChunks; r < kBN; r += kLaneRows) {
-                        const bool ok = kstart + r < it.Lk;
-                        cp_async_16_u32(dst + KvTile::offset(r, c), (ok ? p0 + r * stride : p0) + c * 8, ok);
-                    }
-                    cp_async_mbar_arrive_inc(full);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(full);
+                    return;
                 }
+                // The key's row, or nullptr past the request or on an invalid page.
+                auto row = [&](int key) -> const Elem* {
+                    if (key >= it.Lk) return nullptr;
+                    if constexpr (kPaged) {
+                        const int pg = pages.page(key >> page_size_log2, kv_extent);
+                        return pg < 0 ? nullptr : base + pg * page_stride + (long long)(key & slot_mask) * stride;
+                    }
+                    return base + (it.k_row0 + key) * stride;
+                };
+                for (int r = lane / kChunks; r < kBN; r += kLaneRows) {
+                    const Elem* src = row(kstart + r);
+                    cp_async_16_u32(dst + KvTile::offset(r, c), (src != nullptr ? src : base) + c * 8, src != nullptr);
+                }
+                if (flags != nullptr) {
+                    u32 word = 0;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = kstart + 4 * lane + e;
+                        word |= (key >= it.Lk || row(key) != nullptr ? 1u : 0u) << (8 * e);
+                    }
+                    reinterpret_cast<u32*>(flags)[lane] = word;
+                }
+                cp_async_mbar_arrive_inc(full);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(full);
             };
-            // K of tile n, then V of tile n - 1 (the order the consumers read them in).
+            // K of tile n, then V of tile n - 1 (the order the consumers read them in). Paged:
+            // the box pages of tile n + 1 are looked up before tile n waits for its stage.
+            int pid_prev = -1, pid_cur = it.n_count > 0 ? box_page(it.t_begin) : -1;
             for (int n = 0; n <= it.n_count; ++n) {
+                const int pid_next = n + 1 < it.n_count ? box_page(it.t_begin + n + 1) : -1;
                 if (n < it.n_count) {
                     const int g = kv_n + n, s = g % kStages;
                     mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
-                    load_tile(k_map, kb, k_stride, it.t_begin + n, sKV + s * kStageBytes, full_k + 8 * s);
+                    load_tile(k_map, kb, k_page_stride, k_slot_stride, it.t_begin + n, pid_cur, sKV + s * kStageBytes,
+                              full_k + 8 * s, kPaged ? key_flags + s * kBN : nullptr);
                 }
                 if (n >= 1) {
                     const int g = kv_n + n - 1, s = g % kStages;
                     mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
-                    load_tile(v_map, vb, v_stride, it.t_begin + n - 1, sKV + s * kStageBytes + kTileBytes,
-                              full_v + 8 * s);
+                    load_tile(v_map, vb, v_page_stride, v_slot_stride, it.t_begin + n - 1, pid_prev,
+                              sKV + s * kStageBytes + kTileBytes, full_v + 8 * s, nullptr);
                 }
+                pid_prev = pid_cur;
+                pid_cur = pid_next;
             }
             kv_n += it.n_count;
         }
@@ -343,12 +407,12 @@ struct MainloopSm90 {
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
-                mbar_init(full_k + 8 * s, kDense ? 1 : 128 + kKeyMetaArrivals);
-                mbar_init(full_v + 8 * s, kDense ? 1 : 128);
+                mbar_init(full_k + 8 * s, kSparse ? 129 : 1);  // sparse: 128 cp.async arrivals and thread 0's
+                mbar_init(full_v + 8 * s, kSparse ? 128 : 1);
                 mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
-            mbar_init(q_full, kDense ? 1 : 129);
+            mbar_init(q_full, kSparse ? 129 : 1);
             mbar_init(q_empty, 256);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
@@ -357,21 +421,17 @@ struct MainloopSm90 {
         if (wg == 0) {
             // ================= producer =================
             regs_release<kProducerRegs>();
-            if constexpr (kDense) {
-                if (warp == 0) produce_dense(item, n_items, q_map, k_map, v_map, q, q_tok_stride, q_head_stride, k, v, k_slot_stride, v_slot_stride,
-                                             k_head_stride, v_head_stride, group, sQ, sKV, full_k, full_v, empty_k,
-                                             empty_v, q_full, q_empty, slot);
+            if constexpr (kKv != 2) {
+                if (warp == 0)
+                    produce_tma(item, n_items, q_map, k_map, v_map, q, q_tok_stride, q_head_stride, k, v, k_page_stride,
+                                k_slot_stride, k_head_stride, v_page_stride, v_slot_stride, v_head_stride, group,
+                                kv_extent, page_size_log2, page_list, page_indptr, page_list_len, sQ, sKV, full_k,
+                                full_v, empty_k, empty_v, q_full, q_empty, slot, bars_ptr + kKeyFlagOffset);
                 return;
             }
+            // Block-sparse: the warpgroup builds each item's block union and copies its tiles.
             constexpr int kStep = 128 / kChunks;  // rows between one thread's chunks
             const int c = tid % kChunks, r0 = tid / kChunks;
-            // Paged: a warp's threads copy the rows of kIdRows values of r0; lane l looks up the
-            // page of row kIdRows (warp + l % kIdRows) ... (its "id row"), so the warp's rows
-            // r0 + j kStep are exactly its lanes' id rows.
-            constexpr int kIdRows = 32 / kChunks;
-            constexpr int kStepLog2 = kStep == 8 ? 3 : 4;
-            static_assert(kStep == 8 || kStep == 16, "rows between a thread's chunks");
-            const int id_row = kIdRows * warp + lane % kIdRows + kStep * (lane / kIdRows);
             const u32 kv_off = sKV + KvTile::offset(r0, c);
             const u32 q_off = sQ + QTile::offset(r0, c);
             int kv_n = 0;  // K/V tiles loaded so far (ring position)
@@ -391,9 +451,8 @@ struct MainloopSm90 {
 #pragma unroll
                     for (int l = 0; l < kRowBytes / 128; ++l) prefetch_l2(row + 128 * l);
                 }
-                PageList pages{nullptr, 0};
-                if constexpr (kKv != 0) pages = PageList::of_request(page_list, page_indptr, page_list_len, it.b);
-                if constexpr (kSparse) {
+                const PageList pages = PageList::of_request(page_list, page_indptr, page_list_len, it.b);
+                {
                     // The union of the item's queries' blocks (ends with the producer barrier).
                     // Built before the wait below: the consumers are still on the previous item,
                     // whose membership bits sit in the other buffer.
@@ -422,99 +481,40 @@ struct MainloopSm90 {
                 ++q_n;
                 const Elem* kb = k + (long long)it.kvh * k_head_stride + c * 8;
                 const Elem* vb = v + (long long)it.kvh * v_head_stride + c * 8;
-                // Paged: the page of this thread's id row of tile t (-1 past the request).
-                auto page_of = [&](int t) -> int {
-                    const int key = t * kBN + id_row;
-                    return key < it.Lk ? pages.page(key >> page_size_log2, kv_extent) : -1;
-                };
-                // Tile t of an operand (base, page and slot strides; paged: pid, this thread's
-                // id-row page of the tile) into the shared tile at dst; keys past the request (and,
-                // paged, on invalid pages) are zero-filled. Completes on `full` (this thread's
-                // cp.async arrival; with `meta`, the K tile's stage metadata, also a plain arrival
-                // of its writers after writing it).
-                // This thread's rows of a tile whose keys are consecutive rows `stride` apart from
-                // p (row r0 of the tile, key kstart + r0).
-                auto copy_rows = [&](const Elem* base, const Elem* p, long long stride, int kstart, u32 dst) {
-                    const long long step = kStep * stride;
+                // Tile t (union block t: one page of kBN keys) of an operand (base, page and slot
+                // strides) into the shared tile at dst; keys past the request are zero-filled.
+                // Completes on `full` (this thread's cp.async arrival; with `meta`, the K stage's
+                // first key, also thread 0's plain arrival after writing it).
+                auto load_tile = [&](const Elem* base, long long page_stride, long long stride, int t, u32 dst, u32 full,
+                                     unsigned char* meta) {
+                    const int kstart = sp.ulist[t] * kBN;
+                    const Elem* p = base + sp.upage[t] * page_stride + r0 * stride;
 #pragma unroll
                     for (int j = 0; j < kBN / kStep; ++j) {
                         const bool ok = kstart + r0 + j * kStep < it.Lk;
                         cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
-                        p += step;
+                        p += kStep * stride;
+                    }
+                    cp_async_mbar_arrive_noinc(full);
+                    if (meta != nullptr && tid == 0) {
+                        *reinterpret_cast<int*>(meta) = kstart;
+                        mbar_arrive(full);
                     }
                 };
-                auto load_tile = [&](const Elem* base, long long page_stride, long long stride, int t, int pid,
-                                     u32 dst, u32 full, unsigned char* meta) {
-                    if constexpr (kSparse) {
-                        // Tile t is union block t: one page of kBN keys.
-                        const int kstart = sp.ulist[t] * kBN;
-                        copy_rows(base, base + sp.upage[t] * page_stride + r0 * stride, stride, kstart, dst);
-                        cp_async_mbar_arrive_noinc(full);
-                        if (meta != nullptr && tid == 0) {
-                            *reinterpret_cast<int*>(meta) = kstart;
-                            mbar_arrive(full);
-                        }
-                        return;
-                    }
-                    const int kstart = t * kBN;
-                    if constexpr (kPaged) {
-                        // pid: the page of this thread's id row of tile t (-1: invalid or past
-                        // the request); row r0 + j kStep's page sits in lane lane / kChunks + kIdRows j.
-                        if (meta != nullptr) {
-                            const int key = kstart + id_row;
-                            meta[id_row] = (key >= it.Lk || pid >= 0) ? 1 : 0;
-                        }
-                        // A new page every 2^rows_log2 of this thread's rows (each row when <= 0).
-                        const int slot_mask = (1 << page_size_log2) - 1;
-                        const int rows_log2 = page_size_log2 - kStepLog2;
-                        const long long step = kStep * stride;
-                        int pg = -1;
-                        const Elem* p = base;
-#pragma unroll
-                        for (int j = 0; j < kBN / kStep; ++j) {
-                            const int key = kstart + r0 + j * kStep;
-                            if (j == 0 || rows_log2 <= 0 || (j & ((1 << rows_log2) - 1)) == 0) {
-                                pg = __shfl_sync(0xffffffffu, pid, lane / kChunks + kIdRows * j);
-                                p = base + pg * page_stride + (long long)(key & slot_mask) * stride;
-                            }
-                            const bool ok = key < it.Lk && pg >= 0;
-                            cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
-                            p += step;
-                        }
-                        cp_async_mbar_arrive_noinc(full);
-                        if (meta != nullptr) {
-                            __syncwarp();
-                            if (lane == 0) mbar_arrive(full);
-                        }
-                    } else {
-                        copy_rows(base, base + (it.k_row0 + kstart + r0) * stride, stride, kstart, dst);
-                        cp_async_mbar_arrive_noinc(full);
-                    }
-                };
-                // K of tile n, then V of tile n - 1 (the order the consumers read them in). Paged:
-                // the id rows' pages of tile n + 1 are fetched before tile n waits for its stage.
-                int pid_prev = -1, pid_cur = -1;
-                if constexpr (kPaged) pid_cur = it.n_count > 0 ? page_of(it.t_begin) : -1;
+                // K of tile n, then V of tile n - 1 (the order the consumers read them in).
                 for (int n = 0; n <= it.n_count; ++n) {
-                    int pid_next = -1;
-                    if constexpr (kPaged) pid_next = n + 1 < it.n_count ? page_of(it.t_begin + n + 1) : -1;
                     if (n < it.n_count) {
                         const int g = kv_n + n, s = g % kStages;
                         mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
-                        load_tile(kb, k_page_stride, k_slot_stride, it.t_begin + n, pid_cur, kv_off + s * kStageBytes,
-                                  full_k + 8 * s,
-                                  kPaged    ? bars_ptr + kKeyFlagOffset + s * kBN
-                                  : kSparse ? bars_ptr + kKeyFlagOffset + 4 * s
-                                            : nullptr);
+                        load_tile(kb, k_page_stride, k_slot_stride, it.t_begin + n, kv_off + s * kStageBytes,
+                                  full_k + 8 * s, bars_ptr + kKeyFlagOffset + 4 * s);
                     }
                     if (n >= 1) {
                         const int g = kv_n + n - 1, s = g % kStages;
                         mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
-                        load_tile(vb, v_page_stride, v_slot_stride, it.t_begin + n - 1, pid_prev,
+                        load_tile(vb, v_page_stride, v_slot_stride, it.t_begin + n - 1,
                                   kv_off + s * kStageBytes + kTileBytes, full_v + 8 * s, nullptr);
                     }
-                    pid_prev = pid_cur;
-                    pid_cur = pid_next;
                 }
                 kv_n += it.n_count;
             }
