@@ -290,12 +290,13 @@ def test_tensor_maps_of_the_dense_warp_specialised_tile():
     p4 = dataclasses.replace(pp, page_size=4)
     assert al.tensor_maps(p4, al.select_config(p4, 132, 90), 1, 2, 3, (8192, 128), (512, 128, 16), (512, 128, 16),
                           9)[1:] == (NO_MAP, NO_MAP)
-    # block-sparse and the other tiles take none
+    # block-sparse: K/V by pages of 128, Q by rows; the other tiles take none
     ps = dataclasses.replace(pp, kv_mode=al.KV_SPARSE, page_size=128, list_width=16)
-    assert al.tensor_maps(ps, al.select_config(ps, 132, 90), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
-        (NO_MAP,) * 3
+    qm, km, _ = al.tensor_maps(ps, al.select_config(ps, 132, 90), 1, 2, 3, (8192, 128), (128 * 1024, 1024, 128),
+                               (128 * 1024, 1024, 128), 9)
+    assert qm == NO_MAP and km.dims == (128, 8, 128, 9) and km.box == (64, 1, 128, 1)
     assert al.tensor_maps(p, al.select_config(p, 132, 80), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
-        (NO_MAP,) * 3
+        (NO_MAP,) * 3  # sm_80: the mma.sync tile
 
 
 def test_split_choice_is_monotone_in_occupancy():

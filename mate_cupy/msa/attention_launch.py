@@ -92,8 +92,8 @@ WS_TILES = {WS_TILE: 3, WS_SPARSE_TILE: 2}
 # setmaxnreg, per KV mode (128 * producer + 256 * consumer <= 168 * 384, the CTA's registers
 # at launch, which setmaxnreg only moves between the warpgroups): the fewest producer
 # registers that compile without spills. Dense and paged: one TMA-issuing producer warp;
-# block-sparse: the union build spills under 56.
-WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (40, 232), KV_SPARSE: (56, 224)}
+# block-sparse: the union build and warp 0's loads spill under 64.
+WS_REGISTERS = {KV_DENSE: (40, 232), KV_PAGED: (40, 232), KV_SPARSE: (64, 216)}
 # Paged K/V arrive by TMA boxes of whole pages from this page size on (smaller pages by cp.async).
 WS_MIN_BOX_PAGE = 8
 TILES = ("decode", "prefill") + tuple(WS_TILES)
@@ -504,19 +504,19 @@ def tensor_maps(p: AttentionProblem, config: AttentionConfig, q, k, v, q_strides
                 v_strides: tuple, kv_extent: int) -> tuple:
     """The ``(q_map, k_map, v_map)`` parameters of a launch (``attention/mainloop_sm90.cuh``).
 
-    The dense and paged warp-specialised tiles load Q by boxes of (64 columns, group heads,
-    128 / group queries) of ``[total_q, Hq, D]`` where the group divides 128, and K/V by
-    boxes of (64 columns, 1 head, 128 keys) of dense ``[kv_extent, Hkv, D]``, or of
-    (64 columns, 1 head, min(page, 128) slots, 1 page) of the cache's ``(D, Hkv, page,
-    pages)`` view (NHD or HND strides) for pages of at least :data:`WS_MIN_BOX_PAGE` keys.
-    Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
+    The warp-specialised tiles load K/V by boxes of (64 columns, 1 head, 128 keys) of dense
+    ``[kv_extent, Hkv, D]``, or of (64 columns, 1 head, min(page, 128) slots, 1 page) of the
+    cache's ``(D, Hkv, page, pages)`` view (NHD or HND strides) for pages of at least
+    :data:`WS_MIN_BOX_PAGE` keys (block-sparse: pages of 128); the dense and paged ones load
+    Q by boxes of (64 columns, group heads, 128 / group queries) of ``[total_q, Hq, D]``
+    where the group divides 128. Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
     (or prepared-launch sources); strides in elements as :func:`run_attention`'s ``layout``."""
-    if config.tile not in WS_TILES or p.kv_mode == KV_SPARSE:
+    if config.tile not in WS_TILES:
         return NO_MAP, NO_MAP, NO_MAP
     dtype = DTYPE_BFLOAT16 if p.dtype_code == DTYPE_BF16 else DTYPE_FLOAT16
     d, rows = p.head_dim, tile_shape(config.tile, p.head_dim, p.dtype_code).rows
     q_map = NO_MAP
-    if rows % p.group == 0:
+    if rows % p.group == 0 and p.kv_mode != KV_SPARSE:
         dims = (d, p.num_heads_q, p.total_q)
         q_map = TensorMap(q, dtype, dims, _map_strides(dims, (q_strides[1], q_strides[0]), 2),
                           (64, p.group, rows // p.group))

@@ -407,8 +407,8 @@ struct MainloopSm90 {
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
-                mbar_init(full_k + 8 * s, kSparse ? 129 : 1);  // sparse: 128 cp.async arrivals and thread 0's
-                mbar_init(full_v + 8 * s, kSparse ? 128 : 1);
+                mbar_init(full_k + 8 * s, 1);
+                mbar_init(full_v + 8 * s, 1);
                 mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
@@ -429,10 +429,10 @@ struct MainloopSm90 {
                                 full_v, empty_k, empty_v, q_full, q_empty, slot, bars_ptr + kKeyFlagOffset);
                 return;
             }
-            // Block-sparse: the warpgroup builds each item's block union and copies its tiles.
+            // Block-sparse: the warpgroup builds each item's block union and loads its Q tile;
+            // warp 0 loads its K/V tiles.
             constexpr int kStep = 128 / kChunks;  // rows between one thread's chunks
             const int c = tid % kChunks, r0 = tid / kChunks;
-            const u32 kv_off = sKV + KvTile::offset(r0, c);
             const u32 q_off = sQ + QTile::offset(r0, c);
             int kv_n = 0;  // K/V tiles loaded so far (ring position)
             int q_n = 0;   // Q tiles loaded so far
@@ -479,41 +479,56 @@ struct MainloopSm90 {
                 cp_async_mbar_arrive_noinc(q_full);
                 if (tid == 0) mbar_arrive(q_full);
                 ++q_n;
-                const Elem* kb = k + (long long)it.kvh * k_head_stride + c * 8;
-                const Elem* vb = v + (long long)it.kvh * v_head_stride + c * 8;
-                // Tile t (union block t: one page of kBN keys) of an operand (base, page and slot
-                // strides) into the shared tile at dst; keys past the request are zero-filled.
-                // Completes on `full` (this thread's cp.async arrival; with `meta`, the K stage's
-                // first key, also thread 0's plain arrival after writing it).
-                auto load_tile = [&](const Elem* base, long long page_stride, long long stride, int t, u32 dst, u32 full,
-                                     unsigned char* meta) {
-                    const int kstart = sp.ulist[t] * kBN;
-                    const Elem* p = base + sp.upage[t] * page_stride + r0 * stride;
+                // K/V: warp 0 alone; the other warps go on to the next item's union build, which
+                // meets warp 0 at its barriers before it rewrites the union's blocks.
+                if (warp == 0) {
+                    const Elem* kb = k + (long long)it.kvh * k_head_stride;
+                    const Elem* vb = v + (long long)it.kvh * v_head_stride;
+                    // Tile t (union block t: one page of kBN keys) of an operand (its map; base, page
+                    // and slot strides) into the stage at dst, completing on `full`: one TMA box per
+                    // column block, or, for a block that reaches past the request, the warp's
+                    // cp.async zero-filled past it. With `meta`, lane 0 publishes the block's first
+                    // key with the stage.
+                    auto load_tile = [&](const TensorMap* map, const Elem* base, long long page_stride,
+                                         long long stride, int t, u32 dst, u32 full, unsigned char* meta) {
+                        const int kstart = sp.ulist[t] * kBN, page = sp.upage[t];
+                        if (kstart + kBN <= it.Lk) {
+                            if (lane == 0) {
+                                if (meta != nullptr) *reinterpret_cast<int*>(meta) = kstart;
+                                mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
-                    for (int j = 0; j < kBN / kStep; ++j) {
-                        const bool ok = kstart + r0 + j * kStep < it.Lk;
-                        cp_async_16_u32(dst + j * kStep * 128, ok ? p : base, ok);
-                        p += kStep * stride;
-                    }
-                    cp_async_mbar_arrive_noinc(full);
-                    if (meta != nullptr && tid == 0) {
-                        *reinterpret_cast<int*>(meta) = kstart;
-                        mbar_arrive(full);
-                    }
-                };
-                // K of tile n, then V of tile n - 1 (the order the consumers read them in).
-                for (int n = 0; n <= it.n_count; ++n) {
-                    if (n < it.n_count) {
-                        const int g = kv_n + n, s = g % kStages;
-                        mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
-                        load_tile(kb, k_page_stride, k_slot_stride, it.t_begin + n, kv_off + s * kStageBytes,
-                                  full_k + 8 * s, bars_ptr + kKeyFlagOffset + 4 * s);
-                    }
-                    if (n >= 1) {
-                        const int g = kv_n + n - 1, s = g % kStages;
-                        mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
-                        load_tile(vb, v_page_stride, v_slot_stride, it.t_begin + n - 1,
-                                  kv_off + s * kStageBytes + kTileBytes, full_v + 8 * s, nullptr);
+                                for (int cb = 0; cb < kD / 64; ++cb)
+                                    tma_load_4d(dst + cb * KvTile::kBlockBytes, map, cb * 64, it.kvh, 0, page, full);
+                            }
+                            return;
+                        }
+                        const Elem* p = base + page * page_stride;
+                        const int cl = lane % kChunks;
+                        for (int r = lane / kChunks; r < kBN; r += 32 / kChunks) {
+                            const bool ok = kstart + r < it.Lk;
+                            cp_async_16_u32(dst + KvTile::offset(r, cl), (ok ? p + r * stride : p) + cl * 8, ok);
+                        }
+                        cp_async_mbar_arrive_inc(full);
+                        __syncwarp();
+                        if (lane == 0) {
+                            if (meta != nullptr) *reinterpret_cast<int*>(meta) = kstart;
+                            mbar_arrive(full);
+                        }
+                    };
+                    // K of tile n, then V of tile n - 1 (the order the consumers read them in).
+                    for (int n = 0; n <= it.n_count; ++n) {
+                        if (n < it.n_count) {
+                            const int g = kv_n + n, s = g % kStages;
+                            mbar_wait(empty_k + 8 * s, ((g / kStages) & 1) ^ 1);
+                            load_tile(k_map, kb, k_page_stride, k_slot_stride, it.t_begin + n, sKV + s * kStageBytes,
+                                      full_k + 8 * s, bars_ptr + kKeyFlagOffset + 4 * s);
+                        }
+                        if (n >= 1) {
+                            const int g = kv_n + n - 1, s = g % kStages;
+                            mbar_wait(empty_v + 8 * s, ((g / kStages) & 1) ^ 1);
+                            load_tile(v_map, vb, v_page_stride, v_slot_stride, it.t_begin + n - 1,
+                                      sKV + s * kStageBytes + kTileBytes, full_v + 8 * s, nullptr);
+                        }
                     }
                 }
                 kv_n += it.n_count;
