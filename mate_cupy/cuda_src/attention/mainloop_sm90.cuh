@@ -15,8 +15,8 @@
 //     too where the group divides kM; a request's partial last tile (and pages under 8
 //     keys) by the warp's cp.async, zero-filled past the request. Paged: the tile's pages
 //     are looked up a tile ahead, one per lane; keys on invalid pages are zero-filled and
-//     flagged (one byte per key of the stage, written before the warp's arrival on the K
-//     barrier), and the consumers mask them.
+//     flagged (one byte per key of the stage; each lane arrives on the K barrier after
+//     writing its four), and the consumers mask them.
 //     Block-sparse KV: 128 threads; before each item they build the ascending union of the
 //     128-key blocks its queries selected (block_union.cuh; the query membership bits
 //     double-buffered by item), walk it tile by tile with 16-byte cp.async (completed by
@@ -112,6 +112,9 @@ struct MainloopSm90 {
     static constexpr int kBarBytes = kWarpTotalOffset + 16;
     static_assert(kBarBytes == ws_bar_bytes(kStages, kKv) && kItemBytes == 80 && kBN == 128, "host's layout");
     static constexpr u32 kAllKeysValid = 0x01010101u;  // a flag word of four valid keys
+    // Arrivals that complete a paged K stage: each producer lane's, after writing its flag word
+    // (the stage's bytes complete its transaction count, or its cp.async its arrivals).
+    static constexpr int kFlagArrivals = 32;
     struct TileMeta {
         int kstart;  // first key of the tile
         u32 word;    // paged: this lane's key flag word; sparse: the rows' membership bits
@@ -199,7 +202,7 @@ struct MainloopSm90 {
     // (the request's last, when it is partial: the next request's rows or memory no request
     // owns lie past it; pages under 8 keys) is copied by the warp's cp.async, zero-filled
     // past the request and on invalid pages. Paged K stages also carry a validity byte per
-    // key, written by the warp before lane 0 arrives. The Q tile is one box of (64 columns,
+    // key; each lane arrives after writing its keys' bytes. The Q tile is one box of (64 columns,
     // group heads, kM / group queries) per column block where the packed rows are whole
     // queries (kM % group == 0; its rows past the request are not stored), else the warp's
     // cp.async rows. Maps (host: mate_cupy.msa.attention_launch.tensor_maps): q
@@ -293,11 +296,14 @@ struct MainloopSm90 {
                                             it.kvh, key0 & slot_mask, pid, full);
                         }
                         if (flags != nullptr) {
+                            // (each lane arrives after writing its flags: kFlagArrivals)
                             const int owner = __shfl_sync(0xffffffffu, pid, (4 * lane) >> box_log2);
                             reinterpret_cast<u32*>(flags)[lane] = owner >= 0 ? kAllKeysValid : 0u;
+                            mbar_arrive(full);
+                        } else {
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(full);
                         }
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(full);
                     } else if (lane == 0) {
                         mbar_arrive_expect_tx(full, kTileBytes);
 #pragma unroll
@@ -320,6 +326,7 @@ struct MainloopSm90 {
                     const Elem* src = row(kstart + r);
                     cp_async_16_u32(dst + KvTile::offset(r, c), (src != nullptr ? src : base) + c * 8, src != nullptr);
                 }
+                cp_async_mbar_arrive_inc(full);
                 if (flags != nullptr) {
                     u32 word = 0;
 #pragma unroll
@@ -328,10 +335,11 @@ struct MainloopSm90 {
                         word |= (key >= it.Lk || row(key) != nullptr ? 1u : 0u) << (8 * e);
                     }
                     reinterpret_cast<u32*>(flags)[lane] = word;
+                    mbar_arrive(full);
+                } else {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(full);
                 }
-                cp_async_mbar_arrive_inc(full);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(full);
             };
             // K of tile n, then V of tile n - 1 (the order the consumers read them in). Paged:
             // the box pages of tile n + 1 are looked up before tile n waits for its stage.
@@ -407,7 +415,7 @@ struct MainloopSm90 {
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
-                mbar_init(full_k + 8 * s, 1);
+                mbar_init(full_k + 8 * s, kPaged ? kFlagArrivals : 1);
                 mbar_init(full_v + 8 * s, 1);
                 mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
