@@ -722,6 +722,9 @@ def test_layout_limits_refused_for_host_inputs(rng):
     raw[...] = p.q
     with pytest.raises(ValueError, match="16-byte aligned"):
         _dense_call(p, q=raw)
+    out_raw = np.zeros(p.q.size * 2 + 8, np.uint8)[2:2 + p.q.size * 2].view(BF16).reshape(p.q.shape)
+    with pytest.raises(ValueError, match="out: the data must be 16-byte aligned"):
+        _dense_call(p, out=out_raw)
     ok = np.zeros((p.total_q, 8, 72), BF16)  # 144-byte rows: fine
     ok[..., :64] = p.q
     out, _ = _dense_call(p, q=ok[..., :64])

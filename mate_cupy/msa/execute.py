@@ -683,6 +683,8 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
         if out_a.dtype != out_dtype or out_a.shape != qshape or (out_a.strides != (hq * d, d, 1)
                                                                 and not out_a.is_contiguous()):
             _check_output(out_a, qshape, out_dtype, "[total_q, Hq, D]")
+        if out_a.size and out_a.ptr % 16:  # the kernels store 16-byte chunks of its rows
+            raise ValueError(f"out: the data must be 16-byte aligned, got address {out_a.ptr:#x}")
     if lse_a is not None:
         if lse_a.dtype != FLOAT32 or lse_a.shape != (total_q, hq) or (lse_a.strides != (hq, 1)
                                                                      and not lse_a.is_contiguous()):

@@ -18,6 +18,28 @@
 namespace mate {
 namespace attn {
 
+// A 4 x 4 transpose of 32-bit words across the lanes of a quad (t4 = lane & 3): lane t4's
+// x[c] (its word of 16-byte chunk c of a row: columns 2 t4, 2 t4 + 1 of the chunk) becomes
+// the words of chunk t4 in column order, x[s] = lane s's old x[t4]; two butterfly shuffle
+// rounds (every lane of the warp takes part).
+__device__ __forceinline__ void quad_transpose4(u32 (&x)[4], int t4) {
+    // Round 1 (lanes t4 ^ 2): keep the chunks of this lane's high bit, trade the others.
+    const bool hi = t4 & 2, lo = t4 & 1;
+    u32 a0 = hi ? x[0] : x[2], a1 = hi ? x[1] : x[3];
+    a0 = __shfl_xor_sync(0xffffffffu, a0, 2);
+    a1 = __shfl_xor_sync(0xffffffffu, a1, 2);
+    // w[s1][c0] = word (column pair of lane (s1, t4 & 1)) of chunk (t4 >> 1, c0)
+    u32 w00 = hi ? a0 : x[0], w01 = hi ? a1 : x[1], w10 = hi ? x[2] : a0, w11 = hi ? x[3] : a1;
+    // Round 2 (lanes t4 ^ 1): trade the chunk of the other low bit.
+    u32 b0 = lo ? w00 : w01, b1 = lo ? w10 : w11;
+    b0 = __shfl_xor_sync(0xffffffffu, b0, 1);
+    b1 = __shfl_xor_sync(0xffffffffu, b1, 1);
+    x[0] = lo ? b0 : w00;
+    x[1] = lo ? w01 : b0;
+    x[2] = lo ? b1 : w10;
+    x[3] = lo ? w11 : b1;
+}
+
 template <int kD, int kM, int kMT, int kWN, int kThreads, bool kFp8>
 struct AttentionEpilogue {
     // Shared memory: kWN x kM staged rows of kD + 8 floats (bank-conflict padding), then

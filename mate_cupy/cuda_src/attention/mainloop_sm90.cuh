@@ -55,6 +55,7 @@
 #include "../common/warp_specialized.cuh"
 #include "../common/tma.cuh"
 #include "mask.cuh"
+#include "epilogue.cuh"
 
 namespace mate {
 namespace attn {
@@ -776,22 +777,29 @@ struct MainloopSm90 {
                     }
                 }
             }
-            // Straight from the registers: a quad writes 16 contiguous bytes of a row per
-            // n-tile (the Q tile is being refilled, the ring holds the next item's K/V).
+            // Straight from the registers (the Q tile is being refilled, the ring holds the next
+            // item's K/V): split-KV partials as a quad's 32 contiguous bytes per n-tile; out as
+            // 16-byte chunks, the quad's words of four n-tiles transposed so each lane holds one.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (!live[h]) continue;
                 if (ws_o != nullptr) {
+                    if (!live[h]) continue;
                     float* dst = ws_o + (it.split * split_rows + ridx[h]) * kD + 2 * t4;
 #pragma unroll
                     for (int d = 0; d < kDT; ++d)
                         *reinterpret_cast<float2*>(dst + 8 * d) =
                             make_float2(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
-                } else {
-                    OutT* dst = out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 2 * t4;
+                    continue;
+                }
+                OutT* dst = out + (long long)tok[h] * out_tok_stride + (long long)head[h] * out_head_stride + 8 * t4;
 #pragma unroll
-                    for (int d = 0; d < kDT; ++d)
-                        *reinterpret_cast<u32*>(dst + 8 * d) = pack2<OutT>(O[d][2 * h] * inv[h], O[d][2 * h + 1] * inv[h]);
+                for (int j = 0; j < kDT / 4; ++j) {
+                    u32 x[4];
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        x[c] = pack2<OutT>(O[4 * j + c][2 * h] * inv[h], O[4 * j + c][2 * h + 1] * inv[h]);
+                    quad_transpose4(x, t4);
+                    if (live[h]) *reinterpret_cast<uint4*>(dst + 32 * j) = make_uint4(x[0], x[1], x[2], x[3]);
                 }
             }
         }
