@@ -290,11 +290,11 @@ def test_tensor_maps_of_the_dense_warp_specialised_tile():
     p4 = dataclasses.replace(pp, page_size=4)
     assert al.tensor_maps(p4, al.select_config(p4, 132, 90), 1, 2, 3, (8192, 128), (512, 128, 16), (512, 128, 16),
                           9)[1:] == (NO_MAP, NO_MAP)
-    # block-sparse: K/V by pages of 128, Q by rows; the other tiles take none
+    # block-sparse: K/V by pages of 128, Q as the others; the other tiles take none
     ps = dataclasses.replace(pp, kv_mode=al.KV_SPARSE, page_size=128, list_width=16)
     qm, km, _ = al.tensor_maps(ps, al.select_config(ps, 132, 90), 1, 2, 3, (8192, 128), (128 * 1024, 1024, 128),
                                (128 * 1024, 1024, 128), 9)
-    assert qm == NO_MAP and km.dims == (128, 8, 128, 9) and km.box == (64, 1, 128, 1)
+    assert qm.box == (64, 8, 16) and km.dims == (128, 8, 128, 9) and km.box == (64, 1, 128, 1)
     assert al.tensor_maps(p, al.select_config(p, 132, 80), 1, 2, 3, (8192, 128), (1, 2, 3), (1, 2, 3), 9) == \
         (NO_MAP,) * 3  # sm_80: the mma.sync tile
 
@@ -981,6 +981,18 @@ def test_ws_sparse_tile_many_list_entries(rng):
     sel = _corrupt(rng, random_selection(rng, p, 16), p)
     out, lse = _run(p, source="csr", sel=sel, tile=al.WS_SPARSE_TILE)
     _check(out, lse, _sparse_ref(p, sel), BF16, "ws sparse tile, many list entries")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [6, 12])
+def test_ws_sparse_tile_groups_off_the_tile(rng, group):
+    # a group that does not divide the 128-row tile: the Q tile by the producer warpgroup's
+    # cp.async rows instead of TMA boxes (the kernel takes any group; the plans take 8 and 16)
+    p = make_problem(rng, [700, 129, 1], [1500, 300, 700], 2 * group, 2, 128, page_size=128)
+    sel = _corrupt(rng, random_selection(rng, p, 16), p)
+    for tile in (al.WS_TILE, al.WS_SPARSE_TILE):
+        out, lse = _run(p, source="table", sel=sel, tile=tile)
+        _check(out, lse, _sparse_ref(p, sel), BF16, f"{tile} group {group}")
 
 
 @pytest.mark.gpu

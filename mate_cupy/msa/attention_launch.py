@@ -507,16 +507,15 @@ def tensor_maps(p: AttentionProblem, config: AttentionConfig, q, k, v, q_strides
     The warp-specialised tiles load K/V by boxes of (64 columns, 1 head, 128 keys) of dense
     ``[kv_extent, Hkv, D]``, or of (64 columns, 1 head, min(page, 128) slots, 1 page) of the
     cache's ``(D, Hkv, page, pages)`` view (NHD or HND strides) for pages of at least
-    :data:`WS_MIN_BOX_PAGE` keys (block-sparse: pages of 128); the dense and paged ones load
-    Q by boxes of (64 columns, group heads, 128 / group queries) of ``[total_q, Hq, D]``
-    where the group divides 128. Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
+    :data:`WS_MIN_BOX_PAGE` keys (block-sparse: pages of 128), and Q by boxes of (64 columns,
+    group heads, 128 / group queries) of ``[total_q, Hq, D]`` where the group divides 128. Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
     (or prepared-launch sources); strides in elements as :func:`run_attention`'s ``layout``."""
     if config.tile not in WS_TILES:
         return NO_MAP, NO_MAP, NO_MAP
     dtype = DTYPE_BFLOAT16 if p.dtype_code == DTYPE_BF16 else DTYPE_FLOAT16
     d, rows = p.head_dim, tile_shape(config.tile, p.head_dim, p.dtype_code).rows
     q_map = NO_MAP
-    if rows % p.group == 0 and p.kv_mode != KV_SPARSE:
+    if rows % p.group == 0:
         dims = (d, p.num_heads_q, p.total_q)
         q_map = TensorMap(q, dtype, dims, _map_strides(dims, (q_strides[1], q_strides[0]), 2),
                           (64, p.group, rows // p.group))

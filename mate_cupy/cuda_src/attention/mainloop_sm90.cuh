@@ -116,6 +116,10 @@ struct MainloopSm90 {
     // Arrivals that complete a paged K stage: each producer lane's, after writing its flag word
     // (the stage's bytes complete its transaction count, or its cp.async its arrivals).
     static constexpr int kFlagArrivals = 32;
+    // Arrivals that complete the Q barrier: the TMA producer warp's lane 0 (with the tile's
+    // bytes, or after its warp's cp.async arrivals); block-sparse, each producer thread's,
+    // after its writes of the item's membership bits.
+    static constexpr int kQArrivals = kSparse ? 128 : 1;
     struct TileMeta {
         int kstart;  // first key of the tile
         u32 word;    // paged: this lane's key flag word; sparse: the rows' membership bits
@@ -421,7 +425,7 @@ struct MainloopSm90 {
                 mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
-            mbar_init(q_full, kSparse ? 129 : 1);
+            mbar_init(q_full, kQArrivals);
             mbar_init(q_empty, 256);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
@@ -438,8 +442,10 @@ struct MainloopSm90 {
                                 full_v, empty_k, empty_v, q_full, q_empty, slot, bars_ptr + kKeyFlagOffset);
                 return;
             }
-            // Block-sparse: the warpgroup builds each item's block union and loads its Q tile;
-            // warp 0 loads its K/V tiles.
+            // Block-sparse: the warpgroup builds each item's block union and loads its Q tile
+            // (thread 0, by TMA boxes where the group divides kM); warp 0 loads its K/V tiles.
+            const bool q_boxes = kM % group == 0;
+            if (tid == 0 && q_boxes) tma_prefetch_map(q_map);
             constexpr int kStep = 128 / kChunks;  // rows between one thread's chunks
             const int c = tid % kChunks, r0 = tid / kChunks;
             const u32 q_off = sQ + QTile::offset(r0, c);
@@ -453,9 +459,15 @@ struct MainloopSm90 {
                     const int qi = P / group, h = P - qi * group;
                     return q + (long long)(it.q_start + qi) * q_tok_stride + (long long)(it.kvh * group + h) * q_head_stride;
                 };
-                // The item's Q rows into L2 (thread tid: packed row tid): its load below waits
-                // for the consumers' last Q K^T of the previous item, and then hits L2.
-                if (it.row0 + tid < it.rows_total) {
+                const int q_tok = it.q_start + it.qi_first, q_head = it.kvh * group;
+                // The item's Q rows into L2 (boxes, or thread tid: packed row tid): its load below
+                // waits for the consumers' last Q K^T of the previous item, and then hits L2.
+                if (q_boxes) {
+                    if (tid == 0) {
+#pragma unroll
+                        for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
+                    }
+                } else if (it.row0 + tid < it.rows_total) {
                     const char* row = reinterpret_cast<const char*>(q_row(it.row0 + tid));
 #pragma unroll
                     for (int l = 0; l < kRowBytes / 128; ++l) prefetch_l2(row + 128 * l);
@@ -475,18 +487,32 @@ struct MainloopSm90 {
                         reinterpret_cast<int*>(bars_ptr + kWarpTotalOffset));
                     split_tiles(n_union, num_splits, it);
                 }
-                // Q: the item's 128 packed rows (zero past the request), once the consumers'
-                // last Q K^T of the previous item has completed; the item's geometry with it.
+                // Q: the item's 128 packed rows, once the consumers' last Q K^T of the previous
+                // item has completed; the item's geometry with it. Boxes as the dense tile's where
+                // the group divides kM, else the warpgroup's cp.async rows (zero past the
+                // request). Every thread arrives (kQArrivals), after its membership writes.
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
-                if (tid == 0) *slot = it;
+                if (q_boxes) {
+                    if (tid == 0) {
+                        *slot = it;
+                        mbar_arrive_expect_tx(q_full, kM * kRowBytes);
+#pragma unroll
+                        for (int cb = 0; cb < kD / 64; ++cb)
+                            tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
+                    } else {
+                        mbar_arrive(q_full);
+                    }
+                } else {
+                    if (tid == 0) *slot = it;
 #pragma unroll 4
-                for (int j = 0; j < kM / kStep; ++j) {
-                    const int P = it.row0 + r0 + j * kStep;
-                    const bool ok = P < it.rows_total;
-                    cp_async_16_u32(q_off + j * kStep * 128, ok ? q_row(P) + c * 8 : q, ok);
+                    for (int j = 0; j < kM / kStep; ++j) {
+                        const int P = it.row0 + r0 + j * kStep;
+                        const bool ok = P < it.rows_total;
+                        cp_async_16_u32(q_off + j * kStep * 128, ok ? q_row(P) + c * 8 : q, ok);
+                    }
+                    cp_async_mbar_arrive_inc(q_full);
+                    mbar_arrive(q_full);
                 }
-                cp_async_mbar_arrive_noinc(q_full);
-                if (tid == 0) mbar_arrive(q_full);
                 ++q_n;
                 // K/V: warp 0 alone; the other warps go on to the next item's union build, which
                 // meets warp 0 at its barriers before it rewrites the union's blocks.
@@ -545,8 +571,7 @@ struct MainloopSm90 {
             // No more items.
             mbar_wait(q_empty, (q_n & 1) ^ 1);
             if (tid == 0) slot->n_count = -1;
-            cp_async_mbar_arrive_noinc(q_full);
-            if (tid == 0) mbar_arrive(q_full);
+            mbar_arrive(q_full);
             cp_async_wait_all();  // nothing in flight when the warpgroup exits
             return;
         }
