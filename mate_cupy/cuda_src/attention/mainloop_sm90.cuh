@@ -83,7 +83,6 @@ constexpr int ws_bar_bytes(int stages, int kv) {
 // producer's and the consumers' registers per thread, producer * 1000 + consumer.
 template <int kD, int kBN, int kStages, typename Elem, int kKv, int kRegs>
 struct MainloopSm90 {
-    static constexpr bool kDense = kKv == 0;
     static constexpr bool kPaged = kKv == 1;
     static constexpr bool kSparse = kKv == 2;
     static constexpr int kBarProducer = 3;  // named barrier of the producer warpgroup
@@ -207,10 +206,10 @@ struct MainloopSm90 {
     // (the request's last, when it is partial: the next request's rows or memory no request
     // owns lie past it; pages under 8 keys) is copied by the warp's cp.async, zero-filled
     // past the request and on invalid pages. Paged K stages also carry a validity byte per
-    // key; each lane arrives after writing its keys' bytes. The Q tile is one box of (64 columns,
-    // group heads, kM / group queries) per column block where the packed rows are whole
-    // queries (kM % group == 0; its rows past the request are not stored), else the warp's
-    // cp.async rows. Maps (host: mate_cupy.msa.attention_launch.tensor_maps): q
+    // key; each lane arrives after writing its keys' bytes. The Q tile is one box of
+    // (64 columns, group heads, kM / group queries) per column block where the packed rows
+    // are whole queries (kM % group == 0; its rows past the request are not stored), else
+    // the warp's cp.async rows. Maps (host: mate_cupy.msa.attention_launch.tensor_maps): q
     // [total_q, Hq, D]; k/v dense [rows, Hkv, D], paged [pages, page, Hkv, D] as
     // (D, Hkv, page, pages) whatever the layout's strides.
     template <typename ItemAt>
