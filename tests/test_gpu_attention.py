@@ -707,6 +707,18 @@ def test_paged_invalid_page_ids_are_masked(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["prefill", al.WS_TILE])
+def test_paged_cache_without_pages(rng, tile):
+    # a cache of zero pages: every page id is out of range, every key inadmissible (the
+    # warp-specialised tile has no tensor map to load from and copies nothing)
+    p = make_problem(rng, [200, 60], [500, 300], 8, 1, 128, page_size=64)
+    p.k_cache, p.v_cache = p.k_cache[:0], p.v_cache[:0]
+    out, lse = _run(p, source="table", tile=tile)
+    assert np.all(to_f64(out) == 0.0), f"{tile}: rows without admissible keys must be 0"
+    assert np.all(to_f64(lse) == -np.inf), f"{tile}: rows without admissible keys have lse -inf"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [-1, 6])
 def test_paged_decode_split_kv(rng, splits):
     p = make_problem(rng, [1] * 5, [8192, 3000, 1, 0, 777], 64, 8, 128, page_size=64)

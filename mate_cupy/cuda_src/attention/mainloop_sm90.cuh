@@ -223,10 +223,11 @@ struct MainloopSm90 {
         u32 q_empty, Item* slot, unsigned char* key_flags) {
         const int lane = threadIdx.x & 31;
         const bool q_boxes = kM % group == 0;
-        // Paged: slots per box (<= kBN) and boxes (pages) per tile; pages under 8 slots take cp.async.
+        // Paged: slots per box (<= kBN) and boxes (pages) per tile; pages under 8 slots, and a
+        // cache without pages (no map: every key is on an invalid page), take cp.async.
         const int box_log2 = kPaged ? min(page_size_log2, 7) : 7;
         const int n_boxes = kBN >> box_log2;
-        const bool page_boxes = !kPaged || page_size_log2 >= 3;
+        const bool page_boxes = !kPaged || (page_size_log2 >= 3 && kv_extent > 0);
         const int slot_mask = kPaged ? (1 << page_size_log2) - 1 : 0;
         if (lane == 0) {
             if (q_boxes) tma_prefetch_map(q_map);
