@@ -34,8 +34,8 @@
 //     the other drains the current one.
 //
 // The CTA is persistent: it walks work items (row tile, request, KV head and split) in a
-// static order, in L2 sections of (request, KV head, split) triples whose K/V fit in L2
-// together and heaviest row tiles first within a section, and the producer runs ahead into
+// static order (scheduler.cuh), in L2 sections of (request, KV head, split) triples whose K/V
+// fit in L2 together and heaviest row tiles first within a section, and the producer runs ahead into
 // the next item: it prefetches the next Q tile's rows into L2 as soon as it reaches the item,
 // loads the tile (one buffer, with its own full/empty mbarriers) once the consumers' last
 // Q K^T of the current item has completed, then that item's K/V tiles.
@@ -55,6 +55,7 @@
 #include "../common/warp_specialized.cuh"
 #include "../common/tma.cuh"
 #include "mask.cuh"
+#include "scheduler.cuh"
 #include "epilogue.cuh"
 
 namespace mate {
@@ -133,68 +134,9 @@ struct MainloopSm90 {
     static_assert(128 % kChunks == 0 && kBN % (128 / kChunks) == 0, "K/V tile loads cover whole rows per pass");
     static_assert((128 / kChunks) % 8 == 0, "a producer thread's rows share one swizzle phase");
 
-    // One work item: row tile, request and (KV head, split) of a CTA in the non-persistent
-    // grid. The producer derives it from the item index and hands it to the consumers in
-    // shared memory with the item's Q tile (n_count < 0: no more items).
-    // kend: keys any row may attend; nq: queries whose lists make the union (sparse).
-    struct Item {
-        long long k_row0, qoff;
-        int row0, q_start, rows_total, Lk, qi_first, kvh, split, t_begin, n_count, b, kend, nq;
-    };
+    typedef PersistentScheduler<kM, kBN, kKv == 0> Scheduler;
+    typedef typename Scheduler::Item Item;
     static_assert(sizeof(Item) <= kItemBytes, "item slot");
-    // Item i. The (request, KV head, split) triples run in L2 sections of `section`
-    // consecutive triples, whose K/V the host sized to stay in L2 together; inside a section
-    // the heaviest row tiles come first (row tile index reversed), then the triple. False
-    // when the row tile lies past the request.
-    static __device__ __forceinline__ bool item_at(long long i, int row_tiles, int batch, int heads_splits,
-                                                   int num_splits, int section, const int* __restrict__ cu_seqlens_q,
-                                                   const int* __restrict__ qo_lens, const int* __restrict__ kv_lens,
-                                                   const int* __restrict__ qo_offset,
-                                                   const int* __restrict__ cu_seqlens_k, int total_q, int kv_extent,
-                                                   int group, int causal, int nq_cap, Item& it) {
-        const long long n_triples = (long long)batch * heads_splits;
-        const long long per_section = (long long)section * row_tiles;
-        const long long sec = i / per_section;
-        const long long first = sec * section;
-        const int width = (int)min((long long)section, n_triples - first);
-        const long long r = i - sec * per_section;
-        const int rt = (int)(r / width);
-        const long long triple = first + (r - (long long)rt * width);
-        const int b = (int)(triple / heads_splits), z = (int)(triple - (long long)b * heads_splits);
-        it.kvh = z / num_splits;
-        it.split = z - it.kvh * num_splits;
-        it.row0 = (row_tiles - 1 - rt) * kM;
-        const QueryRows qr = query_rows(cu_seqlens_q, qo_lens, total_q, b);
-        it.q_start = qr.start;
-        it.rows_total = qr.len * group;
-        it.b = b;
-        if (it.row0 >= it.rows_total) return false;
-        int Lk = max(kv_lens[b], 0);
-        it.k_row0 = 0;
-        if constexpr (kKv == 0) {
-            const int ks = cu_seqlens_k[b];
-            if (ks < 0 || ks > kv_extent) {
-                Lk = 0;
-            } else {
-                Lk = min(Lk, kv_extent - ks);
-                it.k_row0 = ks;
-            }
-        }
-        it.Lk = Lk;
-        it.qoff = qo_offset[b];
-        it.qi_first = it.row0 / group;
-        const int qi_last = min(qr.len - 1, (it.row0 + kM - 1) / group);
-        it.kend = causal ? (int)max(0LL, min((long long)Lk, it.qoff + qi_last + 1)) : Lk;
-        it.nq = min(qi_last - it.qi_first + 1, nq_cap);
-        split_tiles((it.kend + kBN - 1) / kBN, num_splits, it);
-        return true;
-    }
-    // The item's share of n_tiles key tiles.
-    static __device__ __forceinline__ void split_tiles(int n_tiles, int num_splits, Item& it) {
-        const int per_split = (n_tiles + num_splits - 1) / num_splits;
-        it.t_begin = min(n_tiles, it.split * per_split);
-        it.n_count = min(n_tiles, it.t_begin + per_split) - it.t_begin;
-    }
 
     // The producer of dense and paged K/V: one warp (the producer warpgroup's others exit).
     // Each K/V tile of kBN keys whose keys all lie in the request is loaded by the tensor
@@ -378,7 +320,7 @@ struct MainloopSm90 {
     }
 
     // Persistent: the CTAs walk the items of row_tiles x batch x (Hkv * splits) in waves of
-    // gridDim.x items (item_at's order; section: triples per L2 section).
+    // gridDim.x items (scheduler.cuh; section: triples per L2 section).
     // sQ, sKV: shared addresses of the Q tile and the ring (1024-byte aligned); bars: kBarBytes
     // of shared memory (8-byte aligned) at the generic pointer bars_ptr: the item slot at
     // kItemOffset, the key flags at kKeyFlagOffset. kv_extent: rows of k (dense) or pages of
@@ -401,15 +343,12 @@ struct MainloopSm90 {
         const int wg = warp >> 2;
         const int heads_splits = num_heads_kv * num_splits;
         const long long n_items = (long long)row_tiles * batch * heads_splits;
-        // This CTA's item of wave w: waves alternate direction (CTA c takes item c of wave 0,
-        // the c-th lightest of wave 1, ...), so the heaviest-first order balances the CTAs.
-        // False when there is none (past the last item, or past its request's rows).
+        // This CTA's item of wave w, false when there is none (Scheduler::wave_item).
         auto item = [&](long long w, Item& it) {
-            const long long i =
-                w * gridDim.x + ((w & 1) ? (long long)gridDim.x - 1 - blockIdx.x : (long long)blockIdx.x);
-            return i < n_items && item_at(i, row_tiles, batch, heads_splits, num_splits, section, cu_seqlens_q, qo_lens,
-                                          kv_lens, qo_offset, cu_seqlens_k, total_q, kv_extent, group, causal,
-                                          sp.nq_cap, it);
+            const long long i = Scheduler::wave_item(w);
+            return i < n_items && Scheduler::item_at(i, row_tiles, batch, heads_splits, num_splits, section,
+                                                     cu_seqlens_q, qo_lens, kv_lens, qo_offset, cu_seqlens_k, total_q,
+                                                     kv_extent, group, causal, sp.nq_cap, it);
         };
 
         // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty. Q full
@@ -485,7 +424,7 @@ struct MainloopSm90 {
                         pages, kv_extent, sp.scratch, reinterpret_cast<int*>(sp.scratch) + sp.union_words, sp.ulist,
                         sp.upage, sp.qmask + (q_n & 1) * sp.nq_cap * sp.qwords, sp.qwords,
                         reinterpret_cast<int*>(bars_ptr + kWarpTotalOffset));
-                    split_tiles(n_union, num_splits, it);
+                    Scheduler::split_tiles(n_union, num_splits, it);
                 }
                 // Q: the item's 128 packed rows, once the consumers' last Q K^T of the previous
                 // item has completed; the item's geometry with it. Boxes as the dense tile's where
