@@ -901,6 +901,21 @@ def test_ws_tile_long_requests(rng, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("source,splits", [("dense", -1), ("dense", 3), ("csr", -1), ("sparse", -1)])
+def test_ws_tile_identical_run_to_run(rng, source, splits):
+    # the persistent schedule, the reduction order and the split-KV merge are fixed: two
+    # launches on the same inputs (fresh NaN-poisoned outputs) give the same bits
+    p = make_problem(rng, [700, 129, 1, 300], [1500, 300, 700, 300], 16, 2, 128, page_size=128)
+    sel = random_selection(rng, p, 16) if source == "sparse" else None
+    kw = dict(source="table" if source == "sparse" else source, sel=sel, splits=splits, tile=al.WS_TILE)
+    out1, lse1 = _run(p, **kw)
+    out2, lse2 = _run(p, **kw)
+    assert not np.isnan(to_f64(out1)).any(), f"{source}: rows left unwritten"
+    assert np.array_equal(out1.get().view(np.uint16), out2.get().view(np.uint16)), f"{source}: out differs"
+    assert np.array_equal(lse1.get().view(np.uint32), lse2.get().view(np.uint32)), f"{source}: lse differs"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("source", ["dense", "csr"])
 @pytest.mark.parametrize("splits,section", [(1, 2), (2, 4)])
 def test_ws_tile_l2_sections(rng, monkeypatch, source, splits, section):
