@@ -326,6 +326,7 @@ def test_prepared_launch_encodes_tensor_maps_on_the_call_address(monkeypatch):
     fixed address is encoded once. The driver's encoder is replaced by one that writes the
     address and the box into the descriptor."""
     import ctypes
+    import dataclasses
     import importlib
     import struct
 
@@ -364,14 +365,9 @@ def test_prepared_launch_encodes_tensor_maps_on_the_call_address(monkeypatch):
         seen.clear()
         pl.run(addrs, 0)
         assert encoded == encodes, addrs
-        launch(K(), (1,), (384,), params, (addrs[0], 5, tm.TensorMap(addrs[1], *astuple_tail(qm)), km))
+        launch(K(), (1,), (384,), params, (addrs[0], 5, dataclasses.replace(qm, address=addrs[1]), km))
         assert len(seen) == 2 and seen[0] == seen[1], addrs
         assert seen[0][12:20] == struct.pack("<Q", addrs[1])
     assert pl.values((0x100, 0x200))[2][:8] == struct.pack("<Q", 0x200)
     with pytest.raises(ValueError, match="qm"):
         PreparedLaunch(K(), (1,), (1,), params, (0, 5, qm, km), n_addresses=1)
-
-
-def astuple_tail(m):
-    """A tensor map's fields after its address."""
-    return (m.dtype, m.dims, m.strides, m.box, m.swizzle)

@@ -48,30 +48,28 @@ class TensorMap:
 
     def encode(self, address: int | None = None) -> bytes:
         """The descriptor bytes for the data at ``address`` (default: ``self.address``)."""
-        buf = _scratch()
-        start = self._encode_scratch(buf, address)
-        return buf.raw[start:start + MAP_BYTES]
+        return ctypes.string_at(self._encode_scratch(address), MAP_BYTES)
 
     def encode_into(self, dest: int, address: int | None = None) -> None:
         """Write the descriptor for the data at ``address`` to the host memory at ``dest``."""
-        buf = _scratch()
-        start = self._encode_scratch(buf, address)
-        ctypes.memmove(dest, ctypes.addressof(buf) + start, MAP_BYTES)
+        ctypes.memmove(dest, self._encode_scratch(address), MAP_BYTES)
 
-    def _encode_scratch(self, buf, address) -> int:
-        """Encode into ``buf`` at its first 64-byte aligned offset (the driver's requirement); the offset."""
+    def _encode_scratch(self, address) -> int:
+        """Encode into this thread's scratch at a 64-byte aligned address (the driver's
+        requirement); that address."""
         addr = self.address if address is None else address
         if not isinstance(addr, int):
             raise TypeError(f"a tensor map needs an integer address, got {addr!r}")
-        start = -ctypes.addressof(buf) % 64
+        buf = _scratch()
+        at = ctypes.addressof(buf) + (-ctypes.addressof(buf) % 64)
         rank = len(self.dims)
         u64s, u32s = ctypes.c_uint64 * rank, ctypes.c_uint32 * rank
-        rc = _encode_tiled()(ctypes.addressof(buf) + start, self.dtype, rank, addr, u64s(*self.dims),
+        rc = _encode_tiled()(at, self.dtype, rank, addr, u64s(*self.dims),
                              (ctypes.c_uint64 * max(1, rank - 1))(*self.strides), u32s(*self.box),
                              u32s(*([1] * rank)), 0, self.swizzle, L2_PROMOTION_256B, 0)
         if rc != 0:
             raise TensorMapError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {self}")
-        return start
+        return at
 
 
 _TLS = threading.local()
@@ -101,4 +99,3 @@ def _encode_tiled():
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         _ENCODE.append(fn)
     return _ENCODE[0]
-

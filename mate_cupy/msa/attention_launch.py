@@ -508,32 +508,29 @@ def tensor_maps(p: AttentionProblem, config: AttentionConfig, q, k, v, q_strides
     ``[kv_extent, Hkv, D]``, or of (64 columns, 1 head, min(page, 128) slots, 1 page) of the
     cache's ``(D, Hkv, page, pages)`` view (NHD or HND strides) for pages of at least
     :data:`WS_MIN_BOX_PAGE` keys (block-sparse: pages of 128), and Q by boxes of (64 columns,
-    group heads, 128 / group queries) of ``[total_q, Hq, D]`` where the group divides 128. Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
+    group heads, 128 / group queries) of ``[total_q, Hq, D]`` where the group divides 128.
+    Every other launch or operand takes none (:data:`NO_MAP`). ``q``, ``k``, ``v``: addresses
     (or prepared-launch sources); strides in elements as :func:`run_attention`'s ``layout``."""
     if config.tile not in WS_TILES:
         return NO_MAP, NO_MAP, NO_MAP
     dtype = DTYPE_BFLOAT16 if p.dtype_code == DTYPE_BF16 else DTYPE_FLOAT16
-    d, rows = p.head_dim, tile_shape(config.tile, p.head_dim, p.dtype_code).rows
+    d, shape = p.head_dim, tile_shape(config.tile, p.head_dim, p.dtype_code)
     q_map = NO_MAP
-    if rows % p.group == 0:
+    if shape.rows % p.group == 0:
         dims = (d, p.num_heads_q, p.total_q)
         q_map = TensorMap(q, dtype, dims, _map_strides(dims, (q_strides[1], q_strides[0]), 2),
-                          (64, p.group, rows // p.group))
-    block_n = tile_shape(config.tile, p.head_dim, p.dtype_code).block_n
+                          (64, p.group, shape.rows // p.group))
     if kv_extent <= 0 or (p.kv_mode == KV_PAGED and p.page_size < WS_MIN_BOX_PAGE):
         return q_map, NO_MAP, NO_MAP
+    # dims after the columns, with the positions of their strides in (page, slot, head)
     if p.kv_mode == KV_DENSE:
-        dims, box = (d, p.num_heads_kv, kv_extent), (64, 1, block_n)
-
-        def strides(s):
-            return s[2], s[1]
+        dims, order, box = (d, p.num_heads_kv, kv_extent), (2, 1), (64, 1, shape.block_n)
     else:
-        dims, box = (d, p.num_heads_kv, p.page_size, kv_extent), (64, 1, min(p.page_size, block_n), 1)
-
-        def strides(s):
-            return s[2], s[1], s[0]
-    return (q_map, TensorMap(k, dtype, dims, _map_strides(dims, strides(k_strides), 2), box),
-            TensorMap(v, dtype, dims, _map_strides(dims, strides(v_strides), 2), box))
+        dims, order = (d, p.num_heads_kv, p.page_size, kv_extent), (2, 1, 0)
+        box = (64, 1, min(p.page_size, shape.block_n), 1)
+    k_map, v_map = (TensorMap(a, dtype, dims, _map_strides(dims, tuple(s[i] for i in order), 2), box)
+                    for a, s in ((k, k_strides), (v, v_strides)))
+    return q_map, k_map, v_map
 
 
 def attention_launches(problem: AttentionProblem, config: AttentionConfig, arrays: tuple, lengths: tuple,

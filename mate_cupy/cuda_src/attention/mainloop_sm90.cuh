@@ -138,6 +138,20 @@ struct MainloopSm90 {
     typedef typename Scheduler::Item Item;
     static_assert(sizeof(Item) <= kItemBytes, "item slot");
 
+    // The item's Q tile at (q_head, q_tok) as kD / 64 TMA boxes of (64 columns, group heads,
+    // kM / group queries): into L2, or into sQ with the tile's bytes on q_full (an arrival).
+    static __device__ __forceinline__ void prefetch_q_boxes(const TensorMap* q_map, int q_head, int q_tok) {
+#pragma unroll
+        for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
+    }
+    static __device__ __forceinline__ void load_q_boxes(const TensorMap* q_map, u32 sQ, int q_head, int q_tok,
+                                                        u32 q_full) {
+        mbar_arrive_expect_tx(q_full, kM * kRowBytes);
+#pragma unroll
+        for (int cb = 0; cb < kD / 64; ++cb)
+            tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
+    }
+
     // The producer of dense and paged K/V: one warp (the producer warpgroup's others exit).
     // Each K/V tile of kBN keys whose keys all lie in the request is loaded by the tensor
     // memory accelerator: dense, lane 0 issues kD / 64 boxes of (64 columns, 1 head, kBN
@@ -165,8 +179,9 @@ struct MainloopSm90 {
         u32 q_empty, Item* slot, unsigned char* key_flags) {
         const int lane = threadIdx.x & 31;
         const bool q_boxes = kM % group == 0;
-        // Paged: slots per box (<= kBN) and boxes (pages) per tile; pages under 8 slots, and a
-        // cache without pages (no map: every key is on an invalid page), take cp.async.
+        // Paged: slots per box (<= kBN) and boxes (pages) per tile; pages under 8 slots (the
+        // host's WS_MIN_BOX_PAGE), and a cache without pages (no map: every key is on an invalid
+        // page), take cp.async.
         const int box_log2 = kPaged ? min(page_size_log2, 7) : 7;
         const int n_boxes = kBN >> box_log2;
         const bool page_boxes = !kPaged || (page_size_log2 >= 3 && kv_extent > 0);
@@ -187,21 +202,13 @@ struct MainloopSm90 {
             const int q_tok = it.q_start + it.qi_first, q_head = it.kvh * group;
             // The item's Q rows into L2: the load below waits for the consumers' last Q K^T of
             // the previous item.
-            if (q_boxes && lane == 0) {
-#pragma unroll
-                for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
-            }
+            if (q_boxes && lane == 0) prefetch_q_boxes(q_map, q_head, q_tok);
             PageList pages{nullptr, 0};
             if constexpr (kPaged) pages = PageList::of_request(page_list, page_indptr, page_list_len, it.b);
             mbar_wait(q_empty, (q_n & 1) ^ 1);
             if (lane == 0) *slot = it;
             if (q_boxes) {
-                if (lane == 0) {
-                    mbar_arrive_expect_tx(q_full, kM * kRowBytes);
-#pragma unroll
-                    for (int cb = 0; cb < kD / 64; ++cb)
-                        tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
-                }
+                if (lane == 0) load_q_boxes(q_map, sQ, q_head, q_tok, q_full);
             } else {
                 for (int r = lane / kChunks; r < kM; r += kLaneRows) {
                     const int P = it.row0 + r;
@@ -402,10 +409,7 @@ struct MainloopSm90 {
                 // The item's Q rows into L2 (boxes, or thread tid: packed row tid): its load below
                 // waits for the consumers' last Q K^T of the previous item, and then hits L2.
                 if (q_boxes) {
-                    if (tid == 0) {
-#pragma unroll
-                        for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
-                    }
+                    if (tid == 0) prefetch_q_boxes(q_map, q_head, q_tok);
                 } else if (it.row0 + tid < it.rows_total) {
                     const char* row = reinterpret_cast<const char*>(q_row(it.row0 + tid));
 #pragma unroll
@@ -434,10 +438,7 @@ struct MainloopSm90 {
                 if (q_boxes) {
                     if (tid == 0) {
                         *slot = it;
-                        mbar_arrive_expect_tx(q_full, kM * kRowBytes);
-#pragma unroll
-                        for (int cb = 0; cb < kD / 64; ++cb)
-                            tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
+                        load_q_boxes(q_map, sQ, q_head, q_tok, q_full);
                     } else {
                         mbar_arrive(q_full);
                     }
