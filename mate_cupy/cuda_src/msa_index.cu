@@ -1087,8 +1087,8 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 //     m64n128 (k16; e4m3 k32) chains with A in registers, reading only K by descriptor,
 //     into one of two accumulator sets, so the row-max epilogue of a unit runs
 //     while the next unit's MMAs do (async wgmma, wait_group 1). After the last unit of a
-//     tile every consumer warp arrives on the stage's `empty` mbarrier, which the producer
-//     waits for before refilling it.
+//     tile every consumer thread arrives on the stage's `empty` mbarrier (each read the
+//     tile's key flags), which the producer waits for before refilling it.
 // HALVES is 2 (BM 256: K is read once per 256 rows) when a key row is at most 256 bytes,
 // else 1 (BM 128, Q 64 KB). Masking, the stash of row maxima and the -inf fill are those
 // of msa_block_max_score_kernel. Built for sm_90a only.
@@ -1170,7 +1170,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_bar + 8u * s, 2 * 128);         // per producer thread: copies landed, flags stored
-            mbar_init(empty_bar + 8u * s, 4 * Cfg::CONSUMERS);  // per consumer warp: done with the stage
+            mbar_init(empty_bar + 8u * s, 128 * Cfg::CONSUMERS);  // per consumer thread: done with the stage
         }
     }
     __syncthreads();
@@ -1311,8 +1311,8 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             for (int e = 0; e < 2; ++e) stash[(row0(h) + (lane >> 2) + 8 * e) * (kMsStash + 1) + slot] = mx[e] * score_scale;
         }
         if (h == HALVES - 1) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty_bar + 8u * stage);
+            __syncwarp();                         // the stash rows, before the store below reads them
+            mbar_arrive(empty_bar + 8u * stage);  // every thread: its own key-flag reads are done
             if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's rows
                 const int t_first = t - slot;
 #pragma unroll
