@@ -843,9 +843,11 @@ def _ws_lengths(case: str):
     return qo, kv, (kv - qo).astype(np.int32)
 
 
-# (dtype, D, (Hq, Hkv), causal): GQA 1..16, both row tiles (256 rows; 128 for 512-byte key rows)
+# (dtype, D, (Hq, Hkv), causal): GQA 1..16, both row tiles (256 rows; 128 for 512-byte key rows);
+# Hq 64 over Hkv 8 (the benchmark's heads): more CTAs than SMs, of several requests and heads
 WS_CASES = [(BF16, 128, (16, 1), True), (BF16, 128, (4, 1), False), (F16, 64, (12, 4), True),
-            (BF16, 256, (8, 2), True), (F16, 256, (1, 1), False), (BF16, 64, (2, 1), True)]
+            (BF16, 256, (8, 2), True), (F16, 256, (1, 1), False), (BF16, 64, (2, 1), True),
+            (BF16, 128, (64, 8), True)]
 
 
 @pytest.mark.gpu

@@ -1077,8 +1077,9 @@ msa_block_max_score_kernel(MAX_SCORE_KERNEL_ARGS) {
 //   warpgroup 0, the producer (registers lowered by setmaxnreg): streams the CTA's K
 //     tiles (128 keys) into a ring of STAGES shared-memory stages. Warp w copies keys
 //     32 w .. 32 w + 31 of a tile: lane l looks up key 32 w + l (page table, bounds)
-//     and writes its validity flag, the warp then copies whole rows (CPR lanes per row,
-//     addresses by shuffle) with 16-byte cp.async into 128-byte-swizzled column blocks.
+//     and writes its validity flag, the warp then copies whole rows (CPR lanes per row)
+//     with 16-byte cp.async into 128-byte-swizzled column blocks: when the 32 keys lie at
+//     one stride each lane steps its own source address, else row addresses by shuffle.
 //     Each thread arrives on the stage's `full` mbarrier twice: once when its copies land
 //     (cp.async.mbarrier.arrive.noinc) and once after its flag store (release).
 //   warpgroups 1 and 2, the consumers (registers raised): each holds WG_ROWS = 64 HALVES
@@ -1187,18 +1188,33 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         constexpr int RPI = 32 / CPR;  // rows per warp-wide copy instruction
         const int sub = lane / CPR, ch = lane % CPR;
         const int own = 32 * warp + lane;  // the key this lane looks up
+        // Copy ci of a tile: chunk ch of row 32 warp + ci RPI + sub, at byte offset
+        // ColumnBlockTile<128>::offset(row, ch) = dst_lane + dst_row(ci): the row's 8-row
+        // swizzle phase is (ci RPI) % 8 ^ sub, as sub < RPI <= 8.
+        const u32 dst_lane = (u32)((ch >> 3) * (kMsBlock * 128) + (32 * warp + sub) * 128);
+        const int x_lane = (ch & 7) ^ sub;
+        auto dst_row = [&](int ci) { return (u32)(ci * RPI * 128 + ((x_lane ^ ((ci * RPI) & 7)) << 4)); };
+        const long long key_stride = kv_mode == 0 ? k_stride_outer : k_stride_slot;
         for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
             const int stage = n % STAGES;
             mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
             const long long o_own = keys.offset(t * kMsBlock + own);
             kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
-            const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
+            const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES) + dst_lane;
+            // The warp's 32 keys at one stride from its first (dense rows; a page of 32 keys or
+            // more): each lane steps its own source address, no per-row shuffles.
+            const long long o_first = __shfl_sync(kFullMask, o_own, 0);
+            if (__all_sync(kFullMask, o_first >= 0 && o_own == o_first + (long long)lane * key_stride)) {
+                const T* src = kc + o_first + (long long)sub * key_stride + ch * EPC;
 #pragma unroll
-            for (int i = 0; i < 32 / RPI; ++i) {
-                const int rl = i * RPI + sub;
-                const long long o = __shfl_sync(kFullMask, o_own, rl);
-                cp_async_16_at(dst + (u32)attn::ColumnBlockTile<kMsBlock>::offset(32 * warp + rl, ch),
-                               o >= 0 ? kc + o + ch * EPC : kc, o >= 0);
+                for (int ci = 0; ci < 32 / RPI; ++ci, src += RPI * key_stride)
+                    cp_async_16_at(dst + dst_row(ci), src, true);
+            } else {
+#pragma unroll
+                for (int ci = 0; ci < 32 / RPI; ++ci) {
+                    const long long o = __shfl_sync(kFullMask, o_own, ci * RPI + sub);
+                    cp_async_16_at(dst + dst_row(ci), o >= 0 ? kc + o + ch * EPC : kc, o >= 0);
+                }
             }
             cp_async_mbar_arrive_noinc(full_bar + 8u * stage);
             mbar_arrive(full_bar + 8u * stage);
