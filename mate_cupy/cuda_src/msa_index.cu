@@ -835,6 +835,8 @@ struct MaxScoreKeys {
     const int* kv_indices;
     long long dense_start, csr_lo, csr_hi, k_extent, k_stride_outer, k_stride_slot, k_stride_head, num_kv_indices;
     int kv_mode, lk, page_shift, slot_mask, page_table_cols, b, g;
+    // Elements between consecutive keys of one dense run or one page.
+    __device__ __forceinline__ long long key_stride() const { return kv_mode == 0 ? k_stride_outer : k_stride_slot; }
     // Element offset of key j, -1 when the key is not admissible or not in memory.
     __device__ __forceinline__ long long offset(int j) const {
         if (j >= lk) return -1;
@@ -1188,19 +1190,18 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         constexpr int RPI = 32 / CPR;  // rows per warp-wide copy instruction
         const int sub = lane / CPR, ch = lane % CPR;
         const int own = 32 * warp + lane;  // the key this lane looks up
-        // Copy ci of a tile: chunk ch of row 32 warp + ci RPI + sub, at byte offset
-        // ColumnBlockTile<128>::offset(row, ch) = dst_lane + dst_row(ci): the row's 8-row
-        // swizzle phase is (ci RPI) % 8 ^ sub, as sub < RPI <= 8.
-        const u32 dst_lane = (u32)((ch >> 3) * (kMsBlock * 128) + (32 * warp + sub) * 128);
-        const int x_lane = (ch & 7) ^ sub;
-        auto dst_row = [&](int ci) { return (u32)(ci * RPI * 128 + ((x_lane ^ ((ci * RPI) & 7)) << 4)); };
-        const long long key_stride = kv_mode == 0 ? k_stride_outer : k_stride_slot;
+        // Copy ci of a tile: chunk ch of row 32 warp + ci RPI + sub. Its offset in the tile is the
+        // lane's copy-0 offset ci RPI rows further, with the swizzle phase (bits 4-6) xor'ed by
+        // (ci RPI) % 8 (sub < RPI <= 8): one per-lane base, a constant per copy.
+        const u32 dst_lane = (u32)attn::ColumnBlockTile<kMsBlock>::offset(32 * warp + sub, ch);
+        auto dst_row = [&](int ci) { return (dst_lane ^ (u32)(((ci * RPI) & 7) << 4)) + (u32)(ci * RPI * 128); };
+        const long long key_stride = keys.key_stride();
         for (int t = t_begin, n = 0; t < t_end; ++t, ++n) {
             const int stage = n % STAGES;
             mbar_wait(empty_bar + 8u * stage, ((n / STAGES) & 1) ^ 1);  // (the first pass finds them free)
             const long long o_own = keys.offset(t * kMsBlock + own);
             kvalid[stage * kMsBlock + own] = o_own >= 0 ? 1 : 0;
-            const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES) + dst_lane;
+            const u32 dst = smem_base + (u32)(stage * Cfg::K_TILE_BYTES);
             // The warp's 32 keys at one stride from its first (dense rows; a page of 32 keys or
             // more): each lane steps its own source address, no per-row shuffles.
             const long long o_first = __shfl_sync(kFullMask, o_own, 0);
