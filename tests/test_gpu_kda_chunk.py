@@ -38,18 +38,31 @@ SLOT_PARTS = {"Qs": (0, (C, K), None), "Kt": (16384, (C, K), None), "Kb": (32768
               "T": (49152, (C, C), None), "Aqk": (57344, (C, C), None), "egl": (65536, (K,), F32)}
 
 
-# T and Aqk: the 16x16 blocks above the diagonal are never read, so never written.
+# T and Aqk: the 16x16 blocks on and below the diagonal.
 BLOCK_LOWER = np.kron(np.tril(np.ones((C // 16, C // 16), bool)), np.ones((16, 16), bool))
 
 
+def tile_rows(raw, cols):
+    """A [64][cols] 16-bit tile from its slot bytes (``raw``: uint8, 128 * cols bytes), stored
+    as the wgmma recurrence's shared-memory image (kda_chunk.cu ``ws_chunk``): column blocks
+    of 64 values (8 KB), 16-byte chunk c of row r of a block at r * 128 + ((c ^ r % 8) * 16)."""
+    blocks = raw.reshape(cols // 64, C, 8, 16)  # [block][row][stored chunk][byte]
+    r = np.arange(C)[:, None]
+    logical = blocks[:, r, np.arange(8)[None, :] ^ (r % 8)]  # [block][row][chunk][byte]
+    return np.ascontiguousarray(logical.transpose(1, 0, 2, 3)).reshape(C, cols * 2)
+
+
 def slot_part(blob, name, dtype):
-    """Part ``name`` of one workspace slot (``blob``: its SLOT_BYTES bytes, uint8, host);
-    for T and Aqk the written blocks, the others read as zeros (the model's values)."""
+    """Part ``name`` of one workspace slot (``blob``: its SLOT_BYTES bytes, uint8, host), in
+    logical [row][column] order; T and Aqk must hold zeros above the diagonal blocks."""
     off, shape, dt = SLOT_PARTS[name]
     dt = dtype if dt is None else dt
-    part = blob[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+    raw = blob[off:off + int(np.prod(shape)) * dt.itemsize]
+    if name == "egl":
+        return raw.view(dt).reshape(shape)
+    part = tile_rows(raw, shape[1]).view(dt).reshape(shape)
     if name in ("T", "Aqk"):
-        part = np.where(BLOCK_LOWER, part, np.zeros((), dt))
+        assert not part.view(np.uint16)[~BLOCK_LOWER].any(), f"{name}: nonzero above the diagonal blocks"
     return part
 
 # Normalised error bounds, ~3x what the float32 model of the kernels measures against the
@@ -1168,7 +1181,7 @@ def kda_emulator(tmp_path_factory):
     emu = Path(__file__).resolve().parent / "kda_chunk_emu"
     src = SRC.read_text()
     for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/kda_chunk_ops.cuh"',
-                '#include "common/attention_wgmma.cuh"'):
+                '#include "common/attention_wgmma.cuh"', '#include "common/bulk_copy.cuh"'):
         assert inc in src
         src = src.replace(inc, "")
     decl = "extern __shared__ __align__(16) unsigned char smem[];"

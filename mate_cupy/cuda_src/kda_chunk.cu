@@ -28,6 +28,7 @@
 #include "common/mma.cuh"
 #include "common/kda_chunk_ops.cuh"
 #include "common/attention_wgmma.cuh"
+#include "common/bulk_copy.cuh"
 
 using namespace mate;
 using namespace mate::kda;
@@ -49,7 +50,8 @@ constexpr int kPrepCtasPerSm = 3;  // 75 KB of shared memory and <= 80 registers
 constexpr float kDiagSpanLimit2 = 60.f * kLog2e;
 
 // Workspace slot of one (chunk, value head), bytes: Qs, Kt, Kb [64][128] T; T, Aqk [64][64] T;
-// egl [128] f32.
+// egl [128] f32. The tiles are stored as the wgmma recurrence's shared-memory image
+// (ws_chunk below), so that kernel loads a slot with one bulk copy.
 constexpr int kWsQs = 0;
 constexpr int kWsKt = 16384;
 constexpr int kWsKb = 32768;
@@ -57,6 +59,12 @@ constexpr int kWsT = 49152;
 constexpr int kWsAqk = 57344;
 constexpr int kWsEgl = 65536;
 constexpr int kWsSlotBytes = 66048;
+
+// Byte offset, inside a [64 rows][N 16-bit values] tile of the slot, of 16-byte chunk c of row
+// r (c < N / 8): 128-byte-swizzled column blocks of 64 values, block c / 8 of 8 KB, chunk c % 8
+// of row r at r * 128 + ((c % 8) ^ (r % 8)) * 16 (ColumnBlockTile, common/attention_wgmma.cuh).
+// T and Aqk are whole 64 x 64 tiles whose 16 x 16 blocks above the diagonal are zero.
+__host__ __device__ constexpr int ws_chunk(int r, int c) { return (c >> 3) * (kC * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
 
 // Prepare kernel shared memory (bytes). Row strides chosen for conflict-free vector loads:
 // q, k rows are 288 bytes (= 32 mod 128: an 8-byte load by 4 rows x 4 lanes), gc rows 576
@@ -85,9 +93,10 @@ constexpr int kRecAqk = kRecT + kC * kS64 * 2;
 constexpr int kRecEgl = kRecAqk + kC * kS64 * 2;
 constexpr int kRecV = kRecEgl + kD * 4;
 __host__ __device__ constexpr int rec_stage_bytes(int bv) { return kRecV + kC * (bv + 8) * 2; }
-// The recurrence copies Qs|Kt|Kb and T|Aqk as runs of consecutive rows (workspace and stage).
-static_assert(kWsKt == kWsQs + kC * kD * 2 && kWsKb == kWsKt + kC * kD * 2, "Qs, Kt, Kb rows are consecutive");
-static_assert(kWsAqk == kWsT + kC * kC * 2, "T, Aqk rows are consecutive");
+// The mma.sync recurrence copies Qs|Kt|Kb and T|Aqk as runs of consecutive tiles (workspace and
+// stage).
+static_assert(kWsKt == kWsQs + kC * kD * 2 && kWsKb == kWsKt + kC * kD * 2, "Qs, Kt, Kb tiles are consecutive");
+static_assert(kWsAqk == kWsT + kC * kC * 2, "T, Aqk tiles are consecutive");
 static_assert(kRecKt == kRecQs + kC * kS16 * 2 && kRecKb == kRecKt + kC * kS16 * 2 && kRecAqk == kRecT + kC * kS64 * 2,
               "stage tiles are consecutive rows");
 
@@ -102,7 +111,11 @@ constexpr int kWgT = 49152;    // T: 64 rows i x 64 columns j, one block; the bl
 constexpr int kWgAqk = 57344;  // Aqk: as T
 constexpr int kWgEgl = 65536;  // f32 [128]
 constexpr int kWgV = 66048;    // V slice [64 tokens][BV + 8] (rows padded for conflict-free ldmatrix)
-__host__ __device__ constexpr int rec_wg_stage_bytes(int bv) { return (kWgV + kC * (bv + 8) * 2 + 1023) / 1024 * 1024; }
+// One mbarrier per stage (the slot's bulk copy) in the stage's last 8 bytes, past the V slice.
+__host__ __device__ constexpr int rec_wg_stage_bytes(int bv) { return (kWgV + kC * (bv + 8) * 2 + 8 + 1023) / 1024 * 1024; }
+static_assert(kWgQs == kWsQs && kWgKt == kWsKt && kWgKb == kWsKb && kWgT == kWsT && kWgAqk == kWsAqk && kWgEgl == kWsEgl &&
+                  kWgV == kWsSlotBytes,
+              "a workspace slot is the stage image up to the V slice");
 
 __device__ __forceinline__ long long load_cu(const void* cu, int is64, long long i) {
     return is64 ? reinterpret_cast<const long long*>(cu)[i] : (long long)reinterpret_cast<const int*>(cu)[i];
@@ -413,22 +426,24 @@ __device__ __forceinline__ void issue_state_update(float (*s)[4], const u32 (&u)
 }
 
 // O^T of this warp (accumulator o: rows values v0 + g, + 8; columns tokens) -> out[row0 +
-// token][hv][value] for tokens < L (2-byte stores: a warp instruction writes 4 tokens x 16 bytes).
+// token][hv][value] for tokens < L. Each 8 x 8 block of o (n-tile i, values g or g + 8) is
+// transposed by movmatrix, so that lane (g, t) holds values v0 + 2t, + 1 (and v0 + 8 + 2t,
+// + 1) of token 8i + g: two 4-byte stores per lane and n-tile.
 template <typename T>
 __device__ __forceinline__ void store_output_columns(T* out, const float (*o)[4], long long row0, int L, int HV,
                                                      int hv, int v0, int g, int t) {
     const long long tok_stride = (long long)HV * kD;
-    T* base = out + (row0 * HV + hv) * kD + v0 + g;
+    T* base = out + (row0 + g) * tok_stride + (long long)hv * kD + v0 + 2 * t;
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = 8 * i + 2 * t + e;
-            if (tok < L) {
-                base[tok * tok_stride] = from_float<T>(o[i][e]);
-                base[tok * tok_stride + 8] = from_float<T>(o[i][2 + e]);
-            }
+    for (int i = 0; i < 8; ++i) {
+        const u32 lo = movmatrix_trans(pack2<T>(o[i][0], o[i][1]));
+        const u32 hi = movmatrix_trans(pack2<T>(o[i][2], o[i][3]));
+        if (8 * i + g < L) {
+            T* p = base + 8 * i * tok_stride;
+            *reinterpret_cast<u32*>(p) = lo;
+            *reinterpret_cast<u32*>(p + 8) = hi;
         }
+    }
 }
 
 }  // namespace
@@ -594,15 +609,16 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
     __syncthreads();
 
     unsigned char* wslot = ws + ((long long)slot * HV + hv) * kWsSlotBytes;
-    T* wAqk = reinterpret_cast<T*>(wslot + kWsAqk);
+    unsigned char* wAqk = wslot + kWsAqk;
+    auto aqk_at = [&](int i, int j) { return wAqk + ws_chunk(i, j >> 3) + (j & 7) * 2; };  // element (i, j)
 
     // ---- P2a: Qs, Kt, Kb (8-byte stores, a warp writes one 256-byte row), egl (warp 0).
     // Warp w writes rows [qk_rows_begin(w), qk_rows_begin(w + 1)): more rows to the warps
     // with fewer Aqk/Akk blocks in P2b, so that the warps reach the barrier after P2 together.
     {
-        T* wQs = reinterpret_cast<T*>(wslot + kWsQs);
-        T* wKt = reinterpret_cast<T*>(wslot + kWsKt);
-        T* wKb = reinterpret_cast<T*>(wslot + kWsKb);
+        unsigned char* wQs = wslot + kWsQs;
+        unsigned char* wKt = wslot + kWsKt;
+        unsigned char* wKb = wslot + kWsKb;
         const int c4 = lane * 4;
         const float4 gl4 = *reinterpret_cast<const float4*>(sgc + (kC - 1) * kPG + c4);
         const float glv[4] = {gl4.x, gl4.y, gl4.z, gl4.w};
@@ -628,9 +644,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                 ok[x] = kx * e1;
                 ob[x] = kx * e2;
             }
-            *reinterpret_cast<uint2*>(wQs + r * kD + c4) = make_uint2(pack2<T>(oq[0], oq[1]), pack2<T>(oq[2], oq[3]));
-            *reinterpret_cast<uint2*>(wKt + r * kD + c4) = make_uint2(pack2<T>(ok[0], ok[1]), pack2<T>(ok[2], ok[3]));
-            *reinterpret_cast<uint2*>(wKb + r * kD + c4) = make_uint2(pack2<T>(ob[0], ob[1]), pack2<T>(ob[2], ob[3]));
+            const int o = ws_chunk(r, lane >> 1) + (lane & 1) * 8;  // channels c4 .. c4 + 3
+            *reinterpret_cast<uint2*>(wQs + o) = make_uint2(pack2<T>(oq[0], oq[1]), pack2<T>(oq[2], oq[3]));
+            *reinterpret_cast<uint2*>(wKt + o) = make_uint2(pack2<T>(ok[0], ok[1]), pack2<T>(ok[2], ok[3]));
+            *reinterpret_cast<uint2*>(wKb + o) = make_uint2(pack2<T>(ob[0], ob[1]), pack2<T>(ob[2], ob[3]));
         }
     }
 
@@ -721,7 +738,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                 const float qs = hh ? qs1 : qs0;
                 const float v0 = j <= i ? accq[J][2 * hh] * qs * knj.x : 0.f;
                 const float v1 = j + 1 <= i ? accq[J][2 * hh + 1] * qs * knj.y : 0.f;
-                *reinterpret_cast<u32*>(wAqk + i * kC + j) = pack2<T>(v0, v1);
+                *reinterpret_cast<u32*>(aqk_at(i, j)) = pack2<T>(v0, v1);
             }
         }
     }
@@ -747,7 +764,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
             ak = jj < ii ? ak * skn[i] * skn[j] * sb[i] : 0.f;
         }
         fb[B] = ak;
-        wAqk[i * kC + j] = from_float<T>(aq);
+        *reinterpret_cast<T*>(aqk_at(i, j)) = from_float<T>(aq);
     }
     __syncthreads();  // q, k, gc are dead from here
 
@@ -803,19 +820,24 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                                lane);
     __syncthreads();
 
-    // ---- P6: T = Lm diag(b), blocks on and below the diagonal (those above are never read:
-    // not written)
+    // ---- P6: T = Lm diag(b) on and below the diagonal blocks; the blocks above the diagonal
+    // of T and Aqk are zero.
     {
-        T* wT = reinterpret_cast<T*>(wslot + kWsT);
+        unsigned char* wT = wslot + kWsT;
         for (int e = tid; e < kC * 8; e += kPrepThreads) {
             const int r = e >> 3, c = (e & 7) * 8;  // 8 columns of one 16x16 block
-            if ((c >> 4) > (r >> 4)) continue;
+            const int o = ws_chunk(r, e & 7);
+            if ((c >> 4) > (r >> 4)) {
+                *reinterpret_cast<uint4*>(wT + o) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(wAqk + o) = make_uint4(0u, 0u, 0u, 0u);
+                continue;
+            }
             const float4* l = reinterpret_cast<const float4*>(sL + r * kSA + c);
             const float4* bb = reinterpret_cast<const float4*>(sb + c);
             const float4 l0 = l[0], l1 = l[1], b0 = bb[0], b1 = bb[1];
             const float f[8] = {l0.x * b0.x, l0.y * b0.y, l0.z * b0.z, l0.w * b0.w,
                                 l1.x * b1.x, l1.y * b1.y, l1.z * b1.z, l1.w * b1.w};
-            *reinterpret_cast<vec16*>(wT + r * kC + c) = pack8<T>(f);
+            *reinterpret_cast<vec16*>(wT + o) = pack8<T>(f);
         }
     }
 }
@@ -849,14 +871,17 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
     float sacc[16][4];
     load_state_rows(sacc, state_in, state_in_kind, sbase, v0, gq, tq);
 
-    // Per-thread copy pattern (fixed strides, fully unrolled: one cp.async instruction per
-    // 16 bytes). Qs, Kt, Kb are 192 consecutive 256-byte rows in the slot and 192 rows of
-    // stride kS16 in the stage; T, Aqk 128 rows of 128 bytes (stride kS64), of which only the 10
-    // lower-triangular 16x16 blocks of each are copied (6 KB less per chunk); the V slice 64
-    // rows of 2 * BV bytes, NT / (BV / 8) = 16 rows per pass.
+    // Per-thread copy pattern (fully unrolled: one cp.async instruction per 16 bytes). Qs, Kt,
+    // Kb are 192 rows (three consecutive tiles of the slot, ws_chunk) of stride kS16 in the stage;
+    // T, Aqk 128 rows of stride kS64, of which only the 10 lower-triangular 16x16 blocks of each
+    // are copied (6 KB less per chunk); the V slice 64 rows of 2 * BV bytes, NT / (BV / 8) = 16
+    // rows per pass. Thread tid copies chunk tid % 16 (T, Aqk: tid % 8) of every NT / 16-th
+    // (NT / 8-th) row from row tid / 16 (tid / 8).
     constexpr int kRowsA = NT / 16, kRowsB = NT / 8, kVPR = BV / 8;
-    const int offA_ws = (tid >> 4) * 256 + (tid & 15) * 16, offA_sm = (tid >> 4) * (kS16 * 2) + (tid & 15) * 16;
-    const int offB_ws = (tid >> 3) * 128 + (tid & 7) * 16, offB_sm = (tid >> 3) * (kS64 * 2) + (tid & 7) * 16;
+    const int offA_sm = (tid >> 4) * (kS16 * 2) + (tid & 15) * 16;
+    const int offB_sm = (tid >> 3) * (kS64 * 2) + (tid & 7) * 16;
+    auto src_A = [&](int R) { return (R >> 6) * (kC * kD * 2) + ws_chunk(R & (kC - 1), tid & 15); };  // row R of 192
+    auto src_B = [&](int R) { return (R >> 6) * (kC * kC * 2) + ws_chunk(R & (kC - 1), tid & 7); };   // row R of 128
     const int vr0 = tid / kVPR, vc = (tid % kVPR) * 8;
     const long long v_row_stride = (long long)HV * kD;
     const T* v_head = v + (long long)hv * kD + vb * BV + vc;
@@ -864,20 +889,19 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
         unsigned char* st = smem + stage * kStage;
         const unsigned char* wslot = ws + ((long long)(base_slot + tc) * HV + hv) * kWsSlotBytes;
         {
-            const unsigned char* src = wslot + kWsQs + offA_ws;
             unsigned char* dst = st + kRecQs + offA_sm;
 #pragma unroll
-            for (int i = 0; i < 192 / kRowsA; ++i) cp_async_16(dst + i * kRowsA * (kS16 * 2), src + i * kRowsA * 256);
+            for (int i = 0; i < 192 / kRowsA; ++i)
+                cp_async_16(dst + i * kRowsA * (kS16 * 2), wslot + kWsQs + src_A((tid >> 4) + i * kRowsA));
         }
         {
             // only the blocks on and below the diagonal (the GEMMs read no others): piece
             // column block (tid & 7) / 2 <= row block of the tile row
-            const unsigned char* src = wslot + kWsT + offB_ws;
             unsigned char* dst = st + kRecT + offB_sm;
 #pragma unroll
             for (int i = 0; i < 128 / kRowsB; ++i)
                 if (((tid & 7) >> 1) <= ((((tid >> 3) + i * kRowsB) & (kC - 1)) >> 4))
-                    cp_async_16(dst + i * kRowsB * (kS64 * 2), src + i * kRowsB * 128);
+                    cp_async_16(dst + i * kRowsB * (kS64 * 2), wslot + kWsT + src_B((tid >> 3) + i * kRowsB));
         }
         if (tid < 32) cp_async_16(st + kRecEgl + tid * 16, wslot + kWsEgl + tid * 16);
         const long long row0 = bos + (long long)tc * kC;
@@ -1063,42 +1087,22 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
     float S[16][4];
     load_state_rows(S, state_in, state_in_kind, sbase, v0, g, t);
 
-    // The blocks of T and Aqk above the diagonal: zero in both stages, never copied over.
-    for (int e = tid; e < 2 * 2 * kC * 8; e += NT) {  // stage x {T, Aqk} x 64 rows x 8 chunks
-        const int c = e & 7, r = (e >> 3) & (kC - 1), aqk = (e >> 9) & 1, stage = e >> 10;
-        if ((c >> 1) > (r >> 4))
-            *reinterpret_cast<uint4*>(smem + stage * kStage + (aqk ? kWgAqk : kWgT) + r * 128 + ((c ^ (r & 7)) << 4)) =
-                make_uint4(0u, 0u, 0u, 0u);
+    // Chunk tc's slot (its stage image: Qs | Kt | Kb | T | Aqk | egl) arrives by one bulk copy,
+    // issued by thread 0, on the stage's mbarrier; the V slice by cp.async: 64 rows of 2 BV
+    // bytes, NT / (BV / 8) = 16 rows per pass.
+    auto full = [&](int stage) { return reinterpret_cast<unsigned long long*>(smem + (stage + 1) * kStage - 8); };
+    if (tid == 0) {
+        mbarrier_init_one(full(0));
+        mbarrier_init_one(full(1));
     }
-
-    // Copy pattern: Qs | Kt | Kb are 192 consecutive 256-byte rows of the slot, thread (row
-    // rA + kStepA i, 16-byte chunk cA); T | Aqk 128 rows of 128 bytes, thread (rB + kStepB i,
-    // cB), only the chunks on and below the diagonal blocks. The steps are multiples of 8, so
-    // a thread's rows share one swizzle phase. The V slice: 64 rows of 2 BV bytes, 16 per pass.
-    constexpr int kStepA = NT / 16, kStepB = NT / 8, kVPR = BV / 8;
-    const int cA = tid & 15, rA = tid >> 4, cB = tid & 7, rB = tid >> 3;
-    const int swA = rA * 128 + (((cA & 7) ^ (rA & 7)) << 4);  // + column block (cA >> 3) below
-    const int offA_ws = rA * 256 + cA * 16;
-    const int offB_ws = rB * 128 + cB * 16, offB_sm = rB * 128 + ((cB ^ (rB & 7)) << 4);
+    __syncthreads();  // the initialised barriers, before thread 0's first arrival and any wait
+    constexpr int kVPR = BV / 8;
     const int vr0 = tid / kVPR, vc = (tid % kVPR) * 8;
     const long long v_row_stride = (long long)HV * kD;
     const T* v_head = v + (long long)hv * kD + vb * BV + vc;
     auto issue_loads = [&](int tc, int stage) {
         unsigned char* st = smem + stage * kStage;
-        const unsigned char* wslot = ws + ((long long)(sc.base_slot + tc) * HV + hv) * kWsSlotBytes;
-#pragma unroll
-        for (int i = 0; i < 192 / kStepA; ++i) {
-            const int R = kStepA * i, part = R / kC, r = R % kC;  // rows rA + R: Qs, Kt, Kb by part
-            const int tile = part == 0 ? kWgQs : part == 1 ? kWgKt : kWgKb;
-            cp_async_16(st + tile + (cA >> 3) * (kC * 128) + r * 128 + swA, wslot + kWsQs + offA_ws + R * 256);
-        }
-#pragma unroll
-        for (int i = 0; i < 2 * kC / kStepB; ++i) {
-            const int R = kStepB * i, r = R % kC;  // rows rB + R: T, then Aqk
-            if ((cB >> 1) <= ((rB + r) >> 4))
-                cp_async_16(st + (R < kC ? kWgT : kWgAqk) + offB_sm + r * 128, wslot + kWsT + offB_ws + R * 128);
-        }
-        if (tid < 32) cp_async_16(st + kWgEgl + tid * 16, wslot + kWsEgl + tid * 16);
+        if (tid == 0) bulk_load(st, ws + ((long long)(sc.base_slot + tc) * HV + hv) * kWsSlotBytes, kWsSlotBytes, full(stage));
         const long long row0 = sc.bos + (long long)tc * kC;
         const int L = (int)min((long long)kC, sc.len - (long long)tc * kC);
 #pragma unroll
@@ -1114,11 +1118,12 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
 
 #pragma unroll 1
     for (int tc = 0; tc < sc.nchunks; ++tc) {
+        unsigned char* st = smem + (tc & 1) * kStage;
         cp_async_wait<0>();
-        attn::fence_proxy_async_smem();  // this thread's shared writes, visible to wgmma
+        mbarrier_wait(full(tc & 1), (tc >> 1) & 1);
+        attn::fence_proxy_async_smem();  // this thread's cp.async writes, visible to wgmma
         __syncthreads();  // chunk tc visible; every warpgroup is done with chunk tc - 1's stage
 
-        unsigned char* st = smem + (tc & 1) * kStage;
         const u32 st_addr = smem_u32(st);
         const long long row0 = sc.bos + (long long)tc * kC;
         const int L = (int)min((long long)kC, sc.len - (long long)tc * kC);
