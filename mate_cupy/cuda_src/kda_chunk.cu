@@ -433,13 +433,12 @@ template <typename T>
 __device__ __forceinline__ void store_output_columns(T* out, const float (*o)[4], long long row0, int L, int HV,
                                                      int hv, int v0, int g, int t) {
     const long long tok_stride = (long long)HV * kD;
-    T* base = out + (row0 + g) * tok_stride + (long long)hv * kD + v0 + 2 * t;
+    T* p = out + (row0 + g) * tok_stride + (long long)hv * kD + v0 + 2 * t;  // token 8 i + g
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 8; ++i, p += 8 * tok_stride) {
         const u32 lo = movmatrix_trans(pack2<T>(o[i][0], o[i][1]));
         const u32 hi = movmatrix_trans(pack2<T>(o[i][2], o[i][3]));
         if (8 * i + g < L) {
-            T* p = base + 8 * i * tok_stride;
             *reinterpret_cast<u32*>(p) = lo;
             *reinterpret_cast<u32*>(p + 8) = hi;
         }
@@ -878,6 +877,9 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
     // rows per pass. Thread tid copies chunk tid % 16 (T, Aqk: tid % 8) of every NT / 16-th
     // (NT / 8-th) row from row tid / 16 (tid / 8).
     constexpr int kRowsA = NT / 16, kRowsB = NT / 8, kVPR = BV / 8;
+    // Rows 8 or more apart share a swizzle phase (constant source offsets); narrower CTAs
+    // unroll less, so that their per-copy offsets are not all live at once.
+    constexpr int kUnrollA = kRowsA >= 8 ? 192 / kRowsA : 8, kUnrollB = kRowsB >= 8 ? 128 / kRowsB : 8;
     const int offA_sm = (tid >> 4) * (kS16 * 2) + (tid & 15) * 16;
     const int offB_sm = (tid >> 3) * (kS64 * 2) + (tid & 7) * 16;
     auto src_A = [&](int R) { return (R >> 6) * (kC * kD * 2) + ws_chunk(R & (kC - 1), tid & 15); };  // row R of 192
@@ -890,7 +892,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
         const unsigned char* wslot = ws + ((long long)(base_slot + tc) * HV + hv) * kWsSlotBytes;
         {
             unsigned char* dst = st + kRecQs + offA_sm;
-#pragma unroll
+#pragma unroll(kUnrollA)
             for (int i = 0; i < 192 / kRowsA; ++i)
                 cp_async_16(dst + i * kRowsA * (kS16 * 2), wslot + kWsQs + src_A((tid >> 4) + i * kRowsA));
         }
@@ -898,7 +900,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
             // only the blocks on and below the diagonal (the GEMMs read no others): piece
             // column block (tid & 7) / 2 <= row block of the tile row
             unsigned char* dst = st + kRecT + offB_sm;
-#pragma unroll
+#pragma unroll(kUnrollB)
             for (int i = 0; i < 128 / kRowsB; ++i)
                 if (((tid & 7) >> 1) <= ((((tid >> 3) + i * kRowsB) & (kC - 1)) >> 4))
                     cp_async_16(dst + i * kRowsB * (kS64 * 2), wslot + kWsT + src_B((tid >> 3) + i * kRowsB));
@@ -1088,8 +1090,9 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
     load_state_rows(S, state_in, state_in_kind, sbase, v0, g, t);
 
     // Chunk tc's slot (its stage image: Qs | Kt | Kb | T | Aqk | egl) arrives by one bulk copy,
-    // issued by thread 0, on the stage's mbarrier; the V slice by cp.async: 64 rows of 2 BV
-    // bytes, NT / (BV / 8) = 16 rows per pass.
+    // issued by thread 0 a chunk ahead, on the stage's mbarrier, with slot tc + 1 prefetched
+    // into L2 at the same time; the V slice by cp.async: 64 rows of 2 BV bytes, NT / (BV / 8) =
+    // 16 rows per pass.
     auto full = [&](int stage) { return reinterpret_cast<unsigned long long*>(smem + (stage + 1) * kStage - 8); };
     if (tid == 0) {
         mbarrier_init_one(full(0));
@@ -1100,9 +1103,13 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_wgmma_kernel(
     const int vr0 = tid / kVPR, vc = (tid % kVPR) * 8;
     const long long v_row_stride = (long long)HV * kD;
     const T* v_head = v + (long long)hv * kD + vb * BV + vc;
+    auto slot_bytes = [&](int tc) { return ws + ((long long)(sc.base_slot + tc) * HV + hv) * kWsSlotBytes; };
     auto issue_loads = [&](int tc, int stage) {
         unsigned char* st = smem + stage * kStage;
-        if (tid == 0) bulk_load(st, ws + ((long long)(sc.base_slot + tc) * HV + hv) * kWsSlotBytes, kWsSlotBytes, full(stage));
+        if (tid == 0) {
+            bulk_load(st, slot_bytes(tc), kWsSlotBytes, full(stage));
+            if (tc + 1 < sc.nchunks) bulk_prefetch_l2(slot_bytes(tc + 1), kWsSlotBytes);  // the copy after this one
+        }
         const long long row0 = sc.bos + (long long)tc * kC;
         const int L = (int)min((long long)kC, sc.len - (long long)tc * kC);
 #pragma unroll

@@ -15,6 +15,9 @@ inline void bulk_load(void* smem, const void* gmem, unsigned bytes, unsigned lon
     std::memcpy(smem, gmem, bytes);
     std::atomic_ref<unsigned long long>(*bar).fetch_add(1, std::memory_order_release);
 }
+inline void bulk_prefetch_l2(const void* gmem, unsigned bytes) {
+    if (bytes % 16 || (std::uintptr_t)gmem % 16) { std::fprintf(stderr, "bulk_prefetch_l2\n"); std::abort(); }
+}
 // Phase `parity` has completed once the count of completed phases has the other parity (waits
 // are in phase order, so the count is then one past it).
 inline void mbarrier_wait(unsigned long long* bar, unsigned parity) {

@@ -34,6 +34,14 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, unsigned
 #endif
 }
 
+// Prefetch `bytes` (multiple of 16, 16-byte aligned) from global memory into L2; no
+// completion, no shared memory.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+#endif
+}
+
 // Wait until phase `parity` of `bar` completes (the bulk bytes are then visible).
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
