@@ -44,7 +44,7 @@ BLOCK_LOWER = np.kron(np.tril(np.ones((C // 16, C // 16), bool)), np.ones((16, 1
 
 def tile_rows(raw, cols):
     """A [64][cols] 16-bit tile from its slot bytes (``raw``: uint8, 128 * cols bytes), stored
-    as the wgmma recurrence's shared-memory image (kda_chunk.cu ``ws_chunk``): column blocks
+    as the wgmma recurrence's shared-memory image (kda_chunk.cu ``SlotTile``): column blocks
     of 64 values (8 KB), 16-byte chunk c of row r of a block at r * 128 + ((c ^ r % 8) * 16)."""
     blocks = raw.reshape(cols // 64, C, 8, 16)  # [block][row][stored chunk][byte]
     r = np.arange(C)[:, None]

@@ -51,7 +51,7 @@ constexpr float kDiagSpanLimit2 = 60.f * kLog2e;
 
 // Workspace slot of one (chunk, value head), bytes: Qs, Kt, Kb [64][128] T; T, Aqk [64][64] T;
 // egl [128] f32. The tiles are stored as the wgmma recurrence's shared-memory image
-// (ws_chunk below), so that kernel loads a slot with one bulk copy.
+// (SlotTile below), so that kernel loads a slot with one bulk copy.
 constexpr int kWsQs = 0;
 constexpr int kWsKt = 16384;
 constexpr int kWsKb = 32768;
@@ -61,10 +61,10 @@ constexpr int kWsEgl = 65536;
 constexpr int kWsSlotBytes = 66048;
 
 // Byte offset, inside a [64 rows][N 16-bit values] tile of the slot, of 16-byte chunk c of row
-// r (c < N / 8): 128-byte-swizzled column blocks of 64 values, block c / 8 of 8 KB, chunk c % 8
-// of row r at r * 128 + ((c % 8) ^ (r % 8)) * 16 (ColumnBlockTile, common/attention_wgmma.cuh).
-// T and Aqk are whole 64 x 64 tiles whose 16 x 16 blocks above the diagonal are zero.
-__host__ __device__ constexpr int ws_chunk(int r, int c) { return (c >> 3) * (kC * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
+// r (c < N / 8): the wgmma operand layout, 128-byte-swizzled column blocks of 64 values
+// (common/attention_wgmma.cuh). T and Aqk are whole 64 x 64 tiles whose 16 x 16 blocks above
+// the diagonal are zero.
+typedef attn::ColumnBlockTile<kC> SlotTile;
 
 // Prepare kernel shared memory (bytes). Row strides chosen for conflict-free vector loads:
 // q, k rows are 288 bytes (= 32 mod 128: an 8-byte load by 4 rows x 4 lanes), gc rows 576
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
 
     unsigned char* wslot = ws + ((long long)slot * HV + hv) * kWsSlotBytes;
     unsigned char* wAqk = wslot + kWsAqk;
-    auto aqk_at = [&](int i, int j) { return wAqk + ws_chunk(i, j >> 3) + (j & 7) * 2; };  // element (i, j)
+    auto aqk_at = [&](int i, int j) { return wAqk + SlotTile::offset(i, j >> 3) + (j & 7) * 2; };  // element (i, j)
 
     // ---- P2a: Qs, Kt, Kb (8-byte stores, a warp writes one 256-byte row), egl (warp 0).
     // Warp w writes rows [qk_rows_begin(w), qk_rows_begin(w + 1)): more rows to the warps
@@ -643,7 +643,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
                 ok[x] = kx * e1;
                 ob[x] = kx * e2;
             }
-            const int o = ws_chunk(r, lane >> 1) + (lane & 1) * 8;  // channels c4 .. c4 + 3
+            const int o = SlotTile::offset(r, lane >> 1) + (lane & 1) * 8;  // channels c4 .. c4 + 3
             *reinterpret_cast<uint2*>(wQs + o) = make_uint2(pack2<T>(oq[0], oq[1]), pack2<T>(oq[2], oq[3]));
             *reinterpret_cast<uint2*>(wKt + o) = make_uint2(pack2<T>(ok[0], ok[1]), pack2<T>(ok[2], ok[3]));
             *reinterpret_cast<uint2*>(wKb + o) = make_uint2(pack2<T>(ob[0], ob[1]), pack2<T>(ob[2], ob[3]));
@@ -825,7 +825,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) kda_chunk_prepar
         unsigned char* wT = wslot + kWsT;
         for (int e = tid; e < kC * 8; e += kPrepThreads) {
             const int r = e >> 3, c = (e & 7) * 8;  // 8 columns of one 16x16 block
-            const int o = ws_chunk(r, e & 7);
+            const int o = SlotTile::offset(r, e & 7);
             if ((c >> 4) > (r >> 4)) {
                 *reinterpret_cast<uint4*>(wT + o) = make_uint4(0u, 0u, 0u, 0u);
                 *reinterpret_cast<uint4*>(wAqk + o) = make_uint4(0u, 0u, 0u, 0u);
@@ -871,7 +871,7 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
     load_state_rows(sacc, state_in, state_in_kind, sbase, v0, gq, tq);
 
     // Per-thread copy pattern (fully unrolled: one cp.async instruction per 16 bytes). Qs, Kt,
-    // Kb are 192 rows (three consecutive tiles of the slot, ws_chunk) of stride kS16 in the stage;
+    // Kb are 192 rows (three consecutive tiles of the slot, SlotTile) of stride kS16 in the stage;
     // T, Aqk 128 rows of stride kS64, of which only the 10 lower-triangular 16x16 blocks of each
     // are copied (6 KB less per chunk); the V slice 64 rows of 2 * BV bytes, NT / (BV / 8) = 16
     // rows per pass. Thread tid copies chunk tid % 16 (T, Aqk: tid % 8) of every NT / 16-th
@@ -882,8 +882,8 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_chunk_recurrence_kernel(
     constexpr int kUnrollA = kRowsA >= 8 ? 192 / kRowsA : 8, kUnrollB = kRowsB >= 8 ? 128 / kRowsB : 8;
     const int offA_sm = (tid >> 4) * (kS16 * 2) + (tid & 15) * 16;
     const int offB_sm = (tid >> 3) * (kS64 * 2) + (tid & 7) * 16;
-    auto src_A = [&](int R) { return (R >> 6) * (kC * kD * 2) + ws_chunk(R & (kC - 1), tid & 15); };  // row R of 192
-    auto src_B = [&](int R) { return (R >> 6) * (kC * kC * 2) + ws_chunk(R & (kC - 1), tid & 7); };   // row R of 128
+    auto src_A = [&](int R) { return (R >> 6) * (kC * kD * 2) + SlotTile::offset(R & (kC - 1), tid & 15); };  // row R of 192
+    auto src_B = [&](int R) { return (R >> 6) * (kC * kC * 2) + SlotTile::offset(R & (kC - 1), tid & 7); };   // row R of 128
     const int vr0 = tid / kVPR, vc = (tid % kVPR) * 8;
     const long long v_row_stride = (long long)HV * kD;
     const T* v_head = v + (long long)hv * kD + vb * BV + vc;
