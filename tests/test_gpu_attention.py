@@ -829,6 +829,50 @@ def test_dense_varlen_query_tiles(rng, tile, d, dtype, hq, hkv, causal):
     _check(out, lse, _dense_ref(p, causal=causal), dtype, f"{tile} dense d{d} r{hq // hkv}")
 
 
+NEGATIVE_SM_SCALE = 1.0
+
+
+def _signed_problem(rng, page_size=0):
+    """Scores of one sign per (query, 128-key block): q rows of one sign in runs of 3 tokens,
+    keys positive in the even 128-key blocks of their request and negative in the odd ones.
+    Rows of the second request (one block) see only negative scores when their sign is -;
+    the first request's negative rows see a negative first block and a positive second one.
+    q is scaled by 4 and run with a softmax scale of 1 (NEGATIVE_SM_SCALE), so a row's scores in
+    one block spread over more than 128 in the exponent: a maximum taken too low overflows."""
+    from msa_cases import paginate
+
+    p = make_problem(rng, [200, 50], [700, 100], 32, 2, 128)
+    q_sign = 4.0 * np.where(np.arange(p.q.shape[0]) // 3 % 2 == 0, 1.0, -1.0)
+    k_sign = np.where((np.arange(p.k.shape[0]) - np.repeat(p.cu_k[:-1], p.kv)) // 128 % 2 == 0, 1.0, -1.0)
+    p = dataclasses.replace(p, q=(np.abs(p.q.astype(np.float32)) * q_sign[:, None, None]).astype(p.q.dtype),
+                            k=(np.abs(p.k.astype(np.float32)) * k_sign[:, None, None]).astype(p.k.dtype))
+    if page_size:
+        paginate(rng, p, page_size)
+    return p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None] + [t for t in DENSE_TILES if 128 in _tile_dims(t)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_rows_with_negative_scores(rng, tile, causal):
+    # the row maxima of the softmax run on bit patterns where a row's running maximum or a
+    # score is >= 0 (common/float_max.cuh) and on floats elsewhere: rows negative throughout,
+    # rows negative for their first key tile only, and positive rows, in the same warps
+    p = _signed_problem(rng)
+    out, lse = _run(p, causal=causal, tile=tile, sm_scale=NEGATIVE_SM_SCALE)
+    _check(out, lse, _dense_ref(p, causal=causal, sm_scale=NEGATIVE_SM_SCALE), BF16,
+           f"{tile} negative scores causal={causal}")
+
+
+@pytest.mark.gpu
+def test_gather_rows_with_negative_scores(rng):
+    # the gather tile's one-block softmax on the same scores (per-token lists, 16 heads per KV head)
+    p = _signed_problem(rng, page_size=128)
+    sel = random_selection(rng, p, 4)
+    out, lse = _run(p, source="table", sel=sel, gather=True, sm_scale=NEGATIVE_SM_SCALE)
+    _check(out, lse, _sparse_ref(p, sel, sm_scale=NEGATIVE_SM_SCALE), BF16, "gather negative scores")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [t for t in DENSE_TILES if 128 in _tile_dims(t)])
 def test_query_tiles_offsets_views_and_splits(rng, tile):

@@ -937,6 +937,47 @@ def test_ws_max_score_tile_edges(rng, dtype, d, causal):
                      f"ws edges {dtype} D{d} causal={causal}")
 
 
+def _signed_rows(x, signs):
+    """``|x|`` times ``signs`` along axis 0 (one sign per row), in x's dtype."""
+    a = np.abs(x.astype(np.float32)) * signs.reshape((-1,) + (1,) * (x.ndim - 1))
+    return a.astype(x.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP8_DT], ids=["bf16", "fp8"])
+def test_ws_max_score_negative_blocks(rng, dtype):
+    """Blocks whose scores are all negative for some rows of a warp and not for others (the
+    float8 kernel's bit-pattern maxima hold only where a value is >= 0; the float path takes
+    the rest): q rows of one sign each (runs of 5, so a warp's 16 rows mix signs), keys of one
+    sign per block of 128 except a mixed one, zeros in one block (maxima of +0 and -0)."""
+    _needs_sm90()
+    hq, hkv, d = 4, 1, 128
+    qo, kv = np.array([300, 70], dtype=np.int32), np.array([1000, 700], dtype=np.int32)
+    off = (kv - qo).astype(np.int32)
+    cu_q, cu_k, _ = _meta(qo, kv, off)
+    fp8 = dtype == FP8_DT
+    gen = _fp8_ints if fp8 else (lambda r, shape: _rand(r, shape, dtype))
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = _signed_rows(gen(rng, (total_q, hq, d)), np.where(np.arange(total_q) // 5 % 2 == 0, 1.0, -1.0))
+    key_block = (np.arange(total_k) - np.repeat(cu_k[:-1], kv)) // BLOCK
+    k_signs = np.where(key_block % 2 == 0, 1.0, -1.0)
+    k_signs[key_block == 3] = rng.choice([-1.0, 1.0], size=int((key_block == 3).sum()))
+    k = _signed_rows(gen(rng, (total_k, hkv, d)), k_signs)
+    k[key_block == 5] = 0
+    nt = -(-int(kv.max()) // BLOCK) + 1
+    for causal in (True, False):
+        want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
+                                   kv_lens=kv)
+        assert (want[np.isfinite(want)] < 0).any() and (want[np.isfinite(want)] > 0).any()
+        if fp8:
+            got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=1.0, cu_k=cu_k, causal=causal,
+                                          config=il.WS_CONFIG)
+        else:
+            got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
+        _check_max_score(got, want, q.astype(np.float64), k.astype(np.float64),
+                         f"ws negative blocks {dtype} causal={causal}")
+
+
 def _decode_lengths(rng, nq: int, long_keys: int):
     """Decode batch: ``nq`` queries per request (one request with fewer, one empty), kv
     lengths from 0 to ``long_keys`` (not multiples of 32 or 128), offsets mostly

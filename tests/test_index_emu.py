@@ -547,3 +547,24 @@ def test_ws_max_score_long_keys_emulated(emu, rng, dtype, d, heads, causal, lazy
     (name, grid, block, *_), = run.launches[first:]
     assert name == il.MAX_SCORE_SPECS[(dtype, d, il.WS_CONFIG)].kernels[0] and block == (384,) and grid[2] > 1
     _check_max_score(got, want, q, k, f"ws D{d} causal={causal}")
+
+
+@pytest.mark.slow
+def test_ws_max_score_negative_blocks_emulated(emu, rng):
+    """float8 blocks whose scores are all negative for some rows of a warp and not for others,
+    and a block of zero keys: the kernel's bit-pattern maxima where every row of a warp holds a
+    value >= 0, the float path elsewhere (test_gpu_index.test_ws_max_score_negative_blocks)."""
+    H, run = emu
+    hq, hkv, d = 4, 1, 64
+    qo, kv = np.array([40], dtype=np.int32), np.array([700], dtype=np.int32)
+    cu_q, cu_k, off = _meta(qo, kv, None)
+    ints = lambda shape: rng.integers(1, 4, size=shape).astype(np.float32)  # noqa: E731
+    q = (ints((40, hq, d)) * np.where(np.arange(40) // 5 % 2 == 0, 1.0, -1.0)[:, None, None]).astype(FP8)
+    key_block = np.arange(700) // BLOCK
+    k = (ints((700, hkv, d)) * np.where(key_block % 2 == 0, 1.0, -1.0)[:, None, None]).astype(FP8)
+    k[key_block == 4] = 0
+    nt = -(-700 // BLOCK) + 1
+    want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo, kv_lens=kv)
+    assert (want[np.isfinite(want)] < 0).any() and (want[np.isfinite(want)] > 0).any()
+    got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=True, config=il.WS_CONFIG)
+    _check_max_score(got, want, q.astype(np.float64), k.astype(np.float64), "ws fp8 negative blocks")

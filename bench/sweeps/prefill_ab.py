@@ -5,8 +5,9 @@
 Run it from each tree in turn (A, B, A, B: the clocks drift within a session): it times our
 dense causal B16 S1024, B1 S8192 causal and non-causal (Hq64 Hkv8), paged B4 S8192 page 64
 (``bench_attention.paged_prefill_inputs`` and ``time_prefill``) and the bench's tile-shared
-block-sparse S32768 case (``bench_attention.sparse_case``), REPS times each (default 3), and
-appends one JSON line per case, labelled LABEL, to ``OUTDIR/prefill_ab.jsonl``.
+and per-token block-sparse S32768 cases (``bench_attention.sparse_case``; per-token on the
+``gather`` tile), REPS times each (default 3), and appends one JSON line per case, labelled
+LABEL, to ``OUTDIR/prefill_ab.jsonl``.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def main(outdir: str, label: str, reps: int = 3) -> None:
         lines.append({"label": label, "case": f"B{batch} S{s} Hq{hq} Hkv{hkv} causal={causal} page={page}", "ms": ms})
         del sets, outs
     cfg = SimpleNamespace(device=torch.device("cuda"), flex_per_token=False, size="full")
-    case = ba.sparse_case(cfg, 32768, 64, 4, 16, per_token=False, target=None)
-    bound = case.impls[0].build(case.make_inputs(2))
-    ms = [Timer(TimingConfig()).time(bound.run, 2)["ms"] for _ in range(reps)]
-    lines.append({"label": label, "case": "sparse tile-shared S32768 Hq64 Hkv4 top16", "ms": ms})
+    for per_token, name in ((False, "tile-shared"), (True, "per-token")):
+        case = ba.sparse_case(cfg, 32768, 64, 4, 16, per_token=per_token, target=None)
+        bound = case.impls[0].build(case.make_inputs(2))
+        ms = [Timer(TimingConfig()).time(bound.run, 2)["ms"] for _ in range(reps)]
+        lines.append({"label": label, "case": f"sparse {name} S32768 Hq64 Hkv4 top16", "ms": ms})
+        del bound, case
     with open(out / "prefill_ab.jsonl", "a") as f:
         for line in lines:
             print(json.dumps(line), flush=True)

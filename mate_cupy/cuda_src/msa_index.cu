@@ -11,6 +11,7 @@
 #include "common/topk.cuh"
 #include "common/attention_wgmma.cuh"
 #include "common/warp_specialized.cuh"
+#include "common/float_max.cuh"
 
 using namespace mate;
 
@@ -1299,28 +1300,52 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
         const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
         float mx[2] = {neg_inf(), neg_inf()};
-        if (!edge) {
+        // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
+        // bound: a whole tile's maxima by bit patterns (float_max.cuh), two values per
+        // instruction, where every row of the warp holds a value >= 0; the rest by fmaxf.
+        bool done = false;
+        if constexpr (sizeof(T) == 1) {
+            if (!edge) {
+                int bm[2] = {kBitsMaxStart, kBitsMaxStart};
 #pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) {
-                mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
-                mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
-            }
-        } else {
-#pragma unroll
-            for (int n8 = 0; n8 < 16; ++n8) {
+                for (int n8 = 0; n8 < 16; ++n8) {
+                    bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
+                    bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
+                }
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int col = n8 * 8 + 2 * (lane & 3) + e;
-                    const bool ok = kv[col] != 0;
-                    if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
-                    if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
+                    bm[e] = max(bm[e], __shfl_xor_sync(kFullMask, bm[e], 1));
+                    bm[e] = max(bm[e], __shfl_xor_sync(kFullMask, bm[e], 2));
+                    mx[e] = __int_as_float(bm[e]);
                 }
+                done = __all_sync(kFullMask, (bm[0] | bm[1]) >= 0);
             }
         }
+        if (!done) {
+            mx[0] = mx[1] = neg_inf();
+            if (!edge) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
-            mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
+                for (int n8 = 0; n8 < 16; ++n8) {
+                    mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
+                    mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
+                }
+            } else {
+#pragma unroll
+                for (int n8 = 0; n8 < 16; ++n8) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = n8 * 8 + 2 * (lane & 3) + e;
+                        const bool ok = kv[col] != 0;
+                        if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
+                        if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
+                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
+            }
         }
         const int slot = n % kMsStash;
         if ((lane & 3) == 0) {

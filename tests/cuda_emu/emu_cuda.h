@@ -139,6 +139,8 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
+inline int __vimax3_s32(int a, int b, int c) { return std::max(a, std::max(b, c)); }
 inline float __expf(float x) { return expf(x); }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 inline float __fdividef(float a, float b) { return a / b; }

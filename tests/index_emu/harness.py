@@ -40,7 +40,7 @@ def _drop_function(src: str, name: str) -> str:
 
 
 def emulator_source() -> str:
-    """msa_index.cu with topk.cuh pasted in, the GPU headers and inline PTX left out."""
+    """msa_index.cu with topk.cuh and float_max.cuh pasted in, the GPU headers and inline PTX left out."""
     src = (CUDA_SRC / "msa_index.cu").read_text()
     topk = (CUDA_SRC / "common" / "topk.cuh").read_text()
     topk = topk.replace("#pragma once", "").replace('#include "dtype.cuh"', "")
@@ -50,6 +50,9 @@ def emulator_source() -> str:
         src = src.replace(inc, "")
     assert '#include "common/topk.cuh"' in src
     src = src.replace('#include "common/topk.cuh"', topk)
+    float_max = (CUDA_SRC / "common" / "float_max.cuh").read_text().replace("#pragma once", "")
+    assert '#include "common/float_max.cuh"' in src
+    src = src.replace('#include "common/float_max.cuh"', float_max)
     for name in EMULATED_FUNCTIONS:
         src = _drop_function(src, name)
     decl = "extern __shared__ __align__(128) unsigned char smem_raw[];"

@@ -10,6 +10,7 @@
 // taken relative to 0 instead of -inf, so no NaN is ever produced.
 #pragma once
 #include "dtype.cuh"
+#include "float_max.cuh"
 
 namespace mate {
 namespace attn {
@@ -33,16 +34,33 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The maximum of m and the scores S[.][2 h], S[.][2 h + 1] of row half h (rows g + 8 h),
+// reduced over the row's quad. On sm_90 by bit patterns (float_max.cuh), exact once m or a
+// score of every row of the warp is >= 0; otherwise, and before sm_90, by fmaxf.
+template <int NT>
+__device__ __forceinline__ float tile_row_max(const float (&S)[NT][4], float m, int h) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    int chain[2] = {__float_as_int(m), kBitsMaxStart};  // two independent chains (latency)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) chain[n & 1] = bits_max3(chain[n & 1], S[n][2 * h], S[n][2 * h + 1]);
+    int bm = max(chain[0], chain[1]);
+    bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
+    bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+    if (__all_sync(0xffffffffu, bm >= 0)) return __int_as_float(bm);
+#endif
+    float mx = m;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+    return quad_max(mx);
+}
+
 // One online-softmax step of row half h (rows g + 8 h) of a 16-row slab: the raw scores
 // S[.][2 h], S[.][2 h + 1] (masked = -inf) become p = 2^(S * scale - m_new * scale), the
 // running raw max m and partial sum l are updated; returns the rescale factor
 // 2^((m_old - m_new) * scale) of the row's output.
 template <int NT>
 __device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m, float& l, float scale, int h) {
-    float mx = m;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
-    mx = quad_max(mx);
+    const float mx = tile_row_max(S, m, h);
     const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
     const float alpha = fast_exp2(m * scale - m_scaled);
     m = mx;
