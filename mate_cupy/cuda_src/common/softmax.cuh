@@ -35,18 +35,20 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // The maximum of m and the scores S[.][2 h], S[.][2 h + 1] of row half h (rows g + 8 h),
-// reduced over the row's quad. On sm_90 by bit patterns (float_max.cuh), exact once m or a
-// score of every row of the warp is >= 0; otherwise, and before sm_90, by fmaxf.
-template <int NT>
+// reduced over the row's quad. With kBits on sm_90 by bit patterns (float_max.cuh), exact
+// where m or a score of every row of the warp is >= 0; otherwise by fmaxf.
+template <bool kBits, int NT>
 __device__ __forceinline__ float tile_row_max(const float (&S)[NT][4], float m, int h) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    int chain[2] = {__float_as_int(m), kBitsMaxStart};  // two independent chains (latency)
+    if constexpr (kBits) {
+        int chain[2] = {__float_as_int(m), kBitsMaxStart};  // two independent chains (latency)
 #pragma unroll
-    for (int n = 0; n < NT; ++n) chain[n & 1] = bits_max3(chain[n & 1], S[n][2 * h], S[n][2 * h + 1]);
-    int bm = max(chain[0], chain[1]);
-    bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
-    bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
-    if (__all_sync(0xffffffffu, bm >= 0)) return __int_as_float(bm);
+        for (int n = 0; n < NT; ++n) chain[n & 1] = bits_max3(chain[n & 1], S[n][2 * h], S[n][2 * h + 1]);
+        int bm = max(chain[0], chain[1]);
+        bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
+        bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+        if (__all_sync(0xffffffffu, bm >= 0)) return __int_as_float(bm);
+    }
 #endif
     float mx = m;
 #pragma unroll
@@ -58,9 +60,9 @@ __device__ __forceinline__ float tile_row_max(const float (&S)[NT][4], float m, 
 // S[.][2 h], S[.][2 h + 1] (masked = -inf) become p = 2^(S * scale - m_new * scale), the
 // running raw max m and partial sum l are updated; returns the rescale factor
 // 2^((m_old - m_new) * scale) of the row's output.
-template <int NT>
+template <bool kBits, int NT>
 __device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m, float& l, float scale, int h) {
-    const float mx = tile_row_max(S, m, h);
+    const float mx = tile_row_max<kBits>(S, m, h);
     const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
     const float alpha = fast_exp2(m * scale - m_scaled);
     m = mx;
@@ -79,15 +81,17 @@ __device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m,
 }
 
 // Online softmax of one tile's raw scores without touching O: each row's rescale factor
-// for O in `alpha` (the caller applies it).
+// for O in `alpha` (the caller applies it). The warp-specialised sm_90 consumers' form: row
+// maxima on bit patterns (tile_row_max).
 template <int NT>
 __device__ __forceinline__ void online_softmax_scores(float (&S)[NT][4], float (&m)[2], float (&l)[2], float scale,
                                                       float (&alpha)[2]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row(S, m[h], l[h], scale, h);
+    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row<true>(S, m[h], l[h], scale, h);
 }
 
-// One online-softmax step for a 16-row slab (FlashAttention-2 form).
+// One online-softmax step for a 16-row slab (FlashAttention-2 form; the mma.sync tiles, row
+// maxima by fmaxf).
 //   S [NT][4]: this tile's raw scores q.k (masked = -inf); replaced by
 //              p = 2^(S * scale - m_new * scale).
 //   O [DT][4]: output accumulator, rescaled by 2^((m_old - m_new) * scale).
@@ -98,7 +102,7 @@ __device__ __forceinline__ void online_softmax_update(float (&S)[NT][4], float (
                                                       float (&l)[2], float scale) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float alpha = online_softmax_row(S, m[h], l[h], scale, h);
+        const float alpha = online_softmax_row<false>(S, m[h], l[h], scale, h);
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
             O[d][2 * h] *= alpha;
