@@ -18,6 +18,10 @@ namespace attn {
 // -inf as a value usable in device code (NVRTC has no INFINITY macro).
 #define kNegInf __int_as_float(0xff800000u)
 
+// How far (log2 of the factor) a lazily rescaled running max may lag a row's true max:
+// probabilities stay <= 2^8, far inside fp32 and the 16-bit P operand.
+constexpr float kLazyRescaleLog2 = 8.f;
+
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -60,11 +64,17 @@ __device__ __forceinline__ float tile_row_max(const float (&S)[NT][4], float m, 
 // S[.][2 h], S[.][2 h + 1] (masked = -inf) become p = 2^(S * scale - m_new * scale), the
 // running raw max m and partial sum l are updated; returns the rescale factor
 // 2^((m_old - m_new) * scale) of the row's output.
-template <bool kBits, int NT>
+// With kLazy the running max stays where the tile's max exceeds it by at most
+// kLazyRescaleLog2 in the exponent (so p <= 2^kLazyRescaleLog2 and the rescale factor is
+// exactly 1: the caller skips rescaling O when every row of its warp has 1).
+template <bool kBits, bool kLazy, int NT>
 __device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m, float& l, float scale, int h) {
-    const float mx = tile_row_max<kBits>(S, m, h);
+    float mx = tile_row_max<kBits>(S, m, h);
+    if constexpr (kLazy) {
+        if (!((mx - m) * scale > kLazyRescaleLog2)) mx = m;  // (-inf - -inf: NaN, kept)
+    }
     const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
-    const float alpha = fast_exp2(m * scale - m_scaled);
+    const float alpha = (kLazy && mx == m) ? 1.f : fast_exp2(m * scale - m_scaled);
     m = mx;
     float sum = 0.f;
 #pragma unroll
@@ -81,13 +91,15 @@ __device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m,
 }
 
 // Online softmax of one tile's raw scores without touching O: each row's rescale factor
-// for O in `alpha` (the caller applies it). The warp-specialised sm_90 consumers' form: row
-// maxima on bit patterns (tile_row_max).
+// for O in `alpha` (the caller applies it, and may skip it where every factor of its warp
+// is 1). The warp-specialised sm_90 consumers' form: row maxima on bit patterns
+// (tile_row_max), the running max moved only when a tile's max exceeds it by more than
+// kLazyRescaleLog2 in the exponent.
 template <int NT>
 __device__ __forceinline__ void online_softmax_scores(float (&S)[NT][4], float (&m)[2], float (&l)[2], float scale,
                                                       float (&alpha)[2]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row<true>(S, m[h], l[h], scale, h);
+    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row<true, true>(S, m[h], l[h], scale, h);
 }
 
 // One online-softmax step for a 16-row slab (FlashAttention-2 form; the mma.sync tiles, row
@@ -102,7 +114,7 @@ __device__ __forceinline__ void online_softmax_update(float (&S)[NT][4], float (
                                                       float (&l)[2], float scale) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float alpha = online_softmax_row<false>(S, m[h], l[h], scale, h);
+        const float alpha = online_softmax_row<false, false>(S, m[h], l[h], scale, h);
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
             O[d][2 * h] *= alpha;
