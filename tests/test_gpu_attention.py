@@ -857,7 +857,8 @@ def _signed_problem(rng, page_size=0):
 def test_rows_with_negative_scores(rng, tile, causal):
     # the row maxima of the softmax run on bit patterns where a row's running maximum or a
     # score is >= 0 (common/float_max.cuh) and on floats elsewhere: rows negative throughout,
-    # rows negative for their first key tile only, and positive rows, in the same warps
+    # rows negative for their first key tile only, and positive rows, in the same warps; the
+    # jump from a negative block to a positive one moves a lazily rescaled running max
     p = _signed_problem(rng)
     out, lse = _run(p, causal=causal, tile=tile, sm_scale=NEGATIVE_SM_SCALE)
     _check(out, lse, _dense_ref(p, causal=causal, sm_scale=NEGATIVE_SM_SCALE), BF16,
