@@ -1299,7 +1299,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         const unsigned char* kv = kvalid + stage * kMsBlock;
         const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
         const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
-        float mx[2] = {neg_inf(), neg_inf()};
+        float mx[2];
         // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
         // bound: a whole tile's maxima by bit patterns (float_max.cuh), two values per
         // instruction, where every row of the warp holds a value >= 0; the rest by fmaxf.

@@ -64,17 +64,18 @@ __device__ __forceinline__ float tile_row_max(const float (&S)[NT][4], float m, 
 // S[.][2 h], S[.][2 h + 1] (masked = -inf) become p = 2^(S * scale - m_new * scale), the
 // running raw max m and partial sum l are updated; returns the rescale factor
 // 2^((m_old - m_new) * scale) of the row's output.
-// With kLazy the running max stays where the tile's max exceeds it by at most
+// kWs: the warp-specialised consumers' form, row maxima on bit patterns (tile_row_max) and
+// a lazily moved running max: it stays where the tile's max exceeds it by at most
 // kLazyRescaleLog2 in the exponent (so p <= 2^kLazyRescaleLog2 and the rescale factor is
 // exactly 1: the caller skips rescaling O when every row of its warp has 1).
-template <bool kBits, bool kLazy, int NT>
+template <bool kWs, int NT>
 __device__ __forceinline__ float online_softmax_row(float (&S)[NT][4], float& m, float& l, float scale, int h) {
-    float mx = tile_row_max<kBits>(S, m, h);
-    if constexpr (kLazy) {
+    float mx = tile_row_max<kWs>(S, m, h);
+    if constexpr (kWs) {
         if (!((mx - m) * scale > kLazyRescaleLog2)) mx = m;  // (-inf - -inf: NaN, kept)
     }
     const float m_scaled = (mx == kNegInf) ? 0.f : mx * scale;
-    const float alpha = (kLazy && mx == m) ? 1.f : fast_exp2(m * scale - m_scaled);
+    const float alpha = (kWs && mx == m) ? 1.f : fast_exp2(m * scale - m_scaled);
     m = mx;
     float sum = 0.f;
 #pragma unroll
@@ -99,7 +100,7 @@ template <int NT>
 __device__ __forceinline__ void online_softmax_scores(float (&S)[NT][4], float (&m)[2], float (&l)[2], float scale,
                                                       float (&alpha)[2]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row<true, true>(S, m[h], l[h], scale, h);
+    for (int h = 0; h < 2; ++h) alpha[h] = online_softmax_row<true>(S, m[h], l[h], scale, h);
 }
 
 // One online-softmax step for a 16-row slab (FlashAttention-2 form; the mma.sync tiles, row
@@ -114,7 +115,7 @@ __device__ __forceinline__ void online_softmax_update(float (&S)[NT][4], float (
                                                       float (&l)[2], float scale) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float alpha = online_softmax_row<false, false>(S, m[h], l[h], scale, h);
+        const float alpha = online_softmax_row<false>(S, m[h], l[h], scale, h);
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
             O[d][2 * h] *= alpha;
