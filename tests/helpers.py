@@ -1,4 +1,4 @@
-"""Test helpers: error norms, poisoning, conversions."""
+"""Test helpers: error norms, poisoning, conversions, signed inputs."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +16,12 @@ def to_f64(x) -> np.ndarray:
             x = x.float()
         x = x.numpy()
     return np.asarray(x).astype(np.float64)
+
+
+def signed_rows(x, signs) -> np.ndarray:
+    """``|x|`` times ``signs`` along axis 0 (one sign, or signed factor, per row), in x's dtype."""
+    a = np.abs(np.asarray(x).astype(np.float32)) * np.asarray(signs).reshape((-1,) + (1,) * (np.ndim(x) - 1))
+    return a.astype(np.asarray(x).dtype)
 
 
 def rel_err(out, ref) -> float:

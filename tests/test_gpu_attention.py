@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import kernel_params, rel_err, to_f64
+from helpers import kernel_params, rel_err, signed_rows, to_f64
 from msa_cases import BF16, FP8, make_problem, random_selection
 
 from mate_cupy.msa import attention_launch as al
@@ -844,8 +844,7 @@ def _signed_problem(rng, page_size=0):
     p = make_problem(rng, [200, 50], [700, 100], 32, 2, 128)
     q_sign = 4.0 * np.where(np.arange(p.q.shape[0]) // 3 % 2 == 0, 1.0, -1.0)
     k_sign = np.where((np.arange(p.k.shape[0]) - np.repeat(p.cu_k[:-1], p.kv)) // 128 % 2 == 0, 1.0, -1.0)
-    p = dataclasses.replace(p, q=(np.abs(p.q.astype(np.float32)) * q_sign[:, None, None]).astype(p.q.dtype),
-                            k=(np.abs(p.k.astype(np.float32)) * k_sign[:, None, None]).astype(p.k.dtype))
+    p = dataclasses.replace(p, q=signed_rows(p.q, q_sign), k=signed_rows(p.k, k_sign))
     if page_size:
         paginate(rng, p, page_size)
     return p

@@ -24,7 +24,7 @@ from mate_cupy.msa import index_launch as il
 from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 from mate_cupy.runtime.interop import wrap
-from helpers import kernel_params
+from helpers import kernel_params, signed_rows
 
 BLOCK = 128
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
@@ -905,6 +905,15 @@ def test_ws_fp8_max_score_long_keys(rng, d, case):
                      f"ws fp8 {case} D{d}", rel=2e-5)
 
 
+def _launch_ws_max_score(q, k, nt, qo, kv, off, cu_q, cu_k, causal):
+    """The warp-specialised kernel on dense K: float8 through torch tensors (score scale 1),
+    16-bit through CuPy."""
+    if q.dtype == FP8_DT:
+        return _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=1.0, cu_k=cu_k, causal=causal,
+                                       config=il.WS_CONFIG)
+    return _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d", [(BF16, 128), (F16, 256), (FP8_DT, 128), (FP8_DT, 64)], ids=lambda x: str(x))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -928,19 +937,9 @@ def test_ws_max_score_tile_edges(rng, dtype, d, causal):
     nt = -(-int(kv.max()) // BLOCK) + 1
     want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
                                kv_lens=kv)
-    if fp8:
-        got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=1.0, cu_k=cu_k, causal=causal,
-                                      config=il.WS_CONFIG)
-    else:
-        got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
+    got = _launch_ws_max_score(q, k, nt, qo, kv, off, cu_q, cu_k, causal)
     _check_max_score(got, want, q.astype(np.float64), k.astype(np.float64),
                      f"ws edges {dtype} D{d} causal={causal}")
-
-
-def _signed_rows(x, signs):
-    """``|x|`` times ``signs`` along axis 0 (one sign per row), in x's dtype."""
-    a = np.abs(x.astype(np.float32)) * signs.reshape((-1,) + (1,) * (x.ndim - 1))
-    return a.astype(x.dtype)
 
 
 @pytest.mark.gpu
@@ -955,25 +954,20 @@ def test_ws_max_score_negative_blocks(rng, dtype):
     qo, kv = np.array([300, 70], dtype=np.int32), np.array([1000, 700], dtype=np.int32)
     off = (kv - qo).astype(np.int32)
     cu_q, cu_k, _ = _meta(qo, kv, off)
-    fp8 = dtype == FP8_DT
-    gen = _fp8_ints if fp8 else (lambda r, shape: _rand(r, shape, dtype))
+    gen = _fp8_ints if dtype == FP8_DT else (lambda r, shape: _rand(r, shape, dtype))
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
-    q = _signed_rows(gen(rng, (total_q, hq, d)), np.where(np.arange(total_q) // 5 % 2 == 0, 1.0, -1.0))
+    q = signed_rows(gen(rng, (total_q, hq, d)), np.where(np.arange(total_q) // 5 % 2 == 0, 1.0, -1.0))
     key_block = (np.arange(total_k) - np.repeat(cu_k[:-1], kv)) // BLOCK
     k_signs = np.where(key_block % 2 == 0, 1.0, -1.0)
     k_signs[key_block == 3] = rng.choice([-1.0, 1.0], size=int((key_block == 3).sum()))
-    k = _signed_rows(gen(rng, (total_k, hkv, d)), k_signs)
+    k = signed_rows(gen(rng, (total_k, hkv, d)), k_signs)
     k[key_block == 5] = 0
     nt = -(-int(kv.max()) // BLOCK) + 1
     for causal in (True, False):
         want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=causal, max_k_tiles=nt, qo_lens=qo,
                                    kv_lens=kv)
         assert (want[np.isfinite(want)] < 0).any() and (want[np.isfinite(want)] > 0).any()
-        if fp8:
-            got = _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=1.0, cu_k=cu_k, causal=causal,
-                                          config=il.WS_CONFIG)
-        else:
-            got = _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
+        got = _launch_ws_max_score(q, k, nt, qo, kv, off, cu_q, cu_k, causal)
         _check_max_score(got, want, q.astype(np.float64), k.astype(np.float64),
                          f"ws negative blocks {dtype} causal={causal}")
 

@@ -22,6 +22,7 @@ from mate_cupy.msa import index_launch as il
 from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 
+from helpers import signed_rows
 from test_gpu_index import (BF16, F16, K_VIEW_LAYOUTS, SCORE_KINDS, _check_max_score, _in_order_pages,
                             _k_view_decode_problem, _lengths, _meta, _paged_decode_problem, _positions, _rand, _scores,
                             _width)
@@ -558,10 +559,10 @@ def test_ws_max_score_negative_blocks_emulated(emu, rng):
     hq, hkv, d = 4, 1, 64
     qo, kv = np.array([40], dtype=np.int32), np.array([700], dtype=np.int32)
     cu_q, cu_k, off = _meta(qo, kv, None)
-    ints = lambda shape: rng.integers(1, 4, size=shape).astype(np.float32)  # noqa: E731
-    q = (ints((40, hq, d)) * np.where(np.arange(40) // 5 % 2 == 0, 1.0, -1.0)[:, None, None]).astype(FP8)
+    ints = lambda shape: rng.integers(1, 4, size=shape).astype(np.float32).astype(FP8)  # noqa: E731
+    q = signed_rows(ints((40, hq, d)), np.where(np.arange(40) // 5 % 2 == 0, 1.0, -1.0))
     key_block = np.arange(700) // BLOCK
-    k = (ints((700, hkv, d)) * np.where(key_block % 2 == 0, 1.0, -1.0)[:, None, None]).astype(FP8)
+    k = signed_rows(ints((700, hkv, d)), np.where(key_block % 2 == 0, 1.0, -1.0))
     k[key_block == 4] = 0
     nt = -(-700 // BLOCK) + 1
     want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo, kv_lens=kv)
