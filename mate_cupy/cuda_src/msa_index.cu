@@ -1273,12 +1273,17 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     // Lane l: output offset of the warp's row l % 16 of half l / 16 (the stash order).
     const long long out_off = lane / 16 < HALVES ? rows.out(row0(lane / 16) + (lane & 15)) : -1;
 
+    // This lane's word of the key flags of the even / odd tiles, read when the tile's stage is
+    // acquired, so that the epilogue's vote does not wait on a shared-memory load.
+    u32 flags0 = 0, flags1 = 0;
     // Unit u: half u % HALVES of the CTA's tile n = u / HALVES, into accumulator set `acc`.
     auto issue = [&](int u, int h, float* acc) {
         const int n = u / HALVES, stage = n % STAGES;
         if (h == 0) {
             mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
             attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
+            const u32 f = reinterpret_cast<const u32*>(kvalid + stage * kMsBlock)[lane];
+            if (n & 1) flags1 = f; else flags0 = f;
         }
         const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
         attn::wg_fence();
@@ -1297,7 +1302,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         const int n = u / HALVES, stage = n % STAGES, t = t_begin + n;
         const int kbase = t * kMsBlock;
         const unsigned char* kv = kvalid + stage * kMsBlock;
-        const bool holes = !__all_sync(kFullMask, reinterpret_cast<const u32*>(kv)[lane] == 0x01010101u);
+        const bool holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
         const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
         float mx[2];
         // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
@@ -1357,12 +1362,15 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             mbar_arrive(empty_bar + 8u * stage);  // every thread: its own key-flag reads are done
             if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's rows
                 const int t_first = t - slot;
+                // Two rows per pass (lanes 0-15 and 16-31); the passes' shuffles and loads are
+                // independent of the stores (predicated, no branches), so they overlap.
 #pragma unroll
-                for (int rr = 0; rr < 16 * HALVES; rr += 2) {  // two rows per pass: lanes 0-15 and 16-31
+                for (int rr = 0; rr < 16 * HALVES; rr += 2) {
                     const int rw = rr + (lane >> 4), cc = lane & 15;
                     const long long o = __shfl_sync(kFullMask, out_off, rw);
-                    if (o >= 0 && cc <= slot)
-                        max_score[o + t_first + cc] = stash[(row0(rw >> 4) + (rw & 15)) * (kMsStash + 1) + cc];
+                    const float v = stash[(row0(rw >> 4) + (rw & 15)) * (kMsStash + 1) + cc];
+                    float* const dst = max_score + (o + t_first + cc);
+                    if (o >= 0 && cc <= slot) *dst = v;
                 }
                 __syncwarp();
             }
