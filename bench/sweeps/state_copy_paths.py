@@ -1,0 +1,178 @@
+"""In-place read + write of KDA decode state slices without the recurrence: which load/store
+path moves a pool's bytes fastest at the V-first kernel's CTA shapes.
+
+    PYTHONPATH=. python bench/sweeps/state_copy_paths.py OUTDIR [TAG]
+
+Pool ``[4B, HV 32, 128, 128]`` fp32; each call reads and rewrites (``x + 1``) the heads of B
+slots chosen by a random permutation, as an in-place decode step does. A CTA owns a
+contiguous slice of one head (``slice_kb``: 32 KB for four warps, 16 KB for two); its dynamic
+shared memory (``smem_kb``) sets the CTAs per SM. Paths:
+
+* ``bulk>regs>stcs``: bulk copy into shared memory, every lane moves its 16-byte chunks into
+  registers, adds 1, streaming stores (``st.global.cs``) from registers (the decode kernel's path);
+* ``bulk>regs>st``: the same with plain stores;
+* ``bulk>regs>smem>bulk``: registers written back to the stage, one bulk store per warp;
+* ``bulk>regs>smem>bulk/cta``: the same, one bulk store per CTA after a CTA barrier;
+* ``bulk>bulk``: bulk copy in, bulk store out (no registers, no change to the values);
+* ``ldg>stcs``: 16-byte loads straight into registers, streaming stores.
+
+Beside them a device-to-device copy of the same bytes. Times are medians of back-to-back
+launches (CUDA events). Writes ``OUTDIR/state_copy_paths_TAG.json``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+SRC = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ unsigned su32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// MODE 0: bulk > regs > st.global.cs   1: bulk > regs > st.global   2: bulk > bulk
+// MODE 3: bulk > regs > smem > bulk store per warp   4: ... per CTA   5: ld.global > st.global.cs
+template <int MODE>
+__global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, int HV, int splits,
+                                                 int slice_elems) {
+    extern __shared__ __align__(128) float stage[];
+    __shared__ u64 bar;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x % splits, nh = blockIdx.x / splits;
+    const int hv = nh % HV, n = nh / HV;
+    const long long head = 128LL * 128;
+    float* base = pool + ((long long)slots[n] * HV + hv) * head + (long long)split * slice_elems;
+    const unsigned bytes = slice_elems * 4;
+    if constexpr (MODE != 5) {
+        if (tid == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(su32(&bar)));
+            asm volatile("fence.mbarrier_init.release.cluster;" ::);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(&bar)), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         ::"r"(su32(stage)), "l"(base), "r"(bytes), "r"(su32(&bar)) : "memory");
+        }
+        asm volatile("{\n.reg .pred p;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n@!p bra W_%=;\n}"
+                     ::"r"(su32(&bar)) : "memory");
+    }
+    if constexpr (MODE == 2) {
+        if (tid == 0) {
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base), "r"(su32(stage)), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        }
+    } else {
+    // lane rows warp * 16 + (lane >> 3) + 4 r (r < 4), 16-byte pieces j * 8 + (lane & 7) (j < 4)
+    const int rows = slice_elems / 128, wrows = rows / (blockDim.x >> 5);
+    const int off = (warp * wrows + (lane >> 3)) * 128 + (lane & 7) * 4;
+    float4 x[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int o = off + r * 4 * 128 + j * 32;
+            x[r][j] = MODE == 5 ? __ldcs(reinterpret_cast<const float4*>(base + o)) : *reinterpret_cast<const float4*>(stage + o);
+            x[r][j].x += 1.f; x[r][j].y += 1.f; x[r][j].z += 1.f; x[r][j].w += 1.f;
+        }
+    if constexpr (MODE == 0 || MODE == 1 || MODE == 5) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4* d = reinterpret_cast<float4*>(base + off + r * 4 * 128 + j * 32);
+                if (MODE == 1) *d = x[r][j]; else __stcs(d, x[r][j]);
+            }
+    } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) *reinterpret_cast<float4*>(stage + off + r * 4 * 128 + j * 32) = x[r][j];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (MODE == 3) {
+        __syncwarp();
+        if (lane == 0) {
+            const int wo = warp * wrows * 128;
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base + wo), "r"(su32(stage + wo)), "r"(wrows * 512) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        }
+    } else {
+        __syncthreads();
+        if (tid == 0) {
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base), "r"(su32(stage)), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        }
+    }
+    }
+    }
+}
+"""
+MODES = {"bulk>regs>stcs": 0, "bulk>regs>st": 1, "bulk>bulk": 2, "bulk>regs>smem>bulk": 3,
+         "bulk>regs>smem>bulk/cta": 4, "ldg>stcs": 5}
+HV = 32
+HEAD = 128 * 128
+
+
+def timed_us(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(5):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
+    return float(np.median(times))
+
+
+def main(argv) -> None:
+    outdir = Path(argv[0])
+    tag = argv[1] if len(argv) > 1 else "run"
+    outdir.mkdir(parents=True, exist_ok=True)
+    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=[f"state_rw<{m}>" for m in MODES.values()])
+    kernels = {name: mod.get_function(f"state_rw<{m}>") for name, m in MODES.items()}
+    # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
+    # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
+    shapes = [(32, 2, 16, 26), (32, 4, 32, 50), (256, 4, 32, 50), (256, 4, 32, 36), (1024, 4, 32, 50),
+              (1024, 4, 32, 36), (1024, 2, 16, 26)]
+    results = []
+    for B, warps, slice_kb, smem_kb in shapes:
+        P = 4 * B
+        pool = cp.random.standard_normal((P, HV, HEAD), dtype=cp.float32)
+        perms = [cp.asarray(np.random.default_rng(i).permutation(P)[:B].astype(np.int32)) for i in range(4)]
+        slice_elems = slice_kb * 256
+        splits = HEAD // slice_elems
+        grid = B * HV * splits
+        nbytes = 2 * B * HV * HEAD * 4
+        half = nbytes // 2
+        src, dst = cp.empty(half, dtype=cp.uint8), cp.empty(half, dtype=cp.uint8)
+        reps = max(5, int(2e5 // (B * 16)))
+        row = dict(B=B, warps=warps, slice_kb=slice_kb, smem_kb=smem_kb, bytes=nbytes,
+                   copy_us=timed_us(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, 0), reps))
+        for name, kern in kernels.items():
+            kern.max_dynamic_shared_size_bytes = smem_kb * 1024
+            it = [0]
+
+            def call():
+                it[0] = (it[0] + 1) % 4
+                kern((grid,), (warps * 32,), (pool, perms[it[0]], np.int32(HV), np.int32(splits), np.int32(slice_elems)),
+                     shared_mem=smem_kb * 1024)
+            row[name] = timed_us(call, reps)
+        results.append(row)
+        print(f"B{B:<5d} w{warps} {slice_kb}KB smem {smem_kb}KB copy {row['copy_us']:.1f} us "
+              f"({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in MODES), flush=True)
+        del pool, src, dst
+    (outdir / f"state_copy_paths_{tag}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
