@@ -246,14 +246,32 @@ def test_choices_reach_every_registered_variant_and_only_those():
     assert fp8 == {(d, cfg) for dt, d, cfg in il.MAX_SCORE_SPECS if dt == FP8_DT}
 
 
+def _split_cost(ctas, nt, slots, s):
+    """Makespan of ``s`` key splits in tile times: waves of ``slots`` CTAs, each ``ceil(nt / s)``
+    tiles plus the ramp."""
+    per = -(-nt // s)
+    return -(-ctas * -(-nt // per) // slots) * (per + il.SPLIT_RAMP_TILES)
+
+
 def test_max_score_launch_geometry():
-    """Key splits cover every output block once; shared memory fits an H200 SM."""
-    for ctas in (0, 1, 7, 64, 256, 527, 528, 4096):
-        for nt in (1, 2, 5, 64, 1000, 1024, 12287):
-            splits, per = il.max_score_splits(ctas, nt, 132)
-            assert splits >= 1 and per >= 1 and splits * per >= nt > (splits - 1) * per
-            assert splits == 1 or ctas * splits <= 2 * 4 * 132 or per <= 4 * 2
+    """Key splits cover every output block once, keep at least 4 blocks per split, and cost no
+    more than any other split count up to the extra waves tried (brute force over every count);
+    shared memory fits an H200 SM."""
+    for slots in (132, 264):
+        for ctas in (0, 1, 7, 32, 64, 128, 140, 256, 527, 528, 4096):
+            for nt in (1, 2, 5, 64, 257, 1000, 1025, 12287):
+                splits, per = il.max_score_splits(ctas, nt, slots)
+                assert splits >= 1 and per >= 1 and splits * per >= nt > (splits - 1) * per
+                assert splits == 1 or per >= 4
+                if ctas == 0:
+                    continue
+                first = -(-ctas // slots)
+                limit = (first + il.SPLIT_EXTRA_WAVES) * slots  # CTAs of the most waves tried
+                others = [_split_cost(ctas, nt, slots, s) for s in range(1, max(1, nt // 4) + 1) if ctas * s <= limit]
+                assert _split_cost(ctas, nt, slots, splits) <= min(others), (slots, ctas, nt, splits)
     assert il.max_score_splits(4096, 64, 132) == (1, 64)      # S8192 Hq64 Hkv8: one CTA per tile
+    assert il.max_score_splits(128, 1025, 132) == (1, 1025)   # 128 tiles of 256 rows: one wave, whole key range
+    assert il.max_score_splits(32, 1025, 132) == (4, 257)     # 32 tiles: four ranges each fill one wave
     assert il.max_score_splits(8, 8192, 132)[0] > 32           # decode: the key range is spread
     for d in il.MAX_SCORE_HEAD_DIMS:
         for cfg in il.MAX_SCORE_CONFIGS:

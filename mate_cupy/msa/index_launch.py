@@ -202,16 +202,33 @@ def max_score_ctas_per_sm(d: int, config: MaxScoreConfig, elem_bytes: int = 2) -
     return 2 if d <= 128 else 1
 
 
-def max_score_splits(ctas: int, nt: int, sm_count: int, min_tiles: int = 4) -> tuple:
-    """``(splits, tiles_per_split)``: spread the ``nt`` output blocks of each (rows, head)
-    tile over several CTAs when ``ctas`` alone cannot fill the GPU (decode-like batches).
-    Block maxima need no merge, so a split only narrows a CTA's block range."""
-    target = 4 * sm_count
-    splits = 1
-    if 0 < ctas < target:
-        splits = max(1, min(-(-target // ctas), nt // min_tiles, 65535))
-    per = -(-nt // splits)
-    return -(-nt // per), per
+SPLIT_RAMP_TILES = 2   # a CTA's start and finish (Q load, pipeline fill and drain), in key tiles
+SPLIT_EXTRA_WAVES = 8  # wave counts tried beyond the fewest
+
+
+def max_score_splits(ctas: int, nt: int, slots: int, min_tiles: int = 4) -> tuple:
+    """``(splits, tiles_per_split)``: cut the ``nt`` output blocks of each of ``ctas`` (rows,
+    head) tiles into key ranges, one CTA each, so that the last CTA is done soonest. With
+    ``slots`` CTAs resident at once, ``s`` splits take ``ceil(ctas s / slots)`` waves of
+    ``ceil(nt / s) + SPLIT_RAMP_TILES`` tile times; for each wave count the largest ``s`` that
+    fits it is the candidate, and the cheapest candidate wins (ties: fewer splits). At least
+    ``min_tiles`` blocks per split. Block maxima need no merge, so a split only narrows a CTA's
+    block range."""
+    if ctas <= 0:
+        return 1, nt
+    s_max = max(1, min(nt // min_tiles, 65535))
+    first = -(-ctas // slots)
+    best = None
+    for waves in range(first, first + SPLIT_EXTRA_WAVES + 1):
+        s = min(s_max, max(1, waves * slots // ctas))
+        per = -(-nt // s)
+        s = -(-nt // per)
+        cost = -(-ctas * s // slots) * (per + SPLIT_RAMP_TILES)
+        if best is None or cost < best[0]:
+            best = (cost, s, per)
+        if s == s_max:
+            break
+    return best[1], best[2]
 
 
 DECODE_MIN_TILES = 8        # blocks per decode CTA at least: two per warp
@@ -336,7 +353,8 @@ def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens:
         grid = (batch * splits, hkv)
     else:
         m_tiles = -(-rows // cfg.rows_per_cta(d, q.dtype.itemsize))
-        splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, sm_count)
+        slots = sm_count * max_score_ctas_per_sm(d, cfg, q.dtype.itemsize)
+        splits, tiles_per_split = max_score_splits(m_tiles * batch * hkv, nt, slots)
         grid = (m_tiles * batch, hkv, splits)
     qs = q.strides
     launch(kernel, grid, (32 * cfg.num_warps,), MAX_SCORE_PARAMS,
