@@ -206,29 +206,36 @@ SPLIT_RAMP_TILES = 2   # a CTA's start and finish (Q load, pipeline fill and dra
 SPLIT_EXTRA_WAVES = 8  # wave counts tried beyond the fewest
 
 
-def max_score_splits(ctas: int, nt: int, slots: int, min_tiles: int = 4) -> tuple:
-    """``(splits, tiles_per_split)``: cut the ``nt`` output blocks of each of ``ctas`` (rows,
-    head) tiles into key ranges, one CTA each, so that the last CTA is done soonest. With
-    ``slots`` CTAs resident at once, ``s`` splits take ``ceil(ctas s / slots)`` waves of
-    ``ceil(nt / s) + SPLIT_RAMP_TILES`` tile times; for each wave count the largest ``s`` that
-    fits it is the candidate, and the cheapest candidate wins (ties: fewer splits). At least
-    ``min_tiles`` blocks per split. Block maxima need no merge, so a split only narrows a CTA's
-    block range."""
-    if ctas <= 0:
-        return 1, nt
-    s_max = max(1, min(nt // min_tiles, 65535))
-    first = -(-ctas // slots)
+def _least_time_splits(ctas: int, nt: int, slots: int, candidates, cap: int, cta_time) -> tuple:
+    """``(splits, tiles_per_split)``: the count among ``candidates`` (those in ``[1, cap]``)
+    whose ``ctas * splits`` CTAs, ``slots`` resident at once, finish soonest: waves x
+    ``cta_time(tiles_per_split)``; each count is first evened out (``ceil(nt / per)`` ranges of
+    ``per`` blocks); ties go to fewer splits."""
     best = None
-    for waves in range(first, first + SPLIT_EXTRA_WAVES + 1):
-        s = min(s_max, max(1, waves * slots // ctas))
+    for s in candidates:
+        if not 1 <= s <= cap:
+            continue
         per = -(-nt // s)
         s = -(-nt // per)
-        cost = -(-ctas * s // slots) * (per + SPLIT_RAMP_TILES)
+        cost = (-(-ctas * s // slots) * cta_time(per), s)
         if best is None or cost < best[0]:
             best = (cost, s, per)
-        if s == s_max:
-            break
     return best[1], best[2]
+
+
+def max_score_splits(ctas: int, nt: int, slots: int, min_tiles: int = 4) -> tuple:
+    """``(splits, tiles_per_split)``: cut the ``nt`` output blocks of each of ``ctas`` (rows,
+    head) tiles into key ranges, one CTA each, so that the last CTA is done soonest
+    (:func:`_least_time_splits`): a CTA takes ``tiles + SPLIT_RAMP_TILES`` tile times, and the
+    candidates are, for the fewest waves and ``SPLIT_EXTRA_WAVES`` more, the largest count that
+    fits that many waves. At least ``min_tiles`` blocks per split. Block maxima need no merge,
+    so a split only narrows a CTA's block range."""
+    if ctas <= 0:
+        return 1, nt
+    cap = max(1, min(nt // min_tiles, 65535))
+    first = -(-ctas // slots)
+    candidates = {min(cap, max(1, w * slots // ctas)) for w in range(first, first + SPLIT_EXTRA_WAVES + 1)}
+    return _least_time_splits(ctas, nt, slots, candidates, cap, lambda per: per + SPLIT_RAMP_TILES)
 
 
 DECODE_MIN_TILES = 8        # blocks per decode CTA at least: two per warp
@@ -245,16 +252,8 @@ def decode_splits(units: int, nt: int, slots: int, min_tiles: int = DECODE_MIN_T
     whole waves (``floor(w slots / units)`` for ``w`` waves), with at least ``min_tiles``
     blocks per CTA; ties go to fewer CTAs."""
     cap = max(1, min(nt // min_tiles, (2 ** 31 - 1) // max(units, 1)))
-    best = None
-    for s in {1, cap} | {w * slots // units for w in range(1, _DECODE_MAX_WAVES + 1)}:
-        if not 1 <= s <= cap:
-            continue
-        per = -(-nt // s)
-        s = -(-nt // per)
-        cost = (-(-units * s // slots) * -(-per // _DECODE_WARPS), s)
-        if best is None or cost < best[0]:
-            best = (cost, s, per)
-    return best[1], best[2]
+    candidates = {1, cap} | {w * slots // units for w in range(1, _DECODE_MAX_WAVES + 1)}
+    return _least_time_splits(units, nt, slots, candidates, cap, lambda per: -(-per // _DECODE_WARPS))
 
 
 def run_max_score(q: Arg, k: Arg, max_score: Arg, *, cu_seqlens_q: Arg, qo_lens: Arg, kv_lens: Arg,
