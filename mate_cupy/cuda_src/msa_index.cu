@@ -1319,8 +1319,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
                 }
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    bm[e] = max(bm[e], __shfl_xor_sync(kFullMask, bm[e], 1));
-                    bm[e] = max(bm[e], __shfl_xor_sync(kFullMask, bm[e], 2));
+                    bm[e] = quad_bits_max(bm[e]);
                     mx[e] = __int_as_float(bm[e]);
                 }
                 done = __all_sync(kFullMask, (bm[0] | bm[1]) >= 0);

@@ -14,6 +14,12 @@ __device__ __forceinline__ int bits_max3(int running, float a, float b) {
     return __vimax3_s32(running, __float_as_int(a), __float_as_int(b));
 }
 
+// The maximum of a bit-pattern value over a row's quad (lanes 4 g .. 4 g + 3).
+__device__ __forceinline__ int quad_bits_max(int x) {
+    x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
 // Start of a running bit-pattern maximum: the pattern of -0, below every float >= +0.
 constexpr int kBitsMaxStart = (int)0x80000000u;
 

@@ -48,9 +48,7 @@ __device__ __forceinline__ float tile_row_max(const float (&S)[NT][4], float m, 
         int chain[2] = {__float_as_int(m), kBitsMaxStart};  // two independent chains (latency)
 #pragma unroll
         for (int n = 0; n < NT; ++n) chain[n & 1] = bits_max3(chain[n & 1], S[n][2 * h], S[n][2 * h + 1]);
-        int bm = max(chain[0], chain[1]);
-        bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
-        bm = max(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+        const int bm = quad_bits_max(max(chain[0], chain[1]));
         if (__all_sync(0xffffffffu, bm >= 0)) return __int_as_float(bm);
     }
 #endif
