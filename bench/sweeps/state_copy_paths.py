@@ -28,9 +28,21 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+CUDA_SRC = Path(__file__).resolve().parents[2] / "mate_cupy" / "cuda_src"
+
 SRC = r"""
-typedef unsigned long long u64;
-__device__ __forceinline__ unsigned su32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+#include "common/bulk_copy.cuh"
+#include "common/attention_wgmma.cuh"
+using namespace mate;
+
+// One bulk store of `bytes` from shared to global memory, waited for until it has read them.
+__device__ __forceinline__ void bulk_store_read(void* gmem, const void* smem, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem_u32(smem)),
+                 "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
 
 // MODE 0: bulk > regs > st.global.cs   1: bulk > regs > st.global   2: bulk > bulk
 // MODE 3: bulk > regs > smem > bulk store per warp   4: ... per CTA   5: ld.global > st.global.cs
@@ -38,7 +50,7 @@ template <int MODE>
 __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, int HV, int splits,
                                                  int slice_elems) {
     extern __shared__ __align__(128) float stage[];
-    __shared__ u64 bar;
+    __shared__ unsigned long long bar;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int split = blockIdx.x % splits, nh = blockIdx.x / splits;
     const int hv = nh % HV, n = nh / HV;
@@ -46,25 +58,13 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
     float* base = pool + ((long long)slots[n] * HV + hv) * head + (long long)split * slice_elems;
     const unsigned bytes = slice_elems * 4;
     if constexpr (MODE != 5) {
-        if (tid == 0) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(su32(&bar)));
-            asm volatile("fence.mbarrier_init.release.cluster;" ::);
-        }
+        if (tid == 0) mbarrier_init_one(&bar);
         __syncthreads();
-        if (tid == 0) {
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(&bar)), "r"(bytes) : "memory");
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         ::"r"(su32(stage)), "l"(base), "r"(bytes), "r"(su32(&bar)) : "memory");
-        }
-        asm volatile("{\n.reg .pred p;\nW_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n@!p bra W_%=;\n}"
-                     ::"r"(su32(&bar)) : "memory");
+        if (tid == 0) bulk_load(stage, base, bytes, &bar);
+        mbarrier_wait(&bar, 0);
     }
     if constexpr (MODE == 2) {
-        if (tid == 0) {
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base), "r"(su32(stage)), "r"(bytes) : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        }
+        if (tid == 0) bulk_store_read(base, stage, bytes);
     } else {
     // lane rows warp * 16 + (lane >> 3) + 4 r (r < 4), 16-byte pieces j * 8 + (lane & 7) (j < 4)
     const int rows = slice_elems / 128, wrows = rows / (blockDim.x >> 5);
@@ -91,27 +91,25 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
     for (int r = 0; r < 4; ++r)
 #pragma unroll
         for (int j = 0; j < 4; ++j) *reinterpret_cast<float4*>(stage + off + r * 4 * 128 + j * 32) = x[r][j];
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    attn::fence_proxy_async_smem();
     if constexpr (MODE == 3) {
         __syncwarp();
-        if (lane == 0) {
-            const int wo = warp * wrows * 128;
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base + wo), "r"(su32(stage + wo)), "r"(wrows * 512) : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        }
+        if (lane == 0) bulk_store_read(base + warp * wrows * 128, stage + warp * wrows * 128, wrows * 512);
     } else {
         __syncthreads();
-        if (tid == 0) {
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(base), "r"(su32(stage)), "r"(bytes) : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        }
+        if (tid == 0) bulk_store_read(base, stage, bytes);
     }
     }
     }
 }
 """
+def module_options() -> tuple:
+    """NVRTC options: the project's kernel headers (``common/bulk_copy.cuh``) and the CUDA headers."""
+    from mate_cupy.jit.compiler import cuda_include_dirs
+
+    return ("-std=c++17", f"-I{CUDA_SRC}", *(f"-I{d}" for d in cuda_include_dirs()))
+
+
 MODES = {"bulk>regs>stcs": 0, "bulk>regs>st": 1, "bulk>bulk": 2, "bulk>regs>smem>bulk": 3,
          "bulk>regs>smem>bulk/cta": 4, "ldg>stcs": 5}
 HV = 32
@@ -137,7 +135,7 @@ def main(argv) -> None:
     outdir = Path(argv[0])
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
-    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=[f"state_rw<{m}>" for m in MODES.values()])
+    mod = cp.RawModule(code=SRC, options=module_options(), name_expressions=[f"state_rw<{m}>" for m in MODES.values()])
     kernels = {name: mod.get_function(f"state_rw<{m}>") for name, m in MODES.items()}
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
