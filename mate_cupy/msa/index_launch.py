@@ -14,6 +14,7 @@ builds them without a GPU) and none other. Design: ``docs/index_kernels.md``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -223,6 +224,7 @@ def _least_time_splits(ctas: int, nt: int, slots: int, candidates, cap: int, cta
     return best[1], best[2]
 
 
+@functools.lru_cache(maxsize=1024)
 def max_score_splits(ctas: int, nt: int, slots: int, min_tiles: int = 4) -> tuple:
     """``(splits, tiles_per_split)``: cut the ``nt`` output blocks of each of ``ctas`` (rows,
     head) tiles into key ranges, one CTA each, so that the last CTA is done soonest
@@ -243,6 +245,7 @@ _DECODE_MAX_WAVES = 16
 _DECODE_WARPS = 4           # kDecWarps
 
 
+@functools.lru_cache(maxsize=1024)
 def decode_splits(units: int, nt: int, slots: int, min_tiles: int = DECODE_MIN_TILES) -> tuple:
     """``(splits, tiles_per_split)`` for the decode kernel: ``units`` (request, KV head)
     pairs, each's ``nt`` blocks cut into ``splits`` equal ranges, one CTA each, ``slots``
