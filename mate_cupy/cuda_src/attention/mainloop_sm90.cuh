@@ -19,8 +19,9 @@
 //     writing its four), and the consumers mask them.
 //     Block-sparse KV: 128 threads; before each item they build the ascending union of the
 //     128-key blocks its queries selected (block_union.cuh; the query membership bits
-//     double-buffered by item), walk it tile by tile with 16-byte cp.async (completed by
-//     cp.async.mbarrier.arrive.noinc) and publish each K tile's first key with the stage;
+//     double-buffered by item), walk it tile by tile (warp 0: a TMA box per column block, or
+//     16-byte cp.async for a block reaching past the request) and publish each K tile's first
+//     key with the stage;
 //     the consumers mask the blocks a row's query did not select.
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each, S = Q K^T with both
 //     operands in shared memory, O += P V with P from registers (attention_wgmma.cuh).
@@ -113,13 +114,18 @@ struct MainloopSm90 {
     static constexpr int kBarBytes = kWarpTotalOffset + 16;
     static_assert(kBarBytes == ws_bar_bytes(kStages, kKv) && kItemBytes == 80 && kBN == 128, "host's layout");
     static constexpr u32 kAllKeysValid = 0x01010101u;  // a flag word of four valid keys
-    // Arrivals that complete a paged K stage: each producer lane's, after writing its flag word
-    // (the stage's bytes complete its transaction count, or its cp.async its arrivals).
-    static constexpr int kFlagArrivals = 32;
-    // Arrivals that complete the Q barrier: the TMA producer warp's lane 0 (with the tile's
-    // bytes, or after its warp's cp.async arrivals); block-sparse, each producer thread's,
-    // after its writes of the item's membership bits.
-    static constexpr int kQArrivals = kSparse ? 128 : 1;
+    // Arrivals that complete a stage's full barrier (every count is met the same way by a tile
+    // loaded by TMA boxes, whose bytes complete the transaction count, and by a tile of cp.async,
+    // each lane's copies arriving once by cp.async.mbarrier.arrive.noinc):
+    //   K and V tiles: 32 lanes' copies + lane 0 after its writes of the stage's metadata; boxes:
+    //     lane 0 arrives for all of them after raising the transaction count;
+    //   paged K: per lane, its copies + its own arrival after writing its key-flag word; boxes:
+    //     each lane arrives twice after its flag word.
+    static constexpr int kTileArrivals = 33, kPagedKArrivals = 64;
+    // The Q barrier (Q tile and item slot): as a K/V tile for the TMA producer warp; block-sparse,
+    // per producer thread its copies + its arrival after its membership writes (boxes: each
+    // thread arrives twice, thread 0 after raising the transaction count).
+    static constexpr int kQArrivals = kSparse ? 256 : 33;
     struct TileMeta {
         int kstart;  // first key of the tile
         u32 word;    // paged: this lane's key flag word; sparse: the rows' membership bits
@@ -139,17 +145,19 @@ struct MainloopSm90 {
     static_assert(sizeof(Item) <= kItemBytes, "item slot");
 
     // The item's Q tile at (q_head, q_tok) as kD / 64 TMA boxes of (64 columns, group heads,
-    // kM / group queries): into L2, or into sQ with the tile's bytes on q_full (an arrival).
+    // kM / group queries): into L2, or into sQ with the tile's bytes on q_full, then
+    // `arrivals` arrivals on it.
     static __device__ __forceinline__ void prefetch_q_boxes(const TensorMap* q_map, int q_head, int q_tok) {
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb) tma_prefetch_3d(q_map, cb * 64, q_head, q_tok);
     }
     static __device__ __forceinline__ void load_q_boxes(const TensorMap* q_map, u32 sQ, int q_head, int q_tok,
-                                                        u32 q_full) {
-        mbar_arrive_expect_tx(q_full, kM * kRowBytes);
+                                                        u32 q_full, u32 arrivals) {
+        mbar_expect_tx(q_full, kM * kRowBytes);
 #pragma unroll
         for (int cb = 0; cb < kD / 64; ++cb)
             tma_load_3d(sQ + cb * QTile::kBlockBytes, q_map, cb * 64, q_head, q_tok, q_full);
+        mbar_arrive_n(q_full, arrivals);
     }
 
     // The producer of dense and paged K/V: one warp (the producer warpgroup's others exit).
@@ -208,7 +216,7 @@ struct MainloopSm90 {
             mbar_wait(q_empty, (q_n & 1) ^ 1);
             if (lane == 0) *slot = it;
             if (q_boxes) {
-                if (lane == 0) load_q_boxes(q_map, sQ, q_head, q_tok, q_full);
+                if (lane == 0) load_q_boxes(q_map, sQ, q_head, q_tok, q_full, kQArrivals);
             } else {
                 for (int r = lane / kChunks; r < kM; r += kLaneRows) {
                     const int P = it.row0 + r;
@@ -219,9 +227,8 @@ struct MainloopSm90 {
                                         (long long)(q_head + h) * q_head_stride + c * 8,
                                     ok);
                 }
-                cp_async_mbar_arrive_inc(q_full);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(q_full);
+                cp_async_mbar_arrive_noinc(q_full);
+                if (lane == 0) mbar_arrive(q_full);  // after the slot write
             }
             ++q_n;
             const Elem* kb = k + (long long)it.kvh * k_head_stride;
@@ -250,20 +257,21 @@ struct MainloopSm90 {
                                             it.kvh, key0 & slot_mask, pid, full);
                         }
                         if (flags != nullptr) {
-                            // (each lane arrives after writing its flags: kFlagArrivals)
+                            // (each lane arrives twice after writing its flags: kPagedKArrivals)
                             const int owner = __shfl_sync(0xffffffffu, pid, (4 * lane) >> box_log2);
                             reinterpret_cast<u32*>(flags)[lane] = owner >= 0 ? kAllKeysValid : 0u;
-                            mbar_arrive(full);
+                            mbar_arrive_n(full, 2);
                         } else {
                             __syncwarp();
-                            if (lane == 0) mbar_arrive(full);
+                            if (lane == 0) mbar_arrive_n(full, kTileArrivals);
                         }
                     } else if (lane == 0) {
-                        mbar_arrive_expect_tx(full, kTileBytes);
+                        mbar_expect_tx(full, kTileBytes);
 #pragma unroll
                         for (int cb = 0; cb < kD / 64; ++cb)
                             tma_load_3d(dst + cb * KvTile::kBlockBytes, map, cb * 64, it.kvh,
                                         (int)(it.k_row0 + kstart), full);
+                        mbar_arrive_n(full, kTileArrivals);
                     }
                     return;
                 }
@@ -280,7 +288,7 @@ struct MainloopSm90 {
                     const Elem* src = row(kstart + r);
                     cp_async_16_u32(dst + KvTile::offset(r, c), (src != nullptr ? src : base) + c * 8, src != nullptr);
                 }
-                cp_async_mbar_arrive_inc(full);
+                cp_async_mbar_arrive_noinc(full);
                 if (flags != nullptr) {
                     u32 word = 0;
 #pragma unroll
@@ -290,9 +298,8 @@ struct MainloopSm90 {
                     }
                     reinterpret_cast<u32*>(flags)[lane] = word;
                     mbar_arrive(full);
-                } else {
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(full);
+                } else if (lane == 0) {
+                    mbar_arrive(full);
                 }
             };
             // K of tile n, then V of tile n - 1 (the order the consumers read them in). Paged:
@@ -321,7 +328,7 @@ struct MainloopSm90 {
         mbar_wait(q_empty, (q_n & 1) ^ 1);
         if (lane == 0) {
             slot->n_count = -1;
-            mbar_arrive(q_full);
+            mbar_arrive_n(q_full, kQArrivals);
         }
         cp_async_wait_all();  // nothing in flight when the warp exits
     }
@@ -359,15 +366,14 @@ struct MainloopSm90 {
         };
 
         // Barriers: full K [s], full V [s], empty K [s], empty V [s], Q full, Q empty. Q full
-        // also publishes the item slot: 128 cp.async arrivals and thread 0's arrival after
-        // writing the slot.
+        // also publishes the item slot (its writer arrives after writing it).
         const u32 full_k = bars, full_v = bars + 8 * kStages, empty_k = bars + 16 * kStages,
                   empty_v = bars + 24 * kStages, q_full = bars + 32 * kStages, q_empty = q_full + 8;
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < kStages; ++s) {
-                mbar_init(full_k + 8 * s, kPaged ? kFlagArrivals : 1);
-                mbar_init(full_v + 8 * s, 1);
+                mbar_init(full_k + 8 * s, kPaged ? kPagedKArrivals : kTileArrivals);
+                mbar_init(full_v + 8 * s, kTileArrivals);
                 mbar_init(empty_k + 8 * s, kPaged ? 256 : 8);
                 mbar_init(empty_v + 8 * s, 8);
             }
@@ -433,14 +439,14 @@ struct MainloopSm90 {
                 // Q: the item's 128 packed rows, once the consumers' last Q K^T of the previous
                 // item has completed; the item's geometry with it. Boxes as the dense tile's where
                 // the group divides kM, else the warpgroup's cp.async rows (zero past the
-                // request). Every thread arrives (kQArrivals), after its membership writes.
+                // request). Every thread arrives after its membership writes (kQArrivals).
                 mbar_wait(q_empty, (q_n & 1) ^ 1);
                 if (q_boxes) {
                     if (tid == 0) {
                         *slot = it;
-                        load_q_boxes(q_map, sQ, q_head, q_tok, q_full);
+                        load_q_boxes(q_map, sQ, q_head, q_tok, q_full, 2);
                     } else {
-                        mbar_arrive(q_full);
+                        mbar_arrive_n(q_full, 2);
                     }
                 } else {
                     if (tid == 0) *slot = it;
@@ -450,7 +456,7 @@ struct MainloopSm90 {
                         const bool ok = P < it.rows_total;
                         cp_async_16_u32(q_off + j * kStep * 128, ok ? q_row(P) + c * 8 : q, ok);
                     }
-                    cp_async_mbar_arrive_inc(q_full);
+                    cp_async_mbar_arrive_noinc(q_full);
                     mbar_arrive(q_full);
                 }
                 ++q_n;
@@ -470,10 +476,11 @@ struct MainloopSm90 {
                         if (kstart + kBN <= it.Lk) {
                             if (lane == 0) {
                                 if (meta != nullptr) *reinterpret_cast<int*>(meta) = kstart;
-                                mbar_arrive_expect_tx(full, kTileBytes);
+                                mbar_expect_tx(full, kTileBytes);
 #pragma unroll
                                 for (int cb = 0; cb < kD / 64; ++cb)
                                     tma_load_4d(dst + cb * KvTile::kBlockBytes, map, cb * 64, it.kvh, 0, page, full);
+                                mbar_arrive_n(full, kTileArrivals);
                             }
                             return;
                         }
@@ -483,8 +490,7 @@ struct MainloopSm90 {
                             const bool ok = kstart + r < it.Lk;
                             cp_async_16_u32(dst + KvTile::offset(r, cl), (ok ? p + r * stride : p) + cl * 8, ok);
                         }
-                        cp_async_mbar_arrive_inc(full);
-                        __syncwarp();
+                        cp_async_mbar_arrive_noinc(full);
                         if (lane == 0) {
                             if (meta != nullptr) *reinterpret_cast<int*>(meta) = kstart;
                             mbar_arrive(full);
@@ -511,7 +517,7 @@ struct MainloopSm90 {
             // No more items.
             mbar_wait(q_empty, (q_n & 1) ^ 1);
             if (tid == 0) slot->n_count = -1;
-            mbar_arrive(q_full);
+            mbar_arrive_n(q_full, 2);
             cp_async_wait_all();  // nothing in flight when the warpgroup exits
             return;
         }

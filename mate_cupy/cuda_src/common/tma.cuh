@@ -49,12 +49,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-// Raise the pending arrivals of the mbarrier at bar by one now and arrive once every
-// cp.async this thread issued so far has landed (a net-zero arrival: a barrier initialised
-// for one arrival takes any number of these before its own).
-__device__ __forceinline__ void cp_async_mbar_arrive_inc(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 #endif
 
 }  // namespace mate

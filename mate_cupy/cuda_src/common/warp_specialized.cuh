@@ -24,6 +24,10 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrive `count` times at once (release, as mbar_arrive; the count operand needs sm_90).
+__device__ __forceinline__ void mbar_arrive_n(u32 bar, u32 count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
 // Arrive on `bar` once every cp.async this thread issued so far has landed (the arrival
 // is one of the barrier's expected count: no pending-count increment).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
