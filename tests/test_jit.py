@@ -117,6 +117,23 @@ def test_hopper_only_variants_build_for_sm90a_alone():
             assert s.builds_for("sm_80") == (s.min_sm <= 80)
 
 
+def test_kernels_use_only_counted_cp_async_arrivals():
+    """Every mbarrier expects exactly the arrivals it gets: the incrementing
+    ``cp.async.mbarrier.arrive`` (legal PTX: it raises the pending count, then arrives) is
+    reported by compute-sanitizer synccheck as a barrier overflow and aborts the kernel, so the
+    kernels' inline PTX uses the ``.noinc`` form (tests/sanitizer_probes.py shows both)."""
+    import re
+    from pathlib import Path
+
+    asm = re.compile(r"cp\.async\.mbarrier\.arrive(\.shared|\.b64|\s*\[)")  # the instruction, not .noinc
+    root = Path(sources.SRC_DIR)
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh"))
+    assert len(files) > 10
+    hits = [f"{p.relative_to(root)}:{i}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if asm.search(line)]
+    assert hits == []
+
+
 @pytest.mark.parametrize("text,arch", [("sm_100", "sm_100"), ("sm_90a", "sm_90a"), ("90", "sm_90a"),
                                        ("9.0", "sm_90a"), ("10.0", "sm_100"), ("sm_120", "sm_120"),
                                        ("12.0", "sm_120"), ("sm_80", "sm_80"), ("SM_86", "sm_86")])
