@@ -1,5 +1,6 @@
-// Host driver: runs one launch of a cuda_src/msa_index.cu kernel in the CPU emulator,
-// exactly as the Python launcher recorded it.
+// Host driver: runs one launch of a kernel of cuda_src/ in the CPU emulator, exactly as the
+// Python launcher recorded it: msa_index.cu by default, another family's source through
+// -DEMU_HEADER="<its emulator extras>" -DEMU_SOURCE="<its prepared source>" (tests/gather_emu).
 //
 // Usage: driver DIR. DIR/launch.txt:
 //   line 1: kernel name (as registered, e.g. "msa_topk_stream_kernel<16, 4>")
@@ -7,8 +8,14 @@
 //   then one line per kernel argument: "A <index> <byte offset>" (array DIR/a<index>.bin),
 //   "P0" (null pointer), "I <integer>" or "F <float>".
 // Arrays are loaded 256-byte aligned (once per index) and written back to DIR/a<index>.out.
-#include "emu_index.h"
-#include "msa_index_emu.inc"
+#ifndef EMU_HEADER
+#define EMU_HEADER "emu_index.h"
+#endif
+#ifndef EMU_SOURCE
+#define EMU_SOURCE "msa_index_emu.inc"
+#endif
+#include EMU_HEADER
+#include EMU_SOURCE
 
 #include <fstream>
 #include <functional>

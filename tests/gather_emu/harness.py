@@ -1,0 +1,161 @@
+"""Run the per-token gather tile's launcher (``mate_cupy.msa.gather_launch.run_gather``) against
+the CPU emulator.
+
+``build(tmp_dir, dtype_code)`` compiles ``tests/index_emu/driver.cpp`` around
+``cuda_src/attention_gather.cu`` for one element type (``GATHER_DTYPE``: 0 fp16, 1 bf16).
+:func:`run_gather` then calls the launcher on host arrays: its launches and its counter memset
+are recorded (``launch``, ``get_kernel`` and CuPy's ``memsetAsync`` swapped for stand-ins), the
+memset is applied to the host workspace and each launch runs in the emulator in order, every
+pointer argument resolved to the host array (or workspace) that holds its address.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from mate_cupy.msa import gather_launch as gl
+
+HERE = Path(__file__).resolve().parent
+EMU = HERE.parent / "cuda_emu"
+INDEX_EMU = HERE.parent / "index_emu"
+CUDA_SRC = Path(gl.__file__).resolve().parent.parent / "cuda_src"
+
+
+def _header(name: str, drop=()) -> str:
+    """common/<name> without its pragma, its includes and the device functions named in ``drop``."""
+    src = (CUDA_SRC / "common" / name).read_text().replace("#pragma once", "")
+    src = re.sub(r'#include "[^"]+"\n', "", src)
+    for fn in drop:
+        m = re.search(r"__device__ __forceinline__ \w+ " + fn + r"\(", src)
+        assert m, fn
+        i = src.index("{", m.end())
+        depth = 0
+        for j in range(i, len(src)):
+            depth += {"{": 1, "}": -1}.get(src[j], 0)
+            if depth == 0:
+                src = src[: m.start()] + src[j + 1:]
+                break
+    return src
+
+
+def emulator_source() -> str:
+    """attention_gather.cu with its plain headers pasted in; the GPU headers, inline PTX and
+    ``fast_exp2`` supplied by the emulator."""
+    src = (CUDA_SRC / gl.SOURCE).read_text()
+    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/attention_wgmma.cuh"'):
+        assert inc in src, inc
+        src = src.replace(inc, "")
+    pasted = {"softmax.cuh": _header("float_max.cuh") + _header("softmax.cuh", drop=("fast_exp2",)),
+              "kv_pages.cuh": _header("kv_pages.cuh"), "request_rows.cuh": _header("request_rows.cuh")}
+    for name, text in pasted.items():
+        inc = f'#include "common/{name}"'
+        assert inc in src, inc
+        src = src.replace(inc, text)
+    bar = 'asm volatile("bar.sync %0, 128;\\n" ::"r"(1 + wg) : "memory");'
+    assert src.count(bar) == 2, "the warpgroup barriers of the attention kernel"
+    src = src.replace(bar, "named_sync(1 + wg, 128);")
+    decl = "extern __shared__ __align__(1024) unsigned char smem_raw[];"
+    assert src.count(decl) == 1
+    return src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();")
+
+
+def build(tmp_dir: Path, dtype_code: int, sanitize: bool | None = None) -> Path:
+    """Compile the emulator for ``GATHER_DTYPE = dtype_code``; returns the executable."""
+    from mate_cupy.jit.compiler import cuda_include_dirs
+
+    if shutil.which("g++") is None or not cuda_include_dirs():
+        raise RuntimeError("needs g++ and the CUDA fp16/bf16 headers")
+    if sanitize is None:
+        sanitize = bool(os.environ.get("MATE_CUPY_EMU_SANITIZE"))
+    tmp_dir = Path(tmp_dir)
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    (tmp_dir / "gather_emu.inc").write_text(emulator_source())
+    (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in gl.KERNELS))
+    # (the kernels reinterpret registers through pointer casts, as CUDA C++ allows: no strict aliasing)
+    flags = ["-O1", "-g", "-fsanitize=address,undefined"] if sanitize else ["-O2"]
+    flags.append("-fno-strict-aliasing")
+    exe = tmp_dir / f"gather_driver_{dtype_code}"
+    cmd = ["g++", "-std=c++20", *flags, "-w", f"-DGATHER_DTYPE={int(dtype_code)}", f"-DGATHER_CAP={gl.CAP}",
+           '-DEMU_HEADER="emu_gather.h"', '-DEMU_SOURCE="gather_emu.inc"', f"-I{HERE}", f"-I{INDEX_EMU}",
+           f"-I{EMU}", f"-I{tmp_dir}", *(f"-I{i}" for i in cuda_include_dirs()), str(INDEX_EMU / "driver.cpp"),
+           "-o", str(exe), "-lpthread"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-6000:])
+    return exe
+
+
+class HostArg:
+    """A host array as the launcher reads an argument: ``ptr`` (its address) and ``shape``."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+        self.ptr = a.__array_interface__["data"][0]
+        self.shape = a.shape
+
+
+def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, **kwargs) -> int:
+    """``gl.run_gather(**arrays as HostArgs, **kwargs)`` with its launches run in the emulator;
+    ``arrays`` (C-contiguous, None allowed) and ``workspace`` (uint8) are updated in place.
+    Returns the number of launches."""
+    import cupy.cuda.runtime as rt
+
+    buffers = [a for a in arrays.values() if a is not None] + [workspace]
+    assert all(a.flags.c_contiguous for a in buffers)
+    spans = [(a.__array_interface__["data"][0], a.nbytes, i) for i, a in enumerate(buffers)]
+    recorded = []
+
+    def where(ptr: int):
+        for base, size, i in spans:
+            if base <= ptr < base + max(size, 1):
+                return i, ptr - base
+        raise ValueError(f"pointer {ptr:#x} outside every host array")
+
+    def memset(ptr, value, size, stream):
+        i, off = where(ptr)
+        buffers[i].view(np.uint8).reshape(-1)[off:off + size] = value
+
+    saved = gl.launch, gl.get_kernel, rt.memsetAsync
+    gl.launch = lambda kern, grid, block, params, values, shared_mem=0, stream=0: recorded.append(
+        (kern, tuple(grid), tuple(block), params, tuple(values), int(shared_mem)))
+    gl.get_kernel = lambda spec, name: name
+    rt.memsetAsync = memset
+    try:
+        gl.run_gather(**{k: (None if a is None else HostArg(a)) for k, a in arrays.items()},
+                      workspace_ptr=workspace.__array_interface__["data"][0], workspace_nbytes=workspace.nbytes,
+                      stream=0, **kwargs)
+    finally:
+        gl.launch, gl.get_kernel, rt.memsetAsync = saved
+    for n, (name, grid, block, params, values, smem) in enumerate(recorded):
+        d = Path(work) / f"launch{n}"
+        d.mkdir(parents=True, exist_ok=True)
+        grid = grid + (1,) * (3 - len(grid))
+        lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {block[0]} {smem} 0"]
+        used = {}
+        for kind, v in zip(params.kinds, values):
+            if kind == "ptr":
+                if not v:
+                    lines.append("P0")
+                    continue
+                i, off = where(int(v))
+                used[i] = buffers[i]
+                lines.append(f"A {i} {off}")
+            elif kind == "f32":
+                lines.append(f"F {float(v)!r}")
+            else:
+                lines.append(f"I {int(v)}")
+        for i, a in used.items():
+            a.tofile(d / f"a{i}.bin")
+        (d / "launch.txt").write_text("\n".join(lines) + "\n")
+        r = subprocess.run([str(exe), str(d)], capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            raise RuntimeError(f"emulated {name} failed ({r.returncode}): {r.stderr[-4000:]}")
+        for i, a in used.items():
+            a[...] = np.fromfile(d / f"a{i}.out", dtype=a.dtype).reshape(a.shape)
+        shutil.rmtree(d, ignore_errors=True)
+    return len(recorded)
