@@ -127,3 +127,17 @@ def test_gather_tile_emulated_row_windows_csr_two_heads(emu, rng, monkeypatch):
     out, lse, launches = _run(emu, p, sel, with_lse=False, csr=True, rows=48, monkeypatch=monkeypatch)
     assert launches == 5 * math.ceil(p.total_q / 48)
     _check(p, sel, out, None, True, "row windows")
+
+
+@pytest.mark.slow
+def test_gather_tile_emulated_row_windows_are_bitwise_equal(emu, rng, monkeypatch):
+    """Every row-window size gives bitwise the output of one window (docs/gather.md)."""
+    p = make_problem(rng, [50, 30], [260, 500], 16, 1, 128, page_size=128)
+    sel = random_selection(rng, p, 5)
+    one = _run(emu, p, sel)
+    for rows in (32, 56):
+        out, lse, launches = _run(emu, p, sel, rows=rows, monkeypatch=monkeypatch)
+        assert launches == 5 * math.ceil(p.total_q / rows)
+        assert np.array_equal(out.view(np.uint16), one[0].view(np.uint16)), f"rows {rows}: out"
+        assert np.array_equal(lse.view(np.uint32), one[1].view(np.uint32)), f"rows {rows}: lse"
+    _check(p, sel, one[0], one[1], True, "one window")
