@@ -5,7 +5,8 @@ real launcher (``gather_launch.run_gather``), against the float64 reference.
 Small requests (lengths off the block, a one-token request, a request without queries),
 repeated and out-of-range block ids, causal and not, page tables and CSR page lists, several
 row windows (the window forced small), a workspace of garbage and an output poisoned with NaN.
-The attention kernel's three warpgroups and its work counter run as real threads. Set
+The attention kernel's three warpgroups and its work counter run as real threads, with cp.async
+copies landing at issue or at the retiring wait. Set
 MATE_CUPY_EMU_SANITIZE=1 to build the emulator with ASan/UBSan.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def emu(tmp_path_factory):
     return get
 
 
-def _run(emu, p, sel, *, causal=True, with_lse=True, csr=False, rows=None, monkeypatch=None):
+def _run(emu, p, sel, *, causal=True, with_lse=True, csr=False, rows=None, monkeypatch=None, lazy=False):
     harness, exe, work = emu(p.q.dtype)
     total_q, hq, d = p.q.shape
     hkv, width, batch = p.hkv, sel.shape[2], len(p.qo)
@@ -74,7 +75,7 @@ def _run(emu, p, sel, *, causal=True, with_lse=True, csr=False, rows=None, monke
             q_strides=(hq * d, d), k_strides=(128 * hkv * d, hkv * d, d), v_strides=(128 * hkv * d, hkv * d, d),
             out_strides=(hq * d, d), kv_extent=p.k_cache.shape[0], num_heads_kv=hkv, batch=batch,
             max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal, scale_log2=d ** -0.5 * math.log2(math.e),
-            dtype_code=0 if p.q.dtype == F16 else 1, num_sms=2)
+            dtype_code=0 if p.q.dtype == F16 else 1, num_sms=2, lazy_cp_async=lazy)
     finally:
         if rows is not None:
             monkeypatch.undo()
@@ -106,15 +107,16 @@ def _check(p, sel, out, lse, causal, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype,lazy", [(BF16, False), (F16, False), (BF16, True)], ids=["bf16", "fp16", "bf16-lazy"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gather_tile_emulated(emu, rng, dtype, causal):
+def test_gather_tile_emulated(emu, rng, dtype, lazy, causal):
+    """(lazy: cp.async copies land at the wait that retires their group, exposing a missing wait.)"""
     p = make_problem(rng, [37, 1, 0, 70], [300, 129, 5, 600], 16, 1, 128, dtype=dtype, page_size=128)
     sel = random_selection(rng, p, 4)
     sel[::5, :, -1] = sel[::5, :, 0]  # a repeated id: attended once
     sel[3::7, :, 1] = 57               # past the request
     sel[4::9, :, 2] = -3
-    out, lse, launches = _run(emu, p, sel, causal=causal)
+    out, lse, launches = _run(emu, p, sel, causal=causal, lazy=lazy)
     assert launches == 5  # one row window
     _check(p, sel, out, lse, causal, f"{np.dtype(dtype).name} causal={causal}")
 

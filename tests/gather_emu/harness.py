@@ -99,10 +99,12 @@ class HostArg:
         self.shape = a.shape
 
 
-def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, **kwargs) -> int:
+def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, lazy_cp_async: bool = False,
+               **kwargs) -> int:
     """``gl.run_gather(**arrays as HostArgs, **kwargs)`` with its launches run in the emulator;
     ``arrays`` (C-contiguous, None allowed) and ``workspace`` (uint8) are updated in place.
-    Returns the number of launches."""
+    ``lazy_cp_async``: cp.async copies land at the wait that retires their group instead of at
+    issue. Returns the number of launches."""
     import cupy.cuda.runtime as rt
 
     buffers = [a for a in arrays.values() if a is not None] + [workspace]
@@ -135,7 +137,7 @@ def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, **kwa
         d = Path(work) / f"launch{n}"
         d.mkdir(parents=True, exist_ok=True)
         grid = grid + (1,) * (3 - len(grid))
-        lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {block[0]} {smem} 0"]
+        lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {block[0]} {smem} {int(lazy_cp_async)}"]
         used = {}
         for kind, v in zip(params.kinds, values):
             if kind == "ptr":
