@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index_emu.harness import drop_function, wrap
 from mate_cupy.msa import gather_launch as gl
 
 HERE = Path(__file__).resolve().parent
@@ -31,15 +32,7 @@ def _header(name: str, drop=()) -> str:
     src = (CUDA_SRC / "common" / name).read_text().replace("#pragma once", "")
     src = re.sub(r'#include "[^"]+"\n', "", src)
     for fn in drop:
-        m = re.search(r"__device__ __forceinline__ \w+ " + fn + r"\(", src)
-        assert m, fn
-        i = src.index("{", m.end())
-        depth = 0
-        for j in range(i, len(src)):
-            depth += {"{": 1, "}": -1}.get(src[j], 0)
-            if depth == 0:
-                src = src[: m.start()] + src[j + 1:]
-                break
+        src = drop_function(src, fn)
     return src
 
 
@@ -90,18 +83,9 @@ def build(tmp_dir: Path, dtype_code: int, sanitize: bool | None = None) -> Path:
     return exe
 
 
-class HostArg:
-    """A host array as the launcher reads an argument: ``ptr`` (its address) and ``shape``."""
-
-    def __init__(self, a: np.ndarray):
-        self.a = a
-        self.ptr = a.__array_interface__["data"][0]
-        self.shape = a.shape
-
-
 def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, lazy_cp_async: bool = False,
                **kwargs) -> int:
-    """``gl.run_gather(**arrays as HostArgs, **kwargs)`` with its launches run in the emulator;
+    """``gl.run_gather(**arrays wrapped, **kwargs)`` with its launches run in the emulator;
     ``arrays`` (C-contiguous, None allowed) and ``workspace`` (uint8) are updated in place.
     ``lazy_cp_async``: cp.async copies land at the wait that retires their group instead of at
     issue. Returns the number of launches."""
@@ -128,7 +112,7 @@ def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, la
     gl.get_kernel = lambda spec, name: name
     rt.memsetAsync = memset
     try:
-        gl.run_gather(**{k: (None if a is None else HostArg(a)) for k, a in arrays.items()},
+        gl.run_gather(**{k: wrap(a, k) for k, a in arrays.items()},
                       workspace_ptr=workspace.__array_interface__["data"][0], workspace_nbytes=workspace.nbytes,
                       stream=0, **kwargs)
     finally:

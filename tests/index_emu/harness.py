@@ -26,9 +26,9 @@ CUDA_SRC = Path(il.__file__).resolve().parent.parent / "cuda_src"
 EMULATED_FUNCTIONS = ("cp_async_16_at", "cp_async_16_l2_at", "ldmatrix_x4_at", "e4m3x4_to_f16x2")
 
 
-def _drop_function(src: str, name: str) -> str:
+def drop_function(src: str, name: str) -> str:
     """``src`` without the definition of the device function ``name`` (signature to matching brace)."""
-    m = re.search(r"__device__ __forceinline__ void " + name + r"\(", src)
+    m = re.search(r"__device__ __forceinline__ \w+ " + name + r"\(", src)
     assert m, name
     i = src.index("{", m.end())
     depth = 0
@@ -54,7 +54,7 @@ def emulator_source() -> str:
     assert '#include "common/float_max.cuh"' in src
     src = src.replace('#include "common/float_max.cuh"', float_max)
     for name in EMULATED_FUNCTIONS:
-        src = _drop_function(src, name)
+        src = drop_function(src, name)
     decl = "extern __shared__ __align__(128) unsigned char smem_raw[];"
     assert src.count(decl) >= 1
     return src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();")
