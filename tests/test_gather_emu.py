@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from helpers import assert_rel
+from helpers import assert_rel, poison_like
 from msa_cases import BF16, make_problem, random_selection
 from mate_cupy.msa import gather_launch as gl
 from mate_cupy.reference import msa as R
@@ -55,8 +55,8 @@ def _run(emu, p, sel, *, causal=True, with_lse=True, csr=False, rows=None, monke
     if rows is not None:  # row windows of `rows` rows (gather_bounds' default: window_rows)
         monkeypatch.setattr(gl, "window_rows", lambda h, w, budget=gl.PARTIAL_BUDGET: rows)
         gl.gather_bounds.cache_clear()
-    out = np.full(p.q.shape, np.nan, dtype=p.q.dtype)
-    lse = np.full((total_q, hq), np.nan, dtype=np.float32) if with_lse else None
+    out = poison_like(np, p.q.shape, p.q.dtype)
+    lse = poison_like(np, (total_q, hq), np.float32) if with_lse else None
     if csr:
         counts = np.array([(p.page_table[b] >= 0).sum() for b in range(batch)])
         page_list, indptr = p.kv_indices.copy(), np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
