@@ -41,10 +41,6 @@ __device__ __forceinline__ void tma_prefetch_3d(const TensorMap* map, int c0, in
                  "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
-// Arrive on the mbarrier at bar and raise its phase's transaction count by `bytes`.
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 // Raise the transaction count of the mbarrier's current phase by `bytes` (no arrival).
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
