@@ -263,12 +263,10 @@ def install_stub_device(patch=setattr) -> StubLaunches:
             return StubKernel(name, ptr)
 
     patch(compiler, "get_module", lambda spec, device_id: _Module())
-    patch(compiler, "_get_device", (0).__int__)
     patch(compiler, "_kernels", {})
     patch(device, "_INFO", {**device._INFO, 0: (STUB_SM_COUNT, STUB_CC)})
     patch(device, "_libcuda", False)
     patch(interop, "_GET_DEVICE", [(0).__int__])
-    patch(execute, "_GET_DEVICE", [(0).__int__])
     patch(interop, "_TORCH_RAW_STREAM", [lambda dev: STUB_STREAM])
     interop._torch_dtype_map()
     patch(interop, "_TORCH_TYPES", interop._TORCH_TYPES | {FakeCudaTensor, torch.Tensor})

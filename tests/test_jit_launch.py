@@ -57,3 +57,59 @@ def test_fill_takes_ptr_objects_and_refuses_a_wrong_count():
     assert struct.unpack_from("<QQi", ctypes.string_at(ctypes.addressof(data), 20)) == (16, 24, -1)
     with pytest.raises(TypeError, match=r"takes 3 parameters"):
         p.fill((1, 2))
+
+
+def test_get_kernel_loads_and_opts_in_on_the_requested_device(monkeypatch):
+    """A kernel asked for on device 1 while device 0 is current is loaded, and its shared
+    memory opted into, with device 1 current (CuPy resolves a function on the current device)."""
+    import cupy
+
+    from mate_cupy.jit import compiler
+    from mate_cupy.jit.registry import registered
+    from mate_cupy.runtime import interop
+
+    current = [0]
+    events = []
+
+    class FakeDevice:
+        def __init__(self, dev):
+            self.dev = dev
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.dev
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    class FakeFunction:
+        ptr = 0x1000
+
+    class FakeRaw:
+        @property
+        def kernel(self):
+            events.append(("load", current[0]))
+            return FakeFunction()
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return 0
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, n):
+            events.append(("smem", current[0], n))
+
+    class FakeModule:
+        def get_function(self, name):
+            return FakeRaw()
+
+    monkeypatch.setattr(interop, "_GET_DEVICE", [lambda: current[0]])
+    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    monkeypatch.setattr(compiler, "get_module", lambda spec, device_id: FakeModule())
+    monkeypatch.setattr(compiler, "_kernels", {})
+    spec = registered()[0]
+    k = compiler.get_kernel(spec, None, 1)
+    k.reserve_shared_memory(100 * 1024)
+    assert events == [("load", 1), ("smem", 1, 100 * 1024)]
+    assert current[0] == 0 and k.device == 1
+    assert compiler.get_kernel(spec, None, 1) is k and compiler.get_kernel(spec, None, 0) is not k
+    assert events[-1] == ("load", 0)

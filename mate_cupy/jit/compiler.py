@@ -9,12 +9,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from functools import lru_cache
 from pathlib import Path
 
+from ..runtime.interop import current_device
 from .registry import SM90A, KernelSpec, arch_capability, registered
 from .sources import source_text
 
@@ -218,52 +220,51 @@ def get_module(spec: KernelSpec, device_id=None):
 class Kernel:
     """One loaded kernel function on one device: CuPy's ``RawKernel`` and its ``CUfunction``."""
 
-    __slots__ = ("raw", "ptr", "name", "_smem")
+    __slots__ = ("raw", "ptr", "name", "device", "_smem")
 
-    def __init__(self, raw, name: str):
-        self.raw, self.name = raw, name
-        self.ptr = int(raw.kernel.ptr)  # loads the function now, not at its first launch
+    def __init__(self, raw, name: str, device: int):
+        self.raw, self.name, self.device = raw, name, device
+        self.ptr = int(raw.kernel.ptr)  # loads the function now (on the current device), not at its first launch
         self._smem = 48 * 1024
 
     def reserve_shared_memory(self, nbytes: int) -> None:
         """Opt into ``nbytes`` of dynamic shared memory (above the 48 KiB default)."""
         if nbytes > self._smem:
-            self.raw.max_dynamic_shared_size_bytes = int(nbytes)
+            with _device_scope(self.device):  # CuPy sets the attribute of the current device's function
+                self.raw.max_dynamic_shared_size_bytes = int(nbytes)
             self._smem = int(nbytes)
 
 
-_get_device = None
+def _device_scope(device: int):
+    """Context: ``device`` current (no-op when it is)."""
+    if current_device() == device:
+        return contextlib.nullcontext()
+    import cupy
 
-
-def _current_device() -> int:
-    global _get_device
-    if _get_device is None:
-        from cupy.cuda import runtime
-
-        _get_device = runtime.getDevice
-    return _get_device()
+    return cupy.cuda.Device(device)
 
 
 def get_kernel(spec: KernelSpec, kernel: str | None = None, device_id=None) -> Kernel:
-    """The loaded :class:`Kernel` ``kernel`` (default: the spec's first) on the current device.
+    """The loaded :class:`Kernel` ``kernel`` (default: the spec's first) on ``device_id``
+    (default: the current device).
 
-    Compiles and loads the variant's module on first use (once per process and device).
-    Loading runs in CUDA's relaxed capture mode, so a first use inside a stream capture
-    (``torch.cuda.graph``) loads the module instead of invalidating the capture.
+    Compiles and loads the variant's module on first use (once per process and device),
+    with ``device_id`` current while it loads. Loading runs in CUDA's relaxed capture mode,
+    so a first use inside a stream capture (``torch.cuda.graph``) loads the module instead
+    of invalidating the capture.
     """
     kernel = spec.kernels[0] if kernel is None else kernel
     if device_id is None:
-        device_id = _current_device()
+        device_id = current_device()
     k = _kernels.get((spec, kernel, device_id))
     if k is None:
         from ..runtime.device import capture_tolerant
 
-        key = (spec, kernel, device_id)
         if kernel not in spec.kernels:
             raise KeyError(f"{kernel} is not exported by {spec.name}")
-        with capture_tolerant():
-            k = Kernel(get_module(spec, device_id).get_function(kernel), kernel)
-        _kernels[key] = k
+        with _device_scope(device_id), capture_tolerant():
+            k = Kernel(get_module(spec, device_id).get_function(kernel), kernel, device_id)
+        _kernels[(spec, kernel, device_id)] = k
     return k
 
 
@@ -320,7 +321,6 @@ def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bo
             "cubin_bytes": len(cubin), "log": log}
 
 
-arch_sm = arch_capability  # 'sm_90a' -> 90 (older name)
 
 
 def _compile_one(args):

@@ -984,18 +984,6 @@ def prepare_call(prob: MsaProblem, ops: _Operands, md) -> Optional[PreparedCall]
                         plan.workspace if ws_ptr else None, launches)
 
 
-_GET_DEVICE = []
-
-
-def _current_device():
-    """CuPy's runtime ``getDevice`` (bound on first use: importing mate_cupy does not import CuPy)."""
-    if not _GET_DEVICE:
-        from cupy.cuda import runtime
-
-        _GET_DEVICE.append(runtime.getDevice)
-    return _GET_DEVICE[0]
-
-
 def _workspace_ptr(prob: MsaProblem, ops: _Operands) -> int:
     """Address of the attention passes' workspace (0 when they need none)."""
     launches = ops.configs
@@ -1039,7 +1027,7 @@ def _run_cuda(prob: MsaProblem, ops: _Operands) -> None:
     call = ops.call
     stream, device = call.stream_ptr, call.device
     ws_ptr = _workspace_ptr(prob, ops) if prob.output_o else 0
-    switch = (_GET_DEVICE[0] if _GET_DEVICE else _current_device())() != device
+    switch = current_device() != device
     if switch:
         scope = call.device_scope()
         scope.__enter__()

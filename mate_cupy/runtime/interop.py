@@ -362,10 +362,6 @@ def _bind_get_device():
     return _GET_DEVICE[0]
 
 
-def _current_device() -> int:
-    return _bind_get_device()()
-
-
 class Call:
     """The arrays of one public call: one device, one result framework, one stream.
 
@@ -498,7 +494,7 @@ class Call:
     def device_scope(self):
         """Context: CuPy's current device set to this call's device (no-op on host and when
         the device is current already)."""
-        if not self.is_cuda or _current_device() == self.device:
+        if not self.is_cuda or current_device() == self.device:
             return _NO_SCOPE
         import cupy
 
