@@ -85,8 +85,9 @@ def test_paged(rng, page_size, layout, source):
     check(out, lse, dense_ref(p), BF16, f"paged {page_size} {layout}")
 
 
-def test_paged_ambiguous_layout_is_nhd(rng):
-    p = make_problem(rng, [2], [40], 16, 16, 64, page_size=16, layout="NHD")  # page_size == Hkv
+def test_paged_ambiguous_layout_is_hnd(rng):
+    """page_size == Hkv: the shape fits both layouts; it is read as HND, as the reproduced API reads it."""
+    p = make_problem(rng, [2], [40], 16, 16, 64, page_size=16, layout="HND")
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 16, 16, page_size=16)
     out, _ = mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices)
     check(out, None, dense_ref(p), BF16)

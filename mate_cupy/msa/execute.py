@@ -196,14 +196,14 @@ def _row_strides(arg: Arg) -> tuple:
 
 
 def _kv_layout(arg: Arg, plan: MsaPlan) -> str:
-    """NHD ``[P, page, Hkv, D]`` or HND ``[P, Hkv, page, D]`` (NHD when page_size == Hkv)."""
+    """NHD ``[P, page, Hkv, D]`` or HND ``[P, Hkv, page, D]`` (HND when page_size == Hkv)."""
     if arg.ndim != 4:
         raise ValueError(f"{arg.name} must be a 4D paged tensor, got shape {arg.shape}")
     _, a, b, _ = arg.shape
-    if a == plan.page_size and b == plan.num_kv_heads:
-        return "NHD"
     if a == plan.num_kv_heads and b == plan.page_size:
         return "HND"
+    if a == plan.page_size and b == plan.num_kv_heads:
+        return "NHD"
     raise ValueError(
         f"{arg.name} must use [pages, page, H, D] (NHD) or [pages, H, page, D] (HND) layout with "
         f"page={plan.page_size}, H={plan.num_kv_heads}, got shape {arg.shape}"
@@ -613,10 +613,7 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
                 raise ValueError(f"{a.name} head count {a.shape[1]} does not match plan.num_kv_heads "
                                  f"{first.num_kv_heads}")
     else:
-        if len(kshape) == 4 and kshape[1] == first.page_size and kshape[2] == first.num_kv_heads:
-            layout = "NHD"
-        else:
-            layout = _kv_layout(ka, first)
+        layout = _kv_layout(ka, first)
         if va.shape != kshape:
             if _kv_layout(va, first) != layout:
                 raise ValueError(f"k and v must use the same paged layout, got shapes {kshape} and {va.shape}")
