@@ -12,6 +12,8 @@ Python values; none of them reads device memory.
 """
 from __future__ import annotations
 
+import math
+import operator
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -36,53 +38,44 @@ def check_dtype(arg: Arg, allowed: Sequence, what: Optional[str] = None) -> None
         )
 
 
-def check_ndim(arg: Arg, ndim: int, layout: str, *, exc=ValueError) -> None:
-    """``arg`` must have rank ``ndim``; ``layout`` spells the expected shape (``[total_q, Hq, D]``)."""
-    if arg.ndim != ndim:
-        raise exc(f"{arg.name} must have shape {layout}, got {arg.shape}")
-
-
-def check_shape(arg: Arg, expected: tuple, layout: str = "") -> None:
-    """``ValueError`` unless ``arg.shape == expected``."""
-    if tuple(arg.shape) != tuple(int(x) for x in expected):
-        lay = f"{layout} = " if layout else ""
-        raise ValueError(f"{arg.name} must have shape {lay}{tuple(expected)}, got {arg.shape}")
-
-
 def check_contiguous(arg: Arg) -> None:
     """``ValueError`` unless ``arg`` is C-contiguous."""
     if not arg.is_contiguous():
         raise ValueError(f"{arg.name} must be contiguous (C order), got strides {arg.data.strides}")
 
 
-def check_device(arg: Arg, device: int, ref_name: str) -> None:
-    """``ValueError`` unless ``arg`` lives on ``device`` (the device of ``ref_name``)."""
-    if arg.device != device:
-        raise ValueError(
-            f"{arg.name} must be on the same device as {ref_name} ({where(device)}), "
-            f"got {where(arg.device)}"
-        )
+INT32_MAX = 2**31 - 1
 
 
-def check_int_vector(arg: Arg, length: Optional[int] = None) -> None:
-    """A rank-1 integer array (``TypeError`` for the dtype, ``ValueError`` for rank/length)."""
-    if arg.dtype.kind not in "iu":
-        raise TypeError(f"{arg.name} must be an integer array, got {dtype_name(arg.dtype)}")
-    if arg.ndim != 1:
-        raise ValueError(f"{arg.name} must be a 1D array, got shape {arg.shape}")
-    if length is not None and arg.shape[0] != int(length):
-        raise ValueError(f"{arg.name} must have length {int(length)}, got {arg.shape[0]}")
+def int_arg(name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = INT32_MAX) -> int:
+    """An integer argument: a Python or NumPy int (anything with ``__index__``; not a bool),
+    ``TypeError`` otherwise; ``ValueError`` outside ``[lo, hi]`` (default: at most int32)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool {value}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], got {v}")
+    return v
 
 
-def check_in_range(name: str, value: int, lo: Optional[int] = None, hi: Optional[int] = None) -> None:
-    """``ValueError`` unless ``lo <= value <= hi`` (either bound may be omitted)."""
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        lo_s = "-inf" if lo is None else str(lo)
-        hi_s = "inf" if hi is None else str(hi)
-        raise ValueError(f"{name} must be in [{lo_s}, {hi_s}], got {value}")
+def finite_arg(name: str, value) -> float:
+    """A finite real argument (``TypeError`` for a non-number, ``ValueError`` for NaN or infinity)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return v
 
 
-def check_positive(name: str, value: int) -> None:
-    """``ValueError`` unless ``value > 0``."""
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+def check_given(fn: str, **arrays) -> None:
+    """``TypeError`` naming the first required array argument given as None."""
+    for name, obj in arrays.items():
+        if obj is None:
+            raise TypeError(f"{fn}: {name} is required (an array), got None")

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from ._logging import mate_api
-from .checks import check_contiguous, check_dtype
+from .checks import check_contiguous, check_dtype, check_given
 from .jit import KernelParams, get_kernel, launch, register
 from .runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, Arg, Call, as_dtype, dtype_name
 
@@ -116,6 +116,7 @@ def cast(x, dtype, scale: float = 1.0, out=None):
     array of ``dtype`` and ``x``'s shape, written and returned. Returns a new array in
     ``x``'s framework otherwise. CUDA arrays run on the caller's current stream.
     """
+    check_given("cast", x=x)
     call = Call(x=x, out=out)
     problem = validate_cast(call["x"], dtype, scale, call["out"])
     if not call.is_cuda:

@@ -231,6 +231,10 @@ def test_sparse_fp8_scales_and_bf16_output(rng):
     # the scales enter exactly as k_scale * sm_scale on the logits and v_scale on the output
     unscaled = sparse_ref(p, sel, sm_scale=0.25 / np.sqrt(128))
     assert_rel(out, unscaled[0] * 2.0, 8e-3)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="v_scale must be finite"):
+            mc.sparse_msa(p.q, p.k_cache, p.v_cache, info, kv_indices=p.kv_indices, kv_block_indexes=sel,
+                          k_scale=0.25, v_scale=bad)
 
 
 def test_sparse_bf16_ignores_scales(rng):
@@ -319,6 +323,31 @@ def test_checked_mode_refuses_bad_blocks_and_pages(rng):
                       check_input_valid=True)
 
 
+def test_wide_page_ids_and_offsets_saturate(rng):
+    """int64 page ids and offsets beyond int32 saturate (a page id stays outside the cache: refused
+    when checked, its keys inadmissible otherwise) instead of wrapping onto valid values."""
+    p = make_problem(rng, [2], [48], 4, 4, 64, page_size=16)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 4, 4, page_size=16)
+    pages = p.kv_indices.astype(np.int64)
+    pages[1] += 2**32
+    with pytest.raises(ValueError, match="page id 2147483647 outside the cache"):
+        mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=pages, check_input_valid=True)
+    out, _ = mc.msa(p.q, p.k_cache, p.v_cache, info, kv_indices=pages)
+    ref = R.dense_attention(p.q, np.delete(p.k, range(16, 32), 0), np.delete(p.v, range(16, 32), 0),
+                            p.cu_q, [0, 32], qo_offset=[30])
+    assert_rel(out, ref[0], 8e-3)
+    table = p.page_table.astype(np.int64)
+    table[0, 1] -= 2**40
+    out, _ = mc.msa(p.q, p.k_cache, p.v_cache, info, page_table=table)
+    assert_rel(out, ref[0], 8e-3)
+    q = make_problem(rng, [3, 2], [8, 20], 4, 2, 64)
+    dinfo = mc.msa_plan_from_lengths(q.qo, q.kv, 4, 2)
+    with pytest.raises(ValueError, match=r"q_offset_override must be in \[-2147483648, 2147483647\]"):
+        mc.msa(q.q, q.k, q.v, dinfo, q_offset_override=2**40)
+    res, _ = mc.msa(q.q, q.k, q.v, dinfo, q_offset_override=np.array([2**40, -(2**40)], np.int64))
+    check(res, None, dense_ref(q, [2**31 - 1, -(2**31)]), BF16)
+
+
 def test_paged_bad_page_skipped_unchecked_refused_checked(rng):
     p = make_problem(rng, [2], [48], 4, 4, 64, page_size=16)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 4, 4, page_size=16)
@@ -358,6 +387,23 @@ def test_seqused_k_limits_the_keys(rng):
     info = mc.msa_plan(2, 4, 64, 4, causal=False, total_seqlen_k=110)
     out, _ = mc.msa(p.q, p.k, p.v, info, runtime_metadata=metadata(p, seqused=[10, 60]))
     check(out, None, dense_ref(p, causal=False, kv_lens=np.array([10, 60])), BF16, "seqused_k")
+
+
+def test_checked_mode_refuses_runtime_lengths_the_kernels_do_not_cover(rng):
+    """``check_input_valid``: seqused_k above kv_lens (the kernels take seqused_k as the key
+    count) and lengths above a static plan's maxima (its launch geometry) are refused."""
+    p = make_problem(rng, [4, 4], [50, 60], 4, 4, 64)
+    info = mc.msa_plan(2, 4, 64, 4, causal=False, total_seqlen_k=110)
+    with pytest.raises(ValueError, match=r"seqused_k must lie in \[0, kv_lens\].*\[51, 60\]"):
+        mc.msa(p.q, p.k, p.v, info, runtime_metadata=metadata(p, seqused=[51, 60]), check_input_valid=True)
+    small = mc.msa_plan(2, 3, 64, 4, causal=False, total_seqlen_k=110)
+    with pytest.raises(ValueError, match="max_seqlen_q=3"):
+        mc.msa(p.q, p.k, p.v, small, runtime_metadata=metadata(p), check_input_valid=True)
+    short = mc.msa_plan(2, 4, 55, 4, causal=False, total_seqlen_k=110)
+    with pytest.raises(ValueError, match="max_seqlen_k=55"):
+        mc.msa(p.q, p.k, p.v, short, runtime_metadata=metadata(p), check_input_valid=True)
+    out, _ = mc.msa(p.q, p.k, p.v, info, runtime_metadata=metadata(p, seqused=[10, 60]), check_input_valid=True)
+    check(out, None, dense_ref(p, causal=False, kv_lens=np.array([10, 60])), BF16, "checked seqused_k")
 
 
 @pytest.mark.parametrize("source", ["page_table", "kv_page_indptr"])

@@ -15,6 +15,13 @@ def test_small_table():
     assert table.dtype == np.int32
 
 
+def test_wide_ids_saturate_instead_of_wrapping():
+    """int64 ids beyond int32 become int32's bounds (outside every cache), never the low bits."""
+    idx = np.array([5 + 2**32, -(2**40), 2, 7 + 2**40], np.int64)
+    table = mc.build_page_table_from_flat_kv_indices(idx, np.array([17, 64, 1]), 32)
+    np.testing.assert_array_equal(table, [[2**31 - 1, 0], [-(2**31), 2], [2**31 - 1, 0]])
+
+
 def test_empty_inputs():
     table = mc.build_page_table_from_flat_kv_indices(np.zeros(0, np.int32), np.zeros(0, np.int32), 16)
     assert table.shape == (0, 0)

@@ -198,6 +198,19 @@ EAGER_ERRORS = [
     ("usable-sm-float", ([1], [3], 4), {"usable_SM_count": 1.5}, ValueError),
     ("device-name", ([1], [3], 4), {"device": "tpu"}, ValueError),
     ("prefill-tile-query", ([1], [3], 4), {"prefill_tile": "ws2n128s2"}, ValueError),
+    # totals and offsets beyond int32 (the plan's cumulative offsets), never wrapped
+    ("q-total-over-int32", ([2**30, 2**30], [100, 200], 8, 2), {"device": "cpu"}, ValueError),
+    ("k-total-over-int32", ([3, 5], [2**31 - 1] * 2, 8, 2), {"device": "cpu"}, ValueError),
+    ("offset-float32-2**31", ([3, 5], [100, 200], 8, 2), {"qo_offset": np.array([2**31, 0], np.float32)},
+     ValueError),
+    ("offset-int-2**40", ([3, 5], [100, 200], 8, 2), {"qo_offset": 2**40}, ValueError),
+    # integer options are ints (not floats, strings or bools, which were truncated or converted)
+    ("heads-float", ([1], [3], 8.5), {}, TypeError),
+    ("heads-str", ([1], [3], "8"), {}, TypeError),
+    ("kv-heads-float", ([1], [3], 8, 2.5), {}, TypeError),
+    ("page-size-bool", ([1], [3], 4), {"page_size": True}, TypeError),
+    ("kv-splits-float", ([1], [3], 4), {"num_kv_splits": 2.5}, TypeError),
+    ("forced-float", ([1], [3], 4), {"page_size": 128, "kv_block_num": 4, "force_begin_blocks": 2.5}, TypeError),
 ]
 
 
@@ -252,7 +265,19 @@ STATIC_ERRORS = [
     ("forced-without-sparse", (2, 8, 64, 4), {"force_begin_blocks": 1}, ValueError),
     ("unknown-keyword", (2, 8, 64, 4), {"qo_offset": 3}, TypeError),
     ("page-size-24", (2, 8, 64, 4), {"page_size": 24}, NotImplementedError),
+    ("batch-2**40", (2**40, 64, 128, 8), {}, ValueError),
+    ("rows-over-int32", (2**20, 2**12, 128, 8), {}, ValueError),
+    ("max-k-inf", (2, 64, float("inf"), 8), {}, TypeError),
+    ("batch-float", (2.5, 8, 8, 4), {}, TypeError),
+    ("heads-bool", (2, 8, 8, True), {}, TypeError),
 ]
+
+
+def test_planners_take_numpy_integers():
+    info = mc.msa_plan(np.int64(2), np.int32(8), np.int64(64), np.int64(4), num_kv_heads=np.int32(2))
+    assert (info[3].batch_size, info[3].num_qo_heads, info[3].num_kv_heads) == (2, 4, 2)
+    info = mc.msa_plan_from_lengths([1, 2], [3, 4], np.int64(4), np.int64(-1), device="cpu")
+    assert info[3].num_kv_heads == 4
 
 
 @pytest.mark.parametrize("args, kw, exc", [pytest.param(a, k, e, id=i) for i, a, k, e in STATIC_ERRORS])

@@ -27,8 +27,9 @@ __global__ void cast_kernel(const Tin* __restrict__ in, Tout* __restrict__ out, 
 }
 
 // page_table[b, j] = kv_indices[(page_start[b] + j) * kv_indices_stride] for
-// j < page_start[b + 1] - page_start[b], else 0. page_start [batch + 1] is the exclusive
-// prefix sum of the requests' page counts. One block per request.
+// j < page_start[b + 1] - page_start[b], else 0; 64-bit ids saturate to the int32 range (an id
+// outside it stays outside every cache). page_start [batch + 1] is the exclusive prefix sum of
+// the requests' page counts. One block per request.
 template <typename I>
 __global__ void build_page_table_kernel(const I* __restrict__ kv_indices, long long kv_indices_stride,
                                         const long long* __restrict__ page_start, int* __restrict__ page_table,
@@ -37,7 +38,9 @@ __global__ void build_page_table_kernel(const I* __restrict__ kv_indices, long l
     const long long start = page_start[b];
     const long long count = page_start[b + 1] - start;
     for (int j = threadIdx.x; j < max_pages; j += blockDim.x)
-        page_table[(long long)b * max_pages + j] = j < count ? (int)kv_indices[(start + j) * kv_indices_stride] : 0;
+        page_table[(long long)b * max_pages + j] =
+            j < count ? (int)max(-2147483648LL, min(2147483647LL, (long long)kv_indices[(start + j) * kv_indices_stride]))
+                      : 0;
 }
 
 // positions[i] (int64, i < total_q): the last key position query row i may attend, from the

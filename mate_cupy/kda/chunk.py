@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..checks import check_given
 from ..reference.kda import kda_recurrent, sequence_bounds
 from ..runtime.device import device_info
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, Call, dtype_name
@@ -186,6 +187,7 @@ def validate(*, q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     and the checked workspace (``.ptr``, ``.nbytes``) or None.
     """
     output_final_state = bool(output_final_state)
+    check_given("chunk_kda", q=q, k=k, v=v, g=g, beta=beta)
     call = Call(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                 A_log=A_log, dt_bias=dt_bias, output=output,
                 final_state=final_state if output_final_state else None)

@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..checks import check_given
 from ..reference.kda import kda_decode
 from ..runtime.interop import (BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, current_device, dtype_name,
                                torch_cuda_addresses)
@@ -129,6 +130,7 @@ def validate(*, q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqle
             prepared_key = None
         elif entry is not None and current_device() == entry.device:
             return PreparedCall(entry, found[1], output, state), entry.problem
+    check_given("gated_delta_rule_decode", q=q, k=k, v=v, a=a, b=b)
     call = Call(q=q, k=k, v=v, a=a, b=b, state=state, A_log=A_log, dt_bias=dt_bias,
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens if varlen else None,
                 state_indices=state_indices, output=output)

@@ -25,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..checks import check_given, int_arg
 from ..reference import msa as ref
 from ..runtime.device import device_info
 from ..jit import PreparedLaunch, Source
@@ -159,16 +160,26 @@ def _rows(arg: Optional[Arg], start: int, stop: int) -> Optional[Arg]:
 
 
 def _int32(call: Call, arg: Arg, name: str) -> Arg:
-    """``arg`` as a contiguous int32 array (a converted copy when it is not one already)."""
+    """``arg`` as a contiguous int32 array (a converted copy when it is not one already).
+
+    Wider integers saturate to the int32 range, so an id or offset outside it stays outside
+    (never wraps onto a valid page or block)."""
     if arg.dtype == INT32 and arg.is_contiguous():
         return arg
+    wide = arg.dtype.itemsize > 4 or arg.dtype == np.uint32
     if call.is_cuda:
         import cupy
 
         with call.launch_scope():
-            data = cupy.ascontiguousarray(arg.data, dtype=cupy.int32)
+            data = arg.data
+            if wide:
+                data = cupy.minimum(data, 2**31 - 1) if arg.dtype.kind == "u" else cupy.clip(data, -2**31, 2**31 - 1)
+            data = cupy.ascontiguousarray(data, dtype=cupy.int32)
     else:
-        data = np.ascontiguousarray(arg.data, dtype=np.int32)
+        data = arg.data
+        if wide:
+            data = np.minimum(data, 2**31 - 1) if arg.dtype.kind == "u" else np.clip(data, -2**31, 2**31 - 1)
+        data = np.ascontiguousarray(data, dtype=np.int32)
     return wrap(name, data)
 
 
@@ -353,22 +364,21 @@ def _offsets(call: Call, plan: MsaPlan, lens: Lengths, override, runtime_metadat
         raise ValueError("q_offset_override cannot be combined with runtime_metadata.qo_offset")
     batch = plan.batch_size
     if isinstance(override, (int, np.integer)):
+        value = int_arg("q_offset_override", override, lo=-2**31)
         if call.is_cuda:
             import cupy
 
             with call.launch_scope():
-                return wrap("q_offset_override", cupy.full(batch, int(override), dtype=cupy.int32))
-        return wrap("q_offset_override", np.full(batch, int(override), dtype=np.int32))
+                return wrap("q_offset_override", cupy.full(batch, value, dtype=cupy.int32))
+        return wrap("q_offset_override", np.full(batch, value, dtype=np.int32))
     return _int32(call, override, "q_offset_override")
 
 
 def _check_override(override: Arg, batch: int) -> None:
     if override.dtype.kind not in "iu":
         raise TypeError(f"q_offset_override must be an int or an integer array, got dtype {dtype_name(override.dtype)}")
-    if override.ndim != 1:
-        raise ValueError(f"qo_offset must be a 1D tensor, got shape {override.shape}")
-    if override.shape[0] != batch:
-        raise ValueError(f"qo_offset must have the same shape as qo_segment_lens, got {override.shape} vs ({batch},)")
+    if override.ndim != 1 or override.shape[0] != batch:
+        raise ValueError(f"q_offset_override must be an int or a [B] = ({batch},) array, got shape {override.shape}")
 
 
 def _index_vector(call: Call, arg: Arg, name: str) -> Arg:
@@ -505,6 +515,16 @@ def _check_pages(plan: MsaPlan, q: Arg, k: Arg, lens: Lengths, pages: tuple, kbi
     cu_q = _host(lens.cu_seqlens_q).astype(np.int64)
     if np.any(qo < 0) or np.any(kv < 0):
         raise ValueError(f"lengths must be non-negative, got qo_lens={qo.tolist()}, kv_lens={kv.tolist()}")
+    if lens.seqused_k is not None:
+        used = _host(lens.seqused_k).astype(np.int64)
+        if np.any(used < 0) or np.any(used > kv):
+            raise ValueError(f"runtime_metadata.seqused_k must lie in [0, kv_lens], got seqused_k={used.tolist()}, "
+                             f"kv_lens={kv.tolist()}")
+    if plan.is_static:  # the launch geometry and the table width follow the plan's maxima
+        pp = plan.prefill_plan
+        if np.any(qo > pp.max_seqlen_q) or np.any(kv > pp.max_seqlen_k):
+            raise ValueError(f"runtime lengths exceed the static plan's max_seqlen_q={pp.max_seqlen_q} / "
+                             f"max_seqlen_k={pp.max_seqlen_k}: qo_lens={qo.tolist()}, kv_lens={kv.tolist()}")
     total_q = q.shape[0]
     if np.any(cu_q[:-1] < 0) or np.any(cu_q[:-1] + qo > total_q):
         raise ValueError(f"cu_seqlens_q/qo_lens address rows outside q (total_q={total_q})")
@@ -567,6 +587,7 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
     plans = (first, second) if mixed else (first,)
     if mixed and runtime_metadata is not None:
         raise NotImplementedError("runtime_metadata is not supported with mixed prefill/decode plans")
+    check_given(fn, q=q, k=k, v=v)
     call = Call(q=q, k=k, v=v)
     add = call.add
     out_a = add("out", out) if output_o and out is not None else None
@@ -660,6 +681,8 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
     if not fp8_scales:
         k_scale = v_scale = 1.0
     scale_log2 = sm * LOG2E * k_scale
+    if output_o and not math.isfinite(v_scale):
+        raise ValueError(f"{fn}: v_scale must be finite, got {v_scale}")
     if output_o and not (scale_log2 > 0.0 and scale_log2 != math.inf):
         raise NotImplementedError(
             f"{fn}: the attention kernels need a positive finite softmax scale, got sm_scale={sm}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._logging import mate_api
+from ..checks import check_given
 from ..reference import msa as ref
 from ..runtime.interop import INT32, INT64, Arg, Call, dtype_name, to_host
 
@@ -69,6 +70,7 @@ def build_page_table_from_flat_kv_indices(kv_indices, kv_lens, page_size: int):
     converted to int32), then zeros; ``max_pages = max_b ceil(kv_lens[b] / page_size)``.
     Result on ``kv_indices``' device, in its framework (CUDA: on the caller's stream).
     """
+    check_given("build_page_table_from_flat_kv_indices", kv_indices=kv_indices, kv_lens=kv_lens)
     if isinstance(kv_indices, (list, tuple)):
         kv_indices = np.asarray(kv_indices, dtype=np.int64)
     call = Call(kv_indices=kv_indices)

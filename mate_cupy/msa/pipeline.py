@@ -24,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._logging import mate_api
+from ..checks import check_given, int_arg
 from ..runtime.interop import FP8_E4M3, Call, as_dtype
 from .execute import check_fp8_max_score
 from ..util_ops import launch_query_positions
@@ -36,6 +37,7 @@ from .plan import (
     msa_plan,
     msa_plan_from_lengths,
     normalize_qo_offset,
+    resolve_heads,
     selected_block_count,
     unpack_plan_info,
     upload_plan,
@@ -158,10 +160,15 @@ def _new_array(device: Optional[int], shape: tuple, dtype, host: Optional[np.nda
         return arr
 
 
-def _resolved_heads(num_qo_heads, num_kv_heads) -> tuple:
-    """``(Hq, Hkv)`` with ``num_kv_heads`` None or non-positive meaning ``Hq`` (checked by the plans)."""
-    num_qo_heads = int(num_qo_heads)
-    return num_qo_heads, num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
+def _pipeline_args(num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks, force_end_blocks,
+                   max_score_bytes, head_dim, dtype) -> tuple:
+    """The pipeline planners' scalar arguments, checked: ``(Hq, Hkv, index Hkv, topk, begin, end,
+    max_score_bytes, head_dim, dtype)``; ``num_kv_heads`` None or non-positive means ``Hq``."""
+    hq, hkv = resolve_heads(num_qo_heads, num_kv_heads)
+    return (hq, hkv, int_arg("num_index_kv_heads", num_index_kv_heads, lo=1), int_arg("topk", topk),
+            int_arg("force_begin_blocks", force_begin_blocks, lo=0), int_arg("force_end_blocks", force_end_blocks, lo=0),
+            int_arg("max_score_bytes", max_score_bytes, lo=1, hi=None), int_arg("head_dim", head_dim, lo=1),
+            as_dtype(dtype, "dtype"))
 
 
 @mate_api
@@ -192,9 +199,9 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
 
     qo = _int32_vector("qo_segment_lens", qo_segment_lens)
     kv = _int32_vector("kv_segment_lens", kv_segment_lens)
-    num_qo_heads, num_kv_heads = _resolved_heads(num_qo_heads, num_kv_heads)
-    if int(max_score_bytes) <= 0:
-        raise ValueError(f"max_score_bytes must be positive, got {max_score_bytes}")
+    (num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks, force_end_blocks, max_score_bytes,
+     head_dim, dtype) = _pipeline_args(num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks,
+                                       force_end_blocks, max_score_bytes, head_dim, dtype)
     dev = _current_cuda_device() if device is None else device_index(device)  # None: a host plan
     attention = msa_plan_from_lengths(
         qo, kv, num_qo_heads, num_kv_heads, qo_offset=qo_offset, split_prefill_decode=split_prefill_decode,
@@ -252,7 +259,9 @@ def sparse_pipeline_static_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k
     """
     from .plan import _current_cuda_device
 
-    num_qo_heads, num_kv_heads = _resolved_heads(num_qo_heads, num_kv_heads)
+    (num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks, force_end_blocks, max_score_bytes,
+     head_dim, dtype) = _pipeline_args(num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks,
+                                       force_end_blocks, max_score_bytes, head_dim, dtype)
     dev = _current_cuda_device() if device is None else device_index(device)
     if dev is None:
         raise ValueError("sparse_pipeline_static_plan needs a CUDA device (static plans run on the kernels)")
@@ -311,6 +320,7 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     ``k_scale``/``v_scale`` (fp8) and ``workspace`` as in :func:`~mate_cupy.msa`. Returns
     ``out`` ``[total_q, Hq, 128]``.
     """
+    check_given("sparse_attention_pipeline", q=q, k=k, v=v, index_q=index_q, index_k=index_k)
     if not isinstance(plan, SparsePipelinePlan):
         raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
     rows = _leading_dim(q, "q")

@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from .._logging import mate_api
+from ..checks import INT32_MAX, int_arg
 from ..runtime.interop import as_dtype, to_host, wrap
 from ..runtime.memo import BoundedMemo
 
@@ -361,6 +362,7 @@ def _int32_vector(name: str, values) -> np.ndarray:
     if arr.dtype.kind not in "iubf":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "f":  # accepted when every value is a whole number, never truncated
+        arr = arr.astype(np.float64)  # (the int32 range check below in float64: exact)
         bad = ~np.isfinite(arr) | (arr != np.round(arr))
         if np.any(bad):
             raise ValueError(f"{name} must hold whole numbers, got {float(arr[bad][0])} at index {int(np.argmax(bad))}")
@@ -408,7 +410,7 @@ def normalize_qo_offset(qo_lens: np.ndarray, kv_lens: np.ndarray, qo_offset) -> 
     if qo_offset is None:
         return (kv_lens.astype(np.int64) - qo_lens).astype(np.int32)
     if isinstance(qo_offset, (int, np.integer)):
-        return np.full(qo_lens.shape, int(qo_offset), dtype=np.int32)
+        return np.full(qo_lens.shape, int_arg("qo_offset", qo_offset, lo=-2**31), dtype=np.int32)
     offset = _int32_vector("qo_offset", qo_offset)
     if offset.shape != qo_lens.shape:
         raise ValueError(
@@ -489,6 +491,18 @@ def _check_options(*, page_size: int, sparse_block_size: int, output_maxscore: b
     if usable_sm_count is not None and (not isinstance(usable_sm_count, (int, np.integer))
                                         or isinstance(usable_sm_count, bool) or usable_sm_count <= 0):
         raise ValueError(f"usable_SM_count must be None or a positive int, got {usable_sm_count!r}")
+
+
+def resolve_heads(num_qo_heads, num_kv_heads, *, nonpositive_kv_heads_mean_hq: bool = True) -> tuple:
+    """``(Hq, Hkv)`` of the planners' arguments: ints, ``num_kv_heads`` None meaning ``Hq``, and
+    non-positive too in the eager planners (the static planner refuses it, as the reproduced
+    API does); ``Hq`` positive and a multiple of ``Hkv``."""
+    hq = int_arg("num_qo_heads", num_qo_heads)
+    hkv = None if num_kv_heads is None else int_arg("num_kv_heads", num_kv_heads, lo=-2**31)
+    if hkv is None or (hkv <= 0 and nonpositive_kv_heads_mean_hq):
+        hkv = hq
+    _heads(hq, hkv)
+    return hq, hkv
 
 
 def _heads(num_qo_heads: int, num_kv_heads: int) -> None:
@@ -600,12 +614,13 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
             "qo_segment_lens and kv_segment_lens must have the same shape, got "
             f"{tuple(qo_lens.shape)} vs {tuple(kv_lens.shape)}"
         )
-    num_qo_heads = int(num_qo_heads)
-    num_kv_heads = num_qo_heads if num_kv_heads is None or int(num_kv_heads) <= 0 else int(num_kv_heads)
-    _heads(num_qo_heads, num_kv_heads)
-    opts = dict(num_kv_splits=int(num_kv_splits), page_size=int(page_size), sparse_block_size=int(sparse_block_size),
-                output_maxscore=bool(output_maxscore), kv_block_num=int(kv_block_num),
-                force_begin_blocks=int(force_begin_blocks), force_end_blocks=int(force_end_blocks),
+    num_qo_heads, num_kv_heads = resolve_heads(num_qo_heads, num_kv_heads)
+    opts = dict(num_kv_splits=int_arg("num_kv_splits", num_kv_splits, lo=-2**31),
+                page_size=int_arg("page_size", page_size, lo=-2**31),
+                sparse_block_size=int_arg("sparse_block_size", sparse_block_size, lo=-2**31),
+                output_maxscore=bool(output_maxscore), kv_block_num=int_arg("kv_block_num", kv_block_num, lo=-2**31),
+                force_begin_blocks=int_arg("force_begin_blocks", force_begin_blocks, lo=-2**31),
+                force_end_blocks=int_arg("force_end_blocks", force_end_blocks, lo=-2**31),
                 force_blocks_count_in_topk=bool(force_blocks_count_in_topk), causal=bool(causal),
                 sparse_kernel_mode=str(sparse_kernel_mode), use_fp8_kvcache=bool(use_fp8_kvcache),
                 prefill_tile=prefill_tile, usable_sm_count=usable_SM_count)
@@ -617,6 +632,10 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
             f"sequence lengths must be non-negative, got qo_segment_lens={qo_lens.tolist()}, "
             f"kv_segment_lens={kv_lens.tolist()}"
         )
+    for name, lens in (("qo_segment_lens", qo_lens), ("kv_segment_lens", kv_lens)):
+        total = int(lens.sum(dtype=np.int64))
+        if total > INT32_MAX:
+            raise ValueError(f"the sum of {name} must fit in int32 (the plan's cumulative offsets), got {total}")
     offsets = normalize_qo_offset(qo_lens, kv_lens, qo_offset)
 
     batch_size = int(qo_lens.shape[0])
@@ -653,19 +672,22 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
     plan owns its workspace (:meth:`MsaPlan.upload` with ``head_dim``/``dtype`` allocates it
     ahead of a capture). Returns ``(False, 0, batch_size, plan, None)``.
     """
-    batch_size = int(batch_size)
-    max_seqlen_q = int(max_seqlen_q)
-    max_seqlen_k = int(max_seqlen_k)
-    total_seqlen_k = max_seqlen_k if total_seqlen_k is None else int(total_seqlen_k)
-    num_qo_heads = int(num_qo_heads)
-    num_kv_heads = num_qo_heads if num_kv_heads is None else int(num_kv_heads)
-    _heads(num_qo_heads, num_kv_heads)
-    page_size, sparse_block_size = int(page_size), int(sparse_block_size)
-    kv_block_num, begin, end = int(kv_block_num), int(force_begin_blocks), int(force_end_blocks)
+    batch_size = int_arg("batch_size", batch_size, lo=0)
+    max_seqlen_q = int_arg("max_seqlen_q", max_seqlen_q, lo=-2**31)
+    max_seqlen_k = int_arg("max_seqlen_k", max_seqlen_k, lo=-2**31)
+    total_seqlen_k = max_seqlen_k if total_seqlen_k is None else int_arg("total_seqlen_k", total_seqlen_k, lo=-2**31)
+    num_qo_heads, num_kv_heads = resolve_heads(num_qo_heads, num_kv_heads, nonpositive_kv_heads_mean_hq=False)
+    page_size = int_arg("page_size", page_size, lo=-2**31)
+    sparse_block_size = int_arg("sparse_block_size", sparse_block_size, lo=-2**31)
+    kv_block_num = int_arg("kv_block_num", kv_block_num, lo=-2**31)
+    begin = int_arg("force_begin_blocks", force_begin_blocks, lo=-2**31)
+    end = int_arg("force_end_blocks", force_end_blocks, lo=-2**31)
+    num_kv_splits = int_arg("num_kv_splits", num_kv_splits, lo=-2**31)
     count_in_topk, output_maxscore = bool(force_blocks_count_in_topk), bool(output_maxscore)
     sparse_kernel_mode = str(sparse_kernel_mode)
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be non-negative, got {batch_size}")
+    if batch_size * max(max_seqlen_q, 0) > INT32_MAX:
+        raise ValueError(f"batch_size * max_seqlen_q (the plan's query rows) must fit in int32, got "
+                         f"{batch_size} * {max_seqlen_q}")
     if max_seqlen_q <= 0 or max_seqlen_k <= 0:
         raise ValueError(
             "static MSA planning requires positive max_seqlen_q/max_seqlen_k, "
@@ -704,7 +726,7 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
         num_kv_heads=num_kv_heads,
         page_size=page_size,
         sparse_block_size=sparse_block_size,
-        num_kv_splits=int(num_kv_splits),
+        num_kv_splits=num_kv_splits,
         kv_block_num=kv_block_num,
         force_begin_blocks=begin,
         force_end_blocks=end,

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from .._logging import mate_api
-from ..checks import check_contiguous, check_dtype
+from ..checks import check_contiguous, check_dtype, check_given
 from ..reference import msa as ref
 from ..runtime.interop import FLOAT32, INT32, INT64, Arg, Call
 from . import index_launch
@@ -173,6 +173,7 @@ def sparse_topk_select(max_score, topk: int, num_valid_pages: Optional[int] = No
     contiguous, written in place and returned when given): chosen block ids ascending,
     then ``-1``. CUDA arrays run on the caller's current stream.
     """
+    check_given("sparse_topk_select", max_score=max_score)
     call = Call(max_score=max_score, output=_as_array(output))
     if plan_info is not None:
         if query_positions is not None:

@@ -526,7 +526,8 @@ def topk_select(max_score, topk, num_valid_pages=None, force_begin_blocks=0, for
 
 
 def page_table_from_csr(kv_indices, kv_lens, page_size):
-    """Flat page ids (request-major) to an int32 table ``[B, max_pages]``, zero padded.
+    """Flat page ids (request-major) to an int32 table ``[B, max_pages]``, zero padded; ids
+    beyond int32 saturate to its range (they stay outside every cache).
 
     Request ``b`` owns ``ceil(kv_lens[b] / page_size)`` consecutive entries of
     ``kv_indices``; their total must equal ``len(kv_indices)``.
@@ -546,7 +547,7 @@ def page_table_from_csr(kv_indices, kv_lens, page_size):
     start = 0
     for b, c in enumerate(counts.tolist()):
         if c > 0:
-            table[b, :c] = idx[start:start + c]
+            table[b, :c] = np.clip(idx[start:start + c], -2**31, 2**31 - 1)
         start += max(c, 0)
     return table
 

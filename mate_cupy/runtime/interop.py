@@ -45,16 +45,23 @@ def dtype_name(dt) -> str:
     return np.dtype(dt).name
 
 
-def as_dtype(dt) -> np.dtype:
-    """Normalise a dtype given as NumPy dtype, name, or torch/jax dtype object."""
+def as_dtype(dt, name: str = "dtype") -> np.dtype:
+    """Normalise a dtype given as NumPy dtype, name, or torch/jax dtype object (``TypeError``
+    naming the argument ``name`` for anything else, None included)."""
     if isinstance(dt, np.dtype):
         return dt
-    if isinstance(dt, str):
+    if isinstance(dt, str) and dt in _DTYPE_NAMES:
         return _DTYPE_NAMES[dt]
-    name = str(dt).replace("torch.", "").replace("jax.numpy.", "").replace("dtype(", "").strip("')\"")
-    if name in _DTYPE_NAMES:
-        return _DTYPE_NAMES[name]
-    return np.dtype(dt)
+    if dt is not None and not isinstance(dt, str):
+        key = str(dt).replace("torch.", "").replace("jax.numpy.", "").replace("dtype(", "").strip("')\"")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        try:
+            return np.dtype(dt)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be a dtype (a NumPy, torch or JAX dtype, or one of "
+                    f"{', '.join(sorted(_DTYPE_NAMES))}), got {dt!r}")
 
 
 def framework_of(obj) -> str:
