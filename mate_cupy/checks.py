@@ -62,15 +62,18 @@ def int_arg(name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = I
 
 
 def finite_arg(name: str, value) -> float:
-    """A finite real argument (``TypeError`` for a non-number, ``ValueError`` for NaN or infinity)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """A finite real argument (anything ``float()`` takes but a bool or a string: ``TypeError``
+    otherwise; ``ValueError`` for NaN or infinity)."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     try:
         v = float(value)
     except OverflowError:
         v = math.inf
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
     if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise ValueError(f"{name} must be finite, got {v}")
     return v
 
 

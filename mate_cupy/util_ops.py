@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from ._logging import mate_api
-from .checks import check_contiguous, check_dtype, check_given
+from .checks import check_contiguous, check_dtype, check_given, finite_arg
 from .jit import KernelParams, get_kernel, launch, register
 from .runtime.interop import BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, Arg, Call, as_dtype, dtype_name
 
@@ -80,7 +80,7 @@ def validate_cast(x: Arg, dtype, scale: float, out: Optional[Arg]) -> CastProble
         if out.shape != x.shape:
             raise ValueError(f"out must have x's shape {x.shape}, got {out.shape}")
         check_contiguous(out)
-    return CastProblem(x.dtype, dst, tuple(x.shape), x.size, float(scale), x.device)
+    return CastProblem(x.dtype, dst, tuple(x.shape), x.size, finite_arg("scale", scale), x.device)
 
 
 def _cast_reference(x: np.ndarray, dtype: np.dtype, scale: float) -> np.ndarray:

@@ -269,6 +269,10 @@ ERRORS = [
     ("v-heads-over-kernel-limit", False, lambda x: _many_v_heads(x, 65536), NotImplementedError),
     ("workspace-not-on-q-device", False, lambda x: dict(x, workspace=HostBuffer(np.empty(1 << 20, np.uint8))),
      ValueError),
+    ("scale-nan", False, lambda x: dict(x, scale=float("nan")), ValueError),
+    ("scale-inf", False, lambda x: dict(x, scale=float("inf")), ValueError),
+    ("scale-str", False, lambda x: dict(x, scale="0.1"), TypeError),
+    ("lower-bound-nan", False, lambda x: dict(x, lower_bound=float("nan")), ValueError),
 ]
 # Conditions on cu_seqlens values: checked for host inputs only (CUDA offsets are not read
 # on the host; the kernels clamp them).
@@ -365,6 +369,7 @@ def test_workspace_bytes_grow_with_every_argument():
     ((1.0, 10, 2), TypeError), ((1, "10", 2), TypeError), ((1, 10, 2, 2.5), TypeError),
     ((-1, 10, 2), ValueError), ((1, -10, 2), ValueError), ((1, 10, -2), ValueError), ((1, 10, 2, -1), ValueError),
     ((2, 10, 2, 3), ValueError),  # varlen input has batch 1
+    ((None, 10, 2), TypeError), ((True, 10, 2), TypeError),
 ])
 def test_workspace_bytes_refusals(args, exc):
     with pytest.raises(exc):

@@ -470,6 +470,9 @@ ERRORS = [
     _bad("pool-empty-with-indices", lambda x: {**x, "state": x["state"][:0]}, ValueError,
          state_indices=np.array([-1, -1], np.int32)),
     _bad("q-not-array", lambda x: {**x, "q": "q"}, TypeError),
+    _bad("scale-nan", lambda x: x, ValueError, scale=float("nan")),
+    _bad("scale-inf", lambda x: x, ValueError, scale=float("inf")),
+    _bad("lower-bound-nan", lambda x: x, ValueError, lower_bound=float("nan")),
     _bad("H-zero", lambda x: {**x, "q": x["q"][:, :, :0], "k": x["k"][:, :, :0]}, ValueError),
     # The kernels' contract, refused for host inputs as for CUDA ones.
     _bad("K-64", lambda x: {**x, "q": x["q"][..., :64], "k": x["k"][..., :64], "a": x["a"][..., :64],

@@ -63,6 +63,7 @@ CAST_ERRORS = [
     ("out-dtype", lambda: (np.zeros(8, np.float32), "float16", np.zeros(8, np.float32)), TypeError),
     ("out-shape", lambda: (np.zeros(8, np.float32), "float16", np.zeros(9, np.float16)), ValueError),
     ("out-strided", lambda: (np.zeros(8, np.float32), "float16", np.zeros(16, np.float16)[::2]), ValueError),
+    ("dtype-none", lambda: (np.zeros(8, np.float32), None, None), TypeError),
 ]
 
 
@@ -184,3 +185,10 @@ def test_page_table_cuda_any_index_dtype_and_stride(rng, dtype):
         got = mc.build_page_table_from_flat_kv_indices(cupy.asarray(ids)[::2], kv_lens, 16)
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got.get(), want)
+
+
+def test_cast_scale_must_be_a_finite_number():
+    x = np.ones(8, np.float32)
+    for bad, exc in ((float("nan"), ValueError), (float("inf"), ValueError), (10**400, ValueError), ("2", TypeError)):
+        with pytest.raises(exc, match="scale"):
+            mc.cast(x, "bfloat16", scale=bad)

@@ -12,7 +12,6 @@ The public function is :func:`mate_cupy.kda_interface.chunk_kda`. Its path::
 from __future__ import annotations
 
 import contextlib
-import operator
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..checks import check_given
+from ..checks import check_given, finite_arg, int_arg
 from ..reference.kda import kda_recurrent, sequence_bounds
 from ..runtime.device import device_info
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, Call, dtype_name
@@ -77,16 +76,9 @@ def chunk_kda_workspace_bytes(batch: int, seqlen: int, num_v_heads: int, num_seq
     Raises ``TypeError`` for non-integers, ``ValueError`` for negative values or a varlen
     ``batch`` other than 1.
     """
-    vals = {}
-    for name, x in (("batch", batch), ("seqlen", seqlen), ("num_v_heads", num_v_heads), ("num_seqs", num_seqs)):
-        if x is None:
-            continue
-        try:
-            vals[name] = operator.index(x)
-        except TypeError:
-            raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
-        if vals[name] < 0:
-            raise ValueError(f"{name} must be non-negative, got {vals[name]}")
+    vals = {name: int_arg(name, x, lo=0, hi=None)
+            for name, x in (("batch", batch), ("seqlen", seqlen), ("num_v_heads", num_v_heads), ("num_seqs", num_seqs))
+            if x is not None or name != "num_seqs"}
     varlen = num_seqs is not None
     if varlen and vals["batch"] != 1:
         raise ValueError(f"batch must be 1 with num_seqs (varlen input), got {vals['batch']}")
@@ -298,7 +290,8 @@ def validate(*, q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
         varlen=varlen, squeeze=squeeze, cu_seqlens_int64=ca is not None and ca.dtype.itemsize == 8,
         has_gate_params=A_log is not None, initial_state_dtype=None if ia is None else ia.dtype,
         state_dtype=state_dtype, output_final_state=output_final_state,
-        scale=HEAD_DIM ** -0.5 if scale is None else float(scale), lower_bound=float(lower_bound),
+        scale=HEAD_DIM ** -0.5 if scale is None else finite_arg("scale", scale),
+        lower_bound=finite_arg("lower_bound", lower_bound),
         use_qk_l2norm=bool(use_qk_l2norm_in_kernel), workspace_bytes=ws_bytes,
         staged=_staged(call) if call.is_cuda else frozenset(),
     )

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..checks import check_given
+from ..checks import check_given, finite_arg
 from ..reference.kda import kda_decode
 from ..runtime.interop import (BFLOAT16, FLOAT16, FLOAT32, Call, as_dtype, current_device, dtype_name,
                                torch_cuda_addresses)
@@ -333,8 +333,8 @@ def _check(call, scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lowe
         True if use_qk_l2norm is None else bool(use_qk_l2norm),
         True if use_gate_in_kernel is None else bool(use_gate_in_kernel),
         bool(use_lower_bound), bool(apply_beta_sigmoid), bool(allow_neg_eigval), initial, inplace,
-        bool(store_final_state), K ** -0.5 if scale is None else float(scale),
-        -5.0 if lower_bound is None else float(lower_bound), token_strides, staged,
+        bool(store_final_state), K ** -0.5 if scale is None else finite_arg("scale", scale),
+        -5.0 if lower_bound is None else finite_arg("lower_bound", lower_bound), token_strides, staged,
     )
 
 
