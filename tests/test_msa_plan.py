@@ -197,6 +197,7 @@ EAGER_ERRORS = [
     ("usable-sm-zero", ([1], [3], 4), {"usable_SM_count": 0}, ValueError),
     ("usable-sm-float", ([1], [3], 4), {"usable_SM_count": 1.5}, ValueError),
     ("device-name", ([1], [3], 4), {"device": "tpu"}, ValueError),
+    ("device-negative", ([1], [3], 4), {"device": -1}, ValueError),
     ("prefill-tile-query", ([1], [3], 4), {"prefill_tile": "ws2n128s2"}, ValueError),
     # totals and offsets beyond int32 (the plan's cumulative offsets), never wrapped
     ("q-total-over-int32", ([2**30, 2**30], [100, 200], 8, 2), {"device": "cpu"}, ValueError),
@@ -495,3 +496,12 @@ def test_lengths_must_be_whole_numbers():
         mc.msa_plan_from_lengths(np.array([3, 2**31]), [7, 9], 4, 1, device="cpu")
     with pytest.raises(TypeError, match="must hold integers"):
         mc.msa_plan_from_lengths(np.array(["3", "5"]), [7, 9], 4, 1, device="cpu")
+
+
+def test_host_vector_takes_only_the_plan_vectors():
+    plan = mc.msa_plan_from_lengths([1, 2], [3, 4], 4, device="cpu")[3]
+    np.testing.assert_array_equal(plan.host_vector("cu_seqlens_k"), [0, 3, 7])
+    np.testing.assert_array_equal(plan.host_vector("qo_lens"), [1, 2])
+    for bad in ("bogus", "batch_size", "prefill_plan", "__class__"):
+        with pytest.raises(ValueError, match="host_vector name must be one of"):
+            plan.host_vector(bad)

@@ -1,8 +1,8 @@
 """Compile kernel variants with NVRTC: through CuPy on a GPU, directly without one.
 
-* :func:`get_kernel` returns a launchable ``cupy.RawKernel`` for the current
-  device's arch, compiling the variant's module on first use (memory cache per
-  (source text, options, arch); CuPy's disk cache underneath).
+* :func:`get_kernel` returns a loaded :class:`Kernel` for a device's arch, compiling the
+  variant's module on first use (one module per variant and arch in memory, rebuilt when
+  its source text changes; CuPy's disk cache underneath).
 * :func:`compile_variant` / :func:`compile_all` build cubins with NVRTC alone
   (``cupy.cuda.nvrtc``), so every variant can be checked on a machine with no
   GPU and no driver.
@@ -138,8 +138,8 @@ def full_source(spec: KernelSpec) -> str:
     return spec.prelude() + f'#line 1 "{spec.source}"\n' + source_text(spec.source)
 
 
-_modules: dict = {}
-_kernels: dict = {}
+_modules: dict = {}  # (spec, arch) -> ((source text, options), module)
+_kernels: dict = {}  # (spec, kernel name, device) -> Kernel
 
 
 def _nvrtc_version() -> tuple:
@@ -200,8 +200,8 @@ def get_module(spec: KernelSpec, device_id=None):
     arch = device_arch(device_id)
     src = full_source(spec)
     opts = compile_options(arch)
-    key = (src, opts, arch, spec.kernels)
-    mod = _modules.get(key)
+    hit = _modules.get((spec, arch))  # one module per variant and arch (the latest source's)
+    mod = hit[1] if hit is not None and hit[0] == (src, opts) else None
     if mod is None:
         if not spec.builds_for(arch):
             raise RuntimeError(f"{spec.name} needs {spec.requirement} and cannot run on this {arch} GPU "
@@ -213,7 +213,7 @@ def get_module(spec: KernelSpec, device_id=None):
                 mod.compile()
             except cupy.cuda.compiler.CompileException as e:
                 raise KernelCompileError(spec, opts, str(e)) from None
-        _modules[key] = mod
+        _modules[(spec, arch)] = ((src, opts), mod)
     return mod
 
 

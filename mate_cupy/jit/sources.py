@@ -10,7 +10,6 @@ headers) are left to the include path.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent.parent / "cuda_src"
@@ -56,12 +55,13 @@ def expand_source(name: str) -> str:
     return "\n".join(out) + "\n"
 
 
-@lru_cache(maxsize=None)
-def _cached(name: str, stamp: tuple) -> str:
-    return expand_source(name)
+_TEXTS: dict = {}  # name -> (modification times under cuda_src, expanded text): one entry per source
 
 
 def source_text(name: str) -> str:
     """``expand_source`` cached on the modification times of every file under cuda_src."""
     stamp = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in SRC_DIR.rglob("*.cu*")))
-    return _cached(name, stamp)
+    hit = _TEXTS.get(name)
+    if hit is None or hit[0] != stamp:
+        hit = _TEXTS[name] = (stamp, expand_source(name))
+    return hit[1]

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._logging import mate_api
 from ..checks import INT32_MAX, int_arg
+from ..runtime.device import cuda_present
 from ..runtime.interop import as_dtype, to_host, wrap
 from ..runtime.memo import BoundedMemo
 
@@ -163,6 +164,9 @@ class MsaPlan:
     # bounded, the oldest dropped first; freed with the plan.
     prepared_calls: BoundedMemo = field(default_factory=lambda: BoundedMemo(PREPARED_CALLS), init=False,
                                         repr=False)
+    # sparse_topk_select(plan_info=...)'s query positions (int64 [total_q]) by (mixed, device):
+    # an eager plan's lengths never change; at most one array per device; freed with the plan.
+    topk_query_positions: dict = field(default_factory=dict, init=False, repr=False)
 
     @functools.cached_property
     def selected_block_count(self) -> int:
@@ -186,6 +190,8 @@ class MsaPlan:
 
     def host_vector(self, name: str) -> Optional[np.ndarray]:
         """Host int32 vector by name: qo_lens, kv_lens, qo_offset, kv_page_indptr, cu_seqlens_q/k."""
+        if name not in _VECTORS:
+            raise ValueError(f"host_vector name must be one of {', '.join(_VECTORS)}, got {name!r}")
         if name in ("cu_seqlens_q", "cu_seqlens_k"):
             return getattr(self.prefill_plan, name)
         return getattr(self, name)
@@ -254,10 +260,14 @@ def device_index(device) -> Optional[int]:
     Accepts ints, ``"cuda"``, ``"cuda:N"``, ``"cpu"``, torch devices and CuPy devices.
     """
     if device is None:
+        if not cuda_present():
+            raise ValueError("no CUDA device is visible to this process")
         import cupy
 
         return int(cupy.cuda.Device().id)
     if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"device must be a non-negative CUDA ordinal, got {int(device)}")
         return int(device)
     kind = getattr(device, "type", None)
     if kind is not None and not isinstance(device, str):  # torch.device
@@ -312,10 +322,14 @@ def prepare(plans: list, device, stream, head_dim, dtype) -> None:
 
     from ..runtime.interop import external_stream
 
+    ptr = stream_address(stream)
+    if head_dim is not None:
+        head_dim = int_arg("head_dim", head_dim, lo=1)
+    if dtype is not None:
+        dtype = as_dtype(dtype)
     dev = device_index(device)
     if dev is None:
         raise ValueError("upload needs a CUDA device, got 'cpu'")
-    ptr = stream_address(stream)
     with cupy.cuda.Device(dev):
         s = cupy.cuda.get_current_stream() if ptr is None else external_stream(ptr)
         with s:
@@ -326,7 +340,7 @@ def prepare(plans: list, device, stream, head_dim, dtype) -> None:
             if head_dim is not None and dtype is not None:
                 from .execute import prepare_workspace
 
-                prepare_workspace(plans, int(head_dim), as_dtype(dtype), dev)
+                prepare_workspace(plans, head_dim, dtype, dev)
         if ptr is None:
             s.synchronize()
 
@@ -379,19 +393,9 @@ def _cuda_device_of(values) -> Optional[int]:
     return arg.device if arg.is_cuda else None
 
 
-@functools.lru_cache(maxsize=1)
-def _cuda_present() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device
-        return False
-
-
 def _current_cuda_device() -> Optional[int]:
     """CuPy's current device when this process sees a GPU, else None (host-only plans)."""
-    return device_index(None) if _cuda_present() else None
+    return device_index(None) if cuda_present() else None
 
 
 def _cu_seqlens(lengths: np.ndarray) -> np.ndarray:
@@ -599,6 +603,7 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
     when ``split_prefill_decode`` and requests ``[0, split)`` are decode-sized while request
     ``split`` is the first with ``qo_len > 128`` (``> 32`` when sparse).
     """
+    stream_address(stream)  # (checked even when nothing is uploaded)
     if device is not None:
         upload_to = device_index(device)
     else:

@@ -134,7 +134,7 @@ def _positions_of(plan_info, call: Call):
     """:func:`plan_query_positions` on ``call``'s device, kept on the plan's first part (an
     eager plan's lengths never change), one array per device."""
     first = unpack_plan_info(plan_info)[3]
-    cache = first.__dict__.setdefault("_topk_query_positions", {})
+    cache = first.topk_query_positions
     key = (bool(unpack_plan_info(plan_info)[0]), call.device)
     pos = cache.get(key)
     if pos is None:

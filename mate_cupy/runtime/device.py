@@ -3,8 +3,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 
 _INFO: dict = {}
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_present() -> bool:
+    """Whether this process sees a CUDA device (False without CuPy, a driver or a device)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
 
 
 def device_info(device: int | None = None) -> tuple:

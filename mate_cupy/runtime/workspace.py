@@ -7,6 +7,8 @@ its owner is; nothing is cached by the library across calls.
 """
 from __future__ import annotations
 
+from ..checks import int_arg
+from .device import cuda_present
 from .interop import Arg, wrap
 
 __all__ = ["Workspace", "as_workspace"]
@@ -18,16 +20,18 @@ class Workspace:
     """``nbytes`` of device memory on ``device`` (default: the current one), 256-byte aligned.
 
     Allocated from CuPy's memory pool on creation and returned to it when the object is
-    freed. ``ptr`` is its address; :meth:`carve` lays out named parts.
+    freed. ``ptr`` is its address.
     """
 
     def __init__(self, nbytes: int, device: int | None = None):
+        nbytes = int_arg("nbytes", nbytes, lo=0, hi=None)
+        if device is not None:
+            device = int_arg("device", device, lo=0)
+        if not cuda_present():
+            raise ValueError("Workspace needs a CUDA device; none is visible to this process")
         import cupy
 
-        nbytes = int(nbytes)
-        if nbytes < 0:
-            raise ValueError(f"workspace size must be non-negative, got {nbytes}")
-        dev = cupy.cuda.Device().id if device is None else int(device)
+        dev = cupy.cuda.Device().id if device is None else device
         with cupy.cuda.Device(dev):
             self.buffer = cupy.empty(max(nbytes, 1), dtype="uint8")
         self.nbytes = nbytes
