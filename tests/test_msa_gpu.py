@@ -273,6 +273,38 @@ def test_torch_cuda_in_torch_out(rng):
     assert_rel(to_f64(out), dense_ref(p)[0], 1e-2)
 
 
+def test_layouts_the_kernels_cannot_read_are_copied(rng):
+    """Strided head dims, rows not 16-byte multiples and unaligned data give the contiguous
+    call's output bit for bit (read from a copy); a second call with the same layout and
+    outputs takes the validated path again (launches prepared from the first would read the
+    caller's array)."""
+    import torch
+
+    p = make_problem(rng, [5, 40], [100, 40], 8, 1, 128)
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, device=0)
+    q, k, v = (torch.from_dlpack(dev(x)) for x in (p.q, p.k, p.v))
+    want, _ = mc.msa(q, k, v, info)
+    check(want, None, dense_ref(p), BF16, "contiguous")
+
+    def padded(x, width, step=1):
+        big = torch.zeros(x.shape[:-1] + (width,), dtype=x.dtype, device=x.device)
+        big[..., :x.shape[-1] * step:step] = x
+        return big[..., :x.shape[-1] * step:step]
+
+    flat = torch.zeros(q.numel() + 8, dtype=q.dtype, device=q.device)
+    unaligned = flat[1:1 + q.numel()].view(q.shape)  # 2 bytes past a 16-byte boundary
+    unaligned.copy_(q)
+    cases = (("strided head dim", padded(q, 256, 2), k), ("260-byte rows", padded(q, 130), k),
+             ("272-byte rows (read in place)", padded(q, 136), k), ("unaligned q", unaligned, k),
+             ("strided k", q, padded(k, 256, 2)))
+    for what, qq, kk in cases:
+        out = torch.full(p.q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        for _ in range(2):
+            out.fill_(float("nan"))
+            mc.msa(qq, kk, v, info, out=out)
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), what
+
+
 def test_host_index_array_with_cuda_q_is_refused(rng):
     p = make_problem(rng, [2], [40], 8, 1, 128, page_size=16)
     info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=16, device=0)

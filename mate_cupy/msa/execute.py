@@ -14,7 +14,7 @@ Every MSA op (``msa``, ``sparse_msa``, ``sparse_decode_atten_func``) is one :fun
 
 Layouts: ``q [total_q, Hq, D]``; dense ``k, v [total_k, Hkv, D]``; paged ``k, v``
 ``[num_pages, page_size, Hkv, D]`` (NHD) or ``[num_pages, Hkv, page_size, D]`` (HND), used
-as they are (no copy); ``out [total_q, Hq, D]`` (q's dtype, bfloat16 for fp8);
+as they are when the kernels can read them by 16-byte chunks (else a contiguous copy); ``out [total_q, Hq, D]`` (q's dtype, bfloat16 for fp8);
 ``lse [total_q, Hq]`` float32; ``max_score [total_q, Hq, NT]`` float32.
 """
 from __future__ import annotations
@@ -191,19 +191,23 @@ def _host(arg: Optional[Arg]) -> Optional[np.ndarray]:
     return data if isinstance(data, np.ndarray) else data.get()
 
 
-def _row_strides(arg: Arg) -> tuple:
-    """Strides in elements of an array the kernels read by 16-byte rows of its last dim."""
+def _rows_of_chunks(call: Call, arg: Arg) -> Arg:
+    """``arg`` itself when the kernels can read it by 16-byte chunks of its rows (head dim
+    contiguous, strides and data 16-byte aligned), else a contiguous copy (on CUDA a new
+    array on the call's stream). The copy is not one of ``call``'s arrays, so a call that
+    reads one is never prepared (its launches would read the caller's array)."""
     item = arg.dtype.itemsize
-    if arg.strides[-1] != 1 and arg.shape[-1] > 1:
-        raise ValueError(f"{arg.name}: the head dimension must be contiguous, got strides {arg.strides} (elements)")
-    for i, s in enumerate(arg.strides[:-1]):
-        if arg.shape[i] > 1 and (s * item) % 16:
-            raise ValueError(
-                f"{arg.name}: stride {s * item} bytes of dim {i} is not a multiple of 16 (strides {arg.strides})"
-            )
-    if arg.size and arg.ptr % 16:
-        raise ValueError(f"{arg.name}: the data must be 16-byte aligned, got address {arg.ptr:#x}")
-    return tuple(arg.strides)
+    if (arg.strides[-1] == 1 or arg.shape[-1] <= 1) and not (arg.size and arg.ptr % 16) and all(
+            arg.shape[i] <= 1 or (s * item) % 16 == 0 for i, s in enumerate(arg.strides[:-1])):
+        return arg
+    if not call.is_cuda:
+        return wrap(arg.name, np.array(arg.data, copy=True, order="C"))
+    import cupy
+
+    with call.launch_scope():
+        data = cupy.array(arg.data, copy=True, order="C")  # (fp8 viewed as uint8: the logical dtype is kept)
+    strides = tuple(int(np.prod(arg.shape[i + 1:], dtype=np.int64)) for i in range(len(arg.shape)))
+    return Arg(arg.name, data, arg.dtype, "cupy", arg.device, tuple(arg.shape), strides, int(data.data.ptr), data=data)
 
 
 def _kv_layout(arg: Arg, plan: MsaPlan) -> str:
@@ -643,15 +647,19 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
         raise ValueError(f"{a.name} head dim {a.shape[-1]} does not match q head dim {d}")
     if kshape != va.shape:
         raise ValueError(f"k and v must have the same shape, got {kshape} and {va.shape}")
-    # Rows of 16-byte chunks: head dim contiguous, strides and data 16-byte aligned.
+    # Rows of 16-byte chunks: head dim contiguous, strides and data 16-byte aligned; other
+    # layouts are read from a contiguous copy.
     m = 16 // dtype.itemsize
     qs, ks, vs = qa.strides, ka.strides, va.strides
     if qs[2] != 1 or qs[0] % m or qs[1] % m or qa.ptr % 16:
-        qs = _row_strides(qa)
+        qa = _rows_of_chunks(call, qa)
+        qs = qa.strides
     if ks[-1] != 1 or ks[0] % m or ks[1] % m or ks[-2] % m or ka.ptr % 16:
-        ks = _row_strides(ka)
+        ka = _rows_of_chunks(call, ka)
+        ks = ka.strides
     if vs[-1] != 1 or vs[0] % m or vs[1] % m or vs[-2] % m or va.ptr % 16:
-        vs = _row_strides(va)
+        va = _rows_of_chunks(call, va)
+        vs = va.strides
     kv_extent = kshape[0]
     if total_q * hq >= INDEX_LIMIT or kv_extent >= INDEX_LIMIT:
         raise NotImplementedError(f"{fn}: total_q * Hq and the KV rows/pages must stay below 2**31, got "

@@ -52,7 +52,9 @@ def msa(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None, q_offset_ove
     k, v ``[total_k, Hkv, D]``; paged and sparse plans: k, v ``[num_pages, page_size, Hkv, D]``
     (or ``[num_pages, Hkv, page_size, D]``) with ``kv_indices`` (flat page ids, CSR by the
     plan's page counts) or ``page_table [B, max_pages]``. Sparse plans need
-    ``kv_block_indexes [total_q, Hkv or Hq, W]`` int32. ``q_offset_override``: an int or
+    ``kv_block_indexes [total_q, Hkv or Hq, W]`` int32. q, k, v are read in place when their
+    head dim is contiguous and their other strides and data 16-byte aligned, else from a
+    contiguous copy made on each call. ``q_offset_override``: an int or
     ``[B]`` (eager plans). ``sm_scale`` (default ``D ** -0.5``); ``lse`` (preallocated float32
     ``[total_q, Hq]``, filled in every mode); ``k_scale``/``v_scale`` (fp8 sparse attention;
     an fp8 max score of any plan is ``k_scale`` times the block max: sm_89+ up to
