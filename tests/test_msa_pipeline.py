@@ -114,6 +114,12 @@ def test_refusals(rng):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4, device="cpu", max_score_bytes=0)
     with pytest.raises(ValueError):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=5, device="cpu")
+    with pytest.raises(TypeError, match="the index branch .*index_q and index_k"):
+        mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq.astype(np.float16), icache, plan,
+                                     kv_indices=p.kv_indices)
+    with pytest.raises(ValueError, match="the index branch .*head count"):
+        mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, np.concatenate([iq, iq], 1), icache, plan,
+                                     kv_indices=p.kv_indices)
     with pytest.raises(ValueError, match=r"num_index_kv_heads must be in \[1, "):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, num_index_kv_heads=0, topk=4, device="cpu")
     with pytest.raises(TypeError, match="topk must be an int, got float 4.5"):

@@ -324,9 +324,6 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     if not isinstance(plan, SparsePipelinePlan):
         raise TypeError(f"plan must be a SparsePipelinePlan (sparse_pipeline_plan), got {type(plan).__name__}")
     rows = _leading_dim(q, "q")
-    n = _leading_dim(index_q, "index_q")
-    if n != rows:
-        raise ValueError(f"index_q must have q's {rows} rows, got {n}")
     if plan.is_static:
         if runtime_metadata is None:
             raise ValueError("a static pipeline plan (sparse_pipeline_static_plan) needs runtime_metadata")
@@ -339,6 +336,9 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
                              "an eager pipeline plan holds its lengths")
         if rows != plan.total_q:
             raise ValueError(f"q must have the plan's {plan.total_q} rows (sum of qo_segment_lens), got {rows}")
+    n = _leading_dim(index_q, "index_q")
+    if n != rows:
+        raise ValueError(f"index_q must have q's {rows} rows, got {n}")
     # The selection pass takes the plan's buffers first, so it would launch on CuPy's current
     # stream: make that the caller's (q's framework's current stream) for every pass.
     call = Call(q=q)
@@ -375,8 +375,12 @@ def index_window(plan: SparsePipelinePlan, window: IndexWindow, index_q, index_k
     buffer (``msa(..., output_o=False)``; static plans: with ``runtime_metadata``); returns the
     window's rows of it. Launches on ``index_q``'s framework's current stream."""
     scores = plan.max_score[: window.row_end - window.row_begin]
-    msa(index_q[window.row_begin:window.row_end], index_k, index_k, window.plan, kv_indices=kv_indices,
-        runtime_metadata=runtime_metadata, max_score=scores, k_scale=index_scale, output_o=False)
+    try:
+        msa(index_q[window.row_begin:window.row_end], index_k, index_k, window.plan, kv_indices=kv_indices,
+            runtime_metadata=runtime_metadata, max_score=scores, k_scale=index_scale, output_o=False)
+    except (TypeError, ValueError, NotImplementedError) as e:  # name the pipeline's arguments
+        raise type(e)(f"the index branch (index_q and index_k, as msa's q and k/v; index_scale as k_scale): "
+                      f"{e}") from e
     return scores
 
 
