@@ -204,8 +204,11 @@ def _rows_of_chunks(call: Call, arg: Arg) -> Arg:
         return wrap(arg.name, np.array(arg.data, copy=True, order="C"))
     import cupy
 
+    src = arg.data  # (fp8 viewed as uint8; the Arg below keeps the logical dtype)
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[src.dtype.itemsize]
     with call.launch_scope():
-        data = cupy.array(arg.data, copy=True, order="C")  # (fp8 viewed as uint8: the logical dtype is kept)
+        data = cupy.empty(arg.shape, dtype=bits)
+        data[...] = src.view(bits)  # a bit-exact copy through an integer view (any 16-bit float)
     strides = tuple(int(np.prod(arg.shape[i + 1:], dtype=np.int64)) for i in range(len(arg.shape)))
     return Arg(arg.name, data, arg.dtype, "cupy", arg.device, tuple(arg.shape), strides, int(data.data.ptr), data=data)
 
