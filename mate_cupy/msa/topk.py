@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from .._logging import mate_api
-from ..checks import check_contiguous, check_dtype, check_given
+from ..checks import check_contiguous, check_dtype, check_given, int_arg
 from ..reference import msa as ref
 from ..runtime.interop import FLOAT32, INT32, INT64, Arg, Call
 from . import index_launch
@@ -81,10 +81,12 @@ def validate_topk(max_score: Arg, topk: int, num_valid_pages: Optional[int], out
     if num_valid_pages is None:
         valid_pages = nt
     else:
-        valid_pages = int(num_valid_pages)
+        valid_pages = int_arg("num_valid_pages", num_valid_pages, lo=None)
         if valid_pages <= 0 or valid_pages > nt:
             raise ValueError(f"num_valid_pages must be in (0, max_k_tiles={nt}], got {valid_pages}")
-    begin, end = int(force_begin_blocks), int(force_end_blocks)
+    topk = int_arg("topk", topk, lo=None)
+    begin = int_arg("force_begin_blocks", force_begin_blocks, lo=None)
+    end = int_arg("force_end_blocks", force_end_blocks, lo=None)
     count_in_topk = bool(force_blocks_count_in_topk)
     width = selected_block_count(topk, begin, end, count_in_topk)
     if output is not None:
