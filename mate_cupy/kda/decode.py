@@ -300,7 +300,7 @@ def _check(call, scale, use_qk_l2norm, lower_bound, use_gate_in_kernel, use_lowe
         if len(st.shape) != 4 or st.shape[1:] != tail:
             raise ValueError(
                 "state must have shape [pool, HV, V, K] for V-first or [pool, HV, K, V] for K-first; "
-                f"expected trailing dimensions {tail}, got {st.shape}"
+                f"expected 4 dimensions [pool, {', '.join(map(str, tail))}], got {st.shape}"
             )
         pool_size = st.shape[0]
         if sa is None and pool_size < N:
