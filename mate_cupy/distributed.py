@@ -335,17 +335,20 @@ def _check_local(plan, name: str, x, heads: Optional[int]):
 
 
 def _gather_pages(plan, x, group):
-    """All-gather every rank's ``[2c, H, D]`` rows into ``[W * 2c / page, page, H, D]``
-    (rank-major; the plan's ``kv_indices`` address it). Returns ``(buffer, work)``."""
+    """All-gather every rank's ``[2c, H, D]`` rows into pages ``[W * 2c / page, page, H, D]``
+    (rank-major; the plan's ``kv_indices`` address it). Returns ``(cache, work)``: the pages
+    as NHD, or as the HND view ``[P, H, page, D]`` of the same memory when ``page == H`` (a
+    shape that fits both layouts is read as HND)."""
     x = x.contiguous()
     world, n, h, d = plan.world_size, x.shape[0], x.shape[1], x.shape[2]
     if world == 1:  # the rank's rows are the whole sequence in order: its own pages
-        return x.view(n // plan.page_size, plan.page_size, h, d), None
-    full = torch.empty((world * n // plan.page_size, plan.page_size, h, d), dtype=x.dtype, device=x.device)
-    # Moved as bytes: every backend carries every dtype (fp8 and bf16 included).
-    work = _all_gather_single(full.view(-1).view(torch.uint8), x.view(-1).view(torch.uint8), group=group,
-                              async_op=True)
-    return full, work
+        full, work = x.view(n // plan.page_size, plan.page_size, h, d), None
+    else:
+        full = torch.empty((world * n // plan.page_size, plan.page_size, h, d), dtype=x.dtype, device=x.device)
+        # Moved as bytes: every backend carries every dtype (fp8 and bf16 included).
+        work = _all_gather_single(full.view(-1).view(torch.uint8), x.view(-1).view(torch.uint8), group=group,
+                                  async_op=True)
+    return (full.permute(0, 2, 1, 3) if plan.page_size == h else full), work
 
 
 def cp_sparse_attention(q_local, k_local, v_local, index_q_local, index_k_local, plan: ContextParallelPlan, *,

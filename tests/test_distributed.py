@@ -193,6 +193,23 @@ def test_plan_refusals(world1):
         D.cp_chunk_kda(q, q, q, q, q)
 
 
+def test_dense_pages_as_wide_as_the_kv_heads(world1):
+    """Chunks whose page size equals Hkv (a cache shape that fits both layouts) attend
+    correctly: the gathered pages are handed over as an HND view."""
+    from mate_cupy import distributed as D
+    from mate_cupy.reference import msa as R
+
+    n, h, d = 16, 8, 64
+    plan = D.cp_attention_plan(n, h, h, sparse=False, device="cpu")
+    assert plan.page_size == h
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, d, generator=g).to(torch.bfloat16) for _ in range(3))
+    out, _ = D.cp_dense_attention(q, k, v, plan)
+    f = lambda t: t.float().numpy().astype(np.float64)  # noqa: E731
+    ref, _ = R.dense_attention(f(q), f(k), f(v), np.array([0, n]), np.array([0, n]), qo_offset=[0])
+    assert np.abs(out.float().numpy() - ref).max() < 0.02
+
+
 def test_world_one_matches_the_single_process_ops(world1):
     """With one rank the context-parallel ops are the single-GPU ops on the whole sequence."""
     results = single_process()
