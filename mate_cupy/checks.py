@@ -47,31 +47,43 @@ def check_contiguous(arg: Arg) -> None:
 INT32_MAX = 2**31 - 1
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A scalar argument of the wrong kind (a string, a bool, a non-number): a ``TypeError``,
+    and a ``ValueError`` too, the type the reproduced API's ``int(x)`` / ``float(x)``
+    conversions raise for such values, so callers catching either keep working."""
+
+
 def int_arg(name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = INT32_MAX) -> int:
-    """An integer argument: a Python or NumPy int (anything with ``__index__``; not a bool),
-    ``TypeError`` otherwise; ``ValueError`` outside ``[lo, hi]`` (default: at most int32)."""
+    """An integer argument: a Python or NumPy int (anything with ``__index__``) or a float
+    holding a whole number; ``ArgumentTypeError`` for a bool, a string or another object,
+    ``ValueError`` for a fractional or non-finite float and outside ``[lo, hi]`` (default:
+    at most int32). Never truncates."""
     if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got bool {value}")
+        raise ArgumentTypeError(f"{name} must be an int, got bool {value}")
     try:
         v = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+        if not isinstance(value, (float, np.floating)):
+            raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+        if not math.isfinite(value) or value != math.floor(value):
+            raise ValueError(f"{name} must be a whole number, got {value!r}") from None
+        v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{name} must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], got {v}")
     return v
 
 
 def finite_arg(name: str, value) -> float:
-    """A finite real argument (anything ``float()`` takes but a bool or a string: ``TypeError``
-    otherwise; ``ValueError`` for NaN or infinity)."""
+    """A finite real argument (anything ``float()`` takes but a bool or a string:
+    ``ArgumentTypeError`` otherwise; ``ValueError`` for NaN or infinity)."""
     if isinstance(value, (bool, np.bool_, str, bytes)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     try:
         v = float(value)
     except OverflowError:
         v = math.inf
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+        raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__}") from None
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")
     return v

@@ -366,7 +366,7 @@ def test_workspace_bytes_grow_with_every_argument():
 
 
 @pytest.mark.parametrize("args, exc", [
-    ((1.0, 10, 2), TypeError), ((1, "10", 2), TypeError), ((1, 10, 2, 2.5), TypeError),
+    ((1.5, 10, 2), ValueError), ((1, "10", 2), TypeError), ((1, 10, 2, 2.5), ValueError),
     ((-1, 10, 2), ValueError), ((1, -10, 2), ValueError), ((1, 10, -2), ValueError), ((1, 10, 2, -1), ValueError),
     ((2, 10, 2, 3), ValueError),  # varlen input has batch 1
     ((None, 10, 2), TypeError), ((True, 10, 2), TypeError),

@@ -122,7 +122,7 @@ def test_refusals(rng):
                                      kv_indices=p.kv_indices)
     with pytest.raises(ValueError, match=r"num_index_kv_heads must be in \[1, "):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, num_index_kv_heads=0, topk=4, device="cpu")
-    with pytest.raises(TypeError, match="topk must be an int, got float 4.5"):
+    with pytest.raises(ValueError, match="topk must be a whole number, got 4.5"):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4.5, device="cpu")
     with pytest.raises(TypeError, match="dtype"):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4, device="cpu", dtype="bogus")

@@ -205,13 +205,14 @@ EAGER_ERRORS = [
     ("offset-float32-2**31", ([3, 5], [100, 200], 8, 2), {"qo_offset": np.array([2**31, 0], np.float32)},
      ValueError),
     ("offset-int-2**40", ([3, 5], [100, 200], 8, 2), {"qo_offset": 2**40}, ValueError),
-    # integer options are ints (not floats, strings or bools, which were truncated or converted)
-    ("heads-float", ([1], [3], 8.5), {}, TypeError),
+    # integer options are ints or whole floats (fractions were truncated; strings and bools converted)
+    ("heads-fractional", ([1], [3], 8.5), {}, ValueError),
     ("heads-str", ([1], [3], "8"), {}, TypeError),
-    ("kv-heads-float", ([1], [3], 8, 2.5), {}, TypeError),
+    ("kv-heads-fractional", ([1], [3], 8, 2.5), {}, ValueError),
     ("page-size-bool", ([1], [3], 4), {"page_size": True}, TypeError),
-    ("kv-splits-float", ([1], [3], 4), {"num_kv_splits": 2.5}, TypeError),
-    ("forced-float", ([1], [3], 4), {"page_size": 128, "kv_block_num": 4, "force_begin_blocks": 2.5}, TypeError),
+    ("kv-splits-fractional", ([1], [3], 4), {"num_kv_splits": 2.5}, ValueError),
+    ("forced-fractional", ([1], [3], 4), {"page_size": 128, "kv_block_num": 4, "force_begin_blocks": 2.5},
+     ValueError),
 ]
 
 
@@ -268,10 +269,22 @@ STATIC_ERRORS = [
     ("page-size-24", (2, 8, 64, 4), {"page_size": 24}, NotImplementedError),
     ("batch-2**40", (2**40, 64, 128, 8), {}, ValueError),
     ("rows-over-int32", (2**20, 2**12, 128, 8), {}, ValueError),
-    ("max-k-inf", (2, 64, float("inf"), 8), {}, TypeError),
-    ("batch-float", (2.5, 8, 8, 4), {}, TypeError),
+    ("max-k-inf", (2, 64, float("inf"), 8), {}, ValueError),
+    ("batch-fractional", (2.5, 8, 8, 4), {}, ValueError),
     ("heads-bool", (2, 8, 8, True), {}, TypeError),
 ]
+
+
+def test_string_and_nan_arguments_are_value_errors_too():
+    """The reproduced API converts with int(): 'abc' and NaN raise ValueError there; here the
+    error is both a TypeError and a ValueError."""
+    for args in ((2, 8, 64, "abc"), (float("nan"), 8, 64, 4)):
+        with pytest.raises(ValueError):
+            mc.msa_plan(*args)
+    with pytest.raises(TypeError, match="num_qo_heads must be an int, got str 'abc'"):
+        mc.msa_plan(2, 8, 64, "abc")
+    info = mc.msa_plan(2.0, 8.0, 64.0, 4.0)  # whole floats are their integers
+    assert (info[3].batch_size, info[3].num_qo_heads) == (2, 4) and type(info[3].batch_size) is int
 
 
 def test_planners_take_numpy_integers():

@@ -180,10 +180,10 @@ ERRORS = [
     ("output-strided", lambda: (np.zeros((2, 2, 8), np.float32), 4),
      {"output": np.zeros((2, 2, 8), np.int32)[:, :, ::2]}, ValueError),
     ("not-an-array", lambda: ("scores", 4), {}, TypeError),
-    ("topk-float", lambda: (np.zeros((2, 2, 8), np.float32), 4.5), {}, TypeError),
+    ("topk-fractional", lambda: (np.zeros((2, 2, 8), np.float32), 4.5), {}, ValueError),
     ("topk-str", lambda: (np.zeros((2, 2, 8), np.float32), "4"), {}, TypeError),
-    ("valid-float", lambda: (np.zeros((2, 2, 8), np.float32), 4), {"num_valid_pages": 2.5}, TypeError),
-    ("forced-float", lambda: (np.zeros((2, 2, 8), np.float32), 4), {"force_begin_blocks": 1.0}, TypeError),
+    ("valid-fractional", lambda: (np.zeros((2, 2, 8), np.float32), 4), {"num_valid_pages": 2.5}, ValueError),
+    ("forced-fractional", lambda: (np.zeros((2, 2, 8), np.float32), 4), {"force_begin_blocks": 1.5}, ValueError),
 ]
 
 
