@@ -206,6 +206,13 @@ def test_page_table_builder(rng):
     ids = rng.permutation(100)[: int((-(-lens // 16)).sum())].astype(np.int32)
     table = mc.build_page_table_from_flat_kv_indices(dev(ids), dev(lens), 16)
     np.testing.assert_array_equal(table.get(), R.page_table_from_csr(ids, lens, 16))
+    wide = ids.astype(np.int64)
+    wide[::3] += 2**32  # beyond int32: saturates (never wraps onto the low bits)
+    wide[1::5] -= 2**40
+    table = mc.build_page_table_from_flat_kv_indices(dev(wide), dev(lens), 16)
+    want = R.page_table_from_csr(wide, lens, 16)
+    assert (want == 2**31 - 1).any() and (want == -(2**31)).any()
+    np.testing.assert_array_equal(table.get(), want)
 
 
 # ----------------------------------------------------------------------------- static plans and capture
@@ -303,6 +310,18 @@ def test_layouts_the_kernels_cannot_read_are_copied(rng):
             out.fill_(float("nan"))
             mc.msa(qq, kk, v, info, out=out)
             assert torch.equal(out.view(torch.int16), want.view(torch.int16)), what
+    # a paged HND cache (k and v one strided array: one copy), with max scores of strided q
+    p = make_problem(rng, [3, 130], [300, 500], 8, 1, 128, page_size=128, layout="HND")
+    info = mc.msa_plan_from_lengths(p.qo, p.kv, 8, 1, page_size=128, output_maxscore=True, device=0)
+    q, kc, vc, idx = (torch.from_dlpack(dev(x)) for x in (p.q, p.k_cache, p.v_cache, p.kv_indices))
+    want_o, want_ms = mc.msa(q, kc, vc, info, kv_indices=idx)
+    kv = torch.stack([kc, vc], dim=-1)  # [P, Hkv, page, D, 2]: k and v with an element stride of 2
+    got_o, got_ms = mc.msa(padded(q, 256, 2), kv[..., 0], kv[..., 1], info, kv_indices=idx)
+    assert torch.equal(got_o.view(torch.int16), want_o.view(torch.int16))
+    assert torch.equal(got_ms, want_ms)
+    _, ms_only = mc.msa(padded(q, 130), kv[..., 0], kv[..., 0], info, kv_indices=idx, output_o=False)
+    assert torch.equal(ms_only, want_ms)
+    check(want_o, None, dense_ref(p), BF16, "paged HND")
 
 
 def test_host_index_array_with_cuda_q_is_refused(rng):

@@ -27,7 +27,9 @@ extern "C" __global__ void __launch_bounds__(512) round_trip(uint4* __restrict__
     const int grid = gridDim.x;
     unsigned acc = 0;
     for (int r = 0; r < rounds; ++r) {
-        const long long base = ring ? 0 : ((long long)r * grid * slab_vecs) % (buf_vecs - (long long)grid * slab_vecs + 1);
+        // (slabs start on 128-byte lines: discard.global.L2 takes 128-byte aligned addresses)
+        const long long span = (buf_vecs - (long long)grid * slab_vecs) / 8 + 1;
+        const long long base = ring ? 0 : ((long long)r * grid * slab_vecs / 8) % span * 8;
         uint4* slab = buf + base + (long long)blockIdx.x * slab_vecs;
         const uint4 val = make_uint4(r, blockIdx.x, threadIdx.x, r ^ blockIdx.x);
 #pragma unroll 4

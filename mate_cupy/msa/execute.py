@@ -193,24 +193,22 @@ def _host(arg: Optional[Arg]) -> Optional[np.ndarray]:
 
 def _rows_of_chunks(call: Call, arg: Arg) -> Arg:
     """``arg`` itself when the kernels can read it by 16-byte chunks of its rows (head dim
-    contiguous, strides and data 16-byte aligned), else a contiguous copy (on CUDA a new
-    array on the call's stream). The copy is not one of ``call``'s arrays, so a call that
-    reads one is never prepared (its launches would read the caller's array)."""
+    contiguous, strides and data 16-byte aligned), else a contiguous copy: on CUDA a new
+    array in the caller's framework (torch's allocator for torch tensors, so a capture keeps
+    it in its pool), copied bit for bit on the call's stream. The copy is not one of
+    ``call``'s arrays, so a call that reads one is never prepared (its launches would read
+    the caller's array)."""
     item = arg.dtype.itemsize
     if (arg.strides[-1] == 1 or arg.shape[-1] <= 1) and not (arg.size and arg.ptr % 16) and all(
             arg.shape[i] <= 1 or (s * item) % 16 == 0 for i, s in enumerate(arg.strides[:-1])):
         return arg
     if not call.is_cuda:
         return wrap(arg.name, np.array(arg.data, copy=True, order="C"))
-    import cupy
-
-    src = arg.data  # (fp8 viewed as uint8; the Arg below keeps the logical dtype)
-    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[src.dtype.itemsize]
-    with call.launch_scope():
-        data = cupy.empty(arg.shape, dtype=bits)
-        data[...] = src.view(bits)  # a bit-exact copy through an integer view (any 16-bit float)
-    strides = tuple(int(np.prod(arg.shape[i + 1:], dtype=np.int64)) for i in range(len(arg.shape)))
-    return Arg(arg.name, data, arg.dtype, "cupy", arg.device, tuple(arg.shape), strides, int(data.data.ptr), data=data)
+    copy = call.new(arg.name, arg.shape, arg.dtype)
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[item]
+    with call.launch_scope():  # through an integer view: bit-exact for every 16-bit float and fp8
+        copy.data.view(bits)[...] = arg.data.view(bits)
+    return copy
 
 
 def _kv_layout(arg: Arg, plan: MsaPlan) -> str:
@@ -658,9 +656,12 @@ def validate(fn: str, info: tuple, q, k, v, kv_indices=None, kv_block_indexes=No
         qa = _rows_of_chunks(call, qa)
         qs = qa.strides
     if ks[-1] != 1 or ks[0] % m or ks[1] % m or ks[-2] % m or ka.ptr % 16:
+        same = va.ptr == ka.ptr and va.strides == ks  # (k and v one array: one copy)
         ka = _rows_of_chunks(call, ka)
         ks = ka.strides
-    if vs[-1] != 1 or vs[0] % m or vs[1] % m or vs[-2] % m or va.ptr % 16:
+        if same:
+            va, vs = ka, ks
+    if output_o and (vs[-1] != 1 or vs[0] % m or vs[1] % m or vs[-2] % m or va.ptr % 16):  # (max scores read no v)
         va = _rows_of_chunks(call, va)
         vs = va.strides
     kv_extent = kshape[0]
