@@ -114,6 +114,11 @@ def test_refusals(rng):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4, device="cpu", max_score_bytes=0)
     with pytest.raises(ValueError):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=5, device="cpu")
+    plan.max_score[...] = np.nan  # the attention pass's refusal comes before the index pass writes it
+    with pytest.raises(TypeError, match="q, k, and v must share the same dtype"):
+        mc.sparse_attention_pipeline(p.q, p.k_cache.astype(np.float16), p.v_cache, iq, icache, plan,
+                                     kv_indices=p.kv_indices)
+    assert np.isnan(plan.max_score).all()
     with pytest.raises(TypeError, match="the index branch .*index_q and index_k"):
         mc.sparse_attention_pipeline(p.q, p.k_cache, p.v_cache, iq.astype(np.float16), icache, plan,
                                      kv_indices=p.kv_indices)

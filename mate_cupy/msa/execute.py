@@ -37,8 +37,8 @@ from . import index_launch
 from .plan import MsaPlan, MsaRuntimeMetadata, max_k_tiles, plan_page_width
 from .runtime import Lengths, resolve_lengths
 
-__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "check_fp8_max_score", "prepare_workspace", "run",
-           "validate"]
+__all__ = ["MsaProblem", "PartProblem", "attention_workspace_bytes", "check_fp8_max_score", "finish",
+           "prepare_workspace", "run", "start", "validate"]
 
 # The contract of the kernels, refused alike for host inputs.
 ATTENTION_DTYPES = (FLOAT16, BFLOAT16, FP8_E4M3)
@@ -844,6 +844,19 @@ def _check_sparse_part(fn: str, plan: MsaPlan, lens: Lengths, table, idx, kbi) -
 # ----------------------------------------------------------------------------- running
 
 
+class StartedCall:
+    """A call between :func:`start` and :func:`finish`: its ready prepared launch and the
+    addresses to run it with, or its validated problem and operands (and the key under
+    which :func:`finish` stores the launch it prepares)."""
+
+    __slots__ = ("prepared", "addresses", "out", "lse", "prob", "ops", "key", "runtime_metadata")
+
+    def __init__(self, prepared=None, addresses=None, out=None, lse=None, prob=None, ops=None, key=None,
+                 runtime_metadata=None):
+        self.prepared, self.addresses, self.out, self.lse = prepared, addresses, out, lse
+        self.prob, self.ops, self.key, self.runtime_metadata = prob, ops, key, runtime_metadata
+
+
 def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
         page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
         check_input_valid, workspace):
@@ -856,23 +869,60 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
     equal array metadata and options, made by the first such call after its validation
     (False is held for keys whose calls take the validated path, :func:`_prepare`).
     """
-    plan = info[3]
     key = None
     if (output_o and not output_maxscore and not check_input_valid and q_offset_override is None
             and workspace is None and out is not None and not info[0] and (lse is not None or not want_lse)):
         key = _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, runtime_metadata,
                             sm_scale, k_scale, v_scale, want_lse)
         if key is not None:
-            entry = plan.prepared_calls.get(key[0])
+            entry = info[3].prepared_calls.get(key[0])
             if entry is False:  # calls with this key take the validated path (_prepare)
                 key = None
-            elif entry is not None and entry.ready(plan):
+            elif entry is not None and entry.ready(info[3]):
                 entry.run(key[1])
                 return out, lse, None
     prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
                          page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore,
                          want_lse, check_input_valid, workspace)
+    return _finish_validated(prob, ops, key, runtime_metadata)
+
+
+def start(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
+          page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
+          check_input_valid, workspace) -> StartedCall:
+    """:func:`run` up to its first launch (arguments as :func:`run`): the ready prepared
+    launch, else the validation; :func:`finish` runs the rest. For callers that launch other
+    work between the two (the MSA pipeline)."""
+    key = None
+    if (output_o and not output_maxscore and not check_input_valid and q_offset_override is None
+            and workspace is None and out is not None and not info[0] and (lse is not None or not want_lse)):
+        key = _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, runtime_metadata,
+                            sm_scale, k_scale, v_scale, want_lse)
+        if key is not None:
+            entry = info[3].prepared_calls.get(key[0])
+            if entry is False:
+                key = None
+            elif entry is not None and entry.ready(info[3]):
+                return StartedCall(prepared=entry, addresses=key[1], out=out, lse=lse)
+    prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
+                         page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore,
+                         want_lse, check_input_valid, workspace)
+    return StartedCall(prob=prob, ops=ops, key=key, runtime_metadata=runtime_metadata)
+
+
+def finish(started: StartedCall) -> tuple:
+    """Run a :func:`start`-ed call; returns ``(out, lse, max_score)`` as :func:`run` does."""
+    if started.prepared is not None:
+        started.prepared.run(started.addresses)
+        return started.out, started.lse, None
+    return _finish_validated(started.prob, started.ops, started.key, started.runtime_metadata)
+
+
+def _finish_validated(prob: MsaProblem, ops: _Operands, key, runtime_metadata) -> tuple:
+    """Allocate the outputs not given, then launch (CUDA; preparing the launch under ``key``)
+    or run the references (host)."""
     call = ops.call
+    plan = prob.parts[0].plan
     if prob.output_o:
         if ops.out is None:
             ops.out = call.new("out", call.args["q"].shape, prob.out_dtype)

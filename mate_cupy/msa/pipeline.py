@@ -26,7 +26,7 @@ import numpy as np
 from .._logging import mate_api
 from ..checks import check_given, int_arg
 from ..runtime.interop import FP8_E4M3, Call, as_dtype
-from .execute import check_fp8_max_score
+from .execute import check_fp8_max_score, finish, start
 from ..util_ops import launch_query_positions
 from .ops import msa
 from .plan import (
@@ -339,6 +339,11 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
     n = _leading_dim(index_q, "index_q")
     if n != rows:
         raise ValueError(f"index_q must have q's {rows} rows, got {n}")
+    # The attention pass is validated (or its prepared launch found) before anything launches: its
+    # block lists are the plan's selection buffer, which the passes below fill (no value is read).
+    attention = start("sparse_attention_pipeline", unpack_plan_info(plan.attention), q, k, v, kv_indices,
+                      plan.selection[:rows], None, out, lse, None, None, sm_scale, k_scale, v_scale,
+                      runtime_metadata, True, False, False, False, workspace)
     # The selection pass takes the plan's buffers first, so it would launch on CuPy's current
     # stream: make that the caller's (q's framework's current stream) for every pass.
     call = Call(q=q)
@@ -363,9 +368,7 @@ def sparse_attention_pipeline(q, k, v, index_q, index_k, plan: SparsePipelinePla
                 if w.row_end > w.row_begin:
                     index_window(plan, w, index_q, index_k, kv_indices=kv_indices, index_scale=index_scale)
                     select_window(plan, w)
-        res, _ = msa(q, k, v, plan.attention, kv_indices=kv_indices, kv_block_indexes=plan.selection[:rows], out=out, lse=lse,
-                     sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, runtime_metadata=runtime_metadata,
-                     output_maxscore=False, workspace=workspace)
+        res, _, _ = finish(attention)
     return res
 
 
