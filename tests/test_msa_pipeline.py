@@ -131,6 +131,8 @@ def test_refusals(rng):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4.5, device="cpu")
     with pytest.raises(TypeError, match="dtype"):
         mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4, device="cpu", dtype="bogus")
+    with pytest.raises(TypeError, match="stream"):
+        mc.sparse_pipeline_plan(p.qo, p.kv, 8, 1, topk=4, device="cpu", stream="x")
 
 
 def test_static_plan_needs_a_gpu_and_metadata():

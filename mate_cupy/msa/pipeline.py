@@ -39,6 +39,7 @@ from .plan import (
     normalize_qo_offset,
     resolve_heads,
     selected_block_count,
+    stream_address,
     unpack_plan_info,
     upload_plan,
 )
@@ -202,6 +203,7 @@ def sparse_pipeline_plan(qo_segment_lens, kv_segment_lens, num_qo_heads: int, nu
     (num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks, force_end_blocks, max_score_bytes,
      head_dim, dtype) = _pipeline_args(num_qo_heads, num_kv_heads, num_index_kv_heads, topk, force_begin_blocks,
                                        force_end_blocks, max_score_bytes, head_dim, dtype)
+    stream_address(stream)  # (checked even for a host plan)
     dev = _current_cuda_device() if device is None else device_index(device)  # None: a host plan
     attention = msa_plan_from_lengths(
         qo, kv, num_qo_heads, num_kv_heads, qo_offset=qo_offset, split_prefill_decode=split_prefill_decode,
