@@ -14,6 +14,7 @@ from msa_cases import BF16, FP8, make_problem, offsets_of, random_selection
 
 import mate_cupy as mc
 from mate_cupy.reference import msa as R
+from mate_cupy.msa import execute
 
 TOL = {np.dtype(np.float16): 2e-3, BF16: 8e-3, np.dtype(np.float32): 1e-6}
 
@@ -755,7 +756,7 @@ def test_fp8_dense_attention_runs_on_host(rng):
     assert_rel(out, dense_ref(p)[0], 8e-3, "fp8 dense")
 
 
-def test_layouts_the_kernels_cannot_read_are_copied(rng):
+def test_layouts_the_kernels_cannot_read_are_copied(rng, monkeypatch):
     """q, k, v with a strided head dim, rows not 16-byte multiples or unaligned data are read
     from a contiguous copy (the caller's arrays are left as they are)."""
     p = make_problem(rng, [3, 5], [20, 9], 8, 2, 64)
@@ -776,6 +777,13 @@ def test_layouts_the_kernels_cannot_read_are_copied(rng):
     kt[..., 0] = p.k
     out, _ = _dense_call(p, k=kt[..., 0])
     check(out, None, ref, BF16, "strided k")
+    copies = []
+    real = execute._rows_of_chunks
+    monkeypatch.setattr(execute, "_rows_of_chunks", lambda call, arg: copies.append(arg.name) or real(call, arg))
+    same, _ = _dense_call(p, k=kt[..., 0], v=kt[..., 0])
+    want, _ = _dense_call(p, v=p.k)
+    assert copies.count("k") == 1 and "v" not in copies and copies.count("q") == 0
+    np.testing.assert_array_equal(same.view(np.uint16), want.view(np.uint16))
 
 
 def test_layout_limits_refused_for_host_inputs(rng):

@@ -321,6 +321,9 @@ def test_layouts_the_kernels_cannot_read_are_copied(rng):
     assert torch.equal(got_ms, want_ms)
     _, ms_only = mc.msa(padded(q, 130), kv[..., 0], kv[..., 0], info, kv_indices=idx, output_o=False)
     assert torch.equal(ms_only, want_ms)
+    same_o, _ = mc.msa(q, kc, kc, info, kv_indices=idx)  # k given as v: one copy serves both
+    got_o, _ = mc.msa(q, kv[..., 0], kv[..., 0], info, kv_indices=idx)
+    assert torch.equal(got_o.view(torch.int16), same_o.view(torch.int16))
     check(want_o, None, dense_ref(p), BF16, "paged HND")
 
 

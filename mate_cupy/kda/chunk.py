@@ -73,8 +73,9 @@ def chunk_kda_workspace_bytes(batch: int, seqlen: int, num_v_heads: int, num_seq
     tokens into ``num_seqs`` sequences. The value grows with every argument, so a workspace
     sized for the largest call serves every smaller one.
 
-    Raises ``TypeError`` for non-integers, ``ValueError`` for negative values or a varlen
-    ``batch`` other than 1.
+    Integers or whole floats: ``ValueError`` for fractions, negative values or a varlen
+    ``batch`` other than 1; ``checks.ArgumentTypeError`` (a ``TypeError`` and a
+    ``ValueError``) for strings, bools and other objects.
     """
     vals = {name: int_arg(name, x, lo=0, hi=None)
             for name, x in (("batch", batch), ("seqlen", seqlen), ("num_v_heads", num_v_heads), ("num_seqs", num_seqs))

@@ -204,10 +204,16 @@ def _rows_of_chunks(call: Call, arg: Arg) -> Arg:
         return arg
     if not call.is_cuda:
         return wrap(arg.name, np.array(arg.data, copy=True, order="C"))
-    copy = call.new(arg.name, arg.shape, arg.dtype)
+    if call.framework == "torch":
+        copy = call.new(arg.name, arg.shape, arg.dtype)
+        dst = copy.data
+    else:  # CuPy's pool on the caller's stream (fp8 held as uint8), never exported
+        dst = call.empty(arg.shape, arg.dtype)
+        copy = Arg(arg.name, dst, arg.dtype, "cupy", arg.device, tuple(arg.shape),
+                   tuple(x // item for x in dst.strides), int(dst.data.ptr), data=dst)
     bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[item]
     with call.launch_scope():  # through an integer view: bit-exact for every 16-bit float and fp8
-        copy.data.view(bits)[...] = arg.data.view(bits)
+        dst.view(bits)[...] = arg.data.view(bits)
     return copy
 
 

@@ -460,7 +460,7 @@ def _resolve_mode(max_qo_len: int, page_size: int, kv_block_num: int, sparse_ker
 
 def _check_options(*, page_size: int, sparse_block_size: int, output_maxscore: bool, kv_block_num: int,
                    force_begin_blocks: int, force_end_blocks: int, force_blocks_count_in_topk: bool,
-                   sparse_kernel_mode: str, prefill_tile, usable_sm_count) -> None:
+                   sparse_kernel_mode: str, prefill_tile) -> None:
     """The plan options every planner shares, each checked once."""
     if page_size > 0 and page_size & (page_size - 1):
         raise NotImplementedError(f"page_size must be a power of two, got {page_size}")
@@ -492,9 +492,6 @@ def _check_options(*, page_size: int, sparse_block_size: int, output_maxscore: b
     if prefill_tile is not None and (not isinstance(prefill_tile, str) or prefill_tile not in PREFILL_TILES):
         raise ValueError(f"prefill_tile must be {GATHER_TILE!r} (the default; None means it) or {QUERY_TILE!r}, "
                          f"got {prefill_tile!r}")
-    if usable_sm_count is not None and (not isinstance(usable_sm_count, (int, np.integer))
-                                        or isinstance(usable_sm_count, bool) or usable_sm_count <= 0):
-        raise ValueError(f"usable_SM_count must be None or a positive int, got {usable_sm_count!r}")
 
 
 def resolve_heads(num_qo_heads, num_kv_heads, *, nonpositive_kv_heads_mean_hq: bool = True) -> tuple:
@@ -628,10 +625,11 @@ def msa_plan_from_lengths(qo_segment_lens, kv_segment_lens, num_qo_heads: int, n
                 force_end_blocks=int_arg("force_end_blocks", force_end_blocks, lo=-2**31),
                 force_blocks_count_in_topk=bool(force_blocks_count_in_topk), causal=bool(causal),
                 sparse_kernel_mode=str(sparse_kernel_mode), use_fp8_kvcache=bool(use_fp8_kvcache),
-                prefill_tile=prefill_tile, usable_sm_count=usable_SM_count)
+                prefill_tile=prefill_tile,
+                usable_sm_count=None if usable_SM_count is None else int_arg("usable_SM_count", usable_SM_count, lo=1))
     _check_options(**{k: opts[k] for k in ("page_size", "sparse_block_size", "output_maxscore", "kv_block_num",
                                            "force_begin_blocks", "force_end_blocks", "force_blocks_count_in_topk",
-                                           "sparse_kernel_mode", "prefill_tile", "usable_sm_count")})
+                                           "sparse_kernel_mode", "prefill_tile")})
     if np.any(qo_lens < 0) or np.any(kv_lens < 0):
         raise ValueError(
             f"sequence lengths must be non-negative, got qo_segment_lens={qo_lens.tolist()}, "
@@ -707,7 +705,7 @@ def msa_plan(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads
     _check_options(page_size=page_size, sparse_block_size=sparse_block_size, output_maxscore=output_maxscore,
                    kv_block_num=kv_block_num, force_begin_blocks=begin, force_end_blocks=end,
                    force_blocks_count_in_topk=count_in_topk, sparse_kernel_mode=sparse_kernel_mode,
-                   prefill_tile=prefill_tile, usable_sm_count=None)
+                   prefill_tile=prefill_tile)
     mode = _resolve_mode(max_seqlen_q, page_size, kv_block_num, sparse_kernel_mode)
 
     zeros = np.zeros(batch_size, dtype=np.int32)
