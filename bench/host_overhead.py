@@ -251,7 +251,6 @@ def install_stub_device(patch=setattr) -> StubLaunches:
     import torch
 
     from mate_cupy.jit import compiler
-    from mate_cupy.msa import execute
     from mate_cupy.runtime import device, interop
 
     rec = StubLaunches()

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..runtime.interop import current_device
-from .registry import SM90A, KernelSpec, arch_capability, registered
+from .registry import SM90A, KernelSpec, registered
 from .sources import source_text
 
 CXX_STD = "--std=c++17"
