@@ -321,8 +321,6 @@ def compile_variant(spec: KernelSpec, arch: str = "sm_90a", *, ptxas_verbose: bo
             "cubin_bytes": len(cubin), "log": log}
 
 
-
-
 def _compile_one(args):
     spec, arch, cubin_dir = args
     if not spec.builds_for(arch):

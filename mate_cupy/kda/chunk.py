@@ -23,6 +23,7 @@ from ..checks import check_given, finite_arg, int_arg
 from ..reference.kda import kda_recurrent, sequence_bounds
 from ..runtime.device import device_info
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, Call, dtype_name
+from ..runtime.staging import cuda_copy_into
 from ..runtime.workspace import as_workspace
 from . import chunk_launch as cl
 from .common import FLOAT_DTYPES, HALF_DTYPES, INDEX_DTYPES, names, with_batch
@@ -450,8 +451,7 @@ def _copy_into(dst, src) -> None:
     (float16/float64 -> float32 exact or rounded to nearest even; float32 -> float16 rounded
     to nearest even)."""
     if dst.dtype == src.dtype:
-        u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dst.dtype.itemsize]
-        dst.view(u)[...] = src.view(u)
+        cuda_copy_into(dst, src)
     elif src.dtype == BFLOAT16:  # -> float32, exact: the bf16 bits are the float32's high half
         bits = dst.view(np.uint32)
         bits[...] = src.view(np.uint16)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..jit import KernelParams, KernelSpec, PreparedLaunch, Source, get_kernel, launch, register
 from ..runtime.device import device_info
 from ..runtime.interop import BFLOAT16, FLOAT16, FLOAT32, INT64, torch_stream_ptr
-from .common import cuda_contiguous, cuda_copy_into
+from ..runtime.staging import cuda_contiguous, cuda_copy_into
 
 SOURCE = "kda_decode.cu"
 _STATE_CTYPE = {FLOAT32: "float", BFLOAT16: "__nv_bfloat16"}

@@ -31,6 +31,7 @@ from ..runtime.device import device_info
 from ..jit import PreparedLaunch, Source
 from ..runtime.interop import (BFLOAT16, FLOAT16, FLOAT32, FP8_E4M3, INT32, Arg, Call, current_device, dtype_name,
                                torch_cuda_addresses, torch_stream_ptr, wrap)
+from ..runtime.staging import cuda_copy_into
 from ..runtime.workspace import Workspace, as_workspace
 from . import attention_launch as al
 from . import index_launch
@@ -166,21 +167,15 @@ def _int32(call: Call, arg: Arg, name: str) -> Arg:
     (never wraps onto a valid page or block)."""
     if arg.dtype == INT32 and arg.is_contiguous():
         return arg
-    wide = arg.dtype.itemsize > 4 or arg.dtype == np.uint32
     if call.is_cuda:
-        import cupy
-
-        with call.launch_scope():
-            data = arg.data
-            if wide:
-                data = cupy.minimum(data, 2**31 - 1) if arg.dtype.kind == "u" else cupy.clip(data, -2**31, 2**31 - 1)
-            data = cupy.ascontiguousarray(data, dtype=cupy.int32)
+        import cupy as xp
     else:
+        xp = np
+    with call.launch_scope():
         data = arg.data
-        if wide:
-            data = np.minimum(data, 2**31 - 1) if arg.dtype.kind == "u" else np.clip(data, -2**31, 2**31 - 1)
-        data = np.ascontiguousarray(data, dtype=np.int32)
-    return wrap(name, data)
+        if arg.dtype.itemsize > 4 or arg.dtype == np.uint32:
+            data = xp.minimum(data, 2**31 - 1) if arg.dtype.kind == "u" else xp.clip(data, -2**31, 2**31 - 1)
+        return wrap(name, xp.ascontiguousarray(data, dtype=np.int32))
 
 
 def _host(arg: Optional[Arg]) -> Optional[np.ndarray]:
@@ -211,9 +206,8 @@ def _rows_of_chunks(call: Call, arg: Arg) -> Arg:
         dst = call.empty(arg.shape, arg.dtype)
         copy = Arg(arg.name, dst, arg.dtype, "cupy", arg.device, tuple(arg.shape),
                    tuple(x // item for x in dst.strides), int(dst.data.ptr), data=dst)
-    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[item]
-    with call.launch_scope():  # through an integer view: bit-exact for every 16-bit float and fp8
-        dst.view(bits)[...] = arg.data.view(bits)
+    with call.launch_scope():
+        cuda_copy_into(dst, arg.data)
     return copy
 
 
@@ -863,6 +857,25 @@ class StartedCall:
         self.prob, self.ops, self.key, self.runtime_metadata = prob, ops, key, runtime_metadata
 
 
+def _lookup_prepared(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, page_table,
+                     sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
+                     check_input_valid, workspace) -> tuple:
+    """``(entry, key)``: the plan's ready :class:`PreparedCall` for this call (or None) and the
+    call's key (``(key, addresses)``; None when the call is not preparable or its key holds
+    False: calls with it take the validated path, :func:`_prepare`)."""
+    if not (output_o and not output_maxscore and not check_input_valid and q_offset_override is None
+            and workspace is None and out is not None and not info[0] and (lse is not None or not want_lse)):
+        return None, None
+    key = _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, runtime_metadata,
+                        sm_scale, k_scale, v_scale, want_lse)
+    if key is None:
+        return None, None
+    entry = info[3].prepared_calls.get(key[0])
+    if entry is False:
+        return None, None
+    return (entry if entry is not None and entry.ready(info[3]) else None), key
+
+
 def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
         page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore, want_lse,
         check_input_valid, workspace):
@@ -875,18 +888,12 @@ def run(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_ov
     equal array metadata and options, made by the first such call after its validation
     (False is held for keys whose calls take the validated path, :func:`_prepare`).
     """
-    key = None
-    if (output_o and not output_maxscore and not check_input_valid and q_offset_override is None
-            and workspace is None and out is not None and not info[0] and (lse is not None or not want_lse)):
-        key = _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, runtime_metadata,
-                            sm_scale, k_scale, v_scale, want_lse)
-        if key is not None:
-            entry = info[3].prepared_calls.get(key[0])
-            if entry is False:  # calls with this key take the validated path (_prepare)
-                key = None
-            elif entry is not None and entry.ready(info[3]):
-                entry.run(key[1])
-                return out, lse, None
+    entry, key = _lookup_prepared(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse,
+                                  page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o,
+                                  output_maxscore, want_lse, check_input_valid, workspace)
+    if entry is not None:
+        entry.run(key[1])
+        return out, lse, None
     prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
                          page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore,
                          want_lse, check_input_valid, workspace)
@@ -899,17 +906,11 @@ def start(fn: str, info: tuple, q, k, v, kv_indices, kv_block_indexes, q_offset_
     """:func:`run` up to its first launch (arguments as :func:`run`): the ready prepared
     launch, else the validation; :func:`finish` runs the rest. For callers that launch other
     work between the two (the MSA pipeline)."""
-    key = None
-    if (output_o and not output_maxscore and not check_input_valid and q_offset_override is None
-            and workspace is None and out is not None and not info[0] and (lse is not None or not want_lse)):
-        key = _prepared_key(fn, q, k, v, out, lse, kv_indices, page_table, kv_block_indexes, runtime_metadata,
-                            sm_scale, k_scale, v_scale, want_lse)
-        if key is not None:
-            entry = info[3].prepared_calls.get(key[0])
-            if entry is False:
-                key = None
-            elif entry is not None and entry.ready(info[3]):
-                return StartedCall(prepared=entry, addresses=key[1], out=out, lse=lse)
+    entry, key = _lookup_prepared(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse,
+                                  page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o,
+                                  output_maxscore, want_lse, check_input_valid, workspace)
+    if entry is not None:
+        return StartedCall(prepared=entry, addresses=key[1], out=out, lse=lse)
     prob, ops = validate(fn, info, q, k, v, kv_indices, kv_block_indexes, q_offset_override, out, lse, max_score,
                          page_table, sm_scale, k_scale, v_scale, runtime_metadata, output_o, output_maxscore,
                          want_lse, check_input_valid, workspace)

@@ -543,11 +543,12 @@ def page_table_from_csr(kv_indices, kv_lens, page_size):
         raise ValueError(
             f"kv_indices does not match the page count implied by kv_lens: {idx.shape[0]} vs {total}"
         )
+    idx = np.clip(idx, -2**31, 2**31 - 1)
     table = np.zeros((lens.shape[0], int(counts.max(initial=0))), dtype=np.int32)
     start = 0
     for b, c in enumerate(counts.tolist()):
         if c > 0:
-            table[b, :c] = np.clip(idx[start:start + c], -2**31, 2**31 - 1)
+            table[b, :c] = idx[start:start + c]
         start += max(c, 0)
     return table
 
