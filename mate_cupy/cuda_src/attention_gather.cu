@@ -56,6 +56,7 @@ constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher ch
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
+constexpr int kOnesBytes = 1024;          // the ones operand of the row sums (8 rows x 128 bytes)
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
 
@@ -293,8 +294,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
+    // 1 KB of ones (a K-major 8-column B operand): P times it gives P's row sums on the tensor
+    // cores, from the same rounded P as O (ordered before the first wgmma by the first item's
+    // proxy fence and barrier).
+    unsigned char* sOnes = sQ + kWGs * 2 * kQBytes;
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
+    for (int x = tid; x < kOnesBytes / 4; x += kThreads)
+        reinterpret_cast<u32*>(sOnes)[x] = pack2<Elem>(1.f, 1.f);
+    const u64 ones_desc = wg_desc(smem_u32(sOnes), 16, 1024);
     __shared__ int next_item;
     // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
     // the n_items[2] big ones from the front of items, then the others from the back.
@@ -333,29 +341,34 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
         // when causal, else lim_a clamped (lim_b is clamped to [INT_MIN, 128], which keeps that).
         const int lim_a = rq.Lk - s * kBN;
         const int lim_b = (int)max(-2147483648LL, min((long long)kBN, rq.qoff - rq.q_start + 1 - (long long)s * kBN));
-        const Elem* const qh0 = q + (long long)(kvh * kGroup + qrow0) * q_head_stride + qch * 8;
-        const long long qh8 = 8 * q_head_stride;
-        // Tokens of group grp's four queries (-1 past the item), loaded a group ahead of use.
-        auto load_toks = [&](int grp, int (&tk)[4]) {
+        // This thread's 16-byte chunk of head qrow0 of token 0 (bytes): token t's is t * q_tok_bytes
+        // further, head qrow0 + 8's q_h8_bytes further.
+        const char* const qh0 =
+            reinterpret_cast<const char*>(q + (long long)(kvh * kGroup + qrow0) * q_head_stride + qch * 8);
+        const unsigned long long q_tok_bytes = (unsigned long long)q_tok_stride * sizeof(Elem);
+        const unsigned long long q_h8_bytes = (unsigned long long)q_head_stride * 8 * sizeof(Elem);
+        // Tokens of group grp's four queries, loaded a group ahead of use; past the item the
+        // item's last one (rows computed and never stored: no zero fill, no predicate).
+        auto load_toks = [&](int grp, unsigned (&tk)[4]) {
+            if (grp < n_grp)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int pi = begin + 4 * grp + e;
-                tk[e] = pi < end ? pair_tok[pi] : -1;
-            }
+                for (int e = 0; e < 4; ++e) tk[e] = (unsigned)pair_tok[min(begin + 4 * grp + e, end - 1)];
         };
-        auto load_q = [&](int grp, const int (&tk)[4], int buf) {
+        // Row qrow0 + 8 i of the tile is query i / 2, head qrow0 + 8 (i % 2): one address per
+        // token, the second head 8 rows (8 * 128 bytes, same swizzle phase) further.
+        auto load_q = [&](int grp, const unsigned (&tk)[4], int buf) {
             if (grp < n_grp) {
-                unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes;
+                unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes + QTile::offset(qrow0, qch);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const int tq = tk[i >> 1];
-                    const Elem* src = tq >= 0 ? qh0 + (long long)tq * q_tok_stride + ((i & 1) ? qh8 : 0) : q;
-                    cp_async_16(dst + QTile::offset(qrow0 + 8 * i, qch), src, tq >= 0);
+                for (int e = 0; e < 4; ++e) {
+                    const char* src = qh0 + tk[e] * q_tok_bytes;
+                    cp_async_16(dst + (2 * e) * 1024, src);
+                    cp_async_16(dst + (2 * e + 1) * 1024, src + q_h8_bytes);
                 }
             }
             cp_async_commit();
         };
-        int tk_next[4];
+        unsigned tk_next[4];
         load_toks(wg, tk_next);
         load_q(wg, tk_next, 0);
         load_toks(wg + kWGs, tk_next);
@@ -407,8 +420,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                     for (int e = 0; e < 4; ++e)
                         if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
             }
-            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
-            float m[2], l[2];
+            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling; the
+            // row sums come from the P V wgmma).
+            float m[2];
     #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float mx = kNegInf;
@@ -416,17 +430,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
                 mx = quad_max(mx);
                 const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
-                float sum = 0.f;
     #pragma unroll
                 for (int n = 0; n < 16; ++n)
     #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
-                        S[n][2 * h + e] = p;
-                        sum += p;
-                    }
+                    for (int e = 0; e < 2; ++e) S[n][2 * h + e] = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
                 m[h] = mx;
-                l[h] = sum;
             }
             u32 pa[8][4];
     #pragma unroll
@@ -436,11 +444,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
                 pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
             }
-            float O[16][4];
+            // O = P V and the row sums L = P 1 (every column of L is the sum of its row).
+            float O[16][4], L[4];
             wg_fence_regs<32>(&pa[0][0]);
             wg_fence();
     #pragma unroll
-            for (int kk = 0; kk < 8; ++kk)
+            for (int kk = 0; kk < 8; ++kk) {
     #pragma unroll
                 for (int cb = 0; cb < 2; ++cb) {
                     const u64 vd = wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048);
@@ -449,9 +458,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                     else
                         WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], vd, 1);
                 }
+                if (kk == 0)
+                    WgmmaRSKMajor<8, Elem>::first(L, pa[kk], ones_desc);
+                else
+                    WgmmaRSKMajor<8, Elem>::run(L, pa[kk], ones_desc, 1);
+            }
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
+            wg_fence_regs<4>(L);
             if (!live) continue;  // (warp-uniform: one query per warp)
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
@@ -459,16 +474,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
             unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
             auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
+            // Row g + 8 h, chunk n = 8 a + b at mine + h * 8192 + g * 256 + a * 128 + (b ^ g) * 16:
+            // one chunk offset per b for both rows and both halves.
+            unsigned char* const mine_g = mine + g * 256 + 4 * t;
+            float inv[2];
     #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float lt = quad_sum(l[h]);
-                const float inv = lt > 0.f ? 1.f / lt : 0.f;
-                const int row = g + 8 * h;
+                const float lt = L[2 * h];
+                inv[h] = lt > 0.f ? 1.f / lt : 0.f;
+                if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
+            }
     #pragma unroll
-                for (int n = 0; n < 16; ++n)
-                    *reinterpret_cast<u32*>(stg_row(row) + ((n ^ (row & 7)) << 4) + 4 * t) =
-                        pack2<half_t>(O[n][2 * h] * inv, O[n][2 * h + 1] * inv);
-                if (t == 0) part_lse[base + row] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
+            for (int b = 0; b < 8; ++b) {
+                unsigned char* const col = mine_g + ((b ^ g) << 4);
+    #pragma unroll
+                for (int h = 0; h < 2; ++h)
+    #pragma unroll
+                    for (int a = 0; a < 2; ++a)
+                        *reinterpret_cast<u32*>(col + h * 8192 + a * 128) =
+                            pack2<half_t>(O[8 * a + b][2 * h] * inv[h], O[8 * a + b][2 * h + 1] * inv[h]);
             }
             __syncwarp();
             uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
