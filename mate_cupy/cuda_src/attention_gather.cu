@@ -56,7 +56,6 @@ constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher ch
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
-constexpr int kOnesBytes = 1024;          // the ones operand of the row sums (8 rows x 128 bytes)
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
 
@@ -294,15 +293,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
-    // 1 KB of ones (a K-major 8-column B operand): P times it gives P's row sums on the tensor
-    // cores, from the same rounded P as O (ordered before the first wgmma by the first item's
-    // proxy fence and barrier).
-    unsigned char* sOnes = sQ + kWGs * 2 * kQBytes;
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    for (int x = tid; x < kOnesBytes / 4; x += kThreads)
-        reinterpret_cast<u32*>(sOnes)[x] = pack2<Elem>(1.f, 1.f);
-    const u64 ones_desc = wg_desc(smem_u32(sOnes), 16, 1024);
     __shared__ int next_item;
     // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
     // the n_items[2] big ones from the front of items, then the others from the back.
@@ -420,9 +412,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                     for (int e = 0; e < 4; ++e)
                         if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
             }
-            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling; the
-            // row sums come from the P V wgmma).
-            float m[2];
+            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
+            float m[2], l[2];
     #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float mx = kNegInf;
@@ -430,11 +421,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
                 mx = quad_max(mx);
                 const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
+                float sum = 0.f;
     #pragma unroll
                 for (int n = 0; n < 16; ++n)
     #pragma unroll
-                    for (int e = 0; e < 2; ++e) S[n][2 * h + e] = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
+                        S[n][2 * h + e] = p;
+                        sum += p;
+                    }
                 m[h] = mx;
+                l[h] = sum;
             }
             u32 pa[8][4];
     #pragma unroll
@@ -444,12 +441,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
                 pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
             }
-            // O = P V and the row sums L = P 1 (every column of L is the sum of its row).
-            float O[16][4], L[4];
+            float O[16][4];
             wg_fence_regs<32>(&pa[0][0]);
             wg_fence();
     #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
+            for (int kk = 0; kk < 8; ++kk)
     #pragma unroll
                 for (int cb = 0; cb < 2; ++cb) {
                     const u64 vd = wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048);
@@ -458,15 +454,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                     else
                         WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], vd, 1);
                 }
-                if (kk == 0)
-                    WgmmaRSKMajor<8, Elem>::first(L, pa[kk], ones_desc);
-                else
-                    WgmmaRSKMajor<8, Elem>::run(L, pa[kk], ones_desc, 1);
-            }
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
-            wg_fence_regs<4>(L);
             if (!live) continue;  // (warp-uniform: one query per warp)
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
@@ -480,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             float inv[2];
     #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float lt = L[2 * h];
+                const float lt = quad_sum(l[h]);
                 inv[h] = lt > 0.f ? 1.f / lt : 0.f;
                 if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
             }

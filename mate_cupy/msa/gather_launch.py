@@ -35,7 +35,7 @@ SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GAT
          for code in (0, 1)}
 WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
-ATTN_SMEM = 2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2 + 1024 + 1024
+ATTN_SMEM = 2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2 + 1024
 MAX_KEYS = 1 << 20  # keys (request x query window x KV head x block) of one row window: one scan CTA
 MAX_WIDTH = 128  # list slots per (query, KV head) the merge handles (kMaxWidth)
 MAX_GRID_YZ = 65535

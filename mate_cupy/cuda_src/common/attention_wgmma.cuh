@@ -81,11 +81,9 @@ template <int N, typename E> struct WgmmaRSKMajor {
 // Accumulator operands d[i .. i+7] with constraint C ("+f": accumulate, "=f": overwrite).
 #define MATE_WG_ACC8(C, i) \
     C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
-#define MATE_WG_ACC4(C) C(d[0]), C(d[1]), C(d[2]), C(d[3])
 #define MATE_WG_ACC32(C) MATE_WG_ACC8(C, 0), MATE_WG_ACC8(C, 8), MATE_WG_ACC8(C, 16), MATE_WG_ACC8(C, 24)
 #define MATE_WG_ACC64(C) \
     MATE_WG_ACC32(C), MATE_WG_ACC8(C, 32), MATE_WG_ACC8(C, 40), MATE_WG_ACC8(C, 48), MATE_WG_ACC8(C, 56)
-#define MATE_WG_REGS4 "{%0,%1,%2,%3}"
 #define MATE_WG_REGS32                                                 \
     "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"          \
     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
@@ -142,8 +140,6 @@ template <int N, typename E> struct WgmmaRSKMajor {
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));              \
         }                                                                                             \
     };
-#define MATE_WG_RS8(NAME, ELEM, TY, TRANS) \
-    MATE_WG_RS(NAME, 8, ELEM, TY, TRANS, MATE_WG_REGS4, MATE_WG_ACC4, 4, 5, 6, 7, 8, 9)
 #define MATE_WG_RS64(NAME, ELEM, TY, TRANS) \
     MATE_WG_RS(NAME, 64, ELEM, TY, TRANS, MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34, 35, 36, 37)
 #define MATE_WG_RS128(NAME, ELEM, TY, TRANS) \
@@ -179,13 +175,11 @@ MATE_WG_SS(64, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 3
 MATE_WG_SS(128, 16, half_t, "f16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS64(WgmmaRS, half_t, "f16", 1)
 MATE_WG_RS64(WgmmaRSKMajor, half_t, "f16", 0)
-MATE_WG_RS8(WgmmaRSKMajor, half_t, "f16", 0)
 MATE_WG_RS128(WgmmaRSKMajor, half_t, "f16", 0)
 MATE_WG_SS(64, 16, bf16_t, "bf16", "1, 1, 0, 0", MATE_WG_REGS32, MATE_WG_ACC32, 32, 33, 34)
 MATE_WG_SS(128, 16, bf16_t, "bf16", "1, 1, 0, 0", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS64(WgmmaRS, bf16_t, "bf16", 1)
 MATE_WG_RS64(WgmmaRSKMajor, bf16_t, "bf16", 0)
-MATE_WG_RS8(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_RS128(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_SS(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS_KMAJOR(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, "{%64,%65,%66,%67}", 68, 69)
@@ -193,15 +187,12 @@ MATE_WG_RS_KMAJOR(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64,
 #undef MATE_WG_SS
 #undef MATE_WG_RS128
 #undef MATE_WG_RS64
-#undef MATE_WG_RS8
 #undef MATE_WG_RS
 #undef MATE_WG_RS_KMAJOR
 #undef MATE_WG_REGS64
 #undef MATE_WG_REGS32
-#undef MATE_WG_REGS4
 #undef MATE_WG_ACC64
 #undef MATE_WG_ACC32
-#undef MATE_WG_ACC4
 #undef MATE_WG_ACC8
 
 // S = Q K^T issued for one warpgroup (not committed): Q rows of a QROWS-row tile and K rows of
