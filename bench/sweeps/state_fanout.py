@@ -5,9 +5,16 @@
 Pool ``[P, HV 32, 128, 128]`` fp32 with ``[B, T]`` slots (distinct, a random permutation of the
 pool): each CTA owns a contiguous slice of one head (the V-first decode kernel's shapes: 32 KB
 for four warps, 16 KB for two), stages it by one bulk copy into shared memory, moves its 16-byte
-chunks into registers and, for each of the T tokens, adds 1 and stores the slice with streaming
-stores to the token's slot, as `gated_delta_rule_decode` does with ``[N, C]`` indices in place.
-Beside it: a device-to-device copy of the same number of bytes (read + written) and a device
+chunks into registers and, for each of the T tokens, adds 1 and stores the slice to the token's
+slot, as `gated_delta_rule_decode` does with ``[N, C]`` indices in place. Store paths:
+
+* ``stcs``: streaming stores from registers (the decode kernel's path);
+* ``st``: plain stores from registers;
+* ``bulk``: each warp writes its rows back to the stage, one lane stores them with one bulk copy
+  per token, waiting for the copy to have read the stage before the next token rewrites it;
+* ``bulk2``: the same through two alternating stage buffers (one more slice of shared memory).
+
+Beside them a device-to-device copy of the same number of bytes (read + written) and a device
 memset of the written bytes. Times are medians of back-to-back launches (CUDA events); TB/s
 counts ``(1 + T)`` slices per (sequence, head), the bench's accounting. Writes
 ``OUTDIR/state_fanout_TAG.json``.
