@@ -53,8 +53,7 @@ constexpr int kD = 128, kBN = 128, kGroup = 16;
 constexpr int kCap = GATHER_CAP;  // queries per work item
 constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
-constexpr int kWGs = 2, kThreads = 128 * kWGs;
-constexpr int kQBufs = 3;  // Q tiles per warpgroup: group j + 1 in the MMA, j - 1 staging, j + 2 loading
+constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
 typedef ColumnBlockTile<kBN> KvTile;
@@ -277,17 +276,11 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
     pair_slot[pos] = x.slot;
 }
 
-// Grid: one CTA of 256 threads per SM (at most max_items), taking the n_items[0] work
+// Grid: one CTA of 384 threads per SM (at most max_items), taking the n_items[0] work
 // items in order (the n_items[2] big ones from the front of items, then the rest from the
 // back). Partials of the window's rows:
 // part_o [row_end - row_begin, hkv, width, 16, 128] fp16 (O / l),
 // part_lse [row_end - row_begin, hkv, width, 16] (log2 domain), written for valid entries only.
-//
-// Each warpgroup takes every kWGs-th group of 4 queries of an item (its j-th: group
-// wg + kWGs j) and overlaps one group's MMAs with the previous group's epilogue and softmax:
-// step j waits for S_j = Q_j K^T and O_{j-1} = P_{j-1} V, issues S_{j+1}, stores O_{j-1} (the
-// staging is Q_{j-1}'s consumed buffer), gathers Q_{j+2} into that buffer, runs the softmax
-// of S_j and issues O_j. Q tiles rotate through kQBufs buffers per warpgroup.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel(
     GATHER_GEOMETRY_ARGS, const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
     long long q_tok_stride, long long q_head_stride, long long k_page_stride, long long k_slot_stride,
@@ -299,17 +292,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
-    unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][kQBufs][kQBytes]
+    unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     __shared__ int next_item;
+    // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
+    // the n_items[2] big ones from the front of items, then the others from the back.
     // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
     // 16-byte chunk wtid % 16.
     const int qrow0 = wtid >> 4, qch = wtid & 15;
-    auto qbuf = [&](int j) { return sQ + (wg * kQBufs + j % kQBufs) * kQBytes; };
-    auto wg_sync = [&]() { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
-    const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
-    const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
     for (;;) {
         __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
         if (tid == 0) {
@@ -338,7 +329,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             cp_async_commit();
         }
         const int n_grp = (end - begin + 3) >> 2;
-        const int nj = n_grp > wg ? (n_grp - wg + kWGs - 1) / kWGs : 0;  // this warpgroup's groups
         // Keys of the block a query (token t) attends: min(lim_a, lim_b + t) clamped to [0, 128]
         // when causal, else lim_a clamped (lim_b is clamped to [INT_MIN, 128], which keeps that).
         const int lim_a = rq.Lk - s * kBN;
@@ -349,20 +339,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             reinterpret_cast<const char*>(q + (long long)(kvh * kGroup + qrow0) * q_head_stride + qch * 8);
         const unsigned long long q_tok_bytes = (unsigned long long)q_tok_stride * sizeof(Elem);
         const unsigned long long q_h8_bytes = (unsigned long long)q_head_stride * 8 * sizeof(Elem);
-        // Tokens of this warpgroup's group j, loaded a group ahead of use; past the item the
+        // Tokens of group grp's four queries, loaded a group ahead of use; past the item the
         // item's last one (rows computed and never stored: no zero fill, no predicate).
-        auto load_toks = [&](int j, unsigned (&tk)[4]) {
-            if (j < nj)
+        auto load_toks = [&](int grp, unsigned (&tk)[4]) {
+            if (grp < n_grp)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    tk[e] = (unsigned)pair_tok[min(begin + 4 * (wg + kWGs * j) + e, end - 1)];
+                for (int e = 0; e < 4; ++e) tk[e] = (unsigned)pair_tok[min(begin + 4 * grp + e, end - 1)];
         };
         // Row qrow0 + 8 i of the tile is query i / 2, head qrow0 + 8 (i % 2): one address per
-        // token, the second head 8 rows (8 * 128 bytes, same swizzle phase) further. One commit
-        // group per call, loaded or not.
-        auto load_q = [&](int j, const unsigned (&tk)[4]) {
-            if (j < nj) {
-                unsigned char* dst = qbuf(j) + QTile::offset(qrow0, qch);
+        // token, the second head 8 rows (8 * 128 bytes, same swizzle phase) further.
+        auto load_q = [&](int grp, const unsigned (&tk)[4], int buf) {
+            if (grp < n_grp) {
+                unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes + QTile::offset(qrow0, qch);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const char* src = qh0 + tk[e] * q_tok_bytes;
@@ -372,9 +360,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             }
             cp_async_commit();
         };
-        // S = Q_j K^T (issued and committed, not waited for).
-        auto issue_qk = [&](float (&S)[16][4], int j) {
-            const u64 q_desc = wg_desc(smem_u32(qbuf(j)), 16, 1024);
+        unsigned tk_next[4];
+        load_toks(wg, tk_next);
+        load_q(wg, tk_next, 0);
+        load_toks(wg + kWGs, tk_next);
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();
+
+        const u64 k_desc = wg_desc(smem_u32(sK), 16, 1024);
+        const u64 v_desc = wg_desc(smem_u32(sV), 16, 1024);
+        // S = Q K^T of the group in buffer b (issued, not waited for).
+        auto issue_qk = [&](float (&S)[16][4], int b) {
+            const u64 q_desc = wg_desc(smem_u32(sQ + (wg * 2 + b) * kQBytes), 16, 1024);
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < kD / 16; ++ks) {
@@ -387,121 +385,68 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             }
             wg_commit();
         };
-        unsigned tk[4];
-        load_toks(0, tk);
-        load_q(0, tk);
-        load_toks(1, tk);
-        load_q(1, tk);
-        load_toks(2, tk);
-        cp_async_wait<1>();  // K/V and Q_0 (Q_1 may be in flight)
-        fence_proxy_async_smem();
-        __syncthreads();
-
-        float Sa[16][4], Sb[16][4], O[16][4];
-        // The epilogue's inputs for the previous group: this warp's query (token, slot, live),
-        // its rows' max and sum.
-        int e_tok = 0, e_slot = 0;
-        bool e_live = false;
-        float e_m[2] = {0.f, 0.f}, e_l[2] = {0.f, 0.f};
-        // O_jp / l as fp16 through the bytes of this warp's rows of Q_jp's (consumed) buffer: row
-        // g + 8 h at piece h, row g; chunk n = 8 a + b at a * 128 + (b ^ g) * 16 of it; then one
-        // contiguous 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
-        auto store_prev = [&](int jp) {
-            if (e_live) {
-                const long long base = (((long long)(e_tok - row_begin) * hkv + kvh) * width + e_slot) * kGroup;
-                unsigned char* const mine = qbuf(jp) + w * 2048;
-                unsigned char* const mine_g = mine + g * 256 + 4 * t;
-                float inv[2];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float lt = e_l[h];
-                    inv[h] = lt > 0.f ? 1.f / lt : 0.f;
-                    if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? e_m[h] * scale_log2 + __log2f(lt) : kNegInf;
-                }
-#pragma unroll
-                for (int b = 0; b < 8; ++b) {
-                    unsigned char* const col = mine_g + ((b ^ g) << 4);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int a = 0; a < 2; ++a)
-                            *reinterpret_cast<u32*>(col + h * 8192 + a * 128) =
-                                pack2<half_t>(O[8 * a + b][2 * h] * inv[h], O[8 * a + b][2 * h + 1] * inv[h]);
-                }
-                __syncwarp();
-                uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
-#pragma unroll
-                for (int x = 0; x < 8; ++x) {
-                    const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
-                    dst[c] = *reinterpret_cast<const uint4*>(mine + (row >> 3) * (64 * 128) + (row & 7) * 256 +
-                                                             ((cc ^ (row & 7)) << 4));
-                }
-            }
-        };
-        // Step j (S_j in Scur, S_{j+1} into Snext). Steps run in pairs: with an odd nj the
-        // last one is past the groups, computes on a stale Q tile and stores nothing (every
-        // step issues its MMAs: no wgmma on a divergent path); the last group is stored
-        // after the loop.
-        auto step = [&](int j, float (&Scur)[16][4], float (&Snext)[16][4]) {
-            const int pi = begin + 4 * (wg + kWGs * j) + w;  // this warp's query of group j
+        int buf = 0;
+        for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
+            // This warp's query (its 16 rows): token and slot, loaded before the MMA that hides them.
+            const int pi = begin + 4 * grp + w;
             const bool live = pi < end;
             const int tok = live ? pair_tok[pi] : 0;
             const int slot = live ? pair_slot[pi] : 0;
-            wg_wait<0>();  // S_j, O_{j-1}
-            wg_fence_regs<64>(&Scur[0][0]);
-            wg_fence_regs<64>(&O[0][0]);
-            cp_async_wait<0>();  // Q_{j+1} (this thread's chunks)
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
+            load_q(grp + kWGs, tk_next, buf ^ 1);
+            load_toks(grp + 2 * kWGs, tk_next);
+            cp_async_wait<1>();
             fence_proxy_async_smem();
-            wg_sync();  // every thread's Q_{j+1} chunks
-            issue_qk(Snext, j + 1);
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+            float S[16][4];
+            issue_qk(S, buf);
+            wg_wait<0>();
+            wg_fence_regs<64>(&S[0][0]);
             // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
             const int lim_q = lim_b >= kBN - tok ? kBN : lim_b + tok;  // (no overflow either way)
             const int lim = live ? max(0, min(kBN, causal ? min(lim_a, lim_q) : lim_a)) : 0;
             if (lim < kBN) {
-#pragma unroll
+    #pragma unroll
                 for (int n = 0; n < 16; ++n)
-#pragma unroll
+    #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        if (8 * n + 2 * t + (e & 1) >= lim) Scur[n][e] = kNegInf;
+                        if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
             }
             // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
-            float mj[2], lj[2];
-#pragma unroll
+            float m[2], l[2];
+    #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float mx = kNegInf;
-#pragma unroll
-                for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(Scur[n][2 * h], Scur[n][2 * h + 1]));
+    #pragma unroll
+                for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
                 mx = quad_max(mx);
                 const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
                 float sum = 0.f;
-#pragma unroll
+    #pragma unroll
                 for (int n = 0; n < 16; ++n)
-#pragma unroll
+    #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float p = fast_exp2(fmaf(Scur[n][2 * h + e], scale_log2, -ms));
-                        Scur[n][2 * h + e] = p;
+                        const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
+                        S[n][2 * h + e] = p;
                         sum += p;
                     }
-                mj[h] = mx;
-                lj[h] = quad_sum(sum);
+                m[h] = mx;
+                l[h] = sum;
             }
             u32 pa[8][4];
-#pragma unroll
+    #pragma unroll
             for (int kk = 0; kk < 8; ++kk) {
-                pa[kk][0] = pack2<Elem>(Scur[2 * kk][0], Scur[2 * kk][1]);
-                pa[kk][1] = pack2<Elem>(Scur[2 * kk][2], Scur[2 * kk][3]);
-                pa[kk][2] = pack2<Elem>(Scur[2 * kk + 1][0], Scur[2 * kk + 1][1]);
-                pa[kk][3] = pack2<Elem>(Scur[2 * kk + 1][2], Scur[2 * kk + 1][3]);
+                pa[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
+                pa[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
+                pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+                pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
             }
-            if (j > 0) store_prev(j - 1);
-            wg_sync();  // the staging reads of every warp: Q_{j-1}'s buffer takes Q_{j+2}
-            load_q(j + 2, tk);
-            load_toks(j + 3, tk);
+            float O[16][4];
             wg_fence_regs<32>(&pa[0][0]);
             wg_fence();
-#pragma unroll
+    #pragma unroll
             for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
+    #pragma unroll
                 for (int cb = 0; cb < 2; ++cb) {
                     const u64 vd = wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048);
                     if (kk == 0)
@@ -510,24 +455,42 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                         WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], vd, 1);
                 }
             wg_commit();
-            e_tok = tok;
-            e_slot = slot;
-            e_live = live;
-            e_m[0] = mj[0];
-            e_m[1] = mj[1];
-            e_l[0] = lj[0];
-            e_l[1] = lj[1];
-        };
-        if (nj > 0) {
-            issue_qk(Sa, 0);
-            int j = 0;
-            for (; j < nj; j += 2) {
-                step(j, Sa, Sb);
-                step(j + 1, Sb, Sa);
-            }
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
-            store_prev(j - 1);
+            if (!live) continue;  // (warp-uniform: one query per warp)
+            // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
+            // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
+            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
+            const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
+            unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
+            auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
+            // Row g + 8 h, chunk n = 8 a + b at mine + h * 8192 + g * 256 + a * 128 + (b ^ g) * 16:
+            // one chunk offset per b for both rows and both halves.
+            unsigned char* const mine_g = mine + g * 256 + 4 * t;
+            float inv[2];
+    #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float lt = quad_sum(l[h]);
+                inv[h] = lt > 0.f ? 1.f / lt : 0.f;
+                if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
+            }
+    #pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                unsigned char* const col = mine_g + ((b ^ g) << 4);
+    #pragma unroll
+                for (int h = 0; h < 2; ++h)
+    #pragma unroll
+                    for (int a = 0; a < 2; ++a)
+                        *reinterpret_cast<u32*>(col + h * 8192 + a * 128) =
+                            pack2<half_t>(O[8 * a + b][2 * h] * inv[h], O[8 * a + b][2 * h + 1] * inv[h]);
+            }
+            __syncwarp();
+            uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
+    #pragma unroll
+            for (int x = 0; x < 8; ++x) {
+                const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
+                dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
+            }
         }
     }
 }
