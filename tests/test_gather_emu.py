@@ -110,7 +110,8 @@ def _check(p, sel, out, lse, causal, what):
 @pytest.mark.parametrize("dtype,lazy", [(BF16, False), (F16, False), (BF16, True)], ids=["bf16", "fp16", "bf16-lazy"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gather_tile_emulated(emu, rng, dtype, lazy, causal):
-    """(lazy: cp.async copies land at the wait that retires their group, exposing a missing wait.)"""
+    """(lazy: cp.async copies land, and wgmma reads its shared operands and writes its
+    accumulators, at the wait that retires their group, exposing a missing wait.)"""
     p = make_problem(rng, [37, 1, 0, 70], [300, 129, 5, 600], 16, 1, 128, dtype=dtype, page_size=128)
     sel = random_selection(rng, p, 4)
     sel[::5, :, -1] = sel[::5, :, 0]  # a repeated id: attended once

@@ -217,7 +217,7 @@ def _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, *, cu_k=None, page_table
 
 CONFIGS = (None,) + tuple(c for c in il.MAX_SCORE_CONFIGS if not c.decode)  # the automatic choice, every
 # variant of msa_block_max_score_kernel (the decode kernel has its own tests below)
-MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land at the wait
+MS_CASES = [  # dtype, D, (Hq, Hkv), causal, cp.async copies land and wgmma computes at the wait
     pytest.param(BF16, 128, (8, 1), True, False, id="bf16-d128-r8-causal"),
     pytest.param(BF16, 128, (8, 1), True, True, id="bf16-d128-r8-causal-copy-at-wait"),
     pytest.param(F16, 64, (6, 2), False, False, id="fp16-d64-r3-full"),

@@ -1,14 +1,21 @@
 // wgmma (sm_90a) for the CPU emulator (tests/cuda_emu/emu_cuda.h), as common/attention_wgmma.cuh
 // issues it: both operands in shared memory (WgmmaSS, K-major), or A from registers and B in
 // shared memory (WgmmaRS: B MN-major; WgmmaRSKMajor: B K-major). Every shared operand uses the
-// 128-byte swizzle. Each call computes its result at issue (commit / wait / fences are no-ops):
-// a kernel that touches operands or accumulators between issue and wait is not caught here.
+// 128-byte swizzle. Each call computes its result at issue, or with emu::g_lazy_wgmma at the
+// wg_wait that retires its commit group (register A operands are taken at issue, shared
+// operands and the accumulators at the wait): a kernel that rewrites a shared operand or
+// reads an accumulator between issue and wait then computes on the changed operand or reads
+// the stale accumulator.
 // Descriptor: start >> 4 in bits [0,14), LBO >> 4 in [16,30), SBO >> 4 in [32,46), layout type in
 // [62,64) (1: 128-byte swizzle).
 #pragma once
 #include "emu_cuda.h"
 
+#include <array>
+#include <deque>
+#include <functional>
 #include <limits>
+#include <vector>
 
 namespace mate {
 // float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; S.1111.111 is NaN, no inf).
@@ -35,8 +42,29 @@ inline u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
 }
 inline u64 wg_desc_add(u64 desc, u32 bytes) { return desc + (u64)(bytes >> 4); }
 inline void wg_fence() {}
-inline void wg_commit() {}
-template <int N> inline void wg_wait() {}
+}  // namespace attn
+}  // namespace mate
+namespace emu {
+inline bool g_lazy_wgmma = false;
+inline thread_local std::vector<std::function<void()>> t_wg_open;              // issued, not committed
+inline thread_local std::deque<std::vector<std::function<void()>>> t_wg_groups;  // committed, not retired
+// Runs op now, or (lazy) when the wait that retires its commit group runs.
+inline void wg_issue(std::function<void()> op) {
+    if (g_lazy_wgmma) t_wg_open.push_back(std::move(op)); else op();
+}
+}  // namespace emu
+namespace mate {
+namespace attn {
+inline void wg_commit() {
+    emu::t_wg_groups.push_back(std::move(emu::t_wg_open));
+    emu::t_wg_open.clear();
+}
+template <int N> inline void wg_wait() {
+    while ((int)emu::t_wg_groups.size() > N) {
+        for (auto& op : emu::t_wg_groups.front()) op();
+        emu::t_wg_groups.pop_front();
+    }
+}
 inline void fence_proxy_async_smem() {}
 template <int N> inline void wg_fence_regs(float*) {}
 template <int N> inline void wg_fence_regs(u32*) {}
@@ -68,15 +96,17 @@ struct WgmmaSS {
     // row 16 w + g + 8 (j / 2), column 8 i + 2 t + (j % 2) (w: warp in the warpgroup, g = lane / 4,
     // t = lane % 4).
     static void run(float* d, u64 da, u64 db, int scale_d) {
-        constexpr int K = 32 / (int)sizeof(E);
-        const int w = (threadIdx.x / 32) % 4, l = emu::my_lane(), g = l / 4, t = l % 4;
-        for (int i = 0; i < N / 8; ++i)
-            for (int j = 0; j < 4; ++j) {
-                const int row = 16 * w + g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
-                float s = scale_d ? d[4 * i + j] : 0.f;
-                for (int k = 0; k < K; ++k) s += wg_elem<E>(da, row, k) * wg_elem<E>(db, col, k);
-                d[4 * i + j] = s;
-            }
+        emu::wg_issue([=] {
+            constexpr int K = 32 / (int)sizeof(E);
+            const int w = (threadIdx.x / 32) % 4, l = emu::my_lane(), g = l / 4, t = l % 4;
+            for (int i = 0; i < N / 8; ++i)
+                for (int j = 0; j < 4; ++j) {
+                    const int row = 16 * w + g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
+                    float s = scale_d ? d[4 * i + j] : 0.f;
+                    for (int k = 0; k < K; ++k) s += wg_elem<E>(da, row, k) * wg_elem<E>(db, col, k);
+                    d[4 * i + j] = s;
+                }
+        });
     }
     static void first(float* d, u64 da, u64 db) { run(d, da, db, 0); }
 };
@@ -124,7 +154,8 @@ template <int N, typename E>
 struct WgmmaRS {
     static_assert(N == 64, "MN-major B of one 64-value column block");
     static void run(float* d, const u32* a, u64 db, int scale_d) {
-        wg_rs<N, E>(d, a, scale_d, [&](int k, int n) { return wg_smem_elem<E>(db, k, n); });
+        const std::array<u32, 4> av{a[0], a[1], a[2], a[3]};
+        emu::wg_issue([=] { wg_rs<N, E>(d, av.data(), scale_d, [&](int k, int n) { return wg_smem_elem<E>(db, k, n); }); });
     }
     static void first(float* d, const u32* a, u64 db) { run(d, a, db, 0); }
 };
@@ -132,7 +163,8 @@ struct WgmmaRS {
 template <int N, typename E>
 struct WgmmaRSKMajor {
     static void run(float* d, const u32* a, u64 db, int scale_d) {
-        wg_rs<N, E>(d, a, scale_d, [&](int k, int n) { return wg_smem_elem<E>(db, n, k); });
+        const std::array<u32, 4> av{a[0], a[1], a[2], a[3]};
+        emu::wg_issue([=] { wg_rs<N, E>(d, av.data(), scale_d, [&](int k, int n) { return wg_smem_elem<E>(db, n, k); }); });
     }
     static void first(float* d, const u32* a, u64 db) { run(d, a, db, 0); }
 };

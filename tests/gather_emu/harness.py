@@ -87,8 +87,8 @@ def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, la
                **kwargs) -> int:
     """``gl.run_gather(**arrays wrapped, **kwargs)`` with its launches run in the emulator;
     ``arrays`` (C-contiguous, None allowed) and ``workspace`` (uint8) are updated in place.
-    ``lazy_cp_async``: cp.async copies land at the wait that retires their group instead of at
-    issue. Returns the number of launches."""
+    ``lazy_cp_async``: cp.async copies land, and wgmma computes, at the wait that retires their
+    group instead of at issue. Returns the number of launches."""
     import cupy.cuda.runtime as rt
 
     buffers = [a for a in arrays.values() if a is not None] + [workspace]

@@ -4,7 +4,8 @@
 //
 // Usage: driver DIR. DIR/launch.txt:
 //   line 1: kernel name (as registered, e.g. "msa_topk_stream_kernel<16, 4>")
-//   line 2: grid.x grid.y grid.z threads dynamic_smem_bytes lazy_cp_async
+//   line 2: grid.x grid.y grid.z threads dynamic_smem_bytes lazy (cp.async copies land and
+//           wgmma computes at the wait that retires their group, instead of at issue)
 //   then one line per kernel argument: "A <index> <byte offset>" (array DIR/a<index>.bin),
 //   "P0" (null pointer), "I <integer>" or "F <float>".
 // Arrays are loaded 256-byte aligned (once per index) and written back to DIR/a<index>.out.
@@ -129,6 +130,7 @@ int main(int argc, char** argv) {
     auto it = kernels().find(name);
     if (it == kernels().end()) { std::fprintf(stderr, "kernel not in the driver: %s\n", name.c_str()); return 4; }
     emu::g_lazy_cp_async = lazy != 0;
+    emu::g_lazy_wgmma = lazy != 0;
     emu::launch(EmuDim{gx, gy, gz}, threads, smem, [&] { it->second(args); });
     for (auto& [idx, buf] : loaded) {
         std::ofstream out(dir + "/a" + std::to_string(idx) + ".out", std::ios::binary);

@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
     p >> B >> Tn >> H >> HV >> N >> varlen >> dtype >> has_gate >> l2 >> scale >> lb >> ik >> ok >> is64 >> nw >> lazy
       >> wgmma;
     emu::g_lazy_cp_async = lazy;
+    emu::g_lazy_wgmma = lazy;
     return dtype ? run<mate::bf16_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw, wgmma)
                  : run<mate::half_t>(B, Tn, H, HV, N, varlen, has_gate, l2, scale, lb, ik, ok, is64, nw, wgmma);
 }
