@@ -112,8 +112,17 @@ def module_options() -> tuple:
 
 MODES = {"bulk>regs>stcs": 0, "bulk>regs>st": 1, "bulk>bulk": 2, "bulk>regs>smem>bulk": 3,
          "bulk>regs>smem>bulk/cta": 4, "ldg>stcs": 5}
+KERNEL = "state_rw"  # SRC's kernel template, instantiated once per mode
 HV = 32
 HEAD = 128 * 128
+
+
+def mode_kernels(src: str, kernel: str, modes: dict) -> dict:
+    """``{mode name: function}``: the template ``kernel`` of ``src`` instantiated for every mode
+    (``kernel<mode>``), from one NVRTC module."""
+    exprs = {name: f"{kernel}<{m}>" for name, m in modes.items()}
+    mod = cp.RawModule(code=src, options=module_options(), name_expressions=list(exprs.values()))
+    return {name: mod.get_function(e) for name, e in exprs.items()}
 
 
 def timed_us(fn, reps: int) -> float:
@@ -135,8 +144,7 @@ def main(argv) -> None:
     outdir = Path(argv[0])
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
-    mod = cp.RawModule(code=SRC, options=module_options(), name_expressions=[f"state_rw<{m}>" for m in MODES.values()])
-    kernels = {name: mod.get_function(f"state_rw<{m}>") for name, m in MODES.items()}
+    kernels = mode_kernels(SRC, KERNEL, MODES)
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
     shapes = [(32, 2, 16, 26), (32, 4, 32, 50), (256, 4, 32, 50), (256, 4, 32, 36), (1024, 4, 32, 50),

@@ -29,7 +29,7 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.sweeps.state_copy_paths import module_options, timed_us  # noqa: E402
+from bench.sweeps.state_copy_paths import HEAD, HV, mode_kernels, timed_us  # noqa: E402
 
 SRC = r"""
 #include "common/bulk_copy.cuh"
@@ -94,16 +94,14 @@ __global__ void __launch_bounds__(128) state_fanout(float* pool, const int* slot
 }
 """
 MODES = {"stcs": 0, "st": 1, "bulk": 2, "bulk2": 3}
-HV = 32
-HEAD = 128 * 128
+KERNEL = "state_fanout"  # SRC's kernel template, instantiated once per mode
 
 
 def main(argv) -> None:
     outdir = Path(argv[0])
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
-    mod = cp.RawModule(code=SRC, options=module_options(), name_expressions=[f"state_fanout<{m}>" for m in MODES.values()])
-    kernels = {name: mod.get_function(f"state_fanout<{m}>") for name, m in MODES.items()}
+    kernels = mode_kernels(SRC, KERNEL, MODES)
     # (B, T, warps, slice_kb, smem_kb): the decode kernel's CTAs for speculative verify
     # (B >= 33: four-warp CTAs, 4 per SM) and two-warp CTAs for comparison.
     shapes = [(64, 4, 4, 32, 50), (64, 4, 2, 16, 26), (256, 4, 4, 32, 50), (64, 1, 4, 32, 50),

@@ -11,7 +11,6 @@
 #pragma once
 #include "emu_cuda.h"
 
-#include <array>
 #include <deque>
 #include <functional>
 #include <limits>
@@ -121,41 +120,43 @@ inline float a_elem(u32 r, int e) {
 // A[64 x K] from registers (K = 32 bytes: 16 16-bit values or 32 e4m3): warp w's lanes hold rows
 // 16 w .. 16 w + 15 in the mma A layout (a[0]: row g, k R t .. R t + R - 1 with R values per
 // register; a[1]: row g + 8; a[2]: k + K / 2; a[3]: both), exchanged within the warp;
-// D[64 x N] (+)= A B with B from shared memory, B(k, n) at bk(k, n).
+// D[64 x N] (+)= A B with B from shared memory, B(k, n) at bk(k, n). The A registers are taken
+// at issue; the exchange and the products run through emu::wg_issue (now, or at the wait).
 template <int N, typename E, typename BElem>
 inline void wg_rs(float* d, const u32* a, int scale_d, BElem bk) {
-    constexpr int K = 32 / (int)sizeof(E), R = 4 / (int)sizeof(E);
     struct Frag { u32 a[4]; } mine;
     for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
-    emu::put(mine); emu::wsync();
-    float A[16][K];
-    for (int L = 0; L < 32; ++L) {
-        const Frag f = emu::get<Frag>(L);
-        const int g = L / 4, t = L % 4;
-        for (int e = 0; e < R; ++e) {
-            A[g][R * t + e] = a_elem<E>(f.a[0], e);
-            A[g + 8][R * t + e] = a_elem<E>(f.a[1], e);
-            A[g][K / 2 + R * t + e] = a_elem<E>(f.a[2], e);
-            A[g + 8][K / 2 + R * t + e] = a_elem<E>(f.a[3], e);
+    emu::wg_issue([=] {
+        constexpr int K = 32 / (int)sizeof(E), R = 4 / (int)sizeof(E);
+        emu::put(mine); emu::wsync();
+        float A[16][K];
+        for (int L = 0; L < 32; ++L) {
+            const Frag f = emu::get<Frag>(L);
+            const int g = L / 4, t = L % 4;
+            for (int e = 0; e < R; ++e) {
+                A[g][R * t + e] = a_elem<E>(f.a[0], e);
+                A[g + 8][R * t + e] = a_elem<E>(f.a[1], e);
+                A[g][K / 2 + R * t + e] = a_elem<E>(f.a[2], e);
+                A[g + 8][K / 2 + R * t + e] = a_elem<E>(f.a[3], e);
+            }
         }
-    }
-    emu::wsync();
-    const int l = emu::my_lane(), g = l / 4, t = l % 4;
-    for (int i = 0; i < N / 8; ++i)
-        for (int j = 0; j < 4; ++j) {
-            const int row = g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
-            float s = scale_d ? d[4 * i + j] : 0.f;
-            for (int k = 0; k < K; ++k) s += A[row][k] * bk(k, col);
-            d[4 * i + j] = s;
-        }
+        emu::wsync();
+        const int l = emu::my_lane(), g = l / 4, t = l % 4;
+        for (int i = 0; i < N / 8; ++i)
+            for (int j = 0; j < 4; ++j) {
+                const int row = g + 8 * (j / 2), col = 8 * i + 2 * t + (j % 2);
+                float s = scale_d ? d[4 * i + j] : 0.f;
+                for (int k = 0; k < K; ++k) s += A[row][k] * bk(k, col);
+                d[4 * i + j] = s;
+            }
+    });
 }
 // B MN-major (transposed descriptor; N = 64: one swizzle atom wide).
 template <int N, typename E>
 struct WgmmaRS {
     static_assert(N == 64, "MN-major B of one 64-value column block");
     static void run(float* d, const u32* a, u64 db, int scale_d) {
-        const std::array<u32, 4> av{a[0], a[1], a[2], a[3]};
-        emu::wg_issue([=] { wg_rs<N, E>(d, av.data(), scale_d, [&](int k, int n) { return wg_smem_elem<E>(db, k, n); }); });
+        wg_rs<N, E>(d, a, scale_d, [=](int k, int n) { return wg_smem_elem<E>(db, k, n); });
     }
     static void first(float* d, const u32* a, u64 db) { run(d, a, db, 0); }
 };
@@ -163,8 +164,7 @@ struct WgmmaRS {
 template <int N, typename E>
 struct WgmmaRSKMajor {
     static void run(float* d, const u32* a, u64 db, int scale_d) {
-        const std::array<u32, 4> av{a[0], a[1], a[2], a[3]};
-        emu::wg_issue([=] { wg_rs<N, E>(d, av.data(), scale_d, [&](int k, int n) { return wg_smem_elem<E>(db, n, k); }); });
+        wg_rs<N, E>(d, a, scale_d, [=](int k, int n) { return wg_smem_elem<E>(db, n, k); });
     }
     static void first(float* d, const u32* a, u64 db) { run(d, a, db, 0); }
 };
