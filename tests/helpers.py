@@ -90,3 +90,54 @@ def kernel_params(source, kernel: str, macros=()) -> list:
             raise AssertionError(f"{kernel}: parameter type of {decl!r}")
         params.append((name, kind))
     return params
+
+
+# ----------------------------------------------------------------------------- stand-in CUDA tensors
+
+
+class FakeCudaTensor:
+    """A torch CUDA tensor as mate_cupy's interop reads it: dtype, shape, strides, address."""
+
+    __slots__ = ("dtype", "shape", "_stride", "_ptr")
+    is_cuda = True
+    requires_grad = False
+
+    def __init__(self, shape, dtype, ptr, stride):
+        import torch
+
+        self.shape, self.dtype, self._ptr, self._stride = torch.Size(shape), dtype, int(ptr), tuple(stride)
+
+    def stride(self):
+        return self._stride
+
+    def data_ptr(self):
+        return self._ptr
+
+    def get_device(self):
+        return 0
+
+    def __dlpack__(self, stream=None):  # marks an array; never called on the validated path
+        raise RuntimeError("a stand-in tensor has no memory")
+
+
+FakeCudaTensor.__module__ = "torch.fake"  # interop reads the framework from the top-level module
+_NEXT_ADDRESS = [0x7F00_0000_0000]
+
+
+def fake_cuda(x, stride=None, misalign=0, address=None):
+    """A stand-in CUDA tensor with ``x``'s shape, dtype and (element) strides at ``address``
+    (default: a fresh address 4 GiB past the last one, plus ``misalign`` bytes)."""
+    import ml_dtypes
+    import torch
+
+    if x is None:
+        return None
+    tdt = {np.dtype(np.float32): torch.float32, np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+           np.dtype(np.float16): torch.float16, np.dtype(np.float64): torch.float64,
+           np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}[x.dtype]
+    if address is None:
+        address = _NEXT_ADDRESS[0] + misalign
+        _NEXT_ADDRESS[0] += 1 << 32
+    if stride is None:
+        stride = tuple(s // x.itemsize for s in x.strides)
+    return FakeCudaTensor(x.shape, tdt, address, stride)

@@ -22,7 +22,7 @@ import pytest
 from mate_cupy import gated_delta_rule_decode
 from mate_cupy.reference.kda import kda_decode, kda_recurrent
 from test_kda_reference import rel
-from helpers import kernel_params
+from helpers import fake_cuda, kernel_params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -101,7 +101,7 @@ def drive(q, k, v, state, A_log, a, dt_bias, num_accepted_tokens, cu_seqlens, b,
             S = S1[0]
             if sdt == BF16:
                 S = S.astype(np.float32).astype(BF16).astype(np.float64)
-            if inplace_final_state and per_token:
+            if inplace_final_state and per_token and slot is not None:  # tokens past column C: stored nowhere
                 after[slot] = S
         if inplace_final_state and not per_token and eos > bos:
             after[read] = S
@@ -599,51 +599,6 @@ def test_kernel_contract_edges_are_accepted(rng):
 # ----------------------------------------------------------------------------- the CUDA path's validation (no GPU)
 
 
-class FakeCudaTensor:
-    """A torch CUDA tensor as mate_cupy's interop reads it: dtype, shape, strides, address."""
-
-    __slots__ = ("dtype", "shape", "_stride", "_ptr")
-    is_cuda = True
-    requires_grad = False
-
-    def __init__(self, shape, dtype, ptr, stride):
-        import torch
-
-        self.shape, self.dtype, self._ptr, self._stride = torch.Size(shape), dtype, int(ptr), tuple(stride)
-
-    def stride(self):
-        return self._stride
-
-    def data_ptr(self):
-        return self._ptr
-
-    def get_device(self):
-        return 0
-
-    def __dlpack__(self, stream=None):  # marks an array; never called on the validated path
-        raise RuntimeError("a stand-in tensor has no memory")
-
-
-FakeCudaTensor.__module__ = "torch.fake"  # interop reads the framework from the top-level module
-_NEXT_ADDRESS = [0x7F00_0000_0000]
-
-
-def fake_cuda(x, stride=None, misalign=0):
-    """A stand-in CUDA tensor with ``x``'s shape, dtype and (element) strides."""
-    import torch
-
-    if x is None:
-        return None
-    tdt = {F32: torch.float32, BF16: torch.bfloat16, np.dtype(np.float16): torch.float16,
-           np.dtype(np.float64): torch.float64, np.dtype(np.int32): torch.int32,
-           np.dtype(np.int64): torch.int64}[x.dtype]
-    ptr = _NEXT_ADDRESS[0] + misalign
-    _NEXT_ADDRESS[0] += 1 << 32
-    if stride is None:
-        stride = tuple(s // x.itemsize for s in x.strides)
-    return FakeCudaTensor(x.shape, tdt, ptr, stride)
-
-
 _PUBLIC_DEFAULTS = dict(state_indices=None, scale=None, output=None, use_qk_l2norm=None, lower_bound=None,
                         use_gate_in_kernel=None, use_lower_bound=None, apply_beta_sigmoid=None,
                         allow_neg_eigval=None, use_initial_state=None, state_v_first=None, is_varlen=None,
@@ -823,6 +778,24 @@ def test_vfirst_warps_fill_the_gpu(rng):
     cfg = select_config(_problem(rng, B=256, sdt=BF16), 132, 90)  # 8 bf16 rows per lane: 32 per warp
     assert (cfg.warps, cfg.threads, cfg.v_slice, cfg.n_splits, cfg.grid) == (4, 128, 128, 1, 256 * 32)
     assert cfg.spec.kernels == ("kda_decode::kda_decode_vfirst_kernel<__nv_bfloat16>",)
+
+
+@pytest.mark.torch
+def test_vfirst_grid_of_fewer_ctas_than_items(rng):
+    from mate_cupy.kda.decode_launch import decode_config, resident_vfirst_ctas, select_config
+
+    p = _problem(rng, B=32)
+    full = select_config(p, 132, 90)
+    assert full.grid == 32 * 32 * full.n_splits  # one CTA per work item
+    few = decode_config(p, 90, full.warps, 132 * 8)
+    assert few.grid == 132 * 8 and dataclasses.replace(few, grid=full.grid) == full  # only the grid differs
+    assert decode_config(p, 90, full.warps, 10 ** 9).grid == full.grid  # never more CTAs than items
+    assert decode_config(_problem(rng, B=4, v_first=False), 90, None, 3).grid == 4 * 32 * 4  # K-first: per item
+    with pytest.raises(ValueError, match="ctas"):
+        decode_config(p, 90, 2, 0)
+    # CTAs per SM: 128 registers per thread, shared memory with 1 KiB reserved per CTA
+    assert resident_vfirst_ctas(64, full.smem) == 8 and resident_vfirst_ctas(128, 34848) == 4
+    assert resident_vfirst_ctas(32, 10_000) == 16 and resident_vfirst_ctas(32, 200 * 1024) == 1
 
 
 @pytest.mark.torch

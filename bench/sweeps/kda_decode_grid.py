@@ -9,7 +9,9 @@ permutation). Rows: fp32 and bf16 pools at B 32 / 256 / 1024 (T = 1, ``[B]`` slo
 speculative verify (T = 4, ``[B, 4]`` slots and accepted counts) at B 64 / 256.
 
 Launches per row: ``select_config``'s (``default``), and ``decode_launch.select_config``
-replaced by two- and four-warp CTAs (``w2``, ``w4``). Beside them a device-to-device copy of
+replaced by two- and four-warp CTAs (``w2``, ``w4``), one per work item, or by grids of the
+CTAs all SMs hold at once (``w1p``, ``w2p``, ``w4p``; ``w2p2``: twice that), each CTA running
+several items and staging the next one's slice while it runs the current one. Beside them a device-to-device copy of
 the state bytes one call moves (read + written). Writes ``OUTDIR/kda_decode_grid_TAG.json``.
 """
 from __future__ import annotations
@@ -30,9 +32,18 @@ HV, H, K = 32, 16, 128
 NSETS = 4
 
 
-def variant(warps: int):
-    """A ``select_config`` replacement: V-first ``warps``-warp CTAs (``decode_config``)."""
-    return lambda problem, sm_count, cc: dl.decode_config(problem, cc, warps)
+def variant(warps: int, waves: int | None = None):
+    """A ``select_config`` replacement: V-first ``warps``-warp CTAs (``decode_config``), one per
+    work item, or (``waves``) ``waves`` x the CTAs all SMs hold at once, each running several
+    items and staging the next one's slice while it runs the current one."""
+    def config(problem, sm_count, cc):
+        if waves is None:
+            return dl.decode_config(problem, cc, warps)
+        one = dl.decode_config(problem, cc, warps)
+        ctas = waves * sm_count * dl.resident_vfirst_ctas(one.threads, one.smem)
+        return dl.decode_config(problem, cc, warps, ctas)
+
+    return config
 
 
 def make_case(B: int, T: int, state_dtype: str, seed: int = 0):
@@ -107,6 +118,10 @@ VARIANTS = {
     "default": None,
     "w2": variant(2),
     "w4": variant(4),
+    "w1p": variant(1, 1),
+    "w2p": variant(2, 1),
+    "w4p": variant(4, 1),
+    "w2p2": variant(2, 2),
 }
 ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
         ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]

@@ -5,7 +5,8 @@
 // when issued (exposes buffers refilled while still being read) or at the wait that
 // retires their group (exposes missing waits). Fragment layouts follow the PTX ISA.
 // Dynamic shared memory is a fresh allocation per block filled with 0xFF (NaN).
-// Kernel-family extras: tests/index_emu/emu_index.h (wgmma), tests/kda_chunk_emu/emu_kda.h.
+// Extras: emu_wgmma.h (wgmma), emu_bulk.h (bulk copies, mbarriers); per kernel family
+// tests/index_emu/emu_index.h, tests/kda_chunk_emu/emu_kda.h, tests/kda_decode_emu/emu_kda_decode.h.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

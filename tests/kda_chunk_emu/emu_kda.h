@@ -1,30 +1,9 @@
-// The CPU emulator (tests/cuda_emu/emu_cuda.h, emu_wgmma.h) plus what cuda_src/kda_chunk.cu needs
+// The CPU emulator (tests/cuda_emu/emu_cuda.h, emu_wgmma.h, emu_bulk.h) plus what cuda_src/kda_chunk.cu needs
 // beyond it.
 #pragma once
 #include "emu_cuda.h"
 #include "emu_wgmma.h"
-#include <atomic>
-#include <thread>
-
-namespace mate {
-// common/bulk_copy.cuh: the mbarrier word counts completed phases; a bulk copy lands at once
-// (the kernels issue it only into a stage every thread has finished with) and completes one.
-inline void mbarrier_init_one(unsigned long long* bar) { std::atomic_ref<unsigned long long>(*bar).store(0); }
-inline void bulk_load(void* smem, const void* gmem, unsigned bytes, unsigned long long* bar) {
-    if (bytes % 16 || (std::uintptr_t)gmem % 16 || (std::uintptr_t)smem % 16) { std::fprintf(stderr, "bulk_load\n"); std::abort(); }
-    std::memcpy(smem, gmem, bytes);
-    std::atomic_ref<unsigned long long>(*bar).fetch_add(1, std::memory_order_release);
-}
-inline void bulk_prefetch_l2(const void* gmem, unsigned bytes) {
-    if (bytes % 16 || (std::uintptr_t)gmem % 16) { std::fprintf(stderr, "bulk_prefetch_l2\n"); std::abort(); }
-}
-// Phase `parity` has completed once the count of completed phases has the other parity (waits
-// are in phase order, so the count is then one past it).
-inline void mbarrier_wait(unsigned long long* bar, unsigned parity) {
-    while ((std::atomic_ref<unsigned long long>(*bar).load(std::memory_order_acquire) & 1u) == parity)
-        std::this_thread::yield();
-}
-}  // namespace mate
+#include "emu_bulk.h"
 
 namespace mate {
 namespace kda {
