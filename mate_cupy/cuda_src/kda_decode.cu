@@ -493,7 +493,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
     if (bulk) __syncthreads();
 
-    const int items = p.N * p.HV * p.n_splits;
+    const unsigned items = static_cast<unsigned>(p.N * p.HV * p.n_splits);  // < 2^31 (validation)
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
     const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
@@ -507,9 +507,10 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     // Stage the initial slice of item `it` when it has one (not padding, an initial state):
     // thread 0's bulk copy or each lane's own chunks by cp.async (the stage base is the lane's
     // stage minus its offset); then every thread commits its cp.async group.
-    auto stage_item = [&](int it) {
+    auto stage_item = [&](unsigned it) {
         if (!bulk || threadIdx.x == 0) {
-            const int nh = it / p.n_splits, v0 = (it - nh * p.n_splits) * VS;
+            const int nh = static_cast<int>(it) / p.n_splits;
+            const int v0 = (static_cast<int>(it) - nh * p.n_splits) * VS;
             const Seq s = sequence_of(p, nh / p.HV);
             if (!s.pad && (p.flags & kInitialState)) {
                 const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems +
@@ -535,9 +536,10 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
 
     unsigned bulk_phase = 0;  // parity of the next bulk copy to complete
     stage_item(blockIdx.x);
-    for (int it = blockIdx.x; it < items; it += gridDim.x) {
-        const int split = it % p.n_splits;
-        const int nh = it / p.n_splits;
+    // (unsigned: item + gridDim.x stays below 2^32 for every item below 2^31)
+    for (unsigned it = blockIdx.x; it < items; it += gridDim.x) {
+        const int split = static_cast<int>(it) % p.n_splits;
+        const int nh = static_cast<int>(it) / p.n_splits;
         const int hv = nh % p.HV, n = nh / p.HV;
         const int h = hv / (p.HV / p.H);
         const int v0 = split * VS;
@@ -545,7 +547,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
         const int rows_in = rows_in_of(v0);
         const bool load = !s.pad && (p.flags & kInitialState);
-        const int next = it + gridDim.x;
+        const unsigned next = it + gridDim.x;
         bool next_staged = next >= items;  // nothing to stage
         if (it != blockIdx.x) __syncthreads();  // the previous item's shared values are consumed
 
