@@ -504,38 +504,44 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int oc = dtype_of(p.dtypes, kDtOut);
     // Rows of this lane inside V in the slice from row v0: r < rows_in (rows lrow0 + 4r).
     auto rows_in_of = [&](int v0) { return min(C::kRows, max(0, (p.V - v0 - lrow0 + 3) / 4)); };
-    // Stage the initial slice of item `it` when it has one (not padding, an initial state):
-    // thread 0's bulk copy or each lane's own chunks by cp.async (the stage base is the lane's
-    // stage minus its offset); then every thread commits its cp.async group.
-    auto stage_item = [&](unsigned it) {
-        if (!bulk || threadIdx.x == 0) {
-            const int nh = static_cast<int>(it) / p.n_splits;
-            const int v0 = (static_cast<int>(it) - nh * p.n_splits) * VS;
-            const Seq s = sequence_of(p, nh / p.HV);
-            if (!s.pad && (p.flags & kInitialState)) {
-                const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems +
-                                    (nh % p.HV) * head_elems + static_cast<long long>(v0) * kDim;
-                if (bulk) {
+    // Where item `it`'s initial slice is read from, null when it has none (a padding sequence,
+    // no initial state); its first row is row_of(it).
+    auto row_of = [&](unsigned it) { return (static_cast<int>(it) % p.n_splits) * VS; };
+    auto slice_src = [&](unsigned it) -> const StateT* {
+        const int nh = static_cast<int>(it) / p.n_splits;
+        const Seq s = sequence_of(p, nh / p.HV);
+        if (s.pad || !(p.flags & kInitialState)) return nullptr;
+        return static_cast<const StateT*>(p.state) + s.slot * slot_elems + (nh % p.HV) * head_elems +
+               static_cast<long long>(row_of(it)) * kDim;
+    };
+    // Stage the slice at `src` (first row v0; nothing when null): thread 0's bulk copy or each
+    // lane's own chunks by cp.async (the stage base is the lane's stage minus its offset); then
+    // every thread commits its cp.async group. With the bulk copy only thread 0's src is used.
+    auto stage_from = [&](const StateT* src, int v0) {
+        if (src != nullptr) {
+            if (bulk) {
+                if (threadIdx.x == 0)
                     bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
-                } else {
-                    const int rows_in = rows_in_of(v0);
+            } else {
+                const int rows_in = rows_in_of(v0);
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-                        if (r >= rows_in) continue;
+                for (int r = 0; r < C::kRows; ++r) {
+                    if (r >= rows_in) continue;
 #pragma unroll
-                        for (int j = 0; j < C::kChunks; ++j) {
-                            const int o = C::row_offset(r) + C::chunk_offset(j);
-                            cp_async_16(stage + o, src + lane_off + o);
-                        }
+                    for (int j = 0; j < C::kChunks; ++j) {
+                        const int o = C::row_offset(r) + C::chunk_offset(j);
+                        cp_async_16(stage + o, src + lane_off + o);
                     }
                 }
             }
         }
         cp_async_commit();
     };
+    // The threads that issue copies: thread 0 (bulk copy) or every lane.
+    const bool stager = !bulk || threadIdx.x == 0;
 
     unsigned bulk_phase = 0;  // parity of the next bulk copy to complete
-    stage_item(blockIdx.x);
+    stage_from(stager ? slice_src(blockIdx.x) : nullptr, row_of(blockIdx.x));
     // (unsigned: item + gridDim.x stays below 2^32 for every item below 2^31)
     for (unsigned it = blockIdx.x; it < items; it += gridDim.x) {
         const int split = static_cast<int>(it) % p.n_splits;
@@ -549,6 +555,9 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         const bool load = !s.pad && (p.flags & kInitialState);
         const unsigned next = it + gridDim.x;
         bool next_staged = next >= items;  // nothing to stage
+        // The next item's source, looked up now so that its index loads overlap this item's
+        // prologue (used if this item takes one token chunk; longer items look it up again).
+        const StateT* const next_src = !next_staged && stager ? slice_src(next) : nullptr;
         if (it != blockIdx.x) __syncthreads();  // the previous item's shared values are consumed
 
         if (s.pad) zero_outputs(p, s, hv, v0, VS);
@@ -583,7 +592,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             stage_to_regs(c0 > 0 || load);
             if (!next_staged && len <= p.tc) {  // one token chunk: the stage is free from here on
                 if (bulk) __syncthreads();       // every lane's chunks are in its registers
-                stage_item(next);
+                stage_from(next_src, row_of(next));
                 next_staged = true;
             }
             for (int t = 0; t < cn; ++t) {
@@ -754,7 +763,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         }
         if (!next_staged) {
             if (bulk) __syncthreads();  // every lane has read the stage
-            stage_item(next);
+            stage_from(stager ? slice_src(next) : nullptr, row_of(next));
         }
     }
 }
