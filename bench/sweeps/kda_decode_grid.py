@@ -1,6 +1,6 @@
 """KDA decode (V-first pools) with two- and four-warp CTAs, CUDA-graph replay.
 
-    PYTHONPATH=. python bench/sweeps/kda_decode_grid.py OUTDIR [TAG]
+    PYTHONPATH=. python bench/sweeps/kda_decode_grid.py OUTDIR [TAG] [--tree DIR]
 
 Case: HV 32, H 16, K = V = 128, fp16 q/k/v/a/b (the bf16 inputs' kernel path), gate
 ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``, q/k L2 norm and beta sigmoid in kernel, a pool of 4 * B slots updated in
@@ -12,7 +12,10 @@ Launches per row: ``select_config``'s (``default``), and ``decode_launch.select_
 replaced by two- and four-warp CTAs (``w2``, ``w4``), one per work item, or by grids of the
 CTAs all SMs hold at once (``w1p``, ``w2p``, ``w4p``; ``w2p2``: twice that), each CTA running
 several items and staging the next one's slice while it runs the current one. Beside them a device-to-device copy of
-the state bytes one call moves (read + written). Writes ``OUTDIR/kda_decode_grid_TAG.json``.
+the state bytes one call moves (read + written). ``--tree DIR`` imports ``mate_cupy`` from DIR
+(another checkout's package) instead of this one, for A/B runs of two trees on the same inputs;
+variants the other tree's launcher cannot configure are left out. Writes
+``OUTDIR/kda_decode_grid_TAG.json``.
 """
 from __future__ import annotations
 
@@ -123,31 +126,54 @@ VARIANTS = {
     "w4p": variant(4, 1),
     "w2p2": variant(2, 2),
 }
+FEWER_CTAS = ("w1p", "w2p", "w4p", "w2p2")  # the variants of fewer CTAs than work items
 ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
         ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]
 
 
+def use_tree(tree: str) -> None:
+    """Rebind ``m`` and ``dl`` to the ``mate_cupy`` package of the checkout at ``tree``."""
+    global m, dl
+    for name in [n for n in sys.modules if n == "mate_cupy" or n.startswith("mate_cupy.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(Path(tree).resolve()))
+    import mate_cupy
+    from mate_cupy.kda import decode_launch
+
+    m, dl = mate_cupy, decode_launch
+
+
 def main(argv) -> None:
-    outdir = Path(argv[0])
-    tag = argv[1] if len(argv) > 1 else "run"
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("tag", nargs="?", default="run")
+    ap.add_argument("--tree", default=None)
+    a = ap.parse_args(argv)
+    outdir = Path(a.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
+    if a.tree:
+        use_tree(a.tree)
+    # fewer-CTA grids need decode_config(..., ctas) and resident_vfirst_ctas
+    variants = {n: v for n, v in VARIANTS.items() if n not in FEWER_CTAS or hasattr(dl, "resident_vfirst_ctas")}
     select = dl.select_config
     results = []
     for sdt, B, T in ROWS:
         step, nbytes = make_case(B, T, sdt)
-        row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes))
-        for name, cfg in VARIANTS.items():
+        row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes), tree=m.__file__)
+        for name, cfg in variants.items():
             dl.select_config = select if cfg is None else cfg
             try:
                 us = graph_us(step)
             finally:
                 dl.select_config = select
             row[name] = us
-        row["best"] = min(VARIANTS, key=lambda n: row[n])
+        row["best"] = min(variants, key=lambda n: row[n])
         results.append(row)
         print(f"{sdt:8s} B{B:<5d} T{T} copy {row['copy_us']:8.1f} us ({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in VARIANTS), flush=True)
-    (outdir / f"kda_decode_grid_{tag}.json").write_text(json.dumps(results, indent=1))
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in variants), flush=True)
+    (outdir / f"kda_decode_grid_{a.tag}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
