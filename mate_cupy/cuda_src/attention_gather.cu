@@ -360,9 +360,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             }
             cp_async_commit();
         };
-        unsigned tk_next[4];
+        // This warp's query of a group is its w-th: its token is tk[w] of the group's tokens.
+        auto warp_tok = [&](const unsigned (&tk)[4]) {
+            return static_cast<int>((w & 2) ? ((w & 1) ? tk[3] : tk[2]) : ((w & 1) ? tk[1] : tk[0]));
+        };
+        unsigned tk_next[4] = {0u, 0u, 0u, 0u};  // (stays so when the warpgroup has no group)
         load_toks(wg, tk_next);
         load_q(wg, tk_next, 0);
+        int tok_cur = warp_tok(tk_next);  // of the group the loop starts with
         load_toks(wg + kWGs, tk_next);
         cp_async_wait<0>();
         fence_proxy_async_smem();
@@ -387,13 +392,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
         };
         int buf = 0;
         for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
-            // This warp's query (its 16 rows): token and slot, loaded before the MMA that hides them.
+            // This warp's query (its 16 rows): its token, read with the group's Q tokens a step
+            // ago, and its slot, loaded before the MMAs that hide it.
             const int pi = begin + 4 * grp + w;
             const bool live = pi < end;
-            const int tok = live ? pair_tok[pi] : 0;
+            const int tok = live ? tok_cur : 0;
             const int slot = live ? pair_slot[pi] : 0;
             asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
             load_q(grp + kWGs, tk_next, buf ^ 1);
+            tok_cur = warp_tok(tk_next);  // (group grp + kWGs, the next step's)
             load_toks(grp + 2 * kWGs, tk_next);
             cp_async_wait<1>();
             fence_proxy_async_smem();
