@@ -7,12 +7,13 @@ Four kernels, all registered here: state dtype (float32 / bfloat16) x state layo
 and beta modes, L2 norm, slot mode, varlen, token count) is a runtime argument: it only
 changes the per-token prologue, which runs once per CTA outside the state loop.
 
-Work split (``docs/kda_decode.md``): one CTA per (sequence, value head, V-slice).
-V-first slices are ``16 * warps`` (fp32) or ``32 * warps`` (bf16) rows, 256 bytes of state
-per lane either way, ``warps`` in {1, 2, 4} picked by
-:func:`select_config` so that small batches still put work on every SM, staged by one bulk
-copy on sm_90 when V is a whole number of slices; K-first slices are 128 bytes of each
-K row (32 fp32 or 64 bf16 columns).
+Work split (``docs/kda_decode.md``): a work item is one (sequence, value head, V-slice);
+:func:`select_config` launches one CTA per item (the V-first kernel also runs fewer CTAs that
+loop over the items, :func:`decode_config` with ``ctas``). V-first slices are ``16 * warps``
+(fp32) or ``32 * warps`` (bf16) rows, 256 bytes of state per lane either way, ``warps`` in
+{1, 2, 4} picked by :func:`select_config` so that small batches still put work on every SM,
+staged by one bulk copy on sm_90 when V is a whole number of slices; K-first slices are 128
+bytes of each K row (32 fp32 or 64 bf16 columns).
 """
 from __future__ import annotations
 
