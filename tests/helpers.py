@@ -141,3 +141,16 @@ def fake_cuda(x, stride=None, misalign=0, address=None):
     if stride is None:
         stride = tuple(s // x.itemsize for s in x.strides)
     return FakeCudaTensor(x.shape, tdt, address, stride)
+
+
+def emulator_or_skip(build, *args, **kwargs):
+    """``build(*args, **kwargs)`` (a CPU emulator's build function); the calling test skips
+    where g++ or the CUDA fp16/bf16 headers are missing."""
+    import pytest
+
+    try:
+        return build(*args, **kwargs)
+    except RuntimeError as e:
+        if "needs g++" in str(e):
+            pytest.skip(str(e))
+        raise

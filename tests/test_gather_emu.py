@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from helpers import assert_rel, poison_like
+from helpers import assert_rel, emulator_or_skip, poison_like
 from msa_cases import BF16, make_problem, random_selection
 from mate_cupy.msa import gather_launch as gl
 from mate_cupy.reference import msa as R
@@ -37,12 +37,7 @@ def emu(tmp_path_factory):
     def get(dtype):
         code = 0 if np.dtype(dtype) == F16 else 1
         if code not in built:
-            try:
-                built[code] = harness.build(d, code)
-            except RuntimeError as e:
-                if "needs g++" in str(e):
-                    pytest.skip(str(e))
-                raise
+            built[code] = emulator_or_skip(harness.build, d, code)
         return harness, built[code], d / "work"
 
     return get

@@ -22,7 +22,7 @@ from mate_cupy.msa import index_launch as il
 from mate_cupy.msa.topk import TopkProblem, validate_topk
 from mate_cupy.reference import msa as ref
 
-from helpers import signed_rows
+from helpers import emulator_or_skip, signed_rows
 from test_gpu_index import (BF16, F16, K_VIEW_LAYOUTS, SCORE_KINDS, _check_max_score, _in_order_pages,
                             _k_view_decode_problem, _lengths, _meta, _paged_decode_problem, _positions, _rand, _scores,
                             _width)
@@ -37,13 +37,7 @@ def emu(tmp_path_factory):
     from index_emu import harness
 
     d = tmp_path_factory.mktemp("index_emu")
-    try:
-        exe = harness.build(d)
-    except RuntimeError as e:
-        if "needs g++" in str(e):
-            pytest.skip(str(e))
-        raise
-    return harness, harness.Emulated(exe, d / "work")
+    return harness, harness.Emulated(emulator_or_skip(harness.build, d), d / "work")
 
 
 # ============================================================================ score rows

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import emulator_or_skip
 from test_kda_decode import BF16, F32, decode_inputs, drive, rel
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
@@ -26,13 +27,7 @@ def emu(tmp_path_factory):
     from kda_decode_emu import harness
 
     d = tmp_path_factory.mktemp("kda_decode_emu")
-    try:
-        exe = harness.build(d)
-    except RuntimeError as e:
-        if "needs g++" in str(e):
-            pytest.skip(str(e))
-        raise
-    return harness, exe, d / "work"
+    return harness, emulator_or_skip(harness.build, d), d / "work"
 
 
 def _slots_pad():

@@ -10,20 +10,15 @@ pointer argument resolved to the host array (or workspace) that holds its addres
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from index_emu.harness import drop_function, wrap
+from index_emu.harness import build_driver, drop_function, locate, run_launch, wrap
 from mate_cupy.msa import gather_launch as gl
 
 HERE = Path(__file__).resolve().parent
-EMU = HERE.parent / "cuda_emu"
-INDEX_EMU = HERE.parent / "index_emu"
 CUDA_SRC = Path(gl.__file__).resolve().parent.parent / "cuda_src"
 
 
@@ -59,28 +54,9 @@ def emulator_source() -> str:
 
 def build(tmp_dir: Path, dtype_code: int, sanitize: bool | None = None) -> Path:
     """Compile the emulator for ``GATHER_DTYPE = dtype_code``; returns the executable."""
-    from mate_cupy.jit.compiler import cuda_include_dirs
-
-    if shutil.which("g++") is None or not cuda_include_dirs():
-        raise RuntimeError("needs g++ and the CUDA fp16/bf16 headers")
-    if sanitize is None:
-        sanitize = bool(os.environ.get("MATE_CUPY_EMU_SANITIZE"))
-    tmp_dir = Path(tmp_dir)
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    (tmp_dir / "gather_emu.inc").write_text(emulator_source())
-    (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in gl.KERNELS))
-    # (the kernels reinterpret registers through pointer casts, as CUDA C++ allows: no strict aliasing)
-    flags = ["-O1", "-g", "-fsanitize=address,undefined"] if sanitize else ["-O2"]
-    flags.append("-fno-strict-aliasing")
-    exe = tmp_dir / f"gather_driver_{dtype_code}"
-    cmd = ["g++", "-std=c++20", *flags, "-w", f"-DGATHER_DTYPE={int(dtype_code)}", f"-DGATHER_CAP={gl.CAP}",
-           '-DEMU_HEADER="emu_gather.h"', '-DEMU_SOURCE="gather_emu.inc"', f"-I{HERE}", f"-I{INDEX_EMU}",
-           f"-I{EMU}", f"-I{tmp_dir}", *(f"-I{i}" for i in cuda_include_dirs()), str(INDEX_EMU / "driver.cpp"),
-           "-o", str(exe), "-lpthread"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-6000:])
-    return exe
+    return build_driver(tmp_dir, f"gather_emu_{int(dtype_code)}", emulator_source(), gl.KERNELS,
+                        header="emu_gather.h", include_dirs=(HERE,), strict_aliasing=False, sanitize=sanitize,
+                        defines=(f"GATHER_DTYPE={int(dtype_code)}", f"GATHER_CAP={gl.CAP}"))
 
 
 def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, lazy_cp_async: bool = False,
@@ -93,17 +69,10 @@ def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, la
 
     buffers = [a for a in arrays.values() if a is not None] + [workspace]
     assert all(a.flags.c_contiguous for a in buffers)
-    spans = [(a.__array_interface__["data"][0], a.nbytes, i) for i, a in enumerate(buffers)]
     recorded = []
 
-    def where(ptr: int):
-        for base, size, i in spans:
-            if base <= ptr < base + max(size, 1):
-                return i, ptr - base
-        raise ValueError(f"pointer {ptr:#x} outside every host array")
-
     def memset(ptr, value, size, stream):
-        i, off = where(ptr)
+        i, off = locate(buffers, ptr)
         buffers[i].view(np.uint8).reshape(-1)[off:off + size] = value
 
     saved = gl.launch, gl.get_kernel, rt.memsetAsync
@@ -118,30 +87,6 @@ def run_gather(exe: Path, work: Path, arrays: dict, workspace: np.ndarray, *, la
     finally:
         gl.launch, gl.get_kernel, rt.memsetAsync = saved
     for n, (name, grid, block, params, values, smem) in enumerate(recorded):
-        d = Path(work) / f"launch{n}"
-        d.mkdir(parents=True, exist_ok=True)
-        grid = grid + (1,) * (3 - len(grid))
-        lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {block[0]} {smem} {int(lazy_cp_async)}"]
-        used = {}
-        for kind, v in zip(params.kinds, values):
-            if kind == "ptr":
-                if not v:
-                    lines.append("P0")
-                    continue
-                i, off = where(int(v))
-                used[i] = buffers[i]
-                lines.append(f"A {i} {off}")
-            elif kind == "f32":
-                lines.append(f"F {float(v)!r}")
-            else:
-                lines.append(f"I {int(v)}")
-        for i, a in used.items():
-            a.tofile(d / f"a{i}.bin")
-        (d / "launch.txt").write_text("\n".join(lines) + "\n")
-        r = subprocess.run([str(exe), str(d)], capture_output=True, text=True, timeout=3600)
-        if r.returncode != 0:
-            raise RuntimeError(f"emulated {name} failed ({r.returncode}): {r.stderr[-4000:]}")
-        for i, a in used.items():
-            a[...] = np.fromfile(d / f"a{i}.out", dtype=a.dtype).reshape(a.shape)
-        shutil.rmtree(d, ignore_errors=True)
+        run_launch(exe, Path(work) / f"launch{n}", name, grid, block[0], smem, params, values, buffers,
+                   lazy=lazy_cp_async)
     return len(recorded)

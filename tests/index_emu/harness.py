@@ -65,8 +65,11 @@ def kernel_names() -> list:
     return [k for s in specs for k in s.kernels]
 
 
-def build(tmp_dir: Path, sanitize: bool | None = None) -> Path:
-    """Compile the emulator; returns the executable."""
+def build_driver(tmp_dir: Path, exe_name: str, source: str, kernels, *, header: str | None = None,
+                 include_dirs=(), defines=(), strict_aliasing: bool = True, sanitize: bool | None = None) -> Path:
+    """Compile ``driver.cpp`` around ``source`` (a kernel file prepared for the emulator) with
+    ``kernels`` registered; ``header``: the family's emulator extras (``EMU_HEADER``, default
+    emu_index.h), found in ``include_dirs``. Returns the executable ``tmp_dir/exe_name``."""
     from mate_cupy.jit.compiler import cuda_include_dirs
 
     if shutil.which("g++") is None or not cuda_include_dirs():
@@ -74,16 +77,71 @@ def build(tmp_dir: Path, sanitize: bool | None = None) -> Path:
     if sanitize is None:
         sanitize = bool(os.environ.get("MATE_CUPY_EMU_SANITIZE"))
     tmp_dir = Path(tmp_dir)
-    (tmp_dir / "msa_index_emu.inc").write_text(emulator_source())
-    (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in kernel_names()))
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    (tmp_dir / f"{exe_name}.inc").write_text(source)
+    (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in kernels))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if sanitize else ["-O2"]
-    exe = tmp_dir / "index_driver"
-    cmd = ["g++", "-std=c++20", *flags, "-w", f"-I{HERE}", f"-I{HERE.parent / 'cuda_emu'}", f"-I{tmp_dir}",
-           *(f"-I{i}" for i in cuda_include_dirs()), str(HERE / "driver.cpp"), "-o", str(exe), "-lpthread"]
+    if not strict_aliasing:  # kernels that reinterpret registers through pointer casts, as CUDA C++ allows
+        flags.append("-fno-strict-aliasing")
+    exe = tmp_dir / exe_name
+    cmd = ["g++", "-std=c++20", *flags, "-w", *(f"-D{d}" for d in defines), f'-DEMU_SOURCE="{exe_name}.inc"',
+           *([f'-DEMU_HEADER="{header}"'] if header else []), *(f"-I{i}" for i in include_dirs), f"-I{HERE}",
+           f"-I{HERE.parent / 'cuda_emu'}", f"-I{tmp_dir}", *(f"-I{i}" for i in cuda_include_dirs()),
+           str(HERE / "driver.cpp"), "-o", str(exe), "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-6000:])
     return exe
+
+
+def build(tmp_dir: Path, sanitize: bool | None = None) -> Path:
+    """Compile the emulator; returns the executable."""
+    return build_driver(tmp_dir, "msa_index_emu", emulator_source(), kernel_names(), sanitize=sanitize)
+
+
+def locate(buffers: list, ptr: int) -> tuple:
+    """``(index, byte offset)`` of the array of ``buffers`` that holds address ``ptr``."""
+    for i, a in enumerate(buffers):
+        base = a.__array_interface__["data"][0]
+        if base <= ptr < base + max(a.nbytes, 1):
+            return i, ptr - base
+    raise ValueError(f"pointer {ptr:#x} outside every host array")
+
+
+def run_launch(exe: Path, d: Path, name: str, grid, threads: int, smem: int, params, values, buffers: list, *,
+               lazy: bool = False, timeout: float = 3600) -> None:
+    """Run one launch in the emulator through the folder ``d`` (driver.cpp's launch.txt): every
+    nonzero pointer value is resolved to the array of ``buffers`` that holds it (:func:`locate`);
+    those arrays come back with what the kernel wrote. ``lazy``: copies land and wgmma computes
+    at the wait that retires them instead of at issue."""
+    d = Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {threads} {smem} {int(lazy)}"]
+    used = {}
+    for kind, v in zip(params.kinds, values):
+        if kind == "ptr":
+            if not v:
+                lines.append("P0")
+                continue
+            i, off = locate(buffers, int(v))
+            used[i] = buffers[i]
+            lines.append(f"A {i} {off}")
+        elif kind == "f32":
+            lines.append(f"F {float(v)!r}")
+        else:
+            lines.append(f"I {int(v)}")
+    for i, a in used.items():
+        a.tofile(d / f"a{i}.bin")
+    (d / "launch.txt").write_text("\n".join(lines) + "\n")
+    r = subprocess.run([str(exe), str(d)], capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"))
+    if r.returncode != 0:
+        raise RuntimeError(f"emulated {name} failed ({r.returncode}): {r.stderr[-4000:]}")
+    for i, a in used.items():
+        a[...] = np.fromfile(d / f"a{i}.out", dtype=a.dtype).reshape(a.shape)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class EmuArg(Arg):
@@ -139,32 +197,14 @@ class Emulated:
     def _run(self, name, grid, block, params, values, smem, *, lazy):
         d = self.work / f"launch{self.runs}"
         self.runs += 1
-        d.mkdir(parents=True, exist_ok=True)
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        lines = [name, f"{grid[0]} {grid[1]} {grid[2]} {block[0]} {smem} {int(lazy)}"]
         params.pack(values)  # the values fit the parameter kinds
         bases: dict = {}
+        addresses = []
         for kind, a in zip(params.kinds, values):
-            if kind == "ptr":
-                if a is None or (isinstance(a, int) and a == 0):
-                    lines.append("P0")
-                    continue
+            if kind == "ptr" and not (a is None or (isinstance(a, int) and a == 0)):
                 if not isinstance(a, EmuArg):
                     raise TypeError(f"pointer argument of type {type(a)}")
-                key = id(a.base)
-                if key not in bases:
-                    bases[key] = (len(bases), a.base)
-                    a.base.tofile(d / f"a{bases[key][0]}.bin")
-                lines.append(f"A {bases[key][0]} {a.offset}")
-            elif kind == "f32":
-                lines.append(f"F {float(a)!r}")
-            else:
-                lines.append(f"I {int(a)}")
-        (d / "launch.txt").write_text("\n".join(lines) + "\n")
-        r = subprocess.run([str(self.exe), str(d)], capture_output=True, text=True, timeout=3600)
-        if r.returncode != 0:
-            raise RuntimeError(f"emulated {name} failed ({r.returncode}): {r.stderr[-4000:]}")
-        for idx, base in bases.values():
-            out = np.fromfile(d / f"a{idx}.out", dtype=base.dtype).reshape(base.shape)
-            base[...] = out
-        shutil.rmtree(d, ignore_errors=True)
+                bases.setdefault(id(a.base), a.base)
+                a = a.ptr
+            addresses.append(0 if a is None else a)
+        run_launch(self.exe, d, name, grid, block[0], smem, params, addresses, list(bases.values()), lazy=lazy)

@@ -10,19 +10,15 @@ copies back what the kernel wrote.
 from __future__ import annotations
 
 import inspect
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from helpers import fake_cuda
+from index_emu.harness import build_driver, run_launch
 from mate_cupy.kda import decode, decode_launch as dl
 
 HERE = Path(__file__).resolve().parent
-EMU = HERE.parent / "cuda_emu"
-INDEX_EMU = HERE.parent / "index_emu"
 CUDA_SRC = Path(dl.__file__).resolve().parent.parent / "cuda_src"
 
 
@@ -40,27 +36,9 @@ def emulator_source() -> str:
 
 def build(tmp_dir: Path, sanitize: bool | None = None) -> Path:
     """Compile the emulator with every registered decode kernel; returns the executable."""
-    from mate_cupy.jit.compiler import cuda_include_dirs
-
-    if shutil.which("g++") is None or not cuda_include_dirs():
-        raise RuntimeError("needs g++ and the CUDA fp16/bf16 headers")
-    if sanitize is None:
-        sanitize = bool(os.environ.get("MATE_CUPY_EMU_SANITIZE"))
-    tmp_dir = Path(tmp_dir)
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    (tmp_dir / "kda_decode_emu.inc").write_text(emulator_source())
     names = [name for spec in dl.SPECS.values() for name in spec.kernels]
-    (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in names))
-    flags = ["-O1", "-g", "-fsanitize=address,undefined"] if sanitize else ["-O2"]
-    flags.append("-fno-strict-aliasing")  # the kernels reinterpret registers through pointer casts
-    exe = tmp_dir / "kda_decode_driver"
-    cmd = ["g++", "-std=c++20", *flags, "-w", '-DEMU_HEADER="emu_kda_decode.h"',
-           '-DEMU_SOURCE="kda_decode_emu.inc"', f"-I{HERE}", f"-I{EMU}", f"-I{tmp_dir}",
-           *(f"-I{i}" for i in cuda_include_dirs()), str(INDEX_EMU / "driver.cpp"), "-o", str(exe), "-lpthread"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-6000:])
-    return exe
+    return build_driver(tmp_dir, "kda_decode_emu", emulator_source(), names, header="emu_kda_decode.h",
+                        include_dirs=(HERE,), strict_aliasing=False, sanitize=sanitize)
 
 
 def _validate(arrays: dict, opts: dict):
@@ -86,10 +64,9 @@ def run_decode(exe: Path, work: Path, x: dict, opts: dict, *, cc: int = 90, sm_c
     out = np.full((B, T, HV, V), np.nan, dtype=x["q"].dtype)
     given = {**x, **{n: a for n, a in opts.items() if isinstance(a, np.ndarray)}}  # state_indices too
     opts = {n: a for n, a in opts.items() if n not in given}
-    arrays = {n: (None if a is None else np.ascontiguousarray(a)) for n, a in given.items()}
     for n, a in given.items():
-        assert a is None or a is arrays[n], f"{n}: pass C-contiguous arrays"
-    arrays["output"] = out
+        assert a is None or a.flags.c_contiguous, f"{n}: pass C-contiguous arrays"
+    arrays = {**given, "output": out}
     call, p = _validate(arrays, opts)
     assert not p.staged
     cfg = dl.select_config(p, sm_count, cc) if warps is None else dl.decode_config(p, cc, warps, ctas)
@@ -101,39 +78,6 @@ def run_decode(exe: Path, work: Path, x: dict, opts: dict, *, cc: int = 90, sm_c
     if not cfg.grid:
         return out, final, cfg
     buffers = [a for a in arrays.values() if a is not None] + ([final] if final is not None else [])
-    spans = [(a.__array_interface__["data"][0], a.nbytes, i) for i, a in enumerate(buffers)]
-
-    def where(ptr: int):
-        for base, size, i in spans:
-            if base <= ptr < base + max(size, 1):
-                return i, ptr - base
-        raise ValueError(f"pointer {ptr:#x} outside every host array")
-
-    values = dl.kernel_values(p, cfg, ptrs)
-    lines = [cfg.spec.kernels[0], f"{cfg.grid} 1 1 {cfg.threads} {cfg.smem} {int(lazy)}"]
-    used = {}
-    for kind, v in zip(dl.PARAMS.kinds, values):
-        if kind == "ptr":
-            if not v:
-                lines.append("P0")
-                continue
-            i, off = where(int(v))
-            used[i] = buffers[i]
-            lines.append(f"A {i} {off}")
-        elif kind == "f32":
-            lines.append(f"F {float(v)!r}")
-        else:
-            lines.append(f"I {int(v)}")
-    d = Path(work)
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    for i, a in used.items():
-        a.tofile(d / f"a{i}.bin")
-    (d / "launch.txt").write_text("\n".join(lines) + "\n")
-    r = subprocess.run([str(exe), str(d)], capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"))
-    if r.returncode != 0:
-        raise RuntimeError(f"emulated {lines[0]} failed ({r.returncode}): {r.stderr[-4000:]}")
-    for i, a in used.items():
-        a[...] = np.fromfile(d / f"a{i}.out", dtype=a.dtype).reshape(a.shape)
+    run_launch(exe, work, cfg.spec.kernels[0], (cfg.grid,), cfg.threads, cfg.smem, dl.PARAMS,
+               dl.kernel_values(p, cfg, ptrs), buffers, lazy=lazy, timeout=timeout)
     return out, final, cfg
