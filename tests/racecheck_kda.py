@@ -52,8 +52,7 @@ def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=Fal
     ref_out, ref_pool = m.gated_delta_rule_decode(*args, state_indices=idx, **kw)
     select = dl.select_config
     if ctas is not None:  # a V-first grid of `ctas` CTAs, each running several items
-        dl.select_config = lambda p, sm, cc: dl.decode_config(
-            p, cc, dl.vfirst_warps(p.N * p.HV, p.V, sm, dl.VFIRST_ROWS_PER_WARP[p.state_dtype]), ctas)
+        dl.select_config = lambda p, sm, cc: select(p, sm, cc, ctas)
     try:
         out, _ = m.gated_delta_rule_decode(*dev, state_indices=cp.asarray(idx), **kw)
     finally:

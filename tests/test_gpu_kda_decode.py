@@ -386,12 +386,8 @@ FEW_CTA_CASES = ["t1_f32_vfirst", "t1_bf16_vfirst", "t1_large_batch", "t1_pad_oo
 def test_decode_vfirst_fewer_ctas_than_items(name, ctas, rng, monkeypatch):
     from mate_cupy.kda import decode_launch as dl
 
-    def config(problem, sm_count, cc):
-        warps = dl.vfirst_warps(problem.N * problem.HV, problem.V, sm_count,
-                                dl.VFIRST_ROWS_PER_WARP[problem.state_dtype])
-        return dl.decode_config(problem, cc, warps, ctas)
-
-    monkeypatch.setattr(dl, "select_config", config)
+    select = dl.select_config
+    monkeypatch.setattr(dl, "select_config", lambda problem, sm_count, cc: select(problem, sm_count, cc, ctas))
     c = CASES[name]
     prep = build_case(c, rng)
     out, pool, final = _run_case(c, prep, preallocate=True)

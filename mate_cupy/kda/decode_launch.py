@@ -148,14 +148,15 @@ def _dtype_codes(p) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
+def select_config(problem, sm_count: int, cc: int, ctas: int | None = None) -> DecodeConfig:
     """The launch of ``problem`` (a :class:`~mate_cupy.kda.decode.DecodeProblem`) on a device
-    with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor). Pure."""
+    with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor): one CTA per work
+    item, or (V-first, ``ctas``) a grid of ``ctas`` CTAs (:func:`decode_config`). Pure."""
     p = problem
     warps = None
     if p.state_v_first:
         warps = vfirst_warps(p.N * p.HV, p.V, sm_count, VFIRST_ROWS_PER_WARP[p.state_dtype])
-    return decode_config(p, cc, warps)
+    return decode_config(p, cc, warps, ctas)
 
 
 def decode_config(problem, cc: int, warps: int | None = None, ctas: int | None = None) -> DecodeConfig:
