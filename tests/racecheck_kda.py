@@ -6,10 +6,9 @@
 Cases (all by default, or the names given): single-token in-place decode on V-first fp32
 and bf16 pools (the bulk-copy staging on sm_90, one-warp CTAs), K-first pools, a 12-token
 decode (two prologue chunks, the state parked in shared memory between them), [N, C]
-slots with accepted counts, V-first grids of fewer CTAs than work items (the next item's
-slice staged while the current one runs), and chunk_kda dense and varlen with mild and
-extreme gates (the prepare kernel's element-wise diagonal blocks). Each case checks its
-output against the float64 reference, so a run that completes also ran the kernels it names.
+slots with accepted counts, and chunk_kda dense and varlen with mild and extreme gates
+(the prepare kernel's element-wise diagonal blocks). Each case checks its output against
+the float64 reference, so a run that completes also ran the kernels it names.
 """
 from __future__ import annotations
 
@@ -23,12 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 K = 128
 
 
-def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=False, ctas=None):
+def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=False):
     import cupy as cp
 
     import mate_cupy as m
-    from mate_cupy.kda import decode_launch as dl
-
 
     f16 = lambda *s: rs.standard_normal(s).astype(np.float16)  # noqa: E731
     q, k, v, a = f16(B, T, H, K), f16(B, T, H, K), f16(B, T, HV, K), f16(B, T, HV, K)
@@ -50,13 +47,7 @@ def _decode(rs, *, B, T, H, HV, state_dtype, v_first=True, slots="n", varlen=Fal
     args = [q, k, v, pool, A_log, a, dt_bias, acc, None, b]
     dev = [None if x is None else cp.asarray(x) for x in args]  # before the host call updates pool in place
     ref_out, ref_pool = m.gated_delta_rule_decode(*args, state_indices=idx, **kw)
-    select = dl.select_config
-    if ctas is not None:  # a V-first grid of `ctas` CTAs, each running several items
-        dl.select_config = lambda p, sm, cc: select(p, sm, cc, ctas)
-    try:
-        out, _ = m.gated_delta_rule_decode(*dev, state_indices=cp.asarray(idx), **kw)
-    finally:
-        dl.select_config = select
+    out, _ = m.gated_delta_rule_decode(*dev, state_indices=cp.asarray(idx), **kw)
     cp.cuda.Device().synchronize()
     err = np.abs(cp.asnumpy(out).astype(np.float64) - np.asarray(ref_out, np.float64)).max()
     scale = np.abs(np.asarray(ref_out, np.float64)).max()
@@ -91,9 +82,6 @@ CASES = {
     "decode-vfirst-t1-bf16": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="bfloat16"),
     "decode-vfirst-t12": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="float32", slots="nc0"),
     "decode-vfirst-spec": lambda rs: _decode(rs, B=3, T=4, H=2, HV=4, state_dtype="float32", slots="nc"),
-    "decode-vfirst-few-ctas": lambda rs: _decode(rs, B=8, T=1, H=4, HV=8, state_dtype="float32", ctas=5),
-    "decode-vfirst-few-ctas-t12": lambda rs: _decode(rs, B=3, T=12, H=2, HV=4, state_dtype="bfloat16", slots="nc0",
-                                                     ctas=2),
     "decode-kfirst-t1": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="float32", v_first=False),
     "decode-kfirst-t12-bf16": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="bfloat16", v_first=False,
                                                 slots="nc0"),

@@ -373,27 +373,6 @@ def test_decode_matches_reference(name, rng):
     check_results(c, prep, out, pool, final)
 
 
-#: V-first cases run with grids of fewer CTAs than work items (each CTA stages its next item
-#: while running the current one): slots, padding, parked states, varlen, partial slices.
-FEW_CTA_CASES = ["t1_f32_vfirst", "t1_bf16_vfirst", "t1_large_batch", "t1_pad_oob", "zero_init_store",
-                 "t4_2d_bf16", "t4_2d_pad_tok", "t8_spec_bf16", "t12_chunked_prologue", "varlen_spec_pad",
-                 "varlen_long", "v48_vfirst_bf16_pad", "v_odd_vfirst_spec_pad", "v_odd_vfirst_varlen_zero_init"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ctas", [1, 3, 64], ids=lambda n: f"ctas{n}")
-@pytest.mark.parametrize("name", FEW_CTA_CASES)
-def test_decode_vfirst_fewer_ctas_than_items(name, ctas, rng, monkeypatch):
-    from mate_cupy.kda import decode_launch as dl
-
-    select = dl.select_config
-    monkeypatch.setattr(dl, "select_config", lambda problem, sm_count, cc: select(problem, sm_count, cc, ctas))
-    c = CASES[name]
-    prep = build_case(c, rng)
-    out, pool, final = _run_case(c, prep, preallocate=True)
-    check_results(c, prep, out, pool, final)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["t1_f32_vfirst", "t4_spec", "varlen_2d_kfirst_bf16"])
 def test_decode_allocated_output(name, rng):

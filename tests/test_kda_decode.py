@@ -781,24 +781,6 @@ def test_vfirst_warps_fill_the_gpu(rng):
 
 
 @pytest.mark.torch
-def test_vfirst_grid_of_fewer_ctas_than_items(rng):
-    from mate_cupy.kda.decode_launch import decode_config, resident_vfirst_ctas, select_config
-
-    p = _problem(rng, B=32)
-    full = select_config(p, 132, 90)
-    assert full.grid == 32 * 32 * full.n_splits  # one CTA per work item
-    few = decode_config(p, 90, full.warps, 132 * 8)
-    assert few.grid == 132 * 8 and dataclasses.replace(few, grid=full.grid) == full  # only the grid differs
-    assert decode_config(p, 90, full.warps, 10 ** 9).grid == full.grid  # never more CTAs than items
-    assert decode_config(_problem(rng, B=4, v_first=False), 90, None, 3).grid == 4 * 32 * 4  # K-first: per item
-    with pytest.raises(ValueError, match="ctas"):
-        decode_config(p, 90, 2, 0)
-    # CTAs per SM: 128 registers per thread, shared memory with 1 KiB reserved per CTA
-    assert resident_vfirst_ctas(64, full.smem) == 8 and resident_vfirst_ctas(128, 34848) == 4
-    assert resident_vfirst_ctas(32, 10_000) == 16 and resident_vfirst_ctas(32, 200 * 1024) == 1
-
-
-@pytest.mark.torch
 def test_vfirst_bulk_staging_only_for_whole_slices_on_sm90(rng):
     from mate_cupy.kda.decode_launch import F_BULK, select_config
 

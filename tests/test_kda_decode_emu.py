@@ -5,10 +5,8 @@ the token-by-token float64 driver of test_kda_decode.py.
 Both state layouts and dtypes; ``[N]`` and ``[N, C]`` slots with accepted counts, padding
 sequences and tokens; varlen with empty sequences; more tokens than one prologue holds (the
 state parked in the stage); a partial last V-slice (per-lane cp.async instead of the bulk
-copy); no initial state. V-first grids of one CTA per item and of fewer CTAs, each running
-several items and staging the next one's slice early. Copies land at issue (a stage refilled
-while another thread still reads it) or at the wait that retires them (a read without its
-wait). Outputs are poisoned with NaN. MATE_CUPY_EMU_SANITIZE=1 builds with ASan/UBSan.
+copy); no initial state; V-first CTAs of one, two and four warps. Copies land at issue or at the
+wait that retires them (a read without its wait). Outputs are poisoned with NaN. MATE_CUPY_EMU_SANITIZE=1 builds with ASan/UBSan.
 """
 from __future__ import annotations
 
@@ -58,12 +56,12 @@ def _inputs(rng, name, sdt, v_first):
     return x, opts
 
 
-def _check(emu, rng, name, sdt, v_first, *, warps=None, ctas=None, lazy=False):
+def _check(emu, rng, name, sdt, v_first, *, warps=None, lazy=False):
     harness, exe, work = emu
     x, opts = _inputs(rng, name, sdt, v_first)
     pool0 = x["state"].copy()
     ref_out, ref_pool, ref_final = drive(**{**x, "state": pool0}, **opts)
-    out, final, cfg = harness.run_decode(exe, work, x, opts, warps=warps, ctas=ctas, lazy=lazy)
+    out, final, cfg = harness.run_decode(exe, work, x, opts, warps=warps, lazy=lazy)
     assert not np.isnan(np.asarray(out, np.float32)).any(), "output elements left unwritten"
     assert rel(out, ref_out) < 1e-2
     padded = np.all(ref_out == 0, axis=(-1, -2))
@@ -82,22 +80,14 @@ def _check(emu, rng, name, sdt, v_first, *, warps=None, ctas=None, lazy=False):
 @pytest.mark.parametrize("v_first", [True, False], ids=["vfirst", "kfirst"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_launcher_config_matches_driver(emu, rng, name, sdt, v_first):
-    """select_config's launch: one CTA per work item."""
+    """select_config's launch."""
     _check(emu, rng, name, sdt, v_first)
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-@pytest.mark.parametrize("sdt", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_vfirst_fewer_ctas_than_items(emu, rng, name, sdt, lazy):
-    """V-first grids of 2 and 3 CTAs over every item (one-warp CTAs: the most items): each CTA
-    stages its next item's slice while running the current one."""
-    for ctas in (2, 3):
-        cfg = _check(emu, rng, name, sdt, True, warps=1, ctas=ctas, lazy=lazy)
-        assert cfg.grid == ctas
-
-
-def test_vfirst_grid_covers_items_once(emu, rng):
-    """A grid larger than the item count is clamped to it."""
-    cfg = _check(emu, rng, "slots-n", F32, True, warps=2, ctas=10 ** 6)
-    assert cfg.grid == 5 * 4 * cfg.n_splits
+@pytest.mark.parametrize("warps", [1, 2, 4], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("name", ["slots-n", "slots-nc-accepted", "long", "partial-slice"])
+def test_vfirst_warps_per_cta(emu, rng, name, warps, lazy):
+    """V-first CTAs of ``warps`` warps (``decode_config``), bf16 pools (fp32 state in registers,
+    bf16 stage), copies landing at issue or at their wait."""
+    _check(emu, rng, name, BF16, True, warps=warps, lazy=lazy)

@@ -9,12 +9,9 @@ permutation). Rows: fp32 and bf16 pools at B 32 / 256 / 1024 (T = 1, ``[B]`` slo
 speculative verify (T = 4, ``[B, 4]`` slots and accepted counts) at B 64 / 256.
 
 Launches per row: ``select_config``'s (``default``), and ``decode_launch.select_config``
-replaced by two- and four-warp CTAs (``w2``, ``w4``), one per work item, or by grids of the
-CTAs all SMs hold at once (``w1p``, ``w2p``, ``w4p``; ``w2p2``: twice that), each CTA running
-several items and staging the next one's slice while it runs the current one. Beside them a device-to-device copy of
+replaced by two- and four-warp CTAs (``w2``, ``w4``). Beside them a device-to-device copy of
 the state bytes one call moves (read + written). ``--tree DIR`` imports ``mate_cupy`` from DIR
-(another checkout's package) instead of this one, for A/B runs of two trees on the same inputs;
-variants the other tree's launcher cannot configure are left out. Writes
+(another checkout's package) instead of this one, for A/B runs of two trees on the same inputs. Writes
 ``OUTDIR/kda_decode_grid_TAG.json``.
 """
 from __future__ import annotations
@@ -35,18 +32,9 @@ HV, H, K = 32, 16, 128
 NSETS = 4
 
 
-def variant(warps: int, waves: int | None = None):
-    """A ``select_config`` replacement: V-first ``warps``-warp CTAs (``decode_config``), one per
-    work item, or (``waves``) ``waves`` x the CTAs all SMs hold at once, each running several
-    items and staging the next one's slice while it runs the current one."""
-    def config(problem, sm_count, cc):
-        if waves is None:
-            return dl.decode_config(problem, cc, warps)
-        one = dl.decode_config(problem, cc, warps)
-        ctas = waves * sm_count * dl.resident_vfirst_ctas(one.threads, one.smem)
-        return dl.decode_config(problem, cc, warps, ctas)
-
-    return config
+def variant(warps: int):
+    """A ``select_config`` replacement: V-first ``warps``-warp CTAs (``decode_config``)."""
+    return lambda problem, sm_count, cc: dl.decode_config(problem, cc, warps)
 
 
 def make_case(B: int, T: int, state_dtype: str, seed: int = 0):
@@ -121,12 +109,7 @@ VARIANTS = {
     "default": None,
     "w2": variant(2),
     "w4": variant(4),
-    "w1p": variant(1, 1),
-    "w2p": variant(2, 1),
-    "w4p": variant(4, 1),
-    "w2p2": variant(2, 2),
 }
-FEWER_CTAS = ("w1p", "w2p", "w4p", "w2p2")  # the variants of fewer CTAs than work items
 ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
         ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]
 
@@ -155,24 +138,22 @@ def main(argv) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     if a.tree:
         use_tree(a.tree)
-    # fewer-CTA grids need decode_config(..., ctas) and resident_vfirst_ctas
-    variants = {n: v for n, v in VARIANTS.items() if n not in FEWER_CTAS or hasattr(dl, "resident_vfirst_ctas")}
     select = dl.select_config
     results = []
     for sdt, B, T in ROWS:
         step, nbytes = make_case(B, T, sdt)
         row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes), tree=m.__file__)
-        for name, cfg in variants.items():
+        for name, cfg in VARIANTS.items():
             dl.select_config = select if cfg is None else cfg
             try:
                 us = graph_us(step)
             finally:
                 dl.select_config = select
             row[name] = us
-        row["best"] = min(variants, key=lambda n: row[n])
+        row["best"] = min(VARIANTS, key=lambda n: row[n])
         results.append(row)
         print(f"{sdt:8s} B{B:<5d} T{T} copy {row['copy_us']:8.1f} us ({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in variants), flush=True)
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in VARIANTS), flush=True)
     (outdir / f"kda_decode_grid_{a.tag}.json").write_text(json.dumps(results, indent=1))
 
 

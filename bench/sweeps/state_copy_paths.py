@@ -14,11 +14,7 @@ shared memory (``smem_kb``) sets the CTAs per SM. Paths:
 * ``bulk>regs>smem>bulk``: registers written back to the stage, one bulk store per warp;
 * ``bulk>regs>smem>bulk/cta``: the same, one bulk store per CTA after a CTA barrier;
 * ``bulk>bulk``: bulk copy in, bulk store out (no registers, no change to the values);
-* ``ldg>stcs``: 16-byte loads straight into registers, streaming stores;
-* ``persistent/1``, ``persistent/2``: the decode kernel's path in persistent CTAs (as many as
-  are resident at once), each looping over slices: the next slice's bulk copy is issued as
-  soon as the current one is in registers (one stage) or two slices ahead (two stages), so
-  loads overlap the stores of the slice before.
+* ``ldg>stcs``: 16-byte loads straight into registers, streaming stores.
 
 Beside them a device-to-device copy of the same bytes. Times are medians of back-to-back
 launches (CUDA events). Writes ``OUTDIR/state_copy_paths_TAG.json``.
@@ -48,81 +44,24 @@ __device__ __forceinline__ void bulk_store_read(void* gmem, const void* smem, un
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
-__device__ __forceinline__ float* slice_base(float* pool, const int* slots, int HV, int splits, int slice_elems,
-                                             int item) {
-    const int split = item % splits, nh = item / splits;
-    const int hv = nh % HV, n = nh / HV;
-    return pool + ((long long)slots[n] * HV + hv) * (128LL * 128) + (long long)split * slice_elems;
-}
-
-// Persistent CTAs (grid: CTAs resident at once), items blockIdx.x + k * gridDim.x. NSTAGE 1:
-// the next item's bulk copy is issued once the current one is in registers (it lands while
-// the current item is stored); NSTAGE 2: two stages, the copy two items ahead.
-template <int NSTAGE>
-__device__ __forceinline__ void state_rw_persistent(float* stage, unsigned long long* bar, float* pool,
-                                                    const int* slots, int HV, int splits, int slice_elems,
-                                                    int items) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const unsigned bytes = slice_elems * 4;
-    if (tid == 0)
-        for (int s = 0; s < NSTAGE; ++s) mbarrier_init_one(&bar[s]);
-    __syncthreads();
-    if (tid == 0)
-        for (int s = 0; s < NSTAGE; ++s) {
-            const int it = blockIdx.x + s * gridDim.x;
-            if (it < items) bulk_load(stage + s * slice_elems, slice_base(pool, slots, HV, splits, slice_elems, it),
-                                      bytes, &bar[s]);
-        }
-    const int rows = slice_elems / 128, wrows = rows / (blockDim.x >> 5);
-    const int off = (warp * wrows + (lane >> 3)) * 128 + (lane & 7) * 4;
-    int k = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x, ++k) {
-        const int s = NSTAGE == 1 ? 0 : (k & 1);
-        float* base = slice_base(pool, slots, HV, splits, slice_elems, item);
-        const int next = item + NSTAGE * gridDim.x;
-        float* next_base = next < items ? slice_base(pool, slots, HV, splits, slice_elems, next) : nullptr;
-        mbarrier_wait(&bar[s], (k / NSTAGE) & 1);
-        const float* st = stage + s * slice_elems;
-        float4 x[4][4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                x[r][j] = *reinterpret_cast<const float4*>(st + off + r * 4 * 128 + j * 32);
-                x[r][j].x += 1.f; x[r][j].y += 1.f; x[r][j].z += 1.f; x[r][j].w += 1.f;
-            }
-        __syncthreads();  // every lane has read stage s
-        if (tid == 0 && next_base) {
-            attn::fence_proxy_async_smem();
-            bulk_load(stage + s * slice_elems, next_base, bytes, &bar[s]);
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) __stcs(reinterpret_cast<float4*>(base + off + r * 4 * 128 + j * 32), x[r][j]);
-    }
-}
-
 // MODE 0: bulk > regs > st.global.cs   1: bulk > regs > st.global   2: bulk > bulk
 // MODE 3: bulk > regs > smem > bulk store per warp   4: ... per CTA   5: ld.global > st.global.cs
-// MODE 6 / 7: persistent CTAs, bulk > regs > st.global.cs with one / two stages
 template <int MODE>
 __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, int HV, int splits,
-                                                 int slice_elems, int items) {
+                                                 int slice_elems) {
     extern __shared__ __align__(128) float stage[];
-    __shared__ unsigned long long bar[2];
-    if constexpr (MODE >= 6) {
-        state_rw_persistent<MODE - 5>(stage, bar, pool, slots, HV, splits, slice_elems, items);
-        return;
-    }
+    __shared__ unsigned long long bar;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float* base = slice_base(pool, slots, HV, splits, slice_elems, blockIdx.x);
+    const int split = blockIdx.x % splits, nh = blockIdx.x / splits;
+    const int hv = nh % HV, n = nh / HV;
+    const long long head = 128LL * 128;
+    float* base = pool + ((long long)slots[n] * HV + hv) * head + (long long)split * slice_elems;
     const unsigned bytes = slice_elems * 4;
     if constexpr (MODE != 5) {
-        if (tid == 0) mbarrier_init_one(&bar[0]);
+        if (tid == 0) mbarrier_init_one(&bar);
         __syncthreads();
-        if (tid == 0) bulk_load(stage, base, bytes, &bar[0]);
-        mbarrier_wait(&bar[0], 0);
+        if (tid == 0) bulk_load(stage, base, bytes, &bar);
+        mbarrier_wait(&bar, 0);
     }
     if constexpr (MODE == 2) {
         if (tid == 0) bulk_store_read(base, stage, bytes);
@@ -172,12 +111,10 @@ def module_options() -> tuple:
 
 
 MODES = {"bulk>regs>stcs": 0, "bulk>regs>st": 1, "bulk>bulk": 2, "bulk>regs>smem>bulk": 3,
-         "bulk>regs>smem>bulk/cta": 4, "ldg>stcs": 5, "persistent/1": 6, "persistent/2": 7}
-PERSISTENT = {6: 1, 7: 2}  # mode -> stages
+         "bulk>regs>smem>bulk/cta": 4, "ldg>stcs": 5}
 KERNEL = "state_rw"  # SRC's kernel template, instantiated once per mode
 HV = 32
 HEAD = 128 * 128
-SMEM_PER_SM = 228 * 1024  # sm_90 shared memory per SM (1 KiB of it reserved per CTA)
 
 
 def mode_kernels(src: str, kernel: str, modes: dict) -> dict:
@@ -208,7 +145,6 @@ def main(argv) -> None:
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
     kernels = mode_kernels(SRC, KERNEL, MODES)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
     shapes = [(32, 2, 16, 26), (32, 4, 32, 50), (256, 4, 32, 50), (256, 4, 32, 36), (1024, 4, 32, 50),
@@ -228,20 +164,14 @@ def main(argv) -> None:
         row = dict(B=B, warps=warps, slice_kb=slice_kb, smem_kb=smem_kb, bytes=nbytes,
                    copy_us=timed_us(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, 0), reps))
         for name, kern in kernels.items():
-            stages = PERSISTENT.get(MODES[name], 0)
-            smem = max(smem_kb, stages * slice_kb + 1) * 1024
-            # persistent CTAs: as many as are resident at once (shared memory sets it)
-            ctas = grid if not stages else min(grid, sms * min(32, SMEM_PER_SM // (smem + 1024)))
-            kern.max_dynamic_shared_size_bytes = smem
+            kern.max_dynamic_shared_size_bytes = smem_kb * 1024
             it = [0]
 
             def call():
                 it[0] = (it[0] + 1) % 4
-                kern((ctas,), (warps * 32,), (pool, perms[it[0]], np.int32(HV), np.int32(splits), np.int32(slice_elems),
-                                              np.int32(grid)), shared_mem=smem)
+                kern((grid,), (warps * 32,), (pool, perms[it[0]], np.int32(HV), np.int32(splits), np.int32(slice_elems)),
+                     shared_mem=smem_kb * 1024)
             row[name] = timed_us(call, reps)
-            if stages:
-                row[f"{name}_ctas"] = ctas
         results.append(row)
         print(f"B{B:<5d} w{warps} {slice_kb}KB smem {smem_kb}KB copy {row['copy_us']:.1f} us "
               f"({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "

@@ -468,15 +468,12 @@ struct VFirst {
     static __device__ constexpr int row_offset(int r) { return r * 4 * kDim; }  // rows r*4 apart
 };
 
-// State [P, HV, V, K] (V-first). Work items: N * HV * n_splits; item (n * HV + hv) * n_splits +
-// split owns rows [split * VS, +VS) of head hv of sequence n, VS = nwarps * kRowsPerWarp (16
-// fp32, 32 bf16). A CTA of nwarps * 32 threads runs items blockIdx.x, blockIdx.x + gridDim.x,
-// ... (the grid is the item count, or fewer CTAs that each run several items: each then stages
-// its next item's slice as soon as the current one is in registers, so that load overlaps the
-// current item's tokens and stores). Lane: rows warp*kRowsPerWarp + (lane>>3) + 4r, r < kRows.
-// Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous slice with one bulk copy
-// completing on an mbarrier instead of per-lane cp.async. Register budget: 128 per thread (at
-// most 256 threads).
+// State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
+// (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
+// VS = nwarps * kRowsPerWarp (16 fp32, 32 bf16). Lane: rows warp*kRowsPerWarp + (lane>>3) + 4r,
+// r < kRows. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous slice with one
+// bulk copy completing on an mbarrier instead of per-lane cp.async. Register budget: 128 per
+// thread (at most 256 threads).
 template <typename StateT>
 __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(KDA_DECODE_KERNEL_ARGS) {
     using C = VFirst<StateT>;
@@ -486,284 +483,240 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
     const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
-    // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
-    // arrives, every thread's waits) by a CTA barrier, not by program order: the init is a
-    // warp-wide instruction, so the sanitizer sees the whole warp write the barrier word
-    // (docs/kda_decode.md, "Shared-memory ordering").
     if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
+
+    const int split = blockIdx.x % p.n_splits;
+    const int nh = blockIdx.x / p.n_splits;
+    const int hv = nh % p.HV, n = nh / p.HV;
+    const int h = hv / (p.HV / p.H);
+    const int v0 = split * VS;
+    const Seq s = sequence_of(p, n);
+    // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
+    // arrive below, every thread's wait after the prologue) by a CTA barrier, not by program
+    // order: the init is a warp-wide instruction, so the sanitizer sees the whole warp write
+    // the barrier word (docs/kda_decode.md, "Shared-memory ordering").
     if (bulk) __syncthreads();
 
-    const unsigned items = static_cast<unsigned>(p.N * p.HV * p.n_splits);  // < 2^31 (validation)
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
+    const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
     const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
     const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
     const int stage_elems = VS * kDim;
     StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
-    const Smem m = carve_smem(stage_elems * static_cast<int>(sizeof(StateT)), p.tc, VS);
-    const int oc = dtype_of(p.dtypes, kDtOut);
-    // Rows of this lane inside V in the slice from row v0: r < rows_in (rows lrow0 + 4r).
-    auto rows_in_of = [&](int v0) { return min(C::kRows, max(0, (p.V - v0 - lrow0 + 3) / 4)); };
-    // Where item `it`'s initial slice is read from, null when it has none (a padding sequence,
-    // no initial state); its first row is row_of(it).
-    auto row_of = [&](unsigned it) { return (static_cast<int>(it) % p.n_splits) * VS; };
-    auto slice_src = [&](unsigned it) -> const StateT* {
-        const int nh = static_cast<int>(it) / p.n_splits;
-        const Seq s = sequence_of(p, nh / p.HV);
-        if (s.pad || !(p.flags & kInitialState)) return nullptr;
-        return static_cast<const StateT*>(p.state) + s.slot * slot_elems + (nh % p.HV) * head_elems +
-               static_cast<long long>(row_of(it)) * kDim;
-    };
-    // Stage the slice at `src` (first row v0; nothing when null): thread 0's bulk copy or each
-    // lane's own chunks by cp.async (the stage base is the lane's stage minus its offset); then
-    // every thread commits its cp.async group. With the bulk copy only thread 0's src is used.
-    auto stage_from = [&](const StateT* src, int v0) {
-        if (src != nullptr) {
-            if (bulk) {
-                if (threadIdx.x == 0)
-                    bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
-            } else {
-                const int rows_in = rows_in_of(v0);
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    if (r >= rows_in) continue;
-#pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j) {
-                        const int o = C::row_offset(r) + C::chunk_offset(j);
-                        cp_async_16(stage + o, src + lane_off + o);
-                    }
-                }
-            }
-        }
-        cp_async_commit();
-    };
-    // The threads that issue copies: thread 0 (bulk copy) or every lane.
-    const bool stager = !bulk || threadIdx.x == 0;
+    // Rows of this lane inside V: r < rows_in (rows lrow0 + 4r, increasing with r).
+    const int rows_in = min(C::kRows, max(0, (p.V - v0 - lrow0 + 3) / 4));
 
-    unsigned bulk_phase = 0;  // parity of the next bulk copy to complete
-    stage_from(stager ? slice_src(blockIdx.x) : nullptr, row_of(blockIdx.x));
-    // (unsigned: item + gridDim.x stays below 2^32 for every item below 2^31)
-    for (unsigned it = blockIdx.x; it < items; it += gridDim.x) {
-        const int split = static_cast<int>(it) % p.n_splits;
-        const int nh = static_cast<int>(it) / p.n_splits;
-        const int hv = nh % p.HV, n = nh / p.HV;
-        const int h = hv / (p.HV / p.H);
-        const int v0 = split * VS;
-        const Seq s = sequence_of(p, n);
-        const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
-        const int rows_in = rows_in_of(v0);
-        const bool load = !s.pad && (p.flags & kInitialState);
-        const unsigned next = it + gridDim.x;
-        bool next_staged = next >= items;  // nothing to stage
-        // The next item's source, looked up now so that its index loads overlap this item's
-        // prologue (used if this item takes one token chunk; longer items look it up again).
-        const StateT* const next_src = !next_staged && stager ? slice_src(next) : nullptr;
-        if (it != blockIdx.x) __syncthreads();  // the previous item's shared values are consumed
-
-        if (s.pad) zero_outputs(p, s, hv, v0, VS);
-        const int len = s.pad ? 0 : s.len;
-        bool changed = false;
-        typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
-        // Registers <- own staged chunks (zeros for rows past V and without an initial state).
-        auto stage_to_regs = [&](bool from_stage) {
-#pragma unroll
-            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    if (from_stage && r < rows_in) {
-                        C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
-                    }
-                }
-            }
-        };
-        for (int c0 = 0; c0 < len; c0 += p.tc) {
-            const int cn = min(p.tc, len - c0);
-            if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
-            prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
-            cp_async_wait<0>();
-            __syncthreads();
-            if (bulk && c0 == 0 && load) {
-                mbarrier_wait(&bulk_bar, bulk_phase);
-                bulk_phase ^= 1;
-            }
-            stage_to_regs(c0 > 0 || load);
-            if (!next_staged && len <= p.tc) {  // one token chunk: the stage is free from here on
-                if (bulk) __syncthreads();       // every lane's chunks are in its registers
-                stage_from(next_src, row_of(next));
-                next_staged = true;
-            }
-            for (int t = 0; t < cn; ++t) {
-                const long long slot = m.slot[t];
-                const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
-                if (slot == kPadToken) {
-                    if (g == 0) {
-#pragma unroll
-                        for (int r = 0; r < C::kRows; ++r)
-                            if (r < rows_in) store_from_float(p.out, ob + 4 * r, oc, 0.f);
-                    }
-                    continue;
-                }
-                const float* qs = m.q + t * kDim + g * C::kEPC;
-                const float* ks = m.k + t * kDim + g * C::kEPC;
-                const float* es = m.e + t * kDim + g * C::kEPC;
-                const float kq = m.kq[t];
-                float dk[C::kRows], dq[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float4 qv = *reinterpret_cast<const float4*>(qs + col);
-                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
-                        if constexpr (C::kPacked) {
-                            // bf16: S_dec k = S (e k), S_dec q = S (e q); the decayed state itself
-                            // (64 fp32 values more than the registers hold) is formed in the update.
-                            float eka[4], eqa[4];
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) eka[e] = ea[e] * ka[e], eqa[e] = ea[e] * qa[e];
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    const float x = C::elem(&S[r][4 * j], e4 + e);
-                                    dk[r] = fmaf(x, eka[e], dk[r]);
-                                    dq[r] = fmaf(x, eqa[e], dq[r]);
-                                }
-                            }
-                        } else {
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    const float x = S[r][4 * j + e4 + e] * ea[e];  // the decayed value, kept
-                                    S[r][4 * j + e4 + e] = x;
-                                    dk[r] = fmaf(x, ka[e], dk[r]);
-                                    dq[r] = fmaf(x, qa[e], dq[r]);
-                                }
-                            }
-                        }
-                    }
-                }
-                // Reduce the 2 * kRows partial sums over the 8 lanes of the row group, transposed:
-                // each xor step halves the values a lane keeps (lanes with bit msk set keep the upper
-                // half), so lane g ends with the sums of values 2g, 2g + 1 (8 rows: dk and dq of row
-                // g) or value g (4 rows: dk or dq of row g / 2) after 7 * kRows / 4 shuffles (14 or 7,
-                // against 6 * kRows for an all-reduce of every sum).
-                float red[2 * C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) red[2 * r] = dk[r], red[2 * r + 1] = dq[r];
-                reduce_halves<2 * C::kRows>(red, g, 4);
-                reduce_halves<C::kRows>(red, g, 2);
-                reduce_halves<C::kRows / 2>(red, g, 1);
-                constexpr int kRowLanes = 8 / C::kRows;  // lanes holding one row's sums: 1 or 2
-                const int my_row = g / kRowLanes;       // the lane's row (r) after the reduction
-                float my_dk = red[0], my_dq;
-                if constexpr (kRowLanes == 1) {
-                    my_dq = red[1];
-                } else {  // row r's dk in lane 2r, its dq in lane 2r + 1
-                    const float other = __shfl_xor_sync(0xffffffffu, red[0], 1);
-                    my_dk = (g & 1) ? other : red[0];
-                    my_dq = (g & 1) ? red[0] : other;
-                }
-                const int vi = t * VS + lrow0 + 4 * my_row;
-                const float my_bu = m.b[vi] * (m.v[vi] - my_dk);
-                const float o = (my_dq + my_bu * kq) * p.scale;
-                if (my_row < rows_in && g % kRowLanes == 0) store_from_float(p.out, ob + 4 * my_row, oc, o);
-                float bu[C::kRows];  // b * (v - S_dec k) of every row of the lane, from its row's lane
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r)
-                    bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (r * kRowLanes));
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-#pragma unroll
-                    for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
-                        const int col = C::chunk_offset(j) + e4;
-                        const float4 kv = *reinterpret_cast<const float4*>(ks + col);
-                        const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
-                        if constexpr (C::kPacked) {
-                            // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
-                            const float4 ev = *reinterpret_cast<const float4*>(es + col);
-                            const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; e += 2) {
-                                    u32& w = S[r][4 * j + (e4 + e) / 2];
-                                    const float x0 = fmaf(bf16_lo_prmt(w), ea[e], bu[r] * ka[e]);
-                                    const float x1 = fmaf(bf16_hi_prmt(w), ea[e + 1], bu[r] * ka[e + 1]);
-                                    w = pack2<bf16_t>(x0, x1);
-                                }
-                            }
-                        } else {
-#pragma unroll
-                            for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    float& x = S[r][4 * j + e4 + e];
-                                    x = fmaf(bu[r], ka[e], x);
-                                }
-                            }
-                        }
-                    }
-                }
-                changed = true;
-                if (slot >= 0) {
-                    StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
-#pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
-                        if (r >= rows_in) continue;
-#pragma unroll
-                        for (int j = 0; j < C::kChunks; ++j)
-                            C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                    }
-                }
-            }
-            if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-#pragma unroll
-                    for (int j = 0; j < C::kChunks; ++j)
-                        C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
-                }
-            }
-        }
-        if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
-            cp_async_wait<0>();
-            if (bulk && load) {
-                mbarrier_wait(&bulk_bar, bulk_phase);
-                bulk_phase ^= 1;
-            }
-            stage_to_regs(load);
-        }
-        // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
-        StateT* dsts[2] = {nullptr, nullptr};
-        if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
-            dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
-        if (p.final_state != nullptr)
-            dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
-#pragma unroll
-        for (int d = 0; d < 2; ++d) {
-            if (dsts[d] == nullptr) continue;
+    // Stage the initial slice (the stage base is the lane's stage minus its offset).
+    const bool load = !s.pad && (p.flags & kInitialState);
+    if (load) {
+        const StateT* src = static_cast<const StateT*>(p.state) + s.slot * slot_elems + slice;
+        if (bulk) {
+            if (threadIdx.x == 0)
+                bulk_load(stage - lane_off, src, static_cast<unsigned>(stage_elems * sizeof(StateT)), &bulk_bar);
+        } else {
 #pragma unroll
             for (int r = 0; r < C::kRows; ++r) {
                 if (r >= rows_in) continue;
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j)
-                    C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                for (int j = 0; j < C::kChunks; ++j) {
+                    const int o = C::row_offset(r) + C::chunk_offset(j);
+                    cp_async_16(stage + o, src + lane_off + o);
+                }
             }
         }
-        if (!next_staged) {
-            if (bulk) __syncthreads();  // every lane has read the stage
-            stage_from(stager ? slice_src(next) : nullptr, row_of(next));
+    }
+    cp_async_commit();
+
+    const Smem m = carve_smem(stage_elems * static_cast<int>(sizeof(StateT)), p.tc, VS);
+    const int oc = dtype_of(p.dtypes, kDtOut);
+    if (s.pad) zero_outputs(p, s, hv, v0, VS);
+    const int len = s.pad ? 0 : s.len;
+    bool changed = false;
+    typename C::Reg S[C::kRows][C::kRegCols];  // chunk j of row r: S[r][4j .. 4j+3]
+    // Registers <- own staged chunks (zeros for rows past V and without an initial state).
+    auto stage_to_regs = [&](bool from_stage) {
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+                if (from_stage && r < rows_in) {
+                    C::load(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) S[r][4 * j + e] = 0;
+                }
+            }
+        }
+    };
+    for (int c0 = 0; c0 < len; c0 += p.tc) {
+        const int cn = min(p.tc, len - c0);
+        if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
+        prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
+        cp_async_wait<0>();
+        __syncthreads();
+        if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
+        stage_to_regs(c0 > 0 || load);
+        for (int t = 0; t < cn; ++t) {
+            const long long slot = m.slot[t];
+            const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
+            if (slot == kPadToken) {
+                if (g == 0) {
+#pragma unroll
+                    for (int r = 0; r < C::kRows; ++r)
+                        if (r < rows_in) store_from_float(p.out, ob + 4 * r, oc, 0.f);
+                }
+                continue;
+            }
+            const float* qs = m.q + t * kDim + g * C::kEPC;
+            const float* ks = m.k + t * kDim + g * C::kEPC;
+            const float* es = m.e + t * kDim + g * C::kEPC;
+            const float kq = m.kq[t];
+            float dk[C::kRows], dq[C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float4 qv = *reinterpret_cast<const float4*>(qs + col);
+                    const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+                    if constexpr (C::kPacked) {
+                        // bf16: S_dec k = S (e k), S_dec q = S (e q); the decayed state itself
+                        // (64 fp32 values more than the registers hold) is formed in the update.
+                        float eka[4], eqa[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) eka[e] = ea[e] * ka[e], eqa[e] = ea[e] * qa[e];
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float x = C::elem(&S[r][4 * j], e4 + e);
+                                dk[r] = fmaf(x, eka[e], dk[r]);
+                                dq[r] = fmaf(x, eqa[e], dq[r]);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float x = S[r][4 * j + e4 + e] * ea[e];  // the decayed value, kept
+                                S[r][4 * j + e4 + e] = x;
+                                dk[r] = fmaf(x, ka[e], dk[r]);
+                                dq[r] = fmaf(x, qa[e], dq[r]);
+                            }
+                        }
+                    }
+                }
+            }
+            // Reduce the 2 * kRows partial sums over the 8 lanes of the row group, transposed:
+            // each xor step halves the values a lane keeps (lanes with bit msk set keep the upper
+            // half), so lane g ends with the sums of values 2g, 2g + 1 (8 rows: dk and dq of row
+            // g) or value g (4 rows: dk or dq of row g / 2) after 7 * kRows / 4 shuffles (14 or 7,
+            // against 6 * kRows for an all-reduce of every sum).
+            float red[2 * C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) red[2 * r] = dk[r], red[2 * r + 1] = dq[r];
+            reduce_halves<2 * C::kRows>(red, g, 4);
+            reduce_halves<C::kRows>(red, g, 2);
+            reduce_halves<C::kRows / 2>(red, g, 1);
+            constexpr int kRowLanes = 8 / C::kRows;  // lanes holding one row's sums: 1 or 2
+            const int my_row = g / kRowLanes;       // the lane's row (r) after the reduction
+            float my_dk = red[0], my_dq;
+            if constexpr (kRowLanes == 1) {
+                my_dq = red[1];
+            } else {  // row r's dk in lane 2r, its dq in lane 2r + 1
+                const float other = __shfl_xor_sync(0xffffffffu, red[0], 1);
+                my_dk = (g & 1) ? other : red[0];
+                my_dq = (g & 1) ? red[0] : other;
+            }
+            const int vi = t * VS + lrow0 + 4 * my_row;
+            const float my_bu = m.b[vi] * (m.v[vi] - my_dk);
+            const float o = (my_dq + my_bu * kq) * p.scale;
+            if (my_row < rows_in && g % kRowLanes == 0) store_from_float(p.out, ob + 4 * my_row, oc, o);
+            float bu[C::kRows];  // b * (v - S_dec k) of every row of the lane, from its row's lane
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (r * kRowLanes));
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j) {
+#pragma unroll
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
+                    const float4 kv = *reinterpret_cast<const float4*>(ks + col);
+                    const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
+                    if constexpr (C::kPacked) {
+                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                        const float4 ev = *reinterpret_cast<const float4*>(es + col);
+                        const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; e += 2) {
+                                u32& w = S[r][4 * j + (e4 + e) / 2];
+                                const float x0 = fmaf(bf16_lo_prmt(w), ea[e], bu[r] * ka[e]);
+                                const float x1 = fmaf(bf16_hi_prmt(w), ea[e + 1], bu[r] * ka[e + 1]);
+                                w = pack2<bf16_t>(x0, x1);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                float& x = S[r][4 * j + e4 + e];
+                                x = fmaf(bu[r], ka[e], x);
+                            }
+                        }
+                    }
+                }
+            }
+            changed = true;
+            if (slot >= 0) {
+                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
+#pragma unroll
+                for (int r = 0; r < C::kRows; ++r) {
+                    if (r >= rows_in) continue;
+#pragma unroll
+                    for (int j = 0; j < C::kChunks; ++j)
+                        C::store_global(dst + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+                }
+            }
+        }
+        if (c0 + p.tc < len) {  // more tokens: park the state in the stage during the next prologue
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                for (int j = 0; j < C::kChunks; ++j)
+                    C::store(stage + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
+            }
+        }
+    }
+    if (len == 0) {  // no token: the final state is the initial one (zeros for padding)
+        cp_async_wait<0>();
+        if (bulk && load) mbarrier_wait(&bulk_bar, 0);
+        stage_to_regs(load);
+    }
+    // Final state: back into the read slot (no / [N] indices, in place) and/or final_state[n].
+    StateT* dsts[2] = {nullptr, nullptr};
+    if (changed && (p.flags & kInplace) && p.idx_cols <= 0)
+        dsts[0] = static_cast<StateT*>(p.state) + s.slot * slot_elems + slice + lane_off;
+    if (p.final_state != nullptr)
+        dsts[1] = static_cast<StateT*>(p.final_state) + n * slot_elems + slice + lane_off;
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        if (dsts[d] == nullptr) continue;
+#pragma unroll
+        for (int r = 0; r < C::kRows; ++r) {
+            if (r >= rows_in) continue;
+#pragma unroll
+            for (int j = 0; j < C::kChunks; ++j)
+                C::store_global(dsts[d] + C::row_offset(r) + C::chunk_offset(j), &S[r][4 * j]);
         }
     }
 }

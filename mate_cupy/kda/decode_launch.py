@@ -7,13 +7,12 @@ Four kernels, all registered here: state dtype (float32 / bfloat16) x state layo
 and beta modes, L2 norm, slot mode, varlen, token count) is a runtime argument: it only
 changes the per-token prologue, which runs once per CTA outside the state loop.
 
-Work split (``docs/kda_decode.md``): a work item is one (sequence, value head, V-slice);
-:func:`select_config` launches one CTA per item (the V-first kernel also runs fewer CTAs that
-loop over the items, :func:`decode_config` with ``ctas``). V-first slices are ``16 * warps``
-(fp32) or ``32 * warps`` (bf16) rows, 256 bytes of state per lane either way, ``warps`` in
-{1, 2, 4} picked by :func:`select_config` so that small batches still put work on every SM,
-staged by one bulk copy on sm_90 when V is a whole number of slices; K-first slices are 128
-bytes of each K row (32 fp32 or 64 bf16 columns).
+Work split (``docs/kda_decode.md``): one CTA per (sequence, value head, V-slice).
+V-first slices are ``16 * warps`` (fp32) or ``32 * warps`` (bf16) rows, 256 bytes of state
+per lane either way, ``warps`` in {1, 2, 4} picked by
+:func:`select_config` so that small batches still put work on every SM, staged by one bulk
+copy on sm_90 when V is a whole number of slices; K-first slices are 128 bytes of each
+K row (32 fp32 or 64 bf16 columns).
 """
 from __future__ import annotations
 
@@ -76,10 +75,8 @@ KERNEL_PARAMS = {"kda_decode_vfirst_kernel": PARAMS, "kda_decode_kfirst_kernel":
 class DecodeConfig:
     """How one decode problem is launched on one device.
 
-    ``v_slice``: V rows (V-first) or V columns (K-first) of one head a work item covers;
-    ``n_splits`` slices per head, ``N * HV * n_splits`` items; ``grid`` CTAs of ``threads``:
-    one per item, or (V-first) fewer, each running items ``blockIdx.x + i * grid`` and staging
-    its next item's slice while the current one runs;
+    ``v_slice``: V rows (V-first) or V columns (K-first) of one head a CTA owns;
+    ``n_splits`` slices per head, ``grid = N * HV * n_splits`` CTAs of ``threads``;
     ``token_chunk`` tokens prepared per prologue; ``smem`` dynamic shared memory bytes;
     ``bulk_stage``: the V-first slice is staged by one bulk copy (sm_90, whole slices);
     ``option_flags`` / ``dtype_codes``: the kernel's flag word and packed dtype codes.
@@ -148,22 +145,19 @@ def _dtype_codes(p) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def select_config(problem, sm_count: int, cc: int, ctas: int | None = None) -> DecodeConfig:
+def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     """The launch of ``problem`` (a :class:`~mate_cupy.kda.decode.DecodeProblem`) on a device
-    with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor): one CTA per work
-    item, or (V-first, ``ctas``) a grid of ``ctas`` CTAs (:func:`decode_config`). Pure."""
+    with ``sm_count`` SMs and compute capability ``cc`` (major * 10 + minor). Pure."""
     p = problem
     warps = None
     if p.state_v_first:
         warps = vfirst_warps(p.N * p.HV, p.V, sm_count, VFIRST_ROWS_PER_WARP[p.state_dtype])
-    return decode_config(p, cc, warps, ctas)
+    return decode_config(p, cc, warps)
 
 
-def decode_config(problem, cc: int, warps: int | None = None, ctas: int | None = None) -> DecodeConfig:
+def decode_config(problem, cc: int, warps: int | None = None) -> DecodeConfig:
     """The launch of ``problem`` with V-first CTAs of ``warps`` warps (required for a V-first
-    state; K-first CTAs have one shape per state dtype, and ``warps`` is ignored) and a grid of
-    ``ctas`` CTAs when that is fewer than the work items (V-first only; None: one CTA per
-    item). Pure."""
+    state; K-first CTAs have one shape per state dtype, and ``warps`` is ignored). Pure."""
     p = problem
     if p.state_v_first:
         v_slice = VFIRST_ROWS_PER_WARP[p.state_dtype] * warps
@@ -177,26 +171,11 @@ def decode_config(problem, cc: int, warps: int | None = None, ctas: int | None =
     bulk_stage = p.state_v_first and cc >= 90 and p.V % v_slice == 0
     return DecodeConfig(
         spec=SPECS[(p.state_dtype, p.state_v_first)], warps=warps, threads=32 * warps, v_slice=v_slice,
-        n_splits=n_splits, grid=_grid(p.N * p.HV * n_splits, ctas if p.state_v_first else None),
-        token_chunk=token_chunk,
+        n_splits=n_splits, grid=p.N * p.HV * n_splits, token_chunk=token_chunk,
         smem=smem_bytes(v_slice * K_DIM * p.state_dtype.itemsize, token_chunk, v_slice, red_floats),
         bulk_stage=bulk_stage, option_flags=_option_flags(p) | (F_BULK if bulk_stage else 0),
         dtype_codes=_dtype_codes(p),
     )
-
-
-def _grid(items: int, ctas: int | None) -> int:
-    if ctas is not None and ctas < 1:
-        raise ValueError(f"ctas: expected a positive CTA count, got {ctas}")
-    return items if ctas is None else min(items, ctas)
-
-
-def resident_vfirst_ctas(threads: int, smem: int) -> int:
-    """V-first CTAs of ``threads`` threads and ``smem`` dynamic shared-memory bytes that one
-    sm_90 SM holds at once: 128 registers per thread (``VFirst::kMaxRegs``) of 65536, 228 KiB
-    of shared memory with 1 KiB reserved per CTA (plus the kernel's 16 static bytes), at most
-    32 CTAs and 2048 threads."""
-    return max(1, min(65536 // (128 * threads), (228 * 1024) // (smem + 16 + 1024), 32, 2048 // threads))
 
 
 def run(call, problem):

@@ -52,10 +52,10 @@ def _validate(arrays: dict, opts: dict):
 
 
 def run_decode(exe: Path, work: Path, x: dict, opts: dict, *, cc: int = 90, sm_count: int = 132,
-               warps: int | None = None, ctas: int | None = None, lazy: bool = False, timeout: float = 600):
+               warps: int | None = None, lazy: bool = False, timeout: float = 600):
     """The CUDA path of ``gated_delta_rule_decode(**x, **opts)`` on the emulator. ``x``'s arrays
-    are used in place (the pool is written when ``inplace_final_state``). ``warps``/``ctas``:
-    ``decode_config(problem, cc, warps, ctas)`` instead of ``select_config``. ``lazy``: cp.async
+    are used in place (the pool is written when ``inplace_final_state``). ``warps``:
+    ``decode_config(problem, cc, warps)`` instead of ``select_config``. ``lazy``: cp.async
     and bulk copies land at the wait that retires them instead of at issue. ``timeout``: seconds
     the emulated launch may take (a barrier phase waited out of order never completes).
     Returns ``(output, final_state or None, config)``; the output is poisoned (NaN) before the launch."""
@@ -69,7 +69,7 @@ def run_decode(exe: Path, work: Path, x: dict, opts: dict, *, cc: int = 90, sm_c
     arrays = {**given, "output": out}
     call, p = _validate(arrays, opts)
     assert not p.staged
-    cfg = dl.select_config(p, sm_count, cc) if warps is None else dl.decode_config(p, cc, warps, ctas)
+    cfg = dl.select_config(p, sm_count, cc) if warps is None else dl.decode_config(p, cc, warps)
     ptrs = {name: arg.ptr for name, arg in call.args.items()}
     final = None
     if p.store_final_state and not p.inplace_final_state:
