@@ -81,6 +81,7 @@ CASES = {
     "decode-vfirst-t1-b8": lambda rs: _decode(rs, B=8, T=1, H=4, HV=8, state_dtype="float32"),
     "decode-vfirst-t1-bf16": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="bfloat16"),
     "decode-vfirst-t12": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="float32", slots="nc0"),
+    "decode-vfirst-t12-bf16": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="bfloat16", slots="nc0"),
     "decode-vfirst-spec": lambda rs: _decode(rs, B=3, T=4, H=2, HV=4, state_dtype="float32", slots="nc"),
     "decode-kfirst-t1": lambda rs: _decode(rs, B=2, T=1, H=4, HV=8, state_dtype="float32", v_first=False),
     "decode-kfirst-t12-bf16": lambda rs: _decode(rs, B=2, T=12, H=2, HV=4, state_dtype="bfloat16", v_first=False,
