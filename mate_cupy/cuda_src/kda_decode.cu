@@ -307,7 +307,8 @@ __device__ __forceinline__ long long token_slot(const Params& p, int n, int t) {
 //   stage   VS * 128 state elements (the CTA's slice, same element order as in global)
 //   slot    [tc] i64, padded to 16 bytes      kq [tc] f32, padded to 16 bytes
 //   q, k, e [tc][128] f32 each                v, b [tc][VS] f32 each
-//   red     K-first only: [2 parities][nwarps][2 (S_dec k, S_dec q)][VS] f32
+//   red     K-first: [2 parities][nwarps][2 (S_dec k, S_dec q)][VS] f32;
+//           bf16 V-first: [tc][128] register pairs, the tensor-core B operands (build_mma_b)
 // The launcher computes the same total (decode_launch.py: smem_bytes).
 struct Smem {
     long long* slot;
