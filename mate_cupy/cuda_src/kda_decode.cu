@@ -12,10 +12,10 @@
 // Work split. V rows of the state evolve independently (the only per-token values shared
 // across V are q, k and the gate, all [K]), so the grid is N * HV * (V-splits) CTAs:
 //   * V-first storage [P, HV, V, K]: a CTA owns nwarps * 16 (fp32) or nwarps * 32 (bf16)
-//     consecutive V rows (nwarps 1, 2 or 4, chosen by the launcher to fill the GPU); 8 (fp32)
-//     or 4 (bf16) lanes cover one 128-wide row as 16-byte chunks; each lane holds 4 rows, 256
-//     bytes of state in 64 registers (the register file, not overhead, holds the state). The
-//     bf16 kernel forms S_dec k and S_dec q with mma.m16n8k16 (its lanes hold the A fragments).
+//     consecutive V rows (nwarps 1, 2 or 4, chosen by the launcher to fill the GPU); 8 lanes
+//     cover one 128-wide row, each lane 16 columns as 16-byte chunks (a warp instruction
+//     touches four full 128-byte lines); each lane holds 4 fp32 or 8 bf16 rows, 256 bytes of
+//     state in 64 registers (the register file, not overhead, holds the state).
 //   * K-first storage [P, HV, K, V]: a CTA owns 32 (fp32) or 64 (bf16) V columns, i.e. 128
 //     contiguous bytes of each of the 128 K rows; lanes run along V (16 bytes each), K is
 //     spread over 4 lane groups and 2 (fp32) / 4 (bf16) warps; the K reductions finish
@@ -307,8 +307,7 @@ __device__ __forceinline__ long long token_slot(const Params& p, int n, int t) {
 //   stage   VS * 128 state elements (the CTA's slice, same element order as in global)
 //   slot    [tc] i64, padded to 16 bytes      kq [tc] f32, padded to 16 bytes
 //   q, k, e [tc][128] f32 each                v, b [tc][VS] f32 each
-//   red     K-first: [2 parities][nwarps][2 (S_dec k, S_dec q)][VS] f32;
-//           bf16 V-first: [tc][128] register pairs, the tensor-core B operands (build_mma_b)
+//   red     K-first only: [2 parities][nwarps][2 (S_dec k, S_dec q)][VS] f32
 // The launcher computes the same total (decode_launch.py: smem_bytes).
 struct Smem {
     long long* slot;
@@ -432,23 +431,24 @@ __device__ __forceinline__ void reduce_halves(float* x, int g, int msk) {
 template <typename StateT>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
+    static constexpr int kCols = 16;                    // K columns per lane (8 lanes per row)
+    static constexpr int kChunks = kCols / kEPC;        // chunks per lane per row: 4 / 2
     static constexpr bool kPacked = sizeof(StateT) == 2;
-    // Lane layout. A lane holds 4 rows x 4 chunks (16 registers per row, 64 in all: 256 bytes
-    // of state either way, so both dtypes get the same CTAs per SM and the same state bytes in
-    // flight per SM, which is what sets the copy rate). Chunk j of a row covers the row's
-    // columns 32 j + (lane % kLanesPerRow) * kEPC + [0, kEPC):
-    //   fp32: 8 lanes per row (16 columns each), rows lane / 8 + 4 r, 16 rows per warp;
-    //   bf16: 4 lanes per row (32 columns each), rows lane / 4 + 8 r, 32 rows per warp: chunk j
-    //         of row r is the A fragment of one mma.m16n8k16 (build_mma_b).
-    static constexpr int kLanesPerRow = kPacked ? 4 : 8;
-    static constexpr int kRowStep = 32 / kLanesPerRow;  // rows between a lane's rows: 4 / 8
-    static constexpr int kRows = 4;
-    static constexpr int kChunks = 4;
-    static constexpr int kRowsPerWarp = kRows * kRowStep;  // 16 / 32
-    static constexpr int kRegCols = 4 * kChunks;          // registers per row: 16
+    // Rows per lane: 256 bytes of state either way (4 fp32 rows or 8 bf16 rows of 16 values),
+    // held in registers as stored: chunk j of row r is S[r][4j .. 4j+3] (4 fp32, or 8 bf16 as
+    // 4 pairs, widened where used). Equal bytes per lane give both dtypes the same CTAs per SM
+    // and the same state bytes in flight per SM, which is what sets the copy rate.
+    static constexpr int kRows = kPacked ? 8 : 4;
+    static constexpr int kRowsPerWarp = 4 * kRows;      // 16 / 32
+    static constexpr int kRegCols = 4 * kChunks;        // registers per row: 16 / 8
     static constexpr int kMaxRegs = 128;
     typedef typename Chunk<StateT>::Vec Vec;
     typedef typename Chunk<StateT>::Reg Reg;
+    // Element e (< kEPC) of the chunk held at x[0..3], widened to float.
+    static __device__ __forceinline__ float elem(const Reg* x, int e) {
+        if constexpr (kPacked) return (e & 1) ? bf16_hi(x[e >> 1]) : bf16_lo(x[e >> 1]);
+        else return x[e];
+    }
     static __device__ __forceinline__ void load(const StateT* src, Reg* x) {
         const Vec v = *reinterpret_cast<const Vec*>(src);
         x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
@@ -462,46 +462,16 @@ struct VFirst {
     static __device__ __forceinline__ void store_global(StateT* gmem, const Reg* x) {
         __stcs(reinterpret_cast<Vec*>(gmem), vec(x));  // streaming: every byte is touched once
     }
-    // Element offsets within the slice: a lane's first element (local row lrow0, its first
-    // column), then chunk j and row r from there. 8 (fp32) / 4 (bf16) lanes cover 128 bytes.
-    static __device__ __forceinline__ int lane_row(int warp, int lane) { return warp * kRowsPerWarp + lane / kLanesPerRow; }
-    static __device__ __forceinline__ int lane_col(int lane) { return (lane % kLanesPerRow) * kEPC; }
-    static __device__ constexpr int chunk_offset(int j) { return j * 32; }
-    static __device__ constexpr int row_offset(int r) { return r * kRowStep * kDim; }
+    // Element offset (within the lane's row) of chunk j: the row's 16-byte piece j * 8 + g
+    // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
+    static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
+    static __device__ constexpr int row_offset(int r) { return r * 4 * kDim; }  // rows r*4 apart
 };
-
-// bf16 V-first: S_dec k and S_dec q on tensor cores, one mma.m16n8k16 per (row group r,
-// chunk j) of a warp: D [16 x 8] += A [16 x 16] B [16 x 8] with A = the lanes' chunk j of row
-// r (8 state rows g = lane / 4; A row g and A row g + 8 are both state row g, at the chunk's
-// columns 0-1, 4-5 and 2-3, 6-7: A[g][2t, 2t+1, 2t+8, 2t+9] = columns 32 j + 8 t + 0, 1, 4, 5,
-// A[g + 8][...] = + 2, 3, 6, 7) and B column n the feature n % 4 (0 / 1: the high / low bf16
-// parts of e k, e k ~ hi + lo to 2^-17 relative; 2 / 3: those of e q) at the columns of A row
-// n < 4 ? g : g + 8. So D[g][0] + D[g][1] + D[g+8][4] + D[g+8][5] = (S_dec k)[g] and columns
-// 2, 3, 6, 7 give (S_dec q)[g]; the cross terms D[g][4..7], D[g+8][0..3] are not read. Per
-// token the prologue writes B as [4 chunks j][4 lane columns t][8 columns n] register pairs
-// (b0, b1 of lane (n, t): 1 KiB), read with one 8-byte load per chunk.
-__device__ __forceinline__ void build_mma_b(const float* e, const float* k, const float* q, uint2* dst, int cn) {
-    for (int i = threadIdx.x; i < cn * 128; i += blockDim.x) {
-        const int t = i >> 7, j = (i >> 5) & 3, lt = (i >> 3) & 3, n = i & 7, f = n & 3;
-        const int c = t * kDim + 32 * j + 8 * lt + (n >= 4 ? 2 : 0);  // columns c, c+1 (b0), c+4, c+5 (b1)
-        const float* x = (f < 2 ? k : q) + c;
-        const float* ec = e + c;
-        float v[4];
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int o = (h & 1) + 4 * (h >> 1);
-            const float ex = ec[o] * x[o];
-            const float hi = __bfloat162float(__float2bfloat16_rn(ex));
-            v[h] = (f & 1) ? ex - hi : hi;
-        }
-        dst[i] = make_uint2(pack2<bf16_t>(v[0], v[1]), pack2<bf16_t>(v[2], v[3]));
-    }
-}
 
 // State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
 // (n * HV + hv) * n_splits + split owns rows [split * VS, +VS) of head hv of sequence n,
-// VS = nwarps * kRowsPerWarp (16 fp32, 32 bf16). Lane: rows lane_row + kRowStep r, r < kRows
-// (VFirst). bf16: the dot products on tensor cores (build_mma_b), B operands in m.red. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous slice with one
+// VS = nwarps * kRowsPerWarp (16 fp32, 32 bf16). Lane: rows warp*kRowsPerWarp + (lane>>3) + 4r,
+// r < kRows. Flag kBulk (whole slices, sm_90): thread 0 stages the contiguous slice with one
 // bulk copy completing on an mbarrier instead of per-lane cp.async. Register budget: 128 per
 // thread (at most 256 threads).
 template <typename StateT>
@@ -511,7 +481,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const Params p = KDA_DECODE_PARAMS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int VS = (blockDim.x >> 5) * C::kRowsPerWarp;
-    const int g = lane & 7;  // (fp32: the lane's column group of a row)
+    const int g = lane & 7;
     const bool bulk = kBulkCopy && (p.flags & kBulk) != 0;
     if (bulk && threadIdx.x == 0) mbarrier_init_one(&bulk_bar);
 
@@ -530,13 +500,12 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const long long head_elems = static_cast<long long>(p.V) * kDim;
     const long long slot_elems = head_elems * p.HV;
     const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
-    const int lrow0 = C::lane_row(warp, lane);                // local row of r = 0
-    const int lane_col = C::lane_col(lane);                   // column of chunk 0
-    const int lane_off = lrow0 * kDim + lane_col;             // element offset within the slice
+    const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
+    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
     const int stage_elems = VS * kDim;
     StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
-    // Rows of this lane inside V: r < rows_in (rows lrow0 + kRowStep r, increasing with r).
-    const int rows_in = min(C::kRows, max(0, (p.V - v0 - lrow0 + C::kRowStep - 1) / C::kRowStep));
+    // Rows of this lane inside V: r < rows_in (rows lrow0 + 4r, increasing with r).
+    const int rows_in = min(C::kRows, max(0, (p.V - v0 - lrow0 + 3) / 4));
 
     // Stage the initial slice (the stage base is the lane's stage minus its offset).
     const bool load = !s.pad && (p.flags & kInitialState);
@@ -584,10 +553,6 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
         const int cn = min(p.tc, len - c0);
         if (c0 > 0) __syncthreads();  // the previous chunk's shared values are consumed
         prepare_tokens(p, s, m, n, hv, h, v0, VS, c0, cn);
-        if constexpr (C::kPacked) {  // the tokens' B operands from their e, k and q
-            __syncthreads();
-            build_mma_b(m.e, m.k, m.q, reinterpret_cast<uint2*>(m.red), cn);
-        }
         cp_async_wait<0>();
         __syncthreads();
         if (bulk && c0 == 0 && load) mbarrier_wait(&bulk_bar, 0);
@@ -596,89 +561,88 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             const long long slot = m.slot[t];
             const long long ob = out_offset(p, s, s.bos + c0 + t, hv) + v0 + lrow0;
             if (slot == kPadToken) {
-                if (lane % C::kLanesPerRow == 0) {
+                if (g == 0) {
 #pragma unroll
                     for (int r = 0; r < C::kRows; ++r)
-                        if (r < rows_in) store_from_float(p.out, ob + C::kRowStep * r, oc, 0.f);
+                        if (r < rows_in) store_from_float(p.out, ob + 4 * r, oc, 0.f);
                 }
                 continue;
             }
-            const float* ks = m.k + t * kDim + lane_col;
-            const float* es = m.e + t * kDim + lane_col;
+            const float* qs = m.q + t * kDim + g * C::kEPC;
+            const float* ks = m.k + t * kDim + g * C::kEPC;
+            const float* es = m.e + t * kDim + g * C::kEPC;
             const float kq = m.kq[t];
-            // b * (v - S_dec k) of each of the lane's rows, and the rows' outputs.
-            float bu[C::kRows];
-            if constexpr (C::kPacked) {
-                const uint2* bs = reinterpret_cast<const uint2*>(m.red) + t * 128 + (lane & 3) * 8 + (lane >> 2);
-                float D[C::kRows][4];
+            float dk[C::kRows], dq[C::kRows];
 #pragma unroll
-                for (int r = 0; r < C::kRows; ++r) D[r][0] = D[r][1] = D[r][2] = D[r][3] = 0.f;
+            for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
 #pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    const uint2 bv = bs[j * 32];
-                    const u32 b[2] = {bv.x, bv.y};
+            for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) mma_16x8x16<bf16_t>(D[r], &S[r][4 * j], b);
-                }
-                // Lane (g, t) holds D[g][2t, 2t+1] and D[g+8][2t, 2t+1]: lane t = 0 / 1 sums the
-                // first half of S_dec k / S_dec q of row g, t = 2 / 3 the second half.
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) {
-                    float x = (lane & 2) ? D[r][2] + D[r][3] : D[r][0] + D[r][1];
-                    x += __shfl_xor_sync(0xffffffffu, x, 2);
-                    const float y = __shfl_xor_sync(0xffffffffu, x, 1);
-                    const float dk = (lane & 1) ? y : x, dq = (lane & 1) ? x : y;
-                    const int vi = t * VS + lrow0 + C::kRowStep * r;
-                    bu[r] = m.b[vi] * (m.v[vi] - dk);
-                    if ((lane & 3) == 0 && r < rows_in)
-                        store_from_float(p.out, ob + C::kRowStep * r, oc, (dq + bu[r] * kq) * p.scale);
-                }
-            } else {
-                const float* qs = m.q + t * kDim + lane_col;
-                float dk[C::kRows], dq[C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) dk[r] = dq[r] = 0.f;
-#pragma unroll
-                for (int j = 0; j < C::kChunks; ++j) {
-                    const int col = C::chunk_offset(j);
+                for (int e4 = 0; e4 < C::kEPC; e4 += 4) {
+                    const int col = C::chunk_offset(j) + e4;
                     const float4 ev = *reinterpret_cast<const float4*>(es + col);
                     const float4 kv = *reinterpret_cast<const float4*>(ks + col);
                     const float4 qv = *reinterpret_cast<const float4*>(qs + col);
                     const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
                     const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
                     const float qa[4] = {qv.x, qv.y, qv.z, qv.w};
+                    if constexpr (C::kPacked) {
+                        // bf16: S_dec k = S (e k), S_dec q = S (e q); the decayed state itself
+                        // (64 fp32 values more than the registers hold) is formed in the update.
+                        float eka[4], eqa[4];
 #pragma unroll
-                    for (int r = 0; r < C::kRows; ++r) {
+                        for (int e = 0; e < 4; ++e) eka[e] = ea[e] * ka[e], eqa[e] = ea[e] * qa[e];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float x = S[r][4 * j + e] * ea[e];  // the decayed value, kept
-                            S[r][4 * j + e] = x;
-                            dk[r] = fmaf(x, ka[e], dk[r]);
-                            dq[r] = fmaf(x, qa[e], dq[r]);
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float x = C::elem(&S[r][4 * j], e4 + e);
+                                dk[r] = fmaf(x, eka[e], dk[r]);
+                                dq[r] = fmaf(x, eqa[e], dq[r]);
+                            }
+                        }
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < C::kRows; ++r) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float x = S[r][4 * j + e4 + e] * ea[e];  // the decayed value, kept
+                                S[r][4 * j + e4 + e] = x;
+                                dk[r] = fmaf(x, ka[e], dk[r]);
+                                dq[r] = fmaf(x, qa[e], dq[r]);
+                            }
                         }
                     }
                 }
-                // Reduce the 8 partial sums over the 8 lanes of the row group, transposed: each
-                // xor step halves the values a lane keeps (lanes with bit msk set keep the upper
-                // half), so lane g ends with value g (dk or dq of row g / 2) after 7 shuffles
-                // (against 24 for an all-reduce of every sum); the pair of lanes swaps them.
-                float red[2 * C::kRows];
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) red[2 * r] = dk[r], red[2 * r + 1] = dq[r];
-                reduce_halves<2 * C::kRows>(red, g, 4);
-                reduce_halves<C::kRows>(red, g, 2);
-                reduce_halves<C::kRows / 2>(red, g, 1);
-                const int my_row = g / 2;  // the lane's row (r) after the reduction
-                const float other = __shfl_xor_sync(0xffffffffu, red[0], 1);
-                const float my_dk = (g & 1) ? other : red[0];
-                const float my_dq = (g & 1) ? red[0] : other;
-                const int vi = t * VS + lrow0 + C::kRowStep * my_row;
-                const float my_bu = m.b[vi] * (m.v[vi] - my_dk);
-                const float o = (my_dq + my_bu * kq) * p.scale;
-                if (my_row < rows_in && (g & 1) == 0) store_from_float(p.out, ob + C::kRowStep * my_row, oc, o);
-#pragma unroll
-                for (int r = 0; r < C::kRows; ++r) bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (2 * r));
             }
+            // Reduce the 2 * kRows partial sums over the 8 lanes of the row group, transposed:
+            // each xor step halves the values a lane keeps (lanes with bit msk set keep the upper
+            // half), so lane g ends with the sums of values 2g, 2g + 1 (8 rows: dk and dq of row
+            // g) or value g (4 rows: dk or dq of row g / 2) after 7 * kRows / 4 shuffles (14 or 7,
+            // against 6 * kRows for an all-reduce of every sum).
+            float red[2 * C::kRows];
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) red[2 * r] = dk[r], red[2 * r + 1] = dq[r];
+            reduce_halves<2 * C::kRows>(red, g, 4);
+            reduce_halves<C::kRows>(red, g, 2);
+            reduce_halves<C::kRows / 2>(red, g, 1);
+            constexpr int kRowLanes = 8 / C::kRows;  // lanes holding one row's sums: 1 or 2
+            const int my_row = g / kRowLanes;       // the lane's row (r) after the reduction
+            float my_dk = red[0], my_dq;
+            if constexpr (kRowLanes == 1) {
+                my_dq = red[1];
+            } else {  // row r's dk in lane 2r, its dq in lane 2r + 1
+                const float other = __shfl_xor_sync(0xffffffffu, red[0], 1);
+                my_dk = (g & 1) ? other : red[0];
+                my_dq = (g & 1) ? red[0] : other;
+            }
+            const int vi = t * VS + lrow0 + 4 * my_row;
+            const float my_bu = m.b[vi] * (m.v[vi] - my_dk);
+            const float o = (my_dq + my_bu * kq) * p.scale;
+            if (my_row < rows_in && g % kRowLanes == 0) store_from_float(p.out, ob + 4 * my_row, oc, o);
+            float bu[C::kRows];  // b * (v - S_dec k) of every row of the lane, from its row's lane
+#pragma unroll
+            for (int r = 0; r < C::kRows; ++r) bu[r] = __shfl_sync(0xffffffffu, my_bu, (lane & ~7) | (r * kRowLanes));
 #pragma unroll
             for (int j = 0; j < C::kChunks; ++j) {
 #pragma unroll
@@ -687,7 +651,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
                     const float4 kv = *reinterpret_cast<const float4*>(ks + col);
                     const float ka[4] = {kv.x, kv.y, kv.z, kv.w};
                     if constexpr (C::kPacked) {
-                        // S * e + (b u) k^T, rounded to bf16 (round to nearest even) in place.
+                        // S_dec + (b u) k^T, rounded to bf16 (round to nearest even) in place.
                         const float4 ev = *reinterpret_cast<const float4*>(es + col);
                         const float ea[4] = {ev.x, ev.y, ev.z, ev.w};
 #pragma unroll

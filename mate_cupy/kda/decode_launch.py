@@ -37,10 +37,9 @@ SPECS = {
 K_DIM = 128  # the kernels' q/k head dim (one state row)
 STATE_CHUNK_BYTES = 16  # the kernels move the state in 16-byte chunks (K-first: along V)
 MAX_CHUNK = 8  # tokens prepared per prologue (kMaxChunk in the kernel)
-#: V rows of one V-first warp per state dtype: 4 rows per lane (``VFirst``: 256 bytes of state
-#: per lane), 8 lanes per fp32 row (16 values each), 4 per bf16 row (32 values each).
+#: V rows of one V-first warp per state dtype: 4 row groups of 8 lanes x the rows of a lane
+#: (``VFirst::kRows``: 256 bytes of state per lane, 4 fp32 or 8 bf16 rows of 16 values).
 VFIRST_ROWS_PER_WARP = {FLOAT32: 16, BFLOAT16: 32}
-VFIRST_MMA_B_FLOATS = 256  # bf16 V-first: the tensor-core B operands of one token (build_mma_b)
 MIN_V_SLICE = min(VFIRST_ROWS_PER_WARP.values())  # the smallest V-slice of any configuration (bounds the grid)
 #: K-first CTA shape per state dtype: (threads, V columns per CTA).
 KFIRST_SHAPE = {FLOAT32: (64, 32), BFLOAT16: (128, 64)}
@@ -160,16 +159,15 @@ def decode_config(problem, cc: int, warps: int | None = None) -> DecodeConfig:
     """The launch of ``problem`` with V-first CTAs of ``warps`` warps (required for a V-first
     state; K-first CTAs have one shape per state dtype, and ``warps`` is ignored). Pure."""
     p = problem
-    token_chunk = max(1, min(p.T, MAX_CHUNK))
     if p.state_v_first:
         v_slice = VFIRST_ROWS_PER_WARP[p.state_dtype] * warps
-        # bf16: the tokens' tensor-core B operands, 1 KiB per token (build_mma_b)
-        red_floats = token_chunk * VFIRST_MMA_B_FLOATS if p.state_dtype == BFLOAT16 else 0
+        red_floats = 0
     else:
         threads, v_slice = KFIRST_SHAPE[p.state_dtype]
         warps = threads // 32
         red_floats = 2 * warps * 2 * v_slice  # [2 parities][warps][S_dec k, S_dec q][v_slice]
     n_splits = -(-p.V // v_slice)
+    token_chunk = max(1, min(p.T, MAX_CHUNK))
     bulk_stage = p.state_v_first and cc >= 90 and p.V % v_slice == 0
     return DecodeConfig(
         spec=SPECS[(p.state_dtype, p.state_v_first)], warps=warps, threads=32 * warps, v_slice=v_slice,
