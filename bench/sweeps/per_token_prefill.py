@@ -28,7 +28,7 @@ def main(argv) -> None:
     ap.add_argument("--tree", default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("seqlens", nargs="*", type=int, default=[32768])
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # sequence lengths may follow the options
     sys.path.insert(0, str(ROOT))
     if a.tree:
         sys.path.insert(0, str(Path(a.tree).resolve()))
