@@ -58,7 +58,7 @@ def run_decode(exe: Path, work: Path, x: dict, opts: dict, *, cc: int = 90, sm_c
     ``decode_config(problem, cc, warps)`` instead of ``select_config``. ``lazy``: cp.async
     and bulk copies land at the wait that retires them instead of at issue. ``timeout``: seconds
     the emulated launch may take (a barrier phase waited out of order never completes).
-    Returns ``(output, final_state or None, config)``; the output is poisoned (NaN) before the launch."""
+    Returns ``(output, final_state or None)``; the output is poisoned (NaN) before the launch."""
     B, T = x["q"].shape[:2]
     HV, V = x["v"].shape[2:]
     out = np.full((B, T, HV, V), np.nan, dtype=x["q"].dtype)
@@ -76,8 +76,8 @@ def run_decode(exe: Path, work: Path, x: dict, opts: dict, *, cc: int = 90, sm_c
         final = np.full(p.final_shape, np.nan, dtype=p.state_dtype)
         ptrs["final_state"] = final.__array_interface__["data"][0]
     if not cfg.grid:
-        return out, final, cfg
+        return out, final
     buffers = [a for a in arrays.values() if a is not None] + ([final] if final is not None else [])
     run_launch(exe, work, cfg.spec.kernels[0], (cfg.grid,), cfg.threads, cfg.smem, dl.PARAMS,
                dl.kernel_values(p, cfg, ptrs), buffers, lazy=lazy, timeout=timeout)
-    return out, final, cfg
+    return out, final
