@@ -117,6 +117,19 @@ def test_hopper_only_variants_build_for_sm90a_alone():
             assert s.builds_for("sm_80") == (s.min_sm <= 80)
 
 
+@pytest.mark.slow
+def test_wgmma_variants_are_not_serialized():
+    """ptxas serializes a kernel's wgmma (C7515, C7518) when an MMA stage stays open across
+    a branch it cannot prove warp-uniform, or when other instructions write its accumulators:
+    the kernel still computes the same, slower, with no error."""
+    specs = [s for s in registered() if _is_wgmma(s)]
+    assert len(specs) == 27
+    for spec in specs:
+        log = compile_variant(spec, "sm_90a", ptxas_verbose=True)["log"]
+        assert log.count("Compiling entry function") >= len(spec.kernels), spec.name
+        assert "wgmma.mma_async instructions are serialized" not in log, f"{spec.name}\n{log}"
+
+
 def test_kernels_use_only_counted_cp_async_arrivals():
     """Every mbarrier expects exactly the arrivals it gets: the incrementing
     ``cp.async.mbarrier.arrive`` (legal PTX: it raises the pending count, then arrives) is
