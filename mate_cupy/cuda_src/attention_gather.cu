@@ -402,26 +402,32 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                     for (int e = 0; e < 4; ++e)
                         if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
             }
-            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
+            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling). The
+            // row max is a tree and the row sum four partial sums (short dependency chains: a warp
+            // has two other warps beside it on its scheduler).
             float m[2], l[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float mx = kNegInf;
+                float mt[16];
 #pragma unroll
-                for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
-                mx = quad_max(mx);
+                for (int n = 0; n < 16; ++n) mt[n] = fmaxf(S[n][2 * h], S[n][2 * h + 1]);
+#pragma unroll
+                for (int w2 = 8; w2 >= 1; w2 >>= 1)
+#pragma unroll
+                    for (int n = 0; n < w2; ++n) mt[n] = fmaxf(mt[n], mt[n + w2]);
+                const float mx = quad_max(mt[0]);
                 const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
-                float sum = 0.f;
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int n = 0; n < 16; ++n)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
                         S[n][2 * h + e] = p;
-                        sum += p;
+                        part[(2 * n + e) & 3] += p;
                     }
                 m[h] = mx;
-                l[h] = sum;
+                l[h] = (part[0] + part[1]) + (part[2] + part[3]);
             }
             u32 pa[8][4];
 #pragma unroll
