@@ -508,11 +508,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
 // Grid (min(max_q, window rows), hkv, B), 128 threads: (head = tid / 8, 16 columns), the
 // window's queries of request blockIdx.z from its first one. out [total_q, Hq, 128]
 // (strided), lse [total_q, Hq] natural log or null; queries with no valid entry get O = 0,
-// lse = -inf.
-extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
+// lse = -inf. (At least 4 CTAs per SM: registers for four slots' loads in flight.)
+extern "C" __global__ void __launch_bounds__(128, 4) msa_gather_merge_kernel(
     GATHER_GEOMETRY_ARGS, const half_t* __restrict__ part_o, const float* __restrict__ part_lse, Elem* __restrict__ out,
     float* __restrict__ lse, long long out_tok_stride, long long out_head_stride) {
     __shared__ unsigned char slot_ok[kMaxWidth];
+    __shared__ float slot_lse[kMaxWidth][kGroup];  // -inf for invalid slots
     const int kvh = blockIdx.y, r = blockIdx.z;
     const Req q = GATHER_REQUEST(r);
     const Span sp = span_of(q, row_begin, row_end, max_q);
@@ -525,29 +526,45 @@ extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
     for (int j = threadIdx.x; j < width; j += 128)
         slot_ok[j] = valid_block(q, block_lists, list_row, j, i, causal, kv_extent) >= 0 ? 1 : 0;
     __syncthreads();
+    // The (slot, head) lse of the valid slots, loaded once by the CTA (contiguous in part_lse).
+    for (int j = threadIdx.x >> 4; j < width; j += 8)
+        slot_lse[j][threadIdx.x & 15] = slot_ok[j] ? part_lse[(row + j) * kGroup + (threadIdx.x & 15)] : kNegInf;
+    __syncthreads();
     float M = kNegInf;
-    for (int j = 0; j < width; ++j)
-        if (slot_ok[j]) M = fmaxf(M, part_lse[(row + j) * kGroup + head]);
+    for (int j = 0; j < width; ++j) M = fmaxf(M, slot_lse[j][head]);
     float acc[16], den = 0.f;
 #pragma unroll
     for (int e = 0; e < 16; ++e) acc[e] = 0.f;
     if (M != kNegInf) {
-        for (int j = 0; j < width; ++j) {
-            if (!slot_ok[j]) continue;
-            const float ls = part_lse[(row + j) * kGroup + head];
-            if (ls == kNegInf) continue;
-            const float wj = fast_exp2(ls - M);
-            den += wj;
-            const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
+        // Four slots' partials loaded at once (memory parallelism), combined in slot order.
+        constexpr int kU = 4;
+        for (int j0 = 0; j0 < width; j0 += kU) {
+            float ls[kU];
+            uint4 vv[kU][2];
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                const uint4 vv = src[x];
-                const u32 ws[4] = {vv.x, vv.y, vv.z, vv.w};
+            for (int u = 0; u < kU; ++u) {
+                const int j = j0 + u;
+                ls[u] = j < width ? slot_lse[j][head] : kNegInf;
+                const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[e]));
-                    acc[8 * x + 2 * e] += wj * f.x;
-                    acc[8 * x + 2 * e + 1] += wj * f.y;
+                for (int x = 0; x < 2; ++x) vv[u][x] = ls[u] == kNegInf ? make_uint4(0u, 0u, 0u, 0u) : src[x];
+            }
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                if (ls[u] == kNegInf) continue;
+                const float wj = fast_exp2(ls[u] - M);
+                den += wj;
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const u32 ws[4] = {vv[u][x].x, vv[u][x].y, vv[u][x].z, vv[u][x].w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        __half2 h;
+                        memcpy(&h, &ws[e], 4);
+                        const float2 f = __half22float2(h);
+                        acc[8 * x + 2 * e] += wj * f.x;
+                        acc[8 * x + 2 * e + 1] += wj * f.y;
+                    }
                 }
             }
         }
