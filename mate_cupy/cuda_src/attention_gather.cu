@@ -293,7 +293,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
-    const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
+    // Warpgroup and warp index broadcast from lane 0, so the compiler knows them warp-uniform
+    // (an S MMA stays in flight across the per-warp epilogue's branches).
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), w = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
     const int g = lane >> 2, t = lane & 3;
     __shared__ int next_item;
     // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
@@ -305,10 +308,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             next_item = taken >= n_items[0] ? -1 : taken < n_big ? taken : max_items - 1 - (taken - n_big);
         }
         __syncthreads();
-        const int item = next_item;
+        const int item = __shfl_sync(0xffffffffu, next_item, 0);
         if (item < 0) break;
         const long long key = items[3 * item];
-        const int begin = items[3 * item + 1], end = items[3 * item + 2];
+        const int begin = __shfl_sync(0xffffffffu, items[3 * item + 1], 0);
+        const int end = __shfl_sync(0xffffffffu, items[3 * item + 2], 0);
         const int s = (int)(key % nb_max);
         const int kvh = (int)((key / nb_max) % hkv);
         const int r = (int)(key / ((long long)nb_max * hkv * wins));
@@ -381,8 +385,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
         };
         // S of the current group: issued a group ahead (below, before the previous group's
         // epilogue), so the tensor cores run it while the warps normalise and store.
+        // (Issued on every path, also past the warpgroup's groups on whatever the buffer holds,
+        // and retired after the loop: no MMA stage open across a branch.)
         float S[16][4];
-        if (wg < n_grp) issue_qk(S, 0);
+        issue_qk(S, 0);
         int buf = 0;
         for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
             // This warp's query (its 16 rows): its slot, loaded before the MMAs that hide it.
@@ -453,12 +459,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
-            if (grp + kWGs < n_grp) {  // (warpgroup-uniform) the next group's S, into S's registers
-                cp_async_wait<0>();    // this warp's rows of the next group's Q
-                fence_proxy_async_smem();
-                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // every warp's rows
-                issue_qk(S, buf ^ 1);
-            }
+            // The next group's S, into S's registers (past the last group: discarded).
+            cp_async_wait<0>();  // this warp's rows of the next group's Q
+            fence_proxy_async_smem();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // every warp's rows
+            issue_qk(S, buf ^ 1);
             if (live) {  // (warp-uniform: one query per warp)
                 // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
                 // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
@@ -502,6 +507,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             tok_n = tok_nn;
             tok_nn = tok_of(grp + 3 * kWGs);
         }
+        wg_wait<0>();  // the S past the last group (it reads K and a Q buffer)
     }
 }
 
