@@ -55,6 +55,7 @@ constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
+template <bool B> struct Flag { static constexpr bool value = B; };
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
@@ -384,13 +385,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             wg_commit();
         };
         // S of the current group: issued a group ahead (below, before the previous group's
-        // epilogue), so the tensor cores run it while the warps normalise and store.
-        // (Issued on every path, also past the warpgroup's groups on whatever the buffer holds,
-        // and retired after the loop: no MMA stage open across a branch.)
+        // epilogue), so the tensor cores run it while the warps normalise and store. Every
+        // group but the warpgroup's last issues the next one's; the last runs on its own after
+        // the loop (a warpgroup without groups runs one on whatever the buffers hold and stores
+        // nothing), so every path issues and retires the same MMA stages and none is open across
+        // a branch ptxas cannot prove warp-uniform.
         float S[16][4];
         issue_qk(S, 0);
-        int buf = 0;
-        for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
+        auto run_group = [&](int grp, int buf, auto issue_next) {
             // This warp's query (its 16 rows): its slot, loaded before the MMAs that hide it.
             const int pi = begin + 4 * grp + w;
             const bool live = pi < end;
@@ -459,11 +461,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
-            // The next group's S, into S's registers (past the last group: discarded).
-            cp_async_wait<0>();  // this warp's rows of the next group's Q
-            fence_proxy_async_smem();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // every warp's rows
-            issue_qk(S, buf ^ 1);
+            if constexpr (decltype(issue_next)::value) {  // the next group's S, into S's registers
+                cp_async_wait<0>();  // this warp's rows of the next group's Q
+                fence_proxy_async_smem();
+                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // every warp's rows
+                issue_qk(S, buf ^ 1);
+            }
             if (live) {  // (warp-uniform: one query per warp)
                 // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
                 // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
@@ -506,8 +509,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             tok_c = tok_n;
             tok_n = tok_nn;
             tok_nn = tok_of(grp + 3 * kWGs);
-        }
-        wg_wait<0>();  // the S past the last group (it reads K and a Q buffer)
+        };
+        int grp = wg, buf = 0;
+        for (; grp + kWGs < n_grp; grp += kWGs, buf ^= 1) run_group(grp, buf, Flag<true>());
+        run_group(grp, buf, Flag<false>());
     }
 }
 
