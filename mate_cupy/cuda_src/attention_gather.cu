@@ -387,11 +387,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
         // S of the current group: issued a group ahead (below, before the previous group's
         // epilogue), so the tensor cores run it while the warps normalise and store. Every
         // group but the warpgroup's last issues the next one's; the last runs on its own after
-        // the loop (a warpgroup without groups runs one on whatever the buffers hold and stores
-        // nothing), so every path issues and retires the same MMA stages and none is open across
-        // a branch ptxas cannot prove warp-uniform.
+        // the loop, so no MMA stage is open across a branch ptxas cannot prove warp-uniform or
+        // past the warpgroup's work (a warpgroup without groups skips it all).
         float S[16][4];
-        issue_qk(S, 0);
         auto run_group = [&](int grp, int buf, auto issue_next) {
             // This warp's query (its 16 rows): its slot, loaded before the MMAs that hide it.
             const int pi = begin + 4 * grp + w;
@@ -510,9 +508,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             tok_n = tok_nn;
             tok_nn = tok_of(grp + 3 * kWGs);
         };
-        int grp = wg, buf = 0;
-        for (; grp + kWGs < n_grp; grp += kWGs, buf ^= 1) run_group(grp, buf, Flag<true>());
-        run_group(grp, buf, Flag<false>());
+        if (wg < n_grp) {  // (warp-uniform: wg and n_grp come from lane 0)
+            issue_qk(S, 0);
+            int grp = wg, buf = 0;
+            for (; grp + kWGs < n_grp; grp += kWGs, buf ^= 1) run_group(grp, buf, Flag<true>());
+            run_group(grp, buf, Flag<false>());
+        }
     }
 }
 
