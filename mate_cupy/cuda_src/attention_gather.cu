@@ -55,7 +55,6 @@ constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
-template <bool B> struct Flag { static constexpr bool value = B; };
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
@@ -294,14 +293,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sK = smem;
     unsigned char* sV = smem + kTileBytes;
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
-    // Warpgroup and warp index broadcast from lane 0, so the compiler knows them warp-uniform
-    // (an S MMA stays in flight across the per-warp epilogue's branches).
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), w = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0);
+    const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     __shared__ int next_item;
     // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
     // the n_items[2] big ones from the front of items, then the others from the back.
+    // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
+    // 16-byte chunk wtid % 16.
+    const int qrow0 = wtid >> 4, qch = wtid & 15;
     for (;;) {
         __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
         if (tid == 0) {
@@ -309,11 +308,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             next_item = taken >= n_items[0] ? -1 : taken < n_big ? taken : max_items - 1 - (taken - n_big);
         }
         __syncthreads();
-        const int item = __shfl_sync(0xffffffffu, next_item, 0);
+        const int item = next_item;
         if (item < 0) break;
         const long long key = items[3 * item];
-        const int begin = __shfl_sync(0xffffffffu, items[3 * item + 1], 0);
-        const int end = __shfl_sync(0xffffffffu, items[3 * item + 2], 0);
+        const int begin = items[3 * item + 1], end = items[3 * item + 2];
         const int s = (int)(key % nb_max);
         const int kvh = (int)((key / nb_max) % hkv);
         const int r = (int)(key / ((long long)nb_max * hkv * wins));
@@ -335,35 +333,43 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
         // when causal, else lim_a clamped (lim_b is clamped to [INT_MIN, 128], which keeps that).
         const int lim_a = rq.Lk - s * kBN;
         const int lim_b = (int)max(-2147483648LL, min((long long)kBN, rq.qoff - rq.q_start + 1 - (long long)s * kBN));
-        // Each warp loads the Q rows of its own query of a group: tile rows 16 w .. 16 w + 15 (its
-        // query's 16 heads; the rows of its accumulators and of its epilogue staging), so a warp
-        // refills its rows of a buffer after its own reads alone. Lane `lane`'s chunks: head
-        // lane / 16 + 2 x (x = 0..7), 16-byte chunk lane % 16 (512 contiguous bytes per load).
-        const char* const q_lane = reinterpret_cast<const char*>(q + (long long)(kvh * kGroup + (lane >> 4)) * q_head_stride +
-                                                                 (lane & 15) * 8);
+        // This thread's 16-byte chunk of head qrow0 of token 0 (bytes): token t's is t * q_tok_bytes
+        // further, head qrow0 + 8's q_h8_bytes further.
+        const char* const qh0 =
+            reinterpret_cast<const char*>(q + (long long)(kvh * kGroup + qrow0) * q_head_stride + qch * 8);
         const unsigned long long q_tok_bytes = (unsigned long long)q_tok_stride * sizeof(Elem);
-        const unsigned long long q_h2_bytes = (unsigned long long)q_head_stride * 2 * sizeof(Elem);
-        // This warp's token in group grp (past the item: the item's last one, rows computed and
-        // never stored: no zero fill, no predicate; 0 past the warpgroup's groups).
-        auto tok_of = [&](int grp) -> unsigned {
-            return grp < n_grp ? (unsigned)pair_tok[min(begin + 4 * grp + w, end - 1)] : 0u;
-        };
-        auto load_q = [&](int grp, unsigned tok, int buf) {
-            if (grp < n_grp) {
-                unsigned char* const tile = sQ + (wg * 2 + buf) * kQBytes;
-                const char* const src = q_lane + tok * q_tok_bytes;
+        const unsigned long long q_h8_bytes = (unsigned long long)q_head_stride * 8 * sizeof(Elem);
+        // Tokens of group grp's four queries, loaded a group ahead of use; past the item the
+        // item's last one (rows computed and never stored: no zero fill, no predicate).
+        auto load_toks = [&](int grp, unsigned (&tk)[4]) {
+            if (grp < n_grp)
 #pragma unroll
-                for (int x = 0; x < 8; ++x)
-                    cp_async_16(tile + QTile::offset(16 * w + (lane >> 4) + 2 * x, lane & 15), src + x * q_h2_bytes);
+                for (int e = 0; e < 4; ++e) tk[e] = (unsigned)pair_tok[min(begin + 4 * grp + e, end - 1)];
+        };
+        // Row qrow0 + 8 i of the tile is query i / 2, head qrow0 + 8 (i % 2): one address per
+        // token, the second head 8 rows (8 * 128 bytes, same swizzle phase) further.
+        auto load_q = [&](int grp, const unsigned (&tk)[4], int buf) {
+            if (grp < n_grp) {
+                unsigned char* dst = sQ + (wg * 2 + buf) * kQBytes + QTile::offset(qrow0, qch);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const char* src = qh0 + tk[e] * q_tok_bytes;
+                    cp_async_16(dst + (2 * e) * 1024, src);
+                    cp_async_16(dst + (2 * e + 1) * 1024, src + q_h8_bytes);
+                }
             }
             cp_async_commit();
         };
-        // Tokens of this warp's query in the current group and the two after it.
-        unsigned tok_c = tok_of(wg), tok_n = tok_of(wg + kWGs);
-        load_q(wg, tok_c, 0);
-        load_q(wg + kWGs, tok_n, 1);
-        unsigned tok_nn = tok_of(wg + 2 * kWGs);
-        cp_async_wait<1>();  // K/V and the first group's Q (the second group's may be in flight)
+        // This warp's query of a group is its w-th: its token is tk[w] of the group's tokens.
+        auto warp_tok = [&](const unsigned (&tk)[4]) {
+            return static_cast<int>((w & 2) ? ((w & 1) ? tk[3] : tk[2]) : ((w & 1) ? tk[1] : tk[0]));
+        };
+        unsigned tk_next[4] = {0u, 0u, 0u, 0u};  // (stays so when the warpgroup has no group)
+        load_toks(wg, tk_next);
+        load_q(wg, tk_next, 0);
+        int tok_cur = warp_tok(tk_next);  // of the group the loop starts with
+        load_toks(wg + kWGs, tk_next);
+        cp_async_wait<0>();
         fence_proxy_async_smem();
         __syncthreads();
 
@@ -384,59 +390,58 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             }
             wg_commit();
         };
-        // S of the current group: issued a group ahead (below, before the previous group's
-        // epilogue), so the tensor cores run it while the warps normalise and store. Every
-        // group but the warpgroup's last issues the next one's; the last runs on its own after
-        // the loop, so no MMA stage is open across a branch ptxas cannot prove warp-uniform or
-        // past the warpgroup's work (a warpgroup without groups skips it all).
-        float S[16][4];
-        auto run_group = [&](int grp, int buf, auto issue_next) {
-            // This warp's query (its 16 rows): its slot, loaded before the MMAs that hide it.
+        int buf = 0;
+        for (int grp = wg; grp < n_grp; grp += kWGs, buf ^= 1) {
+            // This warp's query (its 16 rows): its token, read with the group's Q tokens a step
+            // ago, and its slot, loaded before the MMAs that hide it.
             const int pi = begin + 4 * grp + w;
             const bool live = pi < end;
-            const int tok = (int)tok_c;
+            const int tok = live ? tok_cur : 0;
             const int slot = live ? pair_slot[pi] : 0;
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // the other buffer is free
+            load_q(grp + kWGs, tk_next, buf ^ 1);
+            tok_cur = warp_tok(tk_next);  // (group grp + kWGs, the next step's)
+            load_toks(grp + 2 * kWGs, tk_next);
+            cp_async_wait<1>();
+            fence_proxy_async_smem();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+            float S[16][4];
+            issue_qk(S, buf);
             wg_wait<0>();
             wg_fence_regs<64>(&S[0][0]);
             // This warp's 16 rows are one query (its 16 heads): its key limit inside the block.
             const int lim_q = lim_b >= kBN - tok ? kBN : lim_b + tok;  // (no overflow either way)
             const int lim = live ? max(0, min(kBN, causal ? min(lim_a, lim_q) : lim_a)) : 0;
             if (lim < kBN) {
-#pragma unroll
+    #pragma unroll
                 for (int n = 0; n < 16; ++n)
-#pragma unroll
+    #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         if (8 * n + 2 * t + (e & 1) >= lim) S[n][e] = kNegInf;
             }
-            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling). The
-            // row max is a tree and the row sum four partial sums (short dependency chains: a warp
-            // has two other warps beside it on its scheduler).
+            // One block per row: a one-shot softmax (row max over the 128 keys, no rescaling).
             float m[2], l[2];
-#pragma unroll
+    #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float mt[16];
-#pragma unroll
-                for (int n = 0; n < 16; ++n) mt[n] = fmaxf(S[n][2 * h], S[n][2 * h + 1]);
-#pragma unroll
-                for (int w2 = 8; w2 >= 1; w2 >>= 1)
-#pragma unroll
-                    for (int n = 0; n < w2; ++n) mt[n] = fmaxf(mt[n], mt[n + w2]);
-                const float mx = quad_max(mt[0]);
+                float mx = kNegInf;
+    #pragma unroll
+                for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(S[n][2 * h], S[n][2 * h + 1]));
+                mx = quad_max(mx);
                 const float ms = (mx == kNegInf) ? 0.f : mx * scale_log2;
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
+                float sum = 0.f;
+    #pragma unroll
                 for (int n = 0; n < 16; ++n)
-#pragma unroll
+    #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float p = fast_exp2(fmaf(S[n][2 * h + e], scale_log2, -ms));
                         S[n][2 * h + e] = p;
-                        part[(2 * n + e) & 3] += p;
+                        sum += p;
                     }
                 m[h] = mx;
-                l[h] = (part[0] + part[1]) + (part[2] + part[3]);
+                l[h] = sum;
             }
             u32 pa[8][4];
-#pragma unroll
+    #pragma unroll
             for (int kk = 0; kk < 8; ++kk) {
                 pa[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
                 pa[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
@@ -446,9 +451,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             float O[16][4];
             wg_fence_regs<32>(&pa[0][0]);
             wg_fence();
-#pragma unroll
+    #pragma unroll
             for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
+    #pragma unroll
                 for (int cb = 0; cb < 2; ++cb) {
                     const u64 vd = wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048);
                     if (kk == 0)
@@ -459,60 +464,40 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             wg_commit();
             wg_wait<0>();
             wg_fence_regs<64>(&O[0][0]);
-            if constexpr (decltype(issue_next)::value) {  // the next group's S, into S's registers
-                cp_async_wait<0>();  // this warp's rows of the next group's Q
-                fence_proxy_async_smem();
-                asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // every warp's rows
-                issue_qk(S, buf ^ 1);
+            if (!live) continue;  // (warp-uniform: one query per warp)
+            // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
+            // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
+            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
+            const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
+            unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
+            auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
+            // Row g + 8 h, chunk n = 8 a + b at mine + h * 8192 + g * 256 + a * 128 + (b ^ g) * 16:
+            // one chunk offset per b for both rows and both halves.
+            unsigned char* const mine_g = mine + g * 256 + 4 * t;
+            float inv[2];
+    #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float lt = quad_sum(l[h]);
+                inv[h] = lt > 0.f ? 1.f / lt : 0.f;
+                if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
             }
-            if (live) {  // (warp-uniform: one query per warp)
-                // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
-                // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
-                // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
-                const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
-                unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
-                auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
-                // Row g + 8 h, chunk n = 8 a + b at mine + h * 8192 + g * 256 + a * 128 + (b ^ g) * 16:
-                // one chunk offset per b for both rows and both halves.
-                unsigned char* const mine_g = mine + g * 256 + 4 * t;
-                float inv[2];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float lt = quad_sum(l[h]);
-                    inv[h] = lt > 0.f ? 1.f / lt : 0.f;
-                    if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
-                }
-#pragma unroll
-                for (int b = 0; b < 8; ++b) {
-                    unsigned char* const col = mine_g + ((b ^ g) << 4);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int a = 0; a < 2; ++a)
-                            *reinterpret_cast<u32*>(col + h * 8192 + a * 128) =
-                                pack2<half_t>(O[8 * a + b][2 * h] * inv[h], O[8 * a + b][2 * h + 1] * inv[h]);
-                }
-                __syncwarp();
-                uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
-#pragma unroll
-                for (int x = 0; x < 8; ++x) {
-                    const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
-                    dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
-                }
+    #pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                unsigned char* const col = mine_g + ((b ^ g) << 4);
+    #pragma unroll
+                for (int h = 0; h < 2; ++h)
+    #pragma unroll
+                    for (int a = 0; a < 2; ++a)
+                        *reinterpret_cast<u32*>(col + h * 8192 + a * 128) =
+                            pack2<half_t>(O[8 * a + b][2 * h] * inv[h], O[8 * a + b][2 * h + 1] * inv[h]);
             }
-            // This warp's rows of this buffer are free (its Q read by the finished S, its staging
-            // read above): the group after next's Q goes there.
             __syncwarp();
-            load_q(grp + 2 * kWGs, tok_nn, buf);
-            tok_c = tok_n;
-            tok_n = tok_nn;
-            tok_nn = tok_of(grp + 3 * kWGs);
-        };
-        if (wg < n_grp) {  // (warp-uniform: wg and n_grp come from lane 0)
-            issue_qk(S, 0);
-            int grp = wg, buf = 0;
-            for (; grp + kWGs < n_grp; grp += kWGs, buf ^= 1) run_group(grp, buf, Flag<true>());
-            run_group(grp, buf, Flag<false>());
+            uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
+    #pragma unroll
+            for (int x = 0; x < 8; ++x) {
+                const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
+                dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
+            }
         }
     }
 }
@@ -520,12 +505,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
 // Grid (min(max_q, window rows), hkv, B), 128 threads: (head = tid / 8, 16 columns), the
 // window's queries of request blockIdx.z from its first one. out [total_q, Hq, 128]
 // (strided), lse [total_q, Hq] natural log or null; queries with no valid entry get O = 0,
-// lse = -inf. (At least 4 CTAs per SM: registers for four slots' loads in flight.)
-extern "C" __global__ void __launch_bounds__(128, 4) msa_gather_merge_kernel(
+// lse = -inf.
+extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
     GATHER_GEOMETRY_ARGS, const half_t* __restrict__ part_o, const float* __restrict__ part_lse, Elem* __restrict__ out,
     float* __restrict__ lse, long long out_tok_stride, long long out_head_stride) {
     __shared__ unsigned char slot_ok[kMaxWidth];
-    __shared__ float slot_lse[kMaxWidth][kGroup];  // -inf for invalid slots
     const int kvh = blockIdx.y, r = blockIdx.z;
     const Req q = GATHER_REQUEST(r);
     const Span sp = span_of(q, row_begin, row_end, max_q);
@@ -538,45 +522,29 @@ extern "C" __global__ void __launch_bounds__(128, 4) msa_gather_merge_kernel(
     for (int j = threadIdx.x; j < width; j += 128)
         slot_ok[j] = valid_block(q, block_lists, list_row, j, i, causal, kv_extent) >= 0 ? 1 : 0;
     __syncthreads();
-    // The (slot, head) lse of the valid slots, loaded once by the CTA (contiguous in part_lse).
-    for (int j = threadIdx.x >> 4; j < width; j += 8)
-        slot_lse[j][threadIdx.x & 15] = slot_ok[j] ? part_lse[(row + j) * kGroup + (threadIdx.x & 15)] : kNegInf;
-    __syncthreads();
     float M = kNegInf;
-    for (int j = 0; j < width; ++j) M = fmaxf(M, slot_lse[j][head]);
+    for (int j = 0; j < width; ++j)
+        if (slot_ok[j]) M = fmaxf(M, part_lse[(row + j) * kGroup + head]);
     float acc[16], den = 0.f;
 #pragma unroll
     for (int e = 0; e < 16; ++e) acc[e] = 0.f;
     if (M != kNegInf) {
-        // Four slots' partials loaded at once (memory parallelism), combined in slot order.
-        constexpr int kU = 4;
-        for (int j0 = 0; j0 < width; j0 += kU) {
-            float ls[kU];
-            uint4 vv[kU][2];
+        for (int j = 0; j < width; ++j) {
+            if (!slot_ok[j]) continue;
+            const float ls = part_lse[(row + j) * kGroup + head];
+            if (ls == kNegInf) continue;
+            const float wj = fast_exp2(ls - M);
+            den += wj;
+            const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
 #pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                const int j = j0 + u;
-                ls[u] = j < width ? slot_lse[j][head] : kNegInf;
-                const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
+            for (int x = 0; x < 2; ++x) {
+                const uint4 vv = src[x];
+                const u32 ws[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
-                for (int x = 0; x < 2; ++x) vv[u][x] = ls[u] == kNegInf ? make_uint4(0u, 0u, 0u, 0u) : src[x];
-            }
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                if (ls[u] == kNegInf) continue;
-                const float wj = fast_exp2(ls[u] - M);
-                den += wj;
-#pragma unroll
-                for (int x = 0; x < 2; ++x) {
-                    const u32 ws[4] = {vv[u][x].x, vv[u][x].y, vv[u][x].z, vv[u][x].w};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        __half2 h;
-                        memcpy(&h, &ws[e], 4);
-                        const float2 f = __half22float2(h);
-                        acc[8 * x + 2 * e] += wj * f.x;
-                        acc[8 * x + 2 * e + 1] += wj * f.y;
-                    }
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[e]));
+                    acc[8 * x + 2 * e] += wj * f.x;
+                    acc[8 * x + 2 * e + 1] += wj * f.y;
                 }
             }
         }

@@ -45,7 +45,7 @@ def emulator_source() -> str:
         assert inc in src, inc
         src = src.replace(inc, text)
     bar = 'asm volatile("bar.sync %0, 128;\\n" ::"r"(1 + wg) : "memory");'
-    assert src.count(bar) >= 1, "the warpgroup barrier of the attention kernel"
+    assert src.count(bar) == 2, "the warpgroup barriers of the attention kernel"
     src = src.replace(bar, "named_sync(1 + wg, 128);")
     decl = "extern __shared__ __align__(1024) unsigned char smem_raw[];"
     assert src.count(decl) == 1
