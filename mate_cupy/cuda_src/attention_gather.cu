@@ -312,33 +312,43 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
     pair_slot[pos] = x.slot;
 }
 
-// Merge of query i of request q (the window's span of its queries contains i), KV head kvh, by
-// one warpgroup (thread wtid: head wtid / 8, columns 16 (wtid % 8) ..): the valid slots'
-// partials combined by their lse. Up to kMergeBatch slots at a time: each thread copies its
-// 32 bytes of each (cp.async, from L2: the partials were written by other CTAs) to its own
-// staging bytes (stage + 32 (b * kThreads + tid) for slot b of the batch; read back by the
-// same thread alone), a running maximum rescaling the sums between batches. out [total_q,
-// Hq, 128] (strided), lse [total_q, Hq] natural log or null; a query with no valid entry gets
-// O = 0, lse = -inf.
-__device__ __forceinline__ void merge_query(const Req& q, int i, int kvh, int wtid, unsigned char* stage,
-                                            const int* __restrict__ block_lists, int hkv, int width, int causal,
-                                            int kv_extent, int row_begin, const half_t* part_o,
-                                            const float* part_lse, Elem* __restrict__ out, float* __restrict__ lse,
-                                            long long out_tok_stride, long long out_head_stride) {
-    const int lane = wtid & 31, head = wtid >> 3, c0 = (wtid & 7) * 16;
-    const int tok = q.q_start + i;
-    const long long list_row = ((long long)tok * hkv + kvh) * width;
-    const long long row = ((long long)(tok - row_begin) * hkv + kvh) * width;  // of the window's partials
-    // Valid slots as a 128-bit mask ok_lo | ok_hi << 64 (the same in every warp: each warp
-    // computes it).
-    unsigned long long ok_lo = 0ull, ok_hi = 0ull;
+// The valid slots of query i of request q and KV head kvh as a 128-bit mask lo | hi << 64,
+// the same in every lane (each warp computes it).
+struct SlotMask {
+    unsigned long long lo, hi;
+};
+
+__device__ __forceinline__ SlotMask valid_slots(const Req& q, int i, int kvh, const int* __restrict__ block_lists,
+                                                int hkv, int width, int causal, int kv_extent) {
+    const int lane = threadIdx.x & 31;
+    const long long list_row = ((long long)(q.q_start + i) * hkv + kvh) * width;
+    SlotMask m{0ull, 0ull};
 #pragma unroll
     for (int x = 0; x < kMaxWidth / 32; ++x) {
         const int j = 32 * x + lane;
         const bool valid = j < width && valid_block(q, block_lists, list_row, j, i, causal, kv_extent) >= 0;
         const unsigned long long bits = (unsigned long long)__ballot_sync(0xffffffffu, valid) << (32 * (x & 1));
-        if (x < 2) ok_lo |= bits; else ok_hi |= bits;
+        if (x < 2) m.lo |= bits; else m.hi |= bits;
     }
+    return m;
+}
+
+// Merge of query i of request q (the window's span of its queries contains i), KV head kvh, by
+// one warpgroup (thread wtid: head wtid / 8, columns 16 (wtid % 8) ..): the slots of ok (its
+// valid ones) combined by their lse. Up to kMergeBatch slots at a time: each thread copies its
+// 32 bytes of each (cp.async, from L2: the partials were written by other CTAs) to its own
+// staging bytes (stage + 32 (b * kThreads + tid) for slot b of the batch; read back by the
+// same thread alone), a running maximum rescaling the sums between batches. out [total_q,
+// Hq, 128] (strided), lse [total_q, Hq] natural log or null; a query with no valid entry gets
+// O = 0, lse = -inf.
+__device__ __forceinline__ void merge_query(const Req& q, int i, int kvh, SlotMask ok, int wtid, unsigned char* stage,
+                                            int hkv, int width, int row_begin, const half_t* part_o,
+                                            const float* part_lse, Elem* __restrict__ out, float* __restrict__ lse,
+                                            long long out_tok_stride, long long out_head_stride) {
+    const int head = wtid >> 3, c0 = (wtid & 7) * 16;
+    const int tok = q.q_start + i;
+    const long long row = ((long long)(tok - row_begin) * hkv + kvh) * width;  // of the window's partials
+    unsigned long long ok_lo = ok.lo, ok_hi = ok.hi;
     float M = kNegInf, den = 0.f, acc[16];
 #pragma unroll
     for (int e = 0; e < 16; ++e) acc[e] = 0.f;
@@ -502,12 +512,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             const int kvh = gm % hkv;
             const Req rq = GATHER_REQUEST(gm / (wins * hkv));
             const Span gs = group_span(span_of(rq, row_begin, row_end, max_q), (gm / hkv) % wins, win);
+            static_assert(kMergeQ == 4 * kWGs, "four queries per warpgroup");
+            const int i0 = gs.i0 + chunk * kMergeQ + wg;
+            // The valid slots of all four queries first (their list loads in flight together).
+            SlotMask ok[4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int i = i0 + x * kWGs;
+                ok[x] = i < gs.i1 ? valid_slots(rq, i, kvh, block_lists, hkv, width, causal, kv_extent)
+                                  : SlotMask{0ull, 0ull};
+            }
 #pragma unroll 1
-            for (int x = 0; x < kMergeQ / kWGs; ++x) {
-                const int i = gs.i0 + chunk * kMergeQ + x * kWGs + wg;
+            for (int x = 0; x < 4; ++x) {
+                const int i = i0 + x * kWGs;
                 if (i >= gs.i1) break;
-                merge_query(rq, i, kvh, wtid, smem, block_lists, hkv, width, causal, kv_extent, row_begin, part_o, part_lse,
-                            out, lse, out_tok_stride, out_head_stride);
+                const SlotMask m = x == 0 ? ok[0] : x == 1 ? ok[1] : x == 2 ? ok[2] : ok[3];
+                merge_query(rq, i, kvh, m, wtid, smem, hkv, width, row_begin, part_o, part_lse, out, lse,
+                            out_tok_stride, out_head_stride);
             }
             continue;
         }
