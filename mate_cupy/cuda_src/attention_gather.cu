@@ -61,7 +61,7 @@ constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kMergeQ = 4 * kWGs;  // queries per merge unit: 4 per warpgroup
 constexpr int kMergeBatch = 16;    // slots whose partials a merging thread loads at once
 // n_items words (written by the scan, the counters used by the attention kernel)
-enum { kItems, kWorkCounter, kItemsDone, kMergeCounter, kUnits, kGroupFirst, kGroupCount, kWords };
+enum { kItems, kWorkCounter, kItemsDone, kMergeCounter, kUnits, kGroupFirst, kGroupCount, kMerging, kWords };
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
 // Dynamic shared memory (+ 1024 for alignment): the attention tiles, or a merge unit's staging.
@@ -293,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(GATHER
         n_items[kUnits] = n_units;
         n_items[kGroupFirst] = g0;
         n_items[kGroupCount] = g1 - g0;
+        n_items[kMerging] = 0;
         key_range[0] = key_range[1] = 0u;
     }
 }
@@ -421,11 +422,12 @@ __device__ __forceinline__ void merge_query(const Req& q, int i, int kvh, SlotMa
 }
 
 // Thread 0's choice of the next work (ctl: n_items): a merge unit (-2 - unit) when the next
-// one is ready (its group's items all done, or every item done), else an attention item
-// (>= 0), else -1 when no work is left; waits while only merge units not yet ready are left.
+// one is ready (its group's items all done, or every item done) and fewer than merge_ctas
+// CTAs are merging (any number once every item is taken), else an attention item (>= 0),
+// else -1 when no work is left; waits while only merge units not yet ready are left.
 // unit_group / unit_lo / unit_hi: the cached group of the units [unit_lo, unit_hi).
-__device__ __forceinline__ int claim_work(int* ctl, const int* group_left, const int* unit_start, int& unit_group,
-                                          int& unit_lo, int& unit_hi) {
+__device__ __forceinline__ int claim_work(int* ctl, const int* group_left, const int* unit_start, int merge_ctas,
+                                          int& unit_group, int& unit_lo, int& unit_hi) {
     const int n_work = ctl[kItems], n_units = ctl[kUnits], g_first = ctl[kGroupFirst];
     volatile int* vctl = ctl;
     const volatile int* vleft = group_left;
@@ -442,8 +444,10 @@ __device__ __forceinline__ int claim_work(int* ctl, const int* group_left, const
                 unit_lo = unit_start[lo];
                 unit_hi = unit_start[lo + 1];
             }
-            if (vleft[unit_group] <= 0 || vctl[kItemsDone] >= n_work) {
+            const bool room = vctl[kMerging] < merge_ctas || vctl[kWorkCounter] >= n_work;
+            if (room && (vleft[unit_group] <= 0 || vctl[kItemsDone] >= n_work)) {
                 if (atomicCAS(&ctl[kMergeCounter], u, u + 1) == u) {
+                    atomicAdd(&ctl[kMerging], 1);
                     __threadfence();  // the group's partials are read after its items' stores
                     return -2 - u;
                 }
@@ -455,7 +459,7 @@ __device__ __forceinline__ int claim_work(int* ctl, const int* group_left, const
             if (taken < n_work) return taken;
         }
         if (u >= n_units) return -1;
-        __nanosleep(256);
+        if (vctl[kWorkCounter] >= n_work) __nanosleep(256);  // (else: no room to merge, an item is claimed next)
     }
 }
 
@@ -472,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     const int* __restrict__ items, int* ctl, int* group_left, const int* __restrict__ unit_start,
     const int* __restrict__ pair_tok, const int* __restrict__ pair_slot, half_t* part_o, float* part_lse,
     float scale_log2, Elem* __restrict__ out, float* __restrict__ lse, long long out_tok_stride,
-    long long out_head_stride) {
+    long long out_head_stride, int merge_ctas) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
     unsigned char* sK = smem;
@@ -485,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     __shared__ int next_work, next_group, next_chunk, item_group, unit_cache[3];
     if (tid == 0) {
         item_group = -1;
+        next_work = 0;
         unit_cache[0] = unit_cache[1] = unit_cache[2] = 0;
     }
     // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
@@ -497,8 +502,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 __threadfence();  // every thread's partial stores (ordered by the barrier) before the counts
                 atomicAdd(&group_left[item_group], -1);
                 atomicAdd(&ctl[kItemsDone], 1);
+            } else if (next_work < -1) {
+                atomicAdd(&ctl[kMerging], -1);  // the merge unit just run
             }
-            const int work = claim_work(ctl, group_left, unit_start, unit_cache[0], unit_cache[1], unit_cache[2]);
+            const int work = claim_work(ctl, group_left, unit_start, merge_ctas, unit_cache[0], unit_cache[1],
+                                        unit_cache[2]);
             next_work = work;
             next_group = unit_cache[0];
             next_chunk = work < -1 ? -2 - work - unit_cache[1] : 0;

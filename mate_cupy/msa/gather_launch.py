@@ -31,7 +31,10 @@ WIN_ALIGN = 1024  # query windows and full row windows are multiples of this man
 #: queries per key (query window, KV head, block) that :func:`query_window` aims for on average
 KEY_SHARE = 128
 CAP = 512  # queries per work item (kCap)
-CONTROL_WORDS = 7  # n_items: item count, work counter, items done, merge counter, units, first group, groups
+#: n_items: item count, work counter, items done, merge counter, units, first group, groups, merging CTAs
+CONTROL_WORDS = 8
+#: CTAs of the attention kernel that may run merge units at once, per SM (while items are left)
+MERGE_CTA_SHARE = 1.0
 #: dtype code (0 fp16, 1 bf16) -> registered variant
 SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GATHER_CAP=CAP)
          for code in (0, 1)}
@@ -68,7 +71,8 @@ ATTN_PARAMS = KernelParams(_GEOMETRY + (
     ("k_page_stride", "i64"), ("k_slot_stride", "i64"), ("k_head_stride", "i64"), ("v_page_stride", "i64"),
     ("v_slot_stride", "i64"), ("v_head_stride", "i64"), ("items", "ptr"), ("ctl", "ptr"), ("group_left", "ptr"),
     ("unit_start", "ptr"), ("pair_tok", "ptr"), ("pair_slot", "ptr"), ("part_o", "ptr"), ("part_lse", "ptr"),
-    ("scale_log2", "f32"), ("out", "ptr"), ("lse", "ptr"), ("out_tok_stride", "i64"), ("out_head_stride", "i64")))
+    ("scale_log2", "f32"), ("out", "ptr"), ("lse", "ptr"), ("out_tok_stride", "i64"), ("out_head_stride", "i64"),
+    ("merge_ctas", "i32")))
 #: kernel name -> its parameter list
 PARAMS = dict(zip(KERNELS, (COUNT_PARAMS, SCAN_PARAMS, SCATTER_PARAMS, ATTN_PARAMS)))
 
@@ -225,7 +229,8 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
     attn_tail = (address(q), address(k), address(v), int(q_strides[0]), int(q_strides[1]), int(k_strides[0]),
                  int(k_strides[1]), int(k_strides[2]), int(v_strides[0]), int(v_strides[1]), int(v_strides[2]),
                  items, n_items, group_left, unit_start, pair_tok, pair_slot, part_o, part_lse, float(scale_log2),
-                 address(out), address(lse), int(out_strides[0]), int(out_strides[1]))
+                 address(out), address(lse), int(out_strides[0]), int(out_strides[1]),
+                 max(1, int(MERGE_CTA_SHARE * int(num_sms))))
     spec = SPECS[int(dtype_code)]
     count_k, scan_k, scatter_k, attn_k = (get_kernel(spec, name) for name in KERNELS)
     attn_grid = (max(1, int(num_sms)),)  # persistent: one CTA per SM
