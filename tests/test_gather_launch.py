@@ -83,7 +83,7 @@ def test_run_gather_launches_five_kernels_per_row_window(monkeypatch):
     assert memsets == [(ws + lay["counters"][0], 0, lay["counters"][1], 0xABC)]
     assert lay["counters"][1] == 16 + b.keys * 4
     for n, (rb, re_) in enumerate(windows):
-        group = launches[4 * n:4 * n + 4]
+        group = launches[5 * n:5 * n + 5]
         for kern, grid, block, params, values, smem, stream in group:
             assert params is gl.PARAMS[kern] and stream == 0xABC
             params.pack(values)  # every value packs as its kind
@@ -92,32 +92,30 @@ def test_run_gather_launches_five_kernels_per_row_window(monkeypatch):
                 assert (named["row_begin"], named["row_end"]) == (rb, re_)
                 assert named["wins"] == b.wins and named["nb_max"] == b.nb_max and named["total_q"] == total_q
                 assert named["block_lists"] == 0xC000 and named["page_indptr"] == 0
-        count, scan, scatter, attn = group
+        count, scan, scatter, attn, merge = group
         assert count[1] == scatter[1] == b.entry_grid and count[2] == scatter[2] == (256,)
         assert scan[1] == (1,) and scan[2] == (1024,)
         sv = dict(zip(gl.SCAN_PARAMS.names, scan[4]))
         assert (sv["n_keys"], sv["max_items"], sv["max_pairs"]) == (b.keys, b.max_items, b.max_pairs)
-        assert sv["n_items"] == ws + lay["n_items"][0] and lay["n_items"][1] == 4 * gl.CONTROL_WORDS
-        assert sv["group_left"] == ws + lay["group_left"][0] and lay["group_left"][1] == 4 * b.groups
-        assert sv["unit_start"] == ws + lay["unit_start"][0] and lay["unit_start"][1] == 4 * (b.groups + 1)
-        assert b.keys == b.groups * b.nb_max
         assert sv["counts"] == ws + lay["counters"][0] + 16 and sv["key_range"] == ws + lay["counters"][0]
-        assert attn[1] == (132,) and attn[2] == (128 * gl.WGS,) and attn[5] == gl.ATTN_SMEM
+        assert attn[1] == (min(132, b.max_items),) and attn[2] == (128 * gl.WGS,) and attn[5] == gl.ATTN_SMEM
         av = dict(zip(gl.ATTN_PARAMS.names, attn[4]))
-        assert (av["ctl"], av["group_left"], av["unit_start"]) == (sv["n_items"], sv["group_left"], sv["unit_start"])
+        assert av["work_counter"] == av["n_items"] + 4 == ws + lay["n_items"][0] + 4
         assert av["part_o"] == ws + lay["part_o"][0] and av["part_lse"] == ws + lay["part_lse"][0]
-        assert av["items"] == sv["items"] and av["scale_log2"] == 0.25
+        assert av["max_items"] == b.max_items and av["scale_log2"] == 0.25
         assert (av["v_page_stride"], av["v_slot_stride"], av["v_head_stride"]) == (128 * hkv * 128, 128, 128 * 128)
-        assert (av["out"], av["lse"], av["out_tok_stride"]) == (0x4000, 0x5000, 16 * hkv * 256)
+        assert merge[1] == b.merge_grid == (min(total_q - 10, b.rows), hkv, 3) and merge[2] == (128,)
+        mv = dict(zip(gl.MERGE_PARAMS.names, merge[4]))
+        assert (mv["out"], mv["lse"], mv["out_tok_stride"]) == (0x4000, 0x5000, 16 * hkv * 256)
 
 
 def test_run_gather_lse_none_csr_and_one_window(monkeypatch):
     launches, memsets, _ = _call(monkeypatch, total_q=300, hkv=2, width=24, batch=2, max_q=200, max_k=900,
                                  lse=False, csr=True)
     assert [x[0] for x in launches] == list(gl.KERNELS) and len(memsets) == 1
-    attn = dict(zip(gl.ATTN_PARAMS.names, launches[3][4]))
-    assert attn["lse"] == 0 and (attn["row_begin"], attn["row_end"]) == (0, 300)
-    assert attn["page_indptr"] == 0xB000 and attn["page_list_len"] == 18
+    merge = dict(zip(gl.MERGE_PARAMS.names, launches[4][4]))
+    assert merge["lse"] == 0 and (merge["row_begin"], merge["row_end"]) == (0, 300)
+    assert merge["page_indptr"] == 0xB000 and merge["page_list_len"] == 18
 
 
 def test_run_gather_refuses_a_small_workspace(monkeypatch):
@@ -172,7 +170,7 @@ def test_workspace_bytes_grows_with_every_argument():
 def test_workspace_layout():
     b = gl.gather_bounds(1000, 4, 16, 3, 700, 5000, 512)
     assert [n for n, _, _ in b.parts] == ["part_o", "part_lse", "counters", "cursors", "items", "n_items",
-                                          "group_left", "unit_start", "pair_tok", "pair_slot"]
+                                          "pair_tok", "pair_slot"]
     ends = [(off, off + size) for _, off, size in b.parts]
     assert all(off % gl.ALIGN == 0 for off, _ in ends)
     assert all(a[1] <= c[0] for a, c in zip(ends, ends[1:])) and ends[-1][1] <= b.nbytes
@@ -214,18 +212,10 @@ def _model_window(cu, qo, kv, qoff, lists, nb_req, b, rb, re_, max_q, causal=Tru
         i0, i1 = max(0, rb - start), min(lq, max_q, re_ - start)
         if i1 <= i0:
             continue
-        assert i1 - i0 <= min(max_q, b.rows) and (i1 - i0) * hkv * width <= b.entry_grid[0] * 256
+        assert i1 - i0 <= b.merge_grid[0] and (i1 - i0) * hkv * width <= b.entry_grid[0] * 256
         first = r * b.wins * hkv * b.nb_max
         end = first + ((i1 - 1) // b.win - i0 // b.win + 1) * hkv * b.nb_max
         ranges.append((first, end))
-        # the merge units' groups (query windows of the request; group_span in the .cu) cut
-        # [i0, i1) into consecutive non-empty spans, one per query window of the key range
-        spans = []
-        for wq in range((end - first) // (hkv * b.nb_max)):
-            w0 = (i0 // b.win + wq) * b.win
-            spans.append((max(i0, w0), min(i1, w0 + b.win)))
-        assert len(spans) <= b.wins and spans[0][0] == i0 and spans[-1][1] == i1
-        assert all(lo < hi for lo, hi in spans) and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
         for i in range(i0, i1):
             tok = start + i
             limit = min(kv[r], max(0, qoff[r] + i + 1)) if causal else kv[r]
@@ -236,7 +226,7 @@ def _model_window(cu, qo, kv, qoff, lists, nb_req, b, rb, re_, max_q, causal=Tru
                     if s < 0 or s >= nb_req[r] or s * 128 >= limit or s in row[:j]:
                         continue
                     w_local = i // b.win - i0 // b.win
-                    assert 0 <= w_local < b.wins and spans[w_local][0] <= i < spans[w_local][1]
+                    assert 0 <= w_local < b.wins
                     key = ((r * b.wins + w_local) * hkv + kvh) * b.nb_max + s
                     assert first <= key < end <= b.keys
                     counts[key] = counts.get(key, 0) + 1

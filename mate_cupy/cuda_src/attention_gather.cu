@@ -2,24 +2,20 @@
 // windows and workspace: docs/gather.md), for block lists chosen per query token: instead
 // of a query tile walking the union of its queries' blocks, every (request, query window,
 // KV head, block) key gathers the queries that listed the block. The host walks the
-// flattened query rows in row windows [row_begin, row_end) and launches four kernels per
+// flattened query rows in row windows [row_begin, row_end) and launches five kernels per
 // row window, all sizes bounded on the host by one window's rows, nothing read back:
 //
 //   msa_gather_count_kernel    valid (query, slot) entries per key (atomics), and the key
 //                              range of the window's requests
 //   msa_gather_scan_kernel     one CTA over that key range: pair offsets per key, work items
-//                              of <= kCap queries per key in key order (item -> key, pair
-//                              range), items per group (request, query window, KV head) and
-//                              the merge units of each group; zeroes the counts and the range
-//                              for the next window
+//                              of <= kCap queries per key (item -> key, pair range), the item
+//                              count; zeroes the counts and the range for the next window
 //   msa_gather_scatter_kernel  the pairs (token, slot) of each key
-//   msa_gather_attn_kernel     persistent CTAs over two kinds of work: attention items (K/V of
-//                              the block loaded once; each warpgroup takes groups of 4 queries
-//                              (64 rows = 4 x 16 heads), gathers their Q rows, S = Q K^T, a
-//                              one-block softmax, O = P V (wgmma), and writes O / l (fp16) and
-//                              the log2 lse to the pair's slot), and merge units (queries of a
-//                              group whose items are all done: the valid slots combined by their
-//                              lse into the output), a ready merge unit taken first
+//   msa_gather_attn_kernel     per item: K/V of the block loaded once; each warpgroup takes
+//                              groups of 4 queries (64 rows = 4 x 16 heads), gathers their Q
+//                              rows, S = Q K^T, a one-block softmax, O = P V (wgmma), and
+//                              writes O / l (fp16) and the log2 lse to the pair's slot
+//   msa_gather_merge_kernel    per (query, KV head): the valid slots combined by their lse
 //
 // An entry (query i of request r, KV head, slot j) is valid when its block id s is in range
 // (0 <= s < the request's block count, its page valid), not a repeat of an earlier slot of
@@ -27,8 +23,7 @@
 // kernel (attention_fwd.cu) attends for that query. A row window takes the entries of the
 // queries whose flattened row lies in [row_begin, row_end) (and i < max_q); its partials
 // are indexed by row - row_begin. Keys of a window: (request, query window of the request
-// counted from the first one the row window touches (< wins), KV head, block); a key's group
-// is key / nb_max.
+// counted from the first one the row window touches (< wins), KV head, block).
 // Group 16 (16 query heads per KV head), D 128, page size 128 (a block is a page),
 // fp16/bf16, sm_90a.
 #include "common/dtype.cuh"
@@ -56,17 +51,11 @@ constexpr int kD = 128, kBN = 128, kGroup = 16;
 #define GATHER_CAP 512
 #endif
 constexpr int kCap = GATHER_CAP;  // queries per work item
+constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
 constexpr int kWGs = 3, kThreads = 128 * kWGs;
-constexpr int kMergeQ = 4 * kWGs;  // queries per merge unit: 4 per warpgroup
-constexpr int kMergeBatch = 16;    // slots whose partials a merging thread loads at once
-// n_items words (written by the scan, the counters used by the attention kernel)
-enum { kItems, kWorkCounter, kItemsDone, kMergeCounter, kUnits, kGroupFirst, kGroupCount, kMerging, kWords };
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
-// Dynamic shared memory (+ 1024 for alignment): the attention tiles, or a merge unit's staging.
-constexpr int kAttnSmem = 2 * kTileBytes + 2 * kWGs * kQBytes;  // 160 KB
-constexpr int kMergeSmem = kMergeBatch * kThreads * 32;          // 192 KB
 typedef ColumnBlockTile<kBN> KvTile;
 typedef ColumnBlockTile<64> QTile;
 
@@ -180,120 +169,94 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_count_kernel(GATHER
     if (x.key >= 0) atomicAdd(&counts[x.key], 1);
 }
 
-// Queries [i0, i1) of the group of query window wq (counted from the row window's first one)
-// of a request whose row-window span is sp (empty when i1 <= i0).
-__device__ __forceinline__ Span group_span(const Span& sp, int wq, int win) {
-    const long long w0 = ((long long)(sp.i0 / win) + wq) * win;
-    return {(int)max((long long)sp.i0, w0), (int)min((long long)sp.i1, w0 + win)};
+// Items of a key with c pairs: c / kCap of kCap queries, then one of the rest. An item of at
+// least kBig queries is big: big items are stored from the front of items in key order, the
+// others from the back (the j-th at max_items - 1 - j), and the attention kernel takes the big
+// ones first, then the others in key order, so no long item starts near the end of a window.
+static_assert(0 < kBig && kBig <= kCap, "a full item is big");
+__device__ __forceinline__ int big_items(int c) { return c / kCap + (c % kCap >= kBig ? 1 : 0); }
+__device__ __forceinline__ int small_items(int c) {
+    const int rest = c % kCap;
+    return rest > 0 && rest < kBig ? 1 : 0;
 }
 
-__device__ __forceinline__ int merge_units(const Span& gs) {
-    return gs.i1 > gs.i0 ? (gs.i1 - gs.i0 + kMergeQ - 1) / kMergeQ : 0;
-}
-
-// Exclusive prefix over the 1024 threads of v (per thread); returns it, *total the sum.
-// Reads and rewrites warp_sum; a barrier inside and one at the end.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sum, int* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-    }
-    if (lane == 31) warp_sum[warp] = incl;
-    __syncthreads();
-    int pos = incl - v, tot = 0;
-    for (int w = 0; w < 32; ++w) {
-        pos += w < warp ? warp_sum[w] : 0;
-        tot += warp_sum[w];
-    }
-    __syncthreads();  // warp_sum is read
-    *total = tot;
-    return pos;
-}
-
-// One CTA of 1024 threads. key_range gives the window's keys [first, end) (whole groups of
-// nb_max keys). Groups [first / nb_max, end / nb_max): group_left[g] = the work items of g,
-// unit_start[g - g0] = its first merge unit (prefix over the groups, kMergeQ queries per unit;
-// unit_start[g1 - g0] = the unit count). Keys, in tiles of 4096 (4 consecutive keys per
-// thread, loads coalesced): counts [n_keys] -> cursors (pair offsets), items [max_items][3]
-// (key, first pair, end pair) in key order, ceil(count / kCap) per key. n_items [kWords]:
-// the item count, the attention kernel's two counters (work, items done) zeroed, the merge
-// counter zeroed, the unit count and the first group. The counts and key_range are zeroed
-// again. Keys outside the range have no entries (their counts stay zero, their cursors are
-// not read). The host bounds hold for well-formed requests (no query in two requests); past
-// them nothing is stored out of bounds, and an item not stored is not counted in its group.
-extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(GATHER_GEOMETRY_ARGS, int* counts,
-                                                                          unsigned* key_range, int* cursors,
-                                                                          int* items, int* n_items, int* group_left,
-                                                                          int* unit_start, int n_keys,
-                                                                          int max_items, int max_pairs) {
-    __shared__ int warp_sum[32], carry[2];
-    const int tid = threadIdx.x;
+// One CTA of 1024 threads, over tiles of 4096 keys of [first, end) (key_range; 4 consecutive
+// keys per thread, loads coalesced). counts [n_keys] -> cursors (pair offsets), items
+// [max_items][3] (key, first pair, end pair), n_items [3]: the item count, 0 (the attention
+// kernel's work counter), the big item count; the counts and key_range are zeroed again.
+// Keys outside the range have no entries (their counts stay zero, their cursors are not
+// read). The host bounds hold for well-formed requests (no query in two requests); past
+// them nothing is stored out of bounds.
+extern "C" __global__ void __launch_bounds__(1024) msa_gather_scan_kernel(int* counts, unsigned* key_range,
+                                                                          int* cursors, int* items, int* n_items,
+                                                                          int n_keys, int max_items, int max_pairs) {
+    __shared__ int warp_sum[3][32], carry[3];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int first = (int)min(~key_range[0], (unsigned)n_keys), end = (int)min(key_range[1], (unsigned)n_keys);
-    const int g0 = first / nb_max, g1 = end > first ? end / nb_max : g0;
-    if (tid == 0) carry[0] = carry[1] = 0;
-    for (int base = g0; base < g1; base += 1024) {
-        const int g = base + tid;
-        int n = 0;
-        if (g < g1) {
-            const Req q = GATHER_REQUEST(g / (wins * hkv));
-            n = merge_units(group_span(span_of(q, row_begin, row_end, max_q), (g / hkv) % wins, win));
-            group_left[g] = 0;
-        }
-        int tot;
-        const int pos = block_exclusive_scan(n, warp_sum, &tot);
-        if (g < g1) unit_start[g - g0] = carry[0] + pos;
-        __syncthreads();  // carry[0] is read
-        if (tid == 0) carry[0] += tot;
-    }
-    __syncthreads();  // group_left zeroed before the items count into it; carry[0] final
-    const int n_units = carry[0];
+    if (tid == 0) carry[0] = carry[1] = carry[2] = 0;
     for (int base = first; base < end; base += 4096) {
         const int k0 = base + 4 * tid;
-        int c[4], v[2] = {0, 0};
+        int c[4], v[3] = {0, 0, 0};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             c[e] = k0 + e < end ? counts[k0 + e] : 0;
             v[0] += c[e];
-            v[1] += (c[e] + kCap - 1) / kCap;
+            v[1] += big_items(c[e]);
+            v[2] += small_items(c[e]);
         }
-        int pos[2], tot[2];
+        int incl[3] = {v[0], v[1], v[2]};
 #pragma unroll
-        for (int x = 0; x < 2; ++x) pos[x] = carry[x] + block_exclusive_scan(v[x], warp_sum, &tot[x]);
-        int p = pos[0], it = pos[1];
+        for (int off = 1; off < 32; off <<= 1)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) {
+                const int y = __shfl_up_sync(0xffffffffu, incl[x], off);
+                if (lane >= off) incl[x] += y;
+            }
+        if (lane == 31)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) warp_sum[x][warp] = incl[x];
+        __syncthreads();
+        int pos[3], tot[3];
+#pragma unroll
+        for (int x = 0; x < 3; ++x) {
+            pos[x] = carry[x] + incl[x] - v[x];
+            tot[x] = 0;
+        }
+        for (int w = 0; w < 32; ++w)
+#pragma unroll
+            for (int x = 0; x < 3; ++x) {
+                pos[x] += w < warp ? warp_sum[x][w] : 0;
+                tot[x] += warp_sum[x][w];
+            }
+        int p = pos[0], ib = pos[1], is = pos[2];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int k = k0 + e;
             if (k >= end) break;
             cursors[k] = p;
-            for (int a = 0; a < c[e] && it < max_items; a += kCap, ++it) {  // (pairs past max_pairs: none stored)
+            for (int a = 0; a < c[e] && (ib < max_items || is < max_items); a += kCap) {
                 const int n = min(kCap, c[e] - a);
-                items[3 * it] = k;
-                items[3 * it + 1] = min(p + a, max_pairs);
-                items[3 * it + 2] = min(p + a + n, max_pairs);
-                atomicAdd(&group_left[k / nb_max], 1);
+                const int it = n >= kBig ? ib++ : max_items - 1 - is++;
+                if (it >= 0 && it < max_items) {  // (pairs past max_pairs: none stored)
+                    items[3 * it] = k;
+                    items[3 * it + 1] = min(p + a, max_pairs);
+                    items[3 * it + 2] = min(p + a + n, max_pairs);
+                }
             }
             p += c[e];
             counts[k] = 0;
         }
-        __syncthreads();  // carry is read
+        __syncthreads();  // warp_sum and carry are read
         if (tid == 0)
 #pragma unroll
-            for (int x = 0; x < 2; ++x) carry[x] += tot[x];
+            for (int x = 0; x < 3; ++x) carry[x] += tot[x];
     }
     __syncthreads();
     if (tid == 0) {
-        unit_start[g1 - g0] = n_units;
-        n_items[kItems] = min(carry[1], max_items);
-        n_items[kWorkCounter] = 0;
-        n_items[kItemsDone] = 0;
-        n_items[kMergeCounter] = 0;
-        n_items[kUnits] = n_units;
-        n_items[kGroupFirst] = g0;
-        n_items[kGroupCount] = g1 - g0;
-        n_items[kMerging] = 0;
+        const int total = min(carry[1] + carry[2], max_items);
+        n_items[0] = total;
+        n_items[1] = 0;  // the attention kernel's work counter
+        n_items[2] = min(carry[1], total);
         key_range[0] = key_range[1] = 0u;
     }
 }
@@ -313,170 +276,18 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
     pair_slot[pos] = x.slot;
 }
 
-// The valid slots of query i of request q and KV head kvh as a 128-bit mask lo | hi << 64,
-// the same in every lane (each warp computes it).
-struct SlotMask {
-    unsigned long long lo, hi;
-};
-
-__device__ __forceinline__ SlotMask valid_slots(const Req& q, int i, int kvh, const int* __restrict__ block_lists,
-                                                int hkv, int width, int causal, int kv_extent) {
-    const int lane = threadIdx.x & 31;
-    const long long list_row = ((long long)(q.q_start + i) * hkv + kvh) * width;
-    SlotMask m{0ull, 0ull};
-#pragma unroll
-    for (int x = 0; x < kMaxWidth / 32; ++x) {
-        const int j = 32 * x + lane;
-        const bool valid = j < width && valid_block(q, block_lists, list_row, j, i, causal, kv_extent) >= 0;
-        const unsigned long long bits = (unsigned long long)__ballot_sync(0xffffffffu, valid) << (32 * (x & 1));
-        if (x < 2) m.lo |= bits; else m.hi |= bits;
-    }
-    return m;
-}
-
-// Merge of query i of request q (the window's span of its queries contains i), KV head kvh, by
-// one warpgroup (thread wtid: head wtid / 8, columns 16 (wtid % 8) ..): the slots of ok (its
-// valid ones) combined by their lse. Up to kMergeBatch slots at a time: each thread copies its
-// 32 bytes of each (cp.async, from L2: the partials were written by other CTAs) to its own
-// staging bytes (stage + 32 (b * kThreads + tid) for slot b of the batch; read back by the
-// same thread alone), a running maximum rescaling the sums between batches. out [total_q,
-// Hq, 128] (strided), lse [total_q, Hq] natural log or null; a query with no valid entry gets
-// O = 0, lse = -inf.
-__device__ __forceinline__ void merge_query(const Req& q, int i, int kvh, SlotMask ok, int wtid, unsigned char* stage,
-                                            int hkv, int width, int row_begin, const half_t* part_o,
-                                            const float* part_lse, Elem* __restrict__ out, float* __restrict__ lse,
-                                            long long out_tok_stride, long long out_head_stride) {
-    const int head = wtid >> 3, c0 = (wtid & 7) * 16;
-    const int tok = q.q_start + i;
-    const long long row = ((long long)(tok - row_begin) * hkv + kvh) * width;  // of the window's partials
-    unsigned long long ok_lo = ok.lo, ok_hi = ok.hi;
-    float M = kNegInf, den = 0.f, acc[16];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) acc[e] = 0.f;
-    while (ok_lo | ok_hi) {  // (warp-uniform)
-        float ls[kMergeBatch];
-#pragma unroll
-        for (int b = 0; b < kMergeBatch; ++b) {  // the next valid slots in order
-            int j = -1;
-            if (ok_lo) {
-                j = __ffsll((long long)ok_lo) - 1;
-                ok_lo &= ok_lo - 1;
-            } else if (ok_hi) {
-                j = 64 + __ffsll((long long)ok_hi) - 1;
-                ok_hi &= ok_hi - 1;
-            }
-            ls[b] = kNegInf;
-            if (j >= 0) {
-                const long long pr = (row + j) * kGroup + head;
-                const half_t* src = part_o + pr * kD + c0;
-                unsigned char* dst = stage + (b * kThreads + threadIdx.x) * 32;
-                cp_async_16(dst, src);
-                cp_async_16(dst + 16, src + 8);
-                ls[b] = __ldcg(part_lse + pr);
-            }
-        }
-        cp_async_commit();
-        float mb = M;
-#pragma unroll
-        for (int b = 0; b < kMergeBatch; ++b) mb = fmaxf(mb, ls[b]);
-        cp_async_wait<0>();
-        if (mb == kNegInf) continue;  // (every slot so far empty)
-        if (mb > M) {
-            const float f = M == kNegInf ? 0.f : fast_exp2(M - mb);
-            den *= f;
-#pragma unroll
-            for (int e = 0; e < 16; ++e) acc[e] *= f;
-            M = mb;
-        }
-#pragma unroll
-        for (int b = 0; b < kMergeBatch; ++b) {
-            if (ls[b] == kNegInf) continue;
-            const float wj = fast_exp2(ls[b] - M);
-            den += wj;
-            const uint4* d = reinterpret_cast<const uint4*>(stage + (b * kThreads + threadIdx.x) * 32);
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                const uint4 dv = d[x];
-                const u32 ws[4] = {dv.x, dv.y, dv.z, dv.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[e]));
-                    acc[8 * x + 2 * e] += wj * f.x;
-                    acc[8 * x + 2 * e + 1] += wj * f.y;
-                }
-            }
-        }
-    }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    const int qh = kvh * kGroup + head;
-    vec16 pk[2];
-#pragma unroll
-    for (int x = 0; x < 2; ++x)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pk[x].w[e] = pack2<Elem>(acc[8 * x + 2 * e] * inv, acc[8 * x + 2 * e + 1] * inv);
-    vec16* dst = reinterpret_cast<vec16*>(out + (long long)tok * out_tok_stride + (long long)qh * out_head_stride + c0);
-    dst[0] = pk[0];
-    dst[1] = pk[1];
-    if (lse != nullptr && (wtid & 7) == 0)
-        lse[(long long)tok * hkv * kGroup + qh] = den > 0.f ? (M + __log2f(den)) * 0.69314718055994531f : kNegInf;
-}
-
-// Thread 0's choice of the next work (ctl: n_items): a merge unit (-2 - unit) when the next
-// one is ready (its group's items all done, or every item done) and fewer than merge_ctas
-// CTAs are merging (any number once every item is taken), else an attention item (>= 0),
-// else -1 when no work is left; waits while only merge units not yet ready are left.
-// unit_group / unit_lo / unit_hi: the cached group of the units [unit_lo, unit_hi).
-__device__ __forceinline__ int claim_work(int* ctl, const int* group_left, const int* unit_start, int merge_ctas,
-                                          int& unit_group, int& unit_lo, int& unit_hi) {
-    const int n_work = ctl[kItems], n_units = ctl[kUnits], g_first = ctl[kGroupFirst];
-    volatile int* vctl = ctl;
-    const volatile int* vleft = group_left;
-    for (;;) {
-        const int u = vctl[kMergeCounter];
-        if (u < n_units) {
-            if (u < unit_lo || u >= unit_hi) {  // the group of unit u: unit_start[lo] <= u < unit_start[lo + 1]
-                int lo = 0, hi = ctl[kGroupCount];
-                while (hi - lo > 1) {
-                    const int mid = (lo + hi) >> 1;
-                    if (unit_start[mid] <= u) lo = mid; else hi = mid;
-                }
-                unit_group = g_first + lo;
-                unit_lo = unit_start[lo];
-                unit_hi = unit_start[lo + 1];
-            }
-            const bool room = vctl[kMerging] < merge_ctas || vctl[kWorkCounter] >= n_work;
-            if (room && (vleft[unit_group] <= 0 || vctl[kItemsDone] >= n_work)) {
-                if (atomicCAS(&ctl[kMergeCounter], u, u + 1) == u) {
-                    atomicAdd(&ctl[kMerging], 1);
-                    __threadfence();  // the group's partials are read after its items' stores
-                    return -2 - u;
-                }
-                continue;
-            }
-        }
-        if (vctl[kWorkCounter] < n_work) {
-            const int taken = atomicAdd(&ctl[kWorkCounter], 1);
-            if (taken < n_work) return taken;
-        }
-        if (u >= n_units) return -1;
-        if (vctl[kWorkCounter] >= n_work) __nanosleep(256);  // (else: no room to merge, an item is claimed next)
-    }
-}
-
-// Grid: one CTA of 384 threads per SM (at most the item count), persistent: every round
-// thread 0 claims a merge unit that is ready or else the next work item (claim_work), and
-// after an item reports it done (its group's count and the item count, after a fence).
-// Partials of the window's rows: part_o [row_end - row_begin, hkv, width, 16, 128] fp16
-// (O / l), part_lse [row_end - row_begin, hkv, width, 16] (log2 domain), written for valid
-// entries only and read back by the merge units. ctl: n_items [kWords] (the scan's).
+// Grid: one CTA of 384 threads per SM (at most max_items), taking the n_items[0] work
+// items in order (the n_items[2] big ones from the front of items, then the rest from the
+// back). Partials of the window's rows:
+// part_o [row_end - row_begin, hkv, width, 16, 128] fp16 (O / l),
+// part_lse [row_end - row_begin, hkv, width, 16] (log2 domain), written for valid entries only.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel(
     GATHER_GEOMETRY_ARGS, const Elem* __restrict__ q, const Elem* __restrict__ k, const Elem* __restrict__ v,
     long long q_tok_stride, long long q_head_stride, long long k_page_stride, long long k_slot_stride,
     long long k_head_stride, long long v_page_stride, long long v_slot_stride, long long v_head_stride,
-    const int* __restrict__ items, int* ctl, int* group_left, const int* __restrict__ unit_start,
-    const int* __restrict__ pair_tok, const int* __restrict__ pair_slot, half_t* part_o, float* part_lse,
-    float scale_log2, Elem* __restrict__ out, float* __restrict__ lse, long long out_tok_stride,
-    long long out_head_stride, int merge_ctas) {
+    const int* __restrict__ items, const int* __restrict__ n_items, int* __restrict__ work_counter, int max_items,
+    const int* __restrict__ pair_tok, const int* __restrict__ pair_slot, half_t* __restrict__ part_o,
+    float* __restrict__ part_lse, float scale_log2) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
     unsigned char* sK = smem;
@@ -484,62 +295,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     unsigned char* sQ = smem + 2 * kTileBytes;  // [kWGs][2][kQBytes]
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, w = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    // Thread 0's: the work of the round (next_*), the group of the item it is (-1: none), and
-    // claim_work's cached group of units (kept in shared memory: no register held across rounds).
-    __shared__ int next_work, next_group, next_chunk, item_group, unit_cache[3];
-    if (tid == 0) {
-        item_group = -1;
-        next_work = 0;
-        unit_cache[0] = unit_cache[1] = unit_cache[2] = 0;
-    }
+    __shared__ int next_item;
+    // Persistent CTAs taking items in order from a counter (work_counter[0], zeroed by the scan):
+    // the n_items[2] big ones from the front of items, then the others from the back.
     // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
     // 16-byte chunk wtid % 16.
     const int qrow0 = wtid >> 4, qch = wtid & 15;
     for (;;) {
-        __syncthreads();  // the previous work's tiles and stores are done; next_work is read
+        __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
         if (tid == 0) {
-            if (item_group >= 0) {
-                __threadfence();  // every thread's partial stores (ordered by the barrier) before the counts
-                atomicAdd(&group_left[item_group], -1);
-                atomicAdd(&ctl[kItemsDone], 1);
-            } else if (next_work < -1) {
-                atomicAdd(&ctl[kMerging], -1);  // the merge unit just run
-            }
-            const int work = claim_work(ctl, group_left, unit_start, merge_ctas, unit_cache[0], unit_cache[1],
-                                        unit_cache[2]);
-            next_work = work;
-            next_group = unit_cache[0];
-            next_chunk = work < -1 ? -2 - work - unit_cache[1] : 0;
-            item_group = work >= 0 ? (int)(items[3 * work] / nb_max) : -1;
+            const int taken = atomicAdd(work_counter, 1), n_big = n_items[2];
+            next_item = taken >= n_items[0] ? -1 : taken < n_big ? taken : max_items - 1 - (taken - n_big);
         }
         __syncthreads();
-        const int item = next_work;
-        if (item == -1) break;
-        if (item < -1) {  // a merge unit: its queries kMergeQ * chunk + 3 x + wg of the group
-            const int gm = next_group, chunk = next_chunk;
-            const int kvh = gm % hkv;
-            const Req rq = GATHER_REQUEST(gm / (wins * hkv));
-            const Span gs = group_span(span_of(rq, row_begin, row_end, max_q), (gm / hkv) % wins, win);
-            static_assert(kMergeQ == 4 * kWGs, "four queries per warpgroup");
-            const int i0 = gs.i0 + chunk * kMergeQ + wg;
-            // The valid slots of all four queries first (their list loads in flight together).
-            SlotMask ok[4];
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                const int i = i0 + x * kWGs;
-                ok[x] = i < gs.i1 ? valid_slots(rq, i, kvh, block_lists, hkv, width, causal, kv_extent)
-                                  : SlotMask{0ull, 0ull};
-            }
-#pragma unroll 1
-            for (int x = 0; x < 4; ++x) {
-                const int i = i0 + x * kWGs;
-                if (i >= gs.i1) break;
-                const SlotMask m = x == 0 ? ok[0] : x == 1 ? ok[1] : x == 2 ? ok[2] : ok[3];
-                merge_query(rq, i, kvh, m, wtid, smem, hkv, width, row_begin, part_o, part_lse, out, lse,
-                            out_tok_stride, out_head_stride);
-            }
-            continue;
-        }
+        const int item = next_item;
+        if (item < 0) break;
         const long long key = items[3 * item];
         const int begin = items[3 * item + 1], end = items[3 * item + 2];
         const int s = (int)(key % nb_max);
@@ -730,4 +500,65 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             }
         }
     }
+}
+
+// Grid (min(max_q, window rows), hkv, B), 128 threads: (head = tid / 8, 16 columns), the
+// window's queries of request blockIdx.z from its first one. out [total_q, Hq, 128]
+// (strided), lse [total_q, Hq] natural log or null; queries with no valid entry get O = 0,
+// lse = -inf.
+extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
+    GATHER_GEOMETRY_ARGS, const half_t* __restrict__ part_o, const float* __restrict__ part_lse, Elem* __restrict__ out,
+    float* __restrict__ lse, long long out_tok_stride, long long out_head_stride) {
+    __shared__ unsigned char slot_ok[kMaxWidth];
+    const int kvh = blockIdx.y, r = blockIdx.z;
+    const Req q = GATHER_REQUEST(r);
+    const Span sp = span_of(q, row_begin, row_end, max_q);
+    const int i = sp.i0 + blockIdx.x;
+    if (i >= sp.i1) return;
+    const int tok = q.q_start + i;
+    const int head = threadIdx.x >> 3, c0 = (threadIdx.x & 7) * 16;
+    const long long list_row = ((long long)tok * hkv + kvh) * width;
+    const long long row = ((long long)(tok - row_begin) * hkv + kvh) * width;  // of the window's partials
+    for (int j = threadIdx.x; j < width; j += 128)
+        slot_ok[j] = valid_block(q, block_lists, list_row, j, i, causal, kv_extent) >= 0 ? 1 : 0;
+    __syncthreads();
+    float M = kNegInf;
+    for (int j = 0; j < width; ++j)
+        if (slot_ok[j]) M = fmaxf(M, part_lse[(row + j) * kGroup + head]);
+    float acc[16], den = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[e] = 0.f;
+    if (M != kNegInf) {
+        for (int j = 0; j < width; ++j) {
+            if (!slot_ok[j]) continue;
+            const float ls = part_lse[(row + j) * kGroup + head];
+            if (ls == kNegInf) continue;
+            const float wj = fast_exp2(ls - M);
+            den += wj;
+            const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const uint4 vv = src[x];
+                const u32 ws[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ws[e]));
+                    acc[8 * x + 2 * e] += wj * f.x;
+                    acc[8 * x + 2 * e + 1] += wj * f.y;
+                }
+            }
+        }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    const int qh = kvh * kGroup + head;
+    vec16 pk[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pk[x].w[e] = pack2<Elem>(acc[8 * x + 2 * e] * inv, acc[8 * x + 2 * e + 1] * inv);
+    vec16* dst = reinterpret_cast<vec16*>(out + (long long)tok * out_tok_stride + (long long)qh * out_head_stride + c0);
+    dst[0] = pk[0];
+    dst[1] = pk[1];
+    if (lse != nullptr && (threadIdx.x & 7) == 0)
+        lse[(long long)tok * hkv * kGroup + qh] = den > 0.f ? (M + __log2f(den)) * 0.69314718055994531f : kNegInf;
 }

@@ -4,12 +4,11 @@
 For block lists chosen per query token (MSA's top-k selection): every (request, query
 window, KV head, block) gathers the queries that listed the block, so each K/V block is
 loaded once per window and every MMA row is a query that picked the block; the partial
-outputs per (query, KV head, list slot) are merged by the same persistent kernel once a
-group's items are done. A plan selects it
+outputs per (query, KV head, list slot) are then merged. A plan selects it
 (``prefill_tile="gather"``); it applies on sm_90 to fp16/bf16, head dim 128, 16 query
 heads per KV head, page size 128, prefill (not ``sparse_decode``).
 
-The flattened query rows are processed in row windows of :func:`window_rows` rows, four
+The flattened query rows are processed in row windows of :func:`window_rows` rows, five
 launches per window on the caller's stream, so the workspace holds one window's partials
 (at most :data:`PARTIAL_BUDGET` bytes) plus counters and pair lists bounded by the same
 rows: :func:`workspace_bytes` does not grow with the total length beyond one window.
@@ -25,25 +24,18 @@ from ..jit.registry import SM90A
 GATHER_TILE = "gather"
 SOURCE = "attention_gather.cu"
 KERNELS = ("msa_gather_count_kernel", "msa_gather_scan_kernel", "msa_gather_scatter_kernel",
-           "msa_gather_attn_kernel")
+           "msa_gather_attn_kernel", "msa_gather_merge_kernel")
 MIN_WIN = 2048  # queries per query window of a request at least (:func:`query_window`)
 WIN_ALIGN = 1024  # query windows and full row windows are multiples of this many queries
 #: queries per key (query window, KV head, block) that :func:`query_window` aims for on average
 KEY_SHARE = 128
 CAP = 512  # queries per work item (kCap)
-#: n_items: item count, work counter, items done, merge counter, units, first group, groups, merging CTAs
-CONTROL_WORDS = 8
-#: CTAs of the attention kernel that may run merge units at once, per SM (while items are left)
-MERGE_CTA_SHARE = 1.0
 #: dtype code (0 fp16, 1 bf16) -> registered variant
 SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GATHER_CAP=CAP)
          for code in (0, 1)}
 WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
-MERGE_BATCH = 16  # slots a merging thread stages at once (kMergeBatch)
-#: the attention kernel's shared memory: the larger of its attention tiles (kAttnSmem) and a
-#: merge unit's staging (kMergeSmem), + 1024 for alignment
-ATTN_SMEM = max(2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2, MERGE_BATCH * 128 * WGS * 32) + 1024
+ATTN_SMEM = 2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2 + 1024
 MAX_KEYS = 1 << 20  # keys (request x query window x KV head x block) of one row window: one scan CTA
 MAX_WIDTH = 128  # list slots per (query, KV head) the merge handles (kMaxWidth)
 MAX_GRID_YZ = 65535
@@ -60,21 +52,20 @@ _GEOMETRY = (("block_lists", "ptr"), ("cu_seqlens_q", "ptr"), ("qo_lens", "ptr")
              ("kv_extent", "i32"), ("total_q", "i32"), ("hkv", "i32"), ("width", "i32"), ("causal", "i32"),
              ("max_q", "i32"), ("win", "i32"), ("wins", "i32"), ("nb_max", "i32"), ("row_begin", "i32"), ("row_end", "i32"))
 COUNT_PARAMS = KernelParams(_GEOMETRY + (("counts", "ptr"), ("key_range", "ptr")))
-SCAN_PARAMS = KernelParams(_GEOMETRY + (("counts", "ptr"), ("key_range", "ptr"), ("cursors", "ptr"),
-                                        ("items", "ptr"), ("n_items", "ptr"), ("group_left", "ptr"),
-                                        ("unit_start", "ptr"), ("n_keys", "i32"), ("max_items", "i32"),
-                                        ("max_pairs", "i32")))
+SCAN_PARAMS = KernelParams((("counts", "ptr"), ("key_range", "ptr"), ("cursors", "ptr"), ("items", "ptr"),
+                            ("n_items", "ptr"), ("n_keys", "i32"), ("max_items", "i32"), ("max_pairs", "i32")))
 SCATTER_PARAMS = KernelParams(_GEOMETRY + (("cursors", "ptr"), ("pair_tok", "ptr"), ("pair_slot", "ptr"),
                                            ("max_pairs", "i32")))
 ATTN_PARAMS = KernelParams(_GEOMETRY + (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("q_tok_stride", "i64"), ("q_head_stride", "i64"),
     ("k_page_stride", "i64"), ("k_slot_stride", "i64"), ("k_head_stride", "i64"), ("v_page_stride", "i64"),
-    ("v_slot_stride", "i64"), ("v_head_stride", "i64"), ("items", "ptr"), ("ctl", "ptr"), ("group_left", "ptr"),
-    ("unit_start", "ptr"), ("pair_tok", "ptr"), ("pair_slot", "ptr"), ("part_o", "ptr"), ("part_lse", "ptr"),
-    ("scale_log2", "f32"), ("out", "ptr"), ("lse", "ptr"), ("out_tok_stride", "i64"), ("out_head_stride", "i64"),
-    ("merge_ctas", "i32")))
+    ("v_slot_stride", "i64"), ("v_head_stride", "i64"), ("items", "ptr"), ("n_items", "ptr"),
+    ("work_counter", "ptr"), ("max_items", "i32"), ("pair_tok", "ptr"), ("pair_slot", "ptr"), ("part_o", "ptr"),
+    ("part_lse", "ptr"), ("scale_log2", "f32")))
+MERGE_PARAMS = KernelParams(_GEOMETRY + (("part_o", "ptr"), ("part_lse", "ptr"), ("out", "ptr"), ("lse", "ptr"),
+                                         ("out_tok_stride", "i64"), ("out_head_stride", "i64")))
 #: kernel name -> its parameter list
-PARAMS = dict(zip(KERNELS, (COUNT_PARAMS, SCAN_PARAMS, SCATTER_PARAMS, ATTN_PARAMS)))
+PARAMS = dict(zip(KERNELS, (COUNT_PARAMS, SCAN_PARAMS, SCATTER_PARAMS, ATTN_PARAMS, MERGE_PARAMS)))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -127,8 +118,8 @@ class GatherBounds:
     keys: int
     max_pairs: int
     max_items: int
-    groups: int  # key groups (request, query window, KV head): keys / nb_max
     entry_grid: tuple  # count / scatter: (entry CTAs per request, batch)
+    merge_grid: tuple  # (queries per request, KV heads, batch)
     parts: tuple
     nbytes: int
 
@@ -149,23 +140,21 @@ def gather_bounds(total_q: int, num_heads_kv: int, width: int, batch: int, max_s
         return max(1, min(_cdiv(max_seqlen_q, w), (rows - 1) // w + 2))
 
     wins = wins_of(win)
-    groups = batch * wins_of(MIN_WIN) * hkv  # non-increasing in win: sized for MIN_WIN
-    keys = groups * nb_max
+    keys = batch * wins_of(MIN_WIN) * hkv * nb_max  # non-increasing in win: sized for MIN_WIN
     max_pairs = min(rows, batch * max_seqlen_q) * hkv * width
     max_items = max(1, min(_cdiv(max_pairs, CAP) + min(keys, max_pairs), 2**31 - 1))
     slots = rows * hkv * width * GROUP
     sizes = (("part_o", slots * D * 2), ("part_lse", slots * 4),
              ("counters", 16 + keys * 4),  # key_range [2] (+ pad), then counts [keys]: zeroed per call
-             ("cursors", keys * 4), ("items", max_items * 12), ("n_items", CONTROL_WORDS * 4),
-             ("group_left", groups * 4), ("unit_start", (groups + 1) * 4),
+             ("cursors", keys * 4), ("items", max_items * 12), ("n_items", 12),
              ("pair_tok", max_pairs * 4), ("pair_slot", max_pairs * 4))
     parts, off = [], 0
     for name, size in sizes:
         parts.append((name, off, size))
         off += _cdiv(size, ALIGN) * ALIGN
     return GatherBounds(rows=rows, windows=_cdiv(total_q, rows), win=win, wins=wins, nb_max=nb_max, keys=keys,
-                        max_pairs=max_pairs, max_items=max_items, groups=groups,
-                        entry_grid=(_cdiv(q_rows * hkv * width, 256), batch),
+                        max_pairs=max_pairs, max_items=max_items,
+                        entry_grid=(_cdiv(q_rows * hkv * width, 256), batch), merge_grid=(q_rows, hkv, batch),
                         parts=tuple(parts), nbytes=off)
 
 
@@ -197,7 +186,7 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
                causal: bool, scale_log2: float, dtype_code: int, num_sms: int, workspace_ptr: int,
                workspace_nbytes: int, stream: int) -> None:
     """Launch the gather kernels on ``stream`` (arguments checked by the caller): zero the
-    counters, then per row window count, scan, scatter, and attend and merge.
+    counters, then per row window count, scan, scatter, attend and merge.
 
     q [total_q, Hq, 128] (strides ``q_strides`` (token, head) in elements); k/v paged, page
     size 128, strides (page, slot, head); out [total_q, Hq, 128] (``out_strides``); lse
@@ -215,30 +204,29 @@ def run_gather(*, q, k, v, out, lse, cu_seqlens_q, qo_lens, kv_lens, qo_offset, 
         raise ValueError(f"workspace must hold at least {b.nbytes} bytes for the gather tile, got {workspace_nbytes}")
     ws = int(workspace_ptr)
     # (in the order of GatherBounds.parts)
-    (part_o, part_lse, counters, cursors, items, n_items, group_left, unit_start, pair_tok,
-     pair_slot) = (ws + off for _, off, _ in b.parts)
+    part_o, part_lse, counters, cursors, items, n_items, pair_tok, pair_slot = (ws + off for _, off, _ in b.parts)
     counters_bytes = b.parts[2][2]
     key_range, counts = counters, counters + 16
+    work_counter = n_items + 4  # n_items[1]
     geo = (address(kv_block_indexes), address(cu_seqlens_q), address(qo_lens), address(kv_lens),
            address(qo_offset), address(page_list), address(page_indptr), int(page_list_len), int(kv_extent),
            total_q, hkv, width, 1 if causal else 0, int(max_seqlen_q), b.win, b.wins, b.nb_max)
     count_tail = (counts, key_range)
-    scan_tail = (counts, key_range, cursors, items, n_items, group_left, unit_start, b.keys, b.max_items,
-                 b.max_pairs)
+    scan_values = (counts, key_range, cursors, items, n_items, b.keys, b.max_items, b.max_pairs)
     scatter_tail = (cursors, pair_tok, pair_slot, b.max_pairs)
     attn_tail = (address(q), address(k), address(v), int(q_strides[0]), int(q_strides[1]), int(k_strides[0]),
                  int(k_strides[1]), int(k_strides[2]), int(v_strides[0]), int(v_strides[1]), int(v_strides[2]),
-                 items, n_items, group_left, unit_start, pair_tok, pair_slot, part_o, part_lse, float(scale_log2),
-                 address(out), address(lse), int(out_strides[0]), int(out_strides[1]),
-                 max(1, int(MERGE_CTA_SHARE * int(num_sms))))
+                 items, n_items, work_counter, b.max_items, pair_tok, pair_slot, part_o, part_lse, float(scale_log2))
+    merge_tail = (part_o, part_lse, address(out), address(lse), int(out_strides[0]), int(out_strides[1]))
     spec = SPECS[int(dtype_code)]
-    count_k, scan_k, scatter_k, attn_k = (get_kernel(spec, name) for name in KERNELS)
-    attn_grid = (max(1, int(num_sms)),)  # persistent: one CTA per SM
+    count_k, scan_k, scatter_k, attn_k, merge_k = (get_kernel(spec, name) for name in KERNELS)
+    attn_grid = (max(1, min(b.max_items, int(num_sms))),)  # persistent: one CTA per SM
 
     runtime.memsetAsync(counters, 0, counters_bytes, stream)
     for row_begin, row_end in row_windows(total_q, b.rows):
         g = geo + (row_begin, row_end)
         launch(count_k, b.entry_grid, (256,), COUNT_PARAMS, g + count_tail, stream=stream)
-        launch(scan_k, (1,), (1024,), SCAN_PARAMS, g + scan_tail, stream=stream)
+        launch(scan_k, (1,), (1024,), SCAN_PARAMS, scan_values, stream=stream)
         launch(scatter_k, b.entry_grid, (256,), SCATTER_PARAMS, g + scatter_tail, stream=stream)
         launch(attn_k, attn_grid, (128 * WGS,), ATTN_PARAMS, g + attn_tail, shared_mem=ATTN_SMEM, stream=stream)
+        launch(merge_k, b.merge_grid, (128,), MERGE_PARAMS, g + merge_tail, stream=stream)

@@ -1,12 +1,11 @@
 // The CPU emulator (tests/cuda_emu, tests/index_emu/emu_index.h: wgmma, warpgroup barriers) plus
-// what cuda_src/attention_gather.cu needs beyond it: integer atomics, fences, L2 loads, the
-// sleep of a waiting thread, and the fast math of common/softmax.cuh (ex2.approx as exp2f).
+// what cuda_src/attention_gather.cu needs beyond it: integer atomics and the fast math of
+// common/softmax.cuh (ex2.approx as exp2f).
 #pragma once
 #include "emu_index.h"
 
 #include <atomic>
 #include <cmath>
-#include <thread>
 
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicMax(unsigned* p, unsigned v) {
@@ -16,14 +15,6 @@ inline unsigned atomicMax(unsigned* p, unsigned v) {
     }
     return cur;
 }
-inline int atomicCAS(int* p, int expected, int desired) {
-    std::atomic_ref<int>(*p).compare_exchange_strong(expected, desired);
-    return expected;
-}
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
-template <class T> inline T __ldcg(const T* p) { return *p; }
-inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline float __log2f(float x) { return std::log2(x); }
 
 namespace mate {
