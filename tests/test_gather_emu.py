@@ -139,3 +139,17 @@ def test_gather_tile_emulated_row_windows_are_bitwise_equal(emu, rng, monkeypatc
         assert np.array_equal(out.view(np.uint16), one[0].view(np.uint16)), f"rows {rows}: out"
         assert np.array_equal(lse.view(np.uint32), one[1].view(np.uint32)), f"rows {rows}: lse"
     _check(p, sel, one[0], one[1], True, "one window")
+
+
+@pytest.mark.slow
+def test_gather_tile_emulated_wide_lists(emu, rng):
+    """Lists of 40 slots (up to 40 valid blocks a query), shuffled so that valid slots follow
+    padding, and a repeated id."""
+    p = make_problem(rng, [9, 3], [6000, 5200], 16, 1, 128, page_size=128)
+    sel = random_selection(rng, p, 40)
+    sel = np.take_along_axis(sel, rng.permuted(np.tile(np.arange(40), (p.total_q, 1, 1)), axis=2), axis=2)
+    sel[::4, :, 7] = sel[::4, :, 30]  # a repeated id: attended once
+    out, lse, launches = _run(emu, p, sel)
+    assert launches == 5
+    assert ((sel >= 0).sum(axis=2) > 32).any(), "some row lists more than 32 valid blocks"
+    _check(p, sel, out, lse, True, "wide lists")
