@@ -153,3 +153,26 @@ def test_gather_tile_emulated_wide_lists(emu, rng):
     assert launches == 5
     assert ((sel >= 0).sum(axis=2) > 32).any(), "some row lists more than 32 valid blocks"
     _check(p, sel, out, lse, True, "wide lists")
+
+
+@pytest.mark.slow
+def test_gather_tile_emulated_dense_lists(emu, rng):
+    """Lists as a top-k selection fills them (block 0, the query's own block and up to two
+    earlier ones, in ascending order): every query's entries valid, so a window's pairs come
+    close to the workspace's pair bound (``max_pairs``), which a shifted pair offset would
+    overrun; a long request beside a 3-token one."""
+    p = make_problem(rng, [700, 3], [1500, 3], 16, 1, 128, page_size=128)
+    sel = np.full((p.total_q, 1, 4), -1, np.int32)
+    offs = p.kv - p.qo
+    for b in range(len(p.qo)):
+        for i in range(int(p.qo[b])):
+            own = (int(offs[b]) + i) // 128
+            earlier = [x for x in range(1, own)]
+            pick = rng.choice(earlier, size=min(2, len(earlier)), replace=False).tolist() if earlier else []
+            ids = sorted({0, own, *pick})
+            sel[p.cu_q[b] + i, 0, :len(ids)] = ids
+    out, lse, launches = _run(emu, p, sel)
+    assert launches == len(gl.KERNELS)
+    b = gl.gather_bounds(p.total_q, 1, 4, 2, 700, 1500)
+    assert (sel >= 0).sum() > 0.99 * b.max_pairs
+    _check(p, sel, out, lse, True, "dense lists")
