@@ -4,7 +4,8 @@ real launcher (``gather_launch.run_gather``), against the float64 reference.
 
 Small requests (lengths off the block, a one-token request, a request without queries),
 repeated and out-of-range block ids, causal and not, page tables and CSR page lists, several
-row windows (the window forced small), a workspace of garbage and an output poisoned with NaN.
+row windows (the window forced small), lists of 40 slots, lists as dense as a top-k selection's,
+a workspace of garbage and an output poisoned with NaN.
 The attention kernel's three warpgroups and its work counter run as real threads, with cp.async
 copies landing at issue or at the retiring wait. Set
 MATE_CUPY_EMU_SANITIZE=1 to build the emulator with ASan/UBSan.
@@ -150,7 +151,7 @@ def test_gather_tile_emulated_wide_lists(emu, rng):
     sel = np.take_along_axis(sel, rng.permuted(np.tile(np.arange(40), (p.total_q, 1, 1)), axis=2), axis=2)
     sel[::4, :, 7] = sel[::4, :, 30]  # a repeated id: attended once
     out, lse, launches = _run(emu, p, sel)
-    assert launches == 5
+    assert launches == len(gl.KERNELS)
     assert ((sel >= 0).sum(axis=2) > 32).any(), "some row lists more than 32 valid blocks"
     _check(p, sel, out, lse, True, "wide lists")
 
