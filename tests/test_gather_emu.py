@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_rel, emulator_or_skip, poison_like
-from msa_cases import BF16, make_problem, random_selection
+from msa_cases import BF16, make_problem, offsets_of, random_selection
 from mate_cupy.msa import gather_launch as gl
 from mate_cupy.reference import msa as R
 
@@ -158,22 +158,17 @@ def test_gather_tile_emulated_wide_lists(emu, rng):
 
 @pytest.mark.slow
 def test_gather_tile_emulated_dense_lists(emu, rng):
-    """Lists as a top-k selection fills them (block 0, the query's own block and up to two
-    earlier ones, in ascending order): every query's entries valid, so a window's pairs come
+    """Lists as a top-k selection fills them (the reference top-4 of random scores with block 0
+    and the query's own block forced): every query's entries valid, so a window's pairs come
     close to the workspace's pair bound (``max_pairs``), which a shifted pair offset would
     overrun; a long request beside a 3-token one."""
     p = make_problem(rng, [700, 3], [1500, 3], 16, 1, 128, page_size=128)
-    sel = np.full((p.total_q, 1, 4), -1, np.int32)
-    offs = p.kv - p.qo
-    for b in range(len(p.qo)):
-        for i in range(int(p.qo[b])):
-            own = (int(offs[b]) + i) // 128
-            earlier = [x for x in range(1, own)]
-            pick = rng.choice(earlier, size=min(2, len(earlier)), replace=False).tolist() if earlier else []
-            ids = sorted({0, own, *pick})
-            sel[p.cu_q[b] + i, 0, :len(ids)] = ids
+    offs = offsets_of(p)
+    positions = np.concatenate([offs[b] + np.arange(p.qo[b]) for b in range(len(p.qo))])
+    scores = rng.random((p.total_q, p.hkv, -(-int(p.kv.max()) // 128)))
+    sel = R.topk_select(scores, 4, force_begin_blocks=1, force_end_blocks=1, query_positions=positions)
     out, lse, launches = _run(emu, p, sel)
     assert launches == len(gl.KERNELS)
-    b = gl.gather_bounds(p.total_q, 1, 4, 2, 700, 1500)
+    b = gl.gather_bounds(p.total_q, p.hkv, sel.shape[2], len(p.qo), int(p.qo.max()), int(p.kv.max()))
     assert (sel >= 0).sum() > 0.99 * b.max_pairs
     _check(p, sel, out, lse, True, "dense lists")
