@@ -53,7 +53,7 @@ constexpr int kD = 128, kBN = 128, kGroup = 16;
 constexpr int kCap = GATHER_CAP;  // queries per work item
 constexpr int kBig = kCap / 4;  // queries of a big work item (taken first)
 constexpr int kMaxWidth = 128;  // list width the merge handles (the launcher checks)
-constexpr int kWGs = 4, kThreads = 128 * kWGs;
+constexpr int kWGs = 3, kThreads = 128 * kWGs;
 constexpr int kTileBytes = kBN * kD * 2;  // K or V of one block: 32 KB
 constexpr int kQBytes = 64 * kD * 2;      // one 64-row Q tile: 16 KB
 typedef ColumnBlockTile<kBN> KvTile;
@@ -276,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(256) msa_gather_scatter_kernel(GATH
     pair_slot[pos] = x.slot;
 }
 
-// Grid: one CTA of 128 * kWGs threads per SM (at most max_items), taking the n_items[0] work
+// Grid: one CTA of 384 threads per SM (at most max_items), taking the n_items[0] work
 // items in order (the n_items[2] big ones from the front of items, then the rest from the
 // back). Partials of the window's rows:
 // part_o [row_end - row_begin, hkv, width, 16, 128] fp16 (O / l),
@@ -448,56 +448,49 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
                 pa[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
                 pa[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
             }
-            float inv[2];
+            float O[16][4];
+            wg_fence_regs<32>(&pa[0][0]);
+            wg_fence();
     #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                l[h] = quad_sum(l[h]);
-                inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
-            }
+            for (int kk = 0; kk < 8; ++kk)
+    #pragma unroll
+                for (int cb = 0; cb < 2; ++cb) {
+                    const u64 vd = wg_desc_add(v_desc, cb * (kBN * 128) + kk * 2048);
+                    if (kk == 0)
+                        WgmmaRS<64, Elem>::first(&O[8 * cb][0], pa[kk], vd);
+                    else
+                        WgmmaRS<64, Elem>::run(&O[8 * cb][0], pa[kk], vd, 1);
+                }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs<64>(&O[0][0]);
+            if (!live) continue;  // (warp-uniform: one query per warp)
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
             // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
+            const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
             unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
+            auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
             // Row g + 8 h, chunk n = 8 a + b at mine + h * 8192 + g * 256 + a * 128 + (b ^ g) * 16:
             // one chunk offset per b for both rows and both halves.
             unsigned char* const mine_g = mine + g * 256 + 4 * t;
-            // O = P V in two halves of 64 columns (32 accumulator registers each, under the
-            // 128-register cap of four warpgroups): each half's MMAs retired before its part of
-            // the epilogue, so no MMA stage is open across the warp's `live` branch.
+            float inv[2];
     #pragma unroll
-            for (int a = 0; a < 2; ++a) {
-                float O[8][4];
-                wg_fence_regs<32>(&pa[0][0]);
-                wg_fence();
-    #pragma unroll
-                for (int kk = 0; kk < 8; ++kk) {
-                    const u64 vd = wg_desc_add(v_desc, a * (kBN * 128) + kk * 2048);
-                    if (kk == 0)
-                        WgmmaRS<64, Elem>::first(&O[0][0], pa[kk], vd);
-                    else
-                        WgmmaRS<64, Elem>::run(&O[0][0], pa[kk], vd, 1);
-                }
-                wg_commit();
-                wg_wait<0>();
-                wg_fence_regs<32>(&O[0][0]);
-                if (live) {
-    #pragma unroll
-                    for (int b = 0; b < 8; ++b) {
-                        unsigned char* const col = mine_g + ((b ^ g) << 4) + a * 128;
-    #pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            *reinterpret_cast<u32*>(col + h * 8192) =
-                                pack2<half_t>(O[b][2 * h] * inv[h], O[b][2 * h + 1] * inv[h]);
-                    }
-                }
+            for (int h = 0; h < 2; ++h) {
+                const float lt = quad_sum(l[h]);
+                inv[h] = lt > 0.f ? 1.f / lt : 0.f;
+                if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
             }
-            if (!live) continue;  // (warp-uniform: one query per warp)
-            const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
-            auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
-            if (t == 0)
+    #pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                unsigned char* const col = mine_g + ((b ^ g) << 4);
     #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    part_lse[base + g + 8 * h] = l[h] > 0.f ? m[h] * scale_log2 + __log2f(l[h]) : kNegInf;
+    #pragma unroll
+                    for (int a = 0; a < 2; ++a)
+                        *reinterpret_cast<u32*>(col + h * 8192 + a * 128) =
+                            pack2<half_t>(O[8 * a + b][2 * h] * inv[h], O[8 * a + b][2 * h + 1] * inv[h]);
+            }
             __syncwarp();
             uint4* dst = reinterpret_cast<uint4*>(part_o + base * kD);
     #pragma unroll

@@ -33,7 +33,7 @@ CAP = 512  # queries per work item (kCap)
 #: dtype code (0 fp16, 1 bf16) -> registered variant
 SPECS = {code: register(SOURCE, KERNELS, only_arch=SM90A, GATHER_DTYPE=code, GATHER_CAP=CAP)
          for code in (0, 1)}
-WGS = 4  # warpgroups of the attention kernel (kWGs)
+WGS = 3  # warpgroups of the attention kernel (kWGs)
 D, BLOCK, GROUP = 128, 128, 16
 ATTN_SMEM = 2 * BLOCK * D * 2 + 2 * WGS * 64 * D * 2 + 1024
 MAX_KEYS = 1 << 20  # keys (request x query window x KV head x block) of one row window: one scan CTA
