@@ -467,9 +467,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             if (!live) continue;  // (warp-uniform: one query per warp)
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
-            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o). Partials are
-            // stored streaming (evict first: read once by the merge, after the kernel), so they
-            // do not push the window's Q rows and K/V out of L2.
+            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
             const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
             unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
             auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
@@ -481,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             for (int h = 0; h < 2; ++h) {
                 const float lt = quad_sum(l[h]);
                 inv[h] = lt > 0.f ? 1.f / lt : 0.f;
-                if (t == 0) __stcs(&part_lse[base + g + 8 * h], lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf);
+                if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
             }
     #pragma unroll
             for (int b = 0; b < 8; ++b) {
@@ -498,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     #pragma unroll
             for (int x = 0; x < 8; ++x) {
                 const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
-                __stcs(dst + c, *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4)));
+                dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
             }
         }
     }
@@ -540,7 +538,7 @@ extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
             const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
-                const uint4 vv = __ldcs(src + x);  // read once: evict first
+                const uint4 vv = src[x];
                 const u32 ws[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {

@@ -16,12 +16,6 @@ inline unsigned atomicMax(unsigned* p, unsigned v) {
     return cur;
 }
 inline float __log2f(float x) { return std::log2(x); }
-// Streaming (evict-first) stores and loads: plain accesses here.
-template <typename V>
-inline void __stcs(V* p, const V& v) {
-    *p = v;
-}
-inline uint4 __ldcs(const uint4* p) { return *p; }
 
 namespace mate {
 namespace attn {
