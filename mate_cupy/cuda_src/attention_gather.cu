@@ -301,9 +301,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     // This thread's Q rows of a group: query e = i / 2 (i = 0..7), head (wtid / 16) + 8 (i % 2),
     // 16-byte chunk wtid % 16.
     const int qrow0 = wtid >> 4, qch = wtid & 15;
-    // L2 policies: a key's K/V block is read by this item alone (evict first); the window's Q
-    // rows are gathered again by the other items of the window (evict last).
-    const unsigned long long kv_policy = l2_policy_evict_first(), q_policy = l2_policy_evict_last();
     for (;;) {
         __syncthreads();  // the previous item's K/V and Q tiles are consumed; next_item is read
         if (tid == 0) {
@@ -326,10 +323,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             for (int x = tid; x < kBN * 16; x += kThreads) {
                 const int row = x >> 4, ch = x & 15;
                 const bool ok = s * kBN + row < rq.Lk;  // keys past the request: zeros, masked below
-                cp_async_16_policy(sK + KvTile::offset(row, ch), ok ? kb + row * k_slot_stride + ch * 8 : k, kv_policy,
-                                   ok);
-                cp_async_16_policy(sV + KvTile::offset(row, ch), ok ? vb + row * v_slot_stride + ch * 8 : v, kv_policy,
-                                   ok);
+                cp_async_16(sK + KvTile::offset(row, ch), ok ? kb + row * k_slot_stride + ch * 8 : k, ok);
+                cp_async_16(sV + KvTile::offset(row, ch), ok ? vb + row * v_slot_stride + ch * 8 : v, ok);
             }
             cp_async_commit();
         }
@@ -359,8 +354,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const char* src = qh0 + tk[e] * q_tok_bytes;
-                    cp_async_16_policy(dst + (2 * e) * 1024, src, q_policy);
-                    cp_async_16_policy(dst + (2 * e + 1) * 1024, src + q_h8_bytes, q_policy);
+                    cp_async_16(dst + (2 * e) * 1024, src);
+                    cp_async_16(dst + (2 * e + 1) * 1024, src + q_h8_bytes);
                 }
             }
             cp_async_commit();
@@ -472,9 +467,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             if (!live) continue;  // (warp-uniform: one query per warp)
             // O / l as fp16 through the bytes of this warp's own (consumed) Q rows: 2 x 2 KB, head
             // row r at piece r / 8, row r % 8, 16-byte chunk n at n ^ (r & 7); then one contiguous
-            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o). Partials are
-            // stored streaming (evict first: read once by the merge, after the kernel), so they
-            // do not push the window's Q rows and K/V out of L2.
+            // 4 KB store (the slot's 16 heads x 128 values are adjacent in part_o).
             const long long base = (((long long)(tok - row_begin) * hkv + kvh) * width + slot) * kGroup;
             unsigned char* const mine = sQ + (wg * 2 + buf) * kQBytes + w * 2048;
             auto stg_row = [&](int row) { return mine + (row >> 3) * (64 * 128) + (row & 7) * 256; };
@@ -486,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
             for (int h = 0; h < 2; ++h) {
                 const float lt = quad_sum(l[h]);
                 inv[h] = lt > 0.f ? 1.f / lt : 0.f;
-                if (t == 0) __stcs(&part_lse[base + g + 8 * h], lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf);
+                if (t == 0) part_lse[base + g + 8 * h] = lt > 0.f ? m[h] * scale_log2 + __log2f(lt) : kNegInf;
             }
     #pragma unroll
             for (int b = 0; b < 8; ++b) {
@@ -503,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) msa_gather_attn_kernel
     #pragma unroll
             for (int x = 0; x < 8; ++x) {
                 const int c = lane + 32 * x, row = c >> 4, cc = c & 15;
-                __stcs(dst + c, *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4)));
+                dst[c] = *reinterpret_cast<const uint4*>(stg_row(row) + ((cc ^ (row & 7)) << 4));
             }
         }
     }
@@ -545,7 +538,7 @@ extern "C" __global__ void __launch_bounds__(128) msa_gather_merge_kernel(
             const uint4* src = reinterpret_cast<const uint4*>(part_o + ((row + j) * kGroup + head) * kD + c0);
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
-                const uint4 vv = __ldcs(src + x);  // read once: evict first
+                const uint4 vv = src[x];
                 const u32 ws[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {

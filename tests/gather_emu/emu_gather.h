@@ -16,20 +16,6 @@ inline unsigned atomicMax(unsigned* p, unsigned v) {
     return cur;
 }
 inline float __log2f(float x) { return std::log2(x); }
-// Streaming (evict-first) stores and loads: plain accesses here.
-template <typename V>
-inline void __stcs(V* p, const V& v) {
-    *p = v;
-}
-inline uint4 __ldcs(const uint4* p) { return *p; }
-namespace mate {
-// L2 cache policies: no cache here, a copy is a copy.
-inline unsigned long long l2_policy_evict_last() { return 0; }
-inline unsigned long long l2_policy_evict_first() { return 0; }
-inline void cp_async_16_policy(void* smem, const void* gmem, unsigned long long, bool pred = true) {
-    cp_async_16(smem, gmem, pred);
-}
-}  // namespace mate
 
 namespace mate {
 namespace attn {

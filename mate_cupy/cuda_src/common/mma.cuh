@@ -14,25 +14,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
     const int bytes = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes));
 }
-// L2 cache policies (createpolicy) for cp_async_16_policy: evict_last for data other CTAs read
-// again soon, evict_first for data read once.
-__device__ __forceinline__ unsigned long long l2_policy_evict_last() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-    return p;
-}
-// cp_async_16 with an L2 cache policy.
-__device__ __forceinline__ void cp_async_16_policy(void* smem, const void* gmem, unsigned long long policy,
-                                                   bool pred = true) {
-    const int bytes = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_u32(smem)),
-                 "l"(gmem), "r"(bytes), "l"(policy));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
