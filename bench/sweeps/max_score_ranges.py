@@ -1,7 +1,7 @@
 """Max score at long context with each CTA's key range capped: the index branch's prefill
-(bf16, Hq 4 over Hkv 1, D 128) with the split count of ``max_score_splits`` without a bound on
-a CTA's key range (``model``), with the launcher's own bound (``launcher``), and with every
-CTA's key range bounded to ``cap`` tiles of 128 keys, alternating, three rounds.
+(bf16, Hq 4 over Hkv 1, D 128) with the launcher's split count (``model``: ``max_score_splits``)
+against split counts that bound every CTA's key range to ``cap`` tiles of 128 keys,
+alternating, three rounds (each timed by ``bench.timing.Timer``, about 60 ms per sample).
 
     PYTHONPATH=. python bench/sweeps/max_score_ranges.py OUTDIR [--caps 1024,512,256,128] [--only REGEX]
 
@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from bench import ours  # noqa: E402
 from bench.bench_pipeline import _plan  # noqa: E402
+from bench.timing import Timer, TimingConfig  # noqa: E402
 
 il = importlib.import_module("mate_cupy.msa.index_launch")
 MODEL = il.max_score_splits
@@ -39,9 +40,8 @@ HQ, D, BLOCK = 4, 128, 128
 
 
 def capped(cap: int):
-    """The split count of the model without a range bound, raised so that no CTA's key range
-    exceeds ``cap`` tiles."""
-    def rule(ctas, nt, slots, min_tiles=4, tile_bytes=0):
+    """The launcher's split count, raised so that no CTA's key range exceeds ``cap`` tiles."""
+    def rule(ctas, nt, slots, min_tiles=4):
         s, per = MODEL(ctas, nt, slots, min_tiles)
         if per > cap:
             per = cap
@@ -104,9 +104,8 @@ def main(argv) -> None:
     a = ap.parse_args(argv)
     outdir = Path(a.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    # "model": the split count without a range bound; "launcher": the launcher's own rule
-    rules = [("model", lambda ctas, nt, slots, min_tiles=4, tile_bytes=0: MODEL(ctas, nt, slots, min_tiles)),
-             ("launcher", MODEL)] + [(f"cap{c}", capped(int(c))) for c in a.caps.split(",") if c]
+    rules = [("model", MODEL)] + [(f"cap{c}", capped(int(c))) for c in a.caps.split(",") if c]
+    timer = Timer(TimingConfig(warmup=2, samples=1, min_samples=1, min_sample_ms=60.0))
     out = []
     for kind, x, y in CASES:
         name, call, flops = pipe_case(x, y) if kind == "pipe" else dense_case(x, y)
@@ -132,28 +131,15 @@ def main(argv) -> None:
                     finally:
                         il.launch = orig
                     chosen[rname] = seen[-1][2] if seen and len(seen[-1]) > 2 else 1
-                    for _ in range(2):
-                        call()
-                    torch.cuda.synchronize()
                     if rnd == 0:
                         got = torch.nan_to_num(torch.as_tensor(call(), device="cuda"), neginf=-1e30).clone()
                         ref = got if ref is None else ref
                         assert torch.equal(got, ref), f"{name} {rname}: outputs differ"
                         del got
-                    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-                    e0.record()
-                    call()
-                    e1.record()
-                    e1.synchronize()
-                    reps = max(3, math.ceil(60.0 / max(e0.elapsed_time(e1), 1e-3)))
-                    e0.record()
-                    for _ in range(reps):
-                        call()
-                    e1.record()
-                    e1.synchronize()
+                    ms = timer.time(lambda i: call(), 1)["ms"]
                 finally:
                     il.max_score_splits = MODEL
-                res.setdefault(rname, []).append(round(e0.elapsed_time(e1) / reps, 4))
+                res.setdefault(rname, []).append(round(ms, 4))
         row = {"case": name, "gflop": round(flops / 1e9, 1), "splits": chosen, "ms": res,
                "tflops": {r: round(flops / (min(v) * 1e-3) / 1e12, 1) for r, v in res.items()}}
         out.append(row)
