@@ -240,7 +240,7 @@ def test_choices_reach_every_registered_variant_and_only_those():
     configs = {il.select_max_score_config(rows, cc) for rows in (1, 9, 17, 33, 64, 65, 1 << 20)
                for cc in (80, 86, 89, 90, 100)}
     assert configs == set(il.MAX_SCORE_CONFIGS)
-    assert {cfg for _, _, cfg in il.MAX_SCORE_SPECS} == configs
+    assert {cfg for dt, _, cfg in il.MAX_SCORE_SPECS if dt != FP8_DT} == configs
     fp8 = {(d, il.select_max_score_config(rows, 90, fp8=True, head_dim=d))
            for d in il.MAX_SCORE_HEAD_DIMS for rows in (1, 9, 16, 17, 32, 33, 1 << 20)}
     assert fp8 == {(d, cfg) for dt, d, cfg in il.MAX_SCORE_SPECS if dt == FP8_DT}
@@ -280,9 +280,9 @@ def test_max_score_launch_geometry():
             per_sm = il.max_score_ctas_per_sm(d, cfg)  # the launch bounds' promise
             assert per_sm == (1 if d > 128 or cfg.mma == "wgmma" else 2), (d, cfg)
             assert per_sm * (smem + 1024) <= 228 * 1024, (d, cfg)
-        smem = il.max_score_smem_bytes(d, il.FP8_PREFILL_CONFIG, 1)
+        smem = il.max_score_smem_bytes(d, il.FP8_PREFILL_CONFIGS[d], 1)
         assert smem <= 227 * 1024
-        assert il.max_score_ctas_per_sm(d, il.FP8_PREFILL_CONFIG, 1) * (smem + 1024) <= 228 * 1024
+        assert il.max_score_ctas_per_sm(d, il.FP8_PREFILL_CONFIGS[d], 1) * (smem + 1024) <= 228 * 1024
 
 
 def test_ws_max_score_tile_shapes():
@@ -298,6 +298,12 @@ def test_ws_max_score_tile_shapes():
         assert (ws.rows_per_cta(d, elem), ws.stages(d, elem)) == (bm, stages), (d, elem)
         smem = il.max_score_smem_bytes(d, ws, elem)
         assert smem == stages * 128 * row + bm * row + bm * 17 * 4 + stages * (128 + 16) + 1024 <= 227 * 1024
+    # float8 rows of at most 128 bytes: three consumer warpgroups (MaxScoreWsTile::NARROW), 384 rows
+    w3 = il.FP8_WS_CONFIG
+    assert w3.num_warps == 16 and il.FP8_PREFILL_CONFIGS == {64: w3, 128: w3, 256: ws}
+    for d in (64, 128):
+        assert (w3.rows_per_cta(d, 1), w3.stages(d, 1)) == (384, 8)
+        assert il.max_score_smem_bytes(d, w3, 1) == 8 * 128 * 128 + 384 * 128 + 384 * 17 * 4 + 8 * 144 + 1024
         assert smem + 128 * row + 144 > 227 * 1024 or stages == 8   # one more stage would not fit
 
 
@@ -392,12 +398,13 @@ def test_run_max_score_packs_fp8_prefill_launch(monkeypatch, d):
                      qo_offset=w("off", off), cu_seqlens_k=w("cu_k", cu_k), max_seqlen_q=300, causal=True, stream=7,
                      score_scale=0.25)
     (kern, grid, block, params, values, smem, stream), = launches
-    cfg = il.FP8_PREFILL_CONFIG
+    cfg = il.FP8_PREFILL_CONFIGS[d]
     assert kern == f"msa_max_score_ws_kernel<fp8_t, {d}>" == il.MAX_SCORE_SPECS[(FP8_DT, d, cfg)].kernels[0]
-    m_tiles = -(-300 * 4 // 256)
-    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (384,)
+    bm = cfg.rows_per_cta(d, 1)
+    m_tiles = -(-300 * 4 // bm)
+    assert grid == (m_tiles * 2, hkv, il.max_score_splits(m_tiles * 2, 8, 132)[0]) and block == (32 * cfg.num_warps,)
     row, stages = max(d, 128), cfg.stages(d, 1)
-    assert smem == il.max_score_smem_bytes(d, cfg, 1) == (stages * 128 * row + 256 * row + 256 * 17 * 4
+    assert smem == il.max_score_smem_bytes(d, cfg, 1) == (stages * 128 * row + bm * row + bm * 17 * 4
                                                           + stages * 144 + 1024)
     params.pack(values)
     v = dict(zip(params.names, values))

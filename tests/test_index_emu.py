@@ -291,8 +291,9 @@ def test_max_score_config_choice():
         assert il.select_max_score_config(33, cc) == mma4 and il.select_max_score_config(64, cc) == mma4
     assert il.select_max_score_config(65, 90) == wg8 and il.select_max_score_config(1 << 20, 90) == wg8
     assert il.select_max_score_config(65, 80) == mma8 and il.select_max_score_config(4096, 100) == mma8
-    assert wg8 == il.WS_CONFIG == il.FP8_PREFILL_CONFIG
-    assert il.select_max_score_config(4096, 90, fp8=True) == wg8
+    assert wg8 == il.WS_CONFIG == il.FP8_PREFILL_CONFIGS[256] and il.FP8_PREFILL_CONFIGS[128] == il.FP8_WS_CONFIG
+    assert il.select_max_score_config(4096, 90, fp8=True) == il.FP8_WS_CONFIG
+    assert il.select_max_score_config(4096, 90, fp8=True, head_dim=256) == wg8
     assert [c.stages() for c in (mma4, mma8, wg8)] == [3, 3, 4]
     assert [dec1.stages(d) for d in (64, 128, 256)] == [6, 3, 3]
     # float8: the decode kernel up to 32 rows (16 at D 256), else the wgmma kernel
@@ -300,7 +301,7 @@ def test_max_score_config_choice():
     for cc in (89, 90):
         for d in (64, 128):
             assert [il.select_max_score_config(r, cc, fp8=True, head_dim=d) for r in (1, 9, 17, 32, 33, 4096)] \
-                == [dec1, dec2, dec4, dec4, wg8, wg8]
+                == [dec1, dec2, dec4, dec4, il.FP8_WS_CONFIG, il.FP8_WS_CONFIG]
         assert [il.select_max_score_config(r, cc, fp8=True, head_dim=256) for r in (8, 16, 17, 64)] \
             == [dec1, dec2, wg8, wg8]
 
@@ -504,9 +505,10 @@ def test_fp8_prefill_max_score_emulated(emu, rng, d, causal, paged, lazy, heads)
     nt = -(-int(kv.max()) // BLOCK) + 1
     k, want, kw, k_rows = _fp8_keys(rng, q, qo, kv, cu_q, cu_k, off, nt, hkv=hkv, d=d, paged=paged, causal=causal,
                                     page_size=page_size)
-    assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d) == il.FP8_PREFILL_CONFIG
+    cfg = il.FP8_PREFILL_CONFIGS[d]
+    assert il.select_max_score_config(int(qo.max()) * hq // hkv, 90, fp8=True, head_dim=d) == cfg
     if long_kv:
-        assert il.max_score_splits(-(-int(qo.max()) * 3 // 256) * len(qo) * hkv, nt, 132)[0] > 1
+        assert il.max_score_splits(-(-int(qo.max()) * 3 // cfg.rows_per_cta(d, 1)) * len(qo) * hkv, nt, 132)[0] > 1
     first = len(run.launches)
     got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, causal=causal, lazy=lazy, score_scale=scale, **kw)
     assert [r[0] for r in run.launches[first:]] == [f"msa_max_score_ws_kernel<fp8_t, {d}>"]

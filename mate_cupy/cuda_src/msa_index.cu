@@ -1107,11 +1107,18 @@ struct MaxScoreWsTile {
     static constexpr int EPC = 16 / (int)sizeof(T);     // values per chunk
     static constexpr int KSTEPS = RB / 32;              // wgmma k-steps of 32 bytes
     static constexpr int HALVES = SRB <= 256 ? 2 : 1;   // 64-row MMA units per consumer warpgroup
-    static constexpr int CONSUMERS = 2;                 // consumer warpgroups
+    // float8 at D <= 128 (rows of at most 128 bytes): three consumer warpgroups of 64-key units
+    // (m64n64, two 32-register accumulator sets each), since with two warpgroups the row-max
+    // epilogue of a unit outlasts the MMA work queued behind it; otherwise two of 128-key units.
+    static constexpr bool NARROW = sizeof(T) == 1 && SRB <= 128;
+    static constexpr int CONSUMERS = NARROW ? 3 : 2;    // consumer warpgroups
+    static constexpr int UNIT_N = NARROW ? 64 : 128;    // keys per MMA unit
+    static constexpr int COLS = kMsBlock / UNIT_N;      // units per (tile, half)
     static constexpr int WG_ROWS = 64 * HALVES;
     static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
-    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;  // setmaxnreg (128 56 + 256 224 <= 64 K)
+    // setmaxnreg: 128 56 + 256 224 <= 64 K (two consumers), 128 40 + 384 152 <= 64 K (three)
+    static constexpr int PRODUCER_REGS = NARROW ? 40 : 56, CONSUMER_REGS = NARROW ? 152 : 224;
     static constexpr int K_TILE_BYTES = kMsBlock * SRB;
     static constexpr int Q_BYTES = BM * SRB;
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
@@ -1376,33 +1383,162 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
     };
 
-    // Units u (acc0) and u + 1 (acc1) per iteration; at the loop head unit u is in flight.
-    const int units = (t_end - t_begin) * HALVES;
-    float acc0[64], acc1[64];
-    issue(0, 0, acc0);
-    int u = 0;
-    for (; u + 2 < units; u += 2) {
-        issue(u + 1, HALVES - 1, acc1);
-        attn::wg_wait<1>();
-        attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0);
-        issue(u + 2, 0, acc0);
-        attn::wg_wait<1>();
-        attn::wg_fence_regs<64>(acc1);
-        epilogue(u + 1, HALVES - 1, acc1);
-    }
-    if (u + 1 < units) {  // the last two units
-        issue(u + 1, HALVES - 1, acc1);
-        attn::wg_wait<1>();
-        attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0);
-        attn::wg_wait<0>();
-        attn::wg_fence_regs<64>(acc1);
-        epilogue(u + 1, HALVES - 1, acc1);
-    } else {  // the last unit (HALVES 1, an odd count)
-        attn::wg_wait<0>();
-        attn::wg_fence_regs<64>(acc0);
-        epilogue(u, 0, acc0);
+    if constexpr (!Cfg::NARROW) {
+        // Units u (acc0) and u + 1 (acc1) per iteration; at the loop head unit u is in flight.
+        const int units = (t_end - t_begin) * HALVES;
+        float acc0[64], acc1[64];
+        issue(0, 0, acc0);
+        int u = 0;
+        for (; u + 2 < units; u += 2) {
+            issue(u + 1, HALVES - 1, acc1);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<64>(acc0);
+            epilogue(u, 0, acc0);
+            issue(u + 2, 0, acc0);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<64>(acc1);
+            epilogue(u + 1, HALVES - 1, acc1);
+        }
+        if (u + 1 < units) {  // the last two units
+            issue(u + 1, HALVES - 1, acc1);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<64>(acc0);
+            epilogue(u, 0, acc0);
+            attn::wg_wait<0>();
+            attn::wg_fence_regs<64>(acc1);
+            epilogue(u + 1, HALVES - 1, acc1);
+        } else {  // the last unit (HALVES 1, an odd count)
+            attn::wg_wait<0>();
+            attn::wg_fence_regs<64>(acc0);
+            epilogue(u, 0, acc0);
+        }
+    } else {
+        // NARROW: unit (tile n, half h, column half c) against keys 64 c .. 64 c + 63 of the tile,
+        // into one of two 32-register sets; the four units of a tile alternate the sets, and the
+        // row maxima of a half are completed (quad reduction, stash) after its second column half.
+        constexpr int NB = Cfg::UNIT_N / 8;  // 8-column accumulator blocks of a unit
+        auto issue_n = [&](int n, int h, int cx, float* acc) {
+            const int stage = n % STAGES;
+            if (h == 0 && cx == 0) {
+                mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
+                attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
+                const u32 f = reinterpret_cast<const u32*>(kvalid + stage * kMsBlock)[lane];
+                if (n & 1) flags1 = f; else flags0 = f;
+            }
+            // keys 64 cx ..: 64 rows of 128 bytes further (whole 1024-byte swizzle atoms)
+            const attn::u64 k_desc = attn::wg_desc(
+                smem_base + (u32)(stage * Cfg::K_TILE_BYTES + cx * Cfg::UNIT_N * 128), 16, 1024);
+            attn::wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
+                const attn::u64 kd = attn::wg_desc_add(k_desc, ko);
+                if (ks == 0) attn::WgmmaRSKMajor<Cfg::UNIT_N, T>::first(acc, qf[h][ks], kd);
+                else attn::WgmmaRSKMajor<Cfg::UNIT_N, T>::run(acc, qf[h][ks], kd, 1);
+            }
+            attn::wg_commit();
+        };
+        float pend[2];  // this thread's maxima of the half's first column half (before the quad)
+        auto epilogue_n = [&](int n, int h, int cx, const float* acc) {
+            const int stage = n % STAGES, t = t_begin + n;
+            const int kbase = t * kMsBlock + cx * Cfg::UNIT_N;
+            const unsigned char* kv = kvalid + stage * kMsBlock + cx * Cfg::UNIT_N;
+            const bool holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
+            const bool edge = __any_sync(kFullMask, t * kMsBlock + kMsBlock > lim_min[h]) || holes;
+            // This thread's maxima of its two rows over the unit's columns: by bit patterns
+            // where every lane's rows hold a value >= 0, else (and on edge tiles) by fmaxf.
+            float mx[2];
+            bool done = false;
+            if (!edge) {
+                int bm[2] = {kBitsMaxStart, kBitsMaxStart};
+#pragma unroll
+                for (int n8 = 0; n8 < NB; ++n8) {
+                    bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
+                    bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
+                }
+                mx[0] = __int_as_float(bm[0]);
+                mx[1] = __int_as_float(bm[1]);
+                done = __all_sync(kFullMask, (bm[0] | bm[1]) >= 0);
+            }
+            if (!done) {
+                mx[0] = mx[1] = neg_inf();
+                if (!edge) {
+#pragma unroll
+                    for (int n8 = 0; n8 < NB; ++n8) {
+                        mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
+                        mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
+                    }
+                } else {
+#pragma unroll
+                    for (int n8 = 0; n8 < NB; ++n8) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n8 * 8 + 2 * (lane & 3) + e;
+                            const bool ok = kv[col] != 0;
+                            if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
+                            if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
+                        }
+                    }
+                }
+            }
+            if (cx == 0) {
+                pend[0] = mx[0];
+                pend[1] = mx[1];
+                return;
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                mx[e] = fmaxf(mx[e], pend[e]);
+                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
+                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
+            }
+            const int slot = n % kMsStash;
+            if ((lane & 3) == 0) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    stash[(row0(h) + (lane >> 2) + 8 * e) * (kMsStash + 1) + slot] = mx[e] * score_scale;
+            }
+            if (h == HALVES - 1) {
+                __syncwarp();                         // the stash rows, before the store below reads them
+                mbar_arrive(empty_bar + 8u * stage);  // every thread: its own key-flag reads are done
+                if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's rows
+                    const int t_first = t - slot;
+#pragma unroll
+                    for (int rr = 0; rr < 16 * HALVES; rr += 2) {
+                        const int rw = rr + (lane >> 4), cc = lane & 15;
+                        const long long o = __shfl_sync(kFullMask, out_off, rw);
+                        const float v = stash[(row0(rw >> 4) + (rw & 15)) * (kMsStash + 1) + cc];
+                        float* const dst = max_score + (o + t_first + cc);
+                        if (o >= 0 && cc <= slot) *dst = v;
+                    }
+                    __syncwarp();
+                }
+            }
+        };
+        static_assert(Cfg::NARROW ? (HALVES == 2 && Cfg::COLS == 2) : true, "four units per tile");
+        // Units of tile n: (h 0, c 0) acc0, (0, 1) acc1, (1, 0) acc0, (1, 1) acc1, each issued
+        // before the previous one's epilogue; no MMA stays in flight from one tile to the next
+        // (the tile's last epilogue runs under the other consumer warpgroups' MMAs).
+        constexpr int ACC = Cfg::UNIT_N / 2;
+        float acc0[ACC], acc1[ACC];
+        for (int n = 0; n < t_end - t_begin; ++n) {
+            issue_n(n, 0, 0, acc0);
+            issue_n(n, 0, 1, acc1);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<ACC>(acc0);
+            epilogue_n(n, 0, 0, acc0);
+            issue_n(n, 1, 0, acc0);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<ACC>(acc1);
+            epilogue_n(n, 0, 1, acc1);
+            issue_n(n, 1, 1, acc1);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<ACC>(acc0);
+            epilogue_n(n, 1, 0, acc0);
+            attn::wg_wait<0>();
+            attn::wg_fence_regs<ACC>(acc1);
+            epilogue_n(n, 1, 1, acc1);
+        }
     }
     // Blocks past the CTA's last admissible key.
 #pragma unroll

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .topk import TopkProblem
 
 __all__ = [
-    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "WS_CONFIG",
+    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIGS", "FP8_WS_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "WS_CONFIG",
     "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
     "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
 ]
@@ -99,8 +99,8 @@ class MaxScoreConfig:
         """Packed rows per CTA (the wgmma kernel's depend on the key row's bytes)."""
         if self.decode:
             return 8 * self.row_blocks
-        if self.mma == "wgmma":   # MaxScoreWsTile::BM: two consumer warpgroups of 1 or 2 64-row halves
-            return 2 * 64 * (2 if _srb(d, elem_bytes) <= 256 else 1)
+        if self.mma == "wgmma":   # MaxScoreWsTile::BM: consumer warpgroups of 1 or 2 64-row halves
+            return (self.num_warps // 4 - 1) * 64 * (2 if _srb(d, elem_bytes) <= 256 else 1)
         return 16 * self.num_warps
 
 
@@ -146,10 +146,13 @@ MAX_SCORE_SPECS.update({
     for cfg in DECODE_CONFIGS
     if d < 256 or cfg.row_blocks <= 2
 })
-FP8_PREFILL_CONFIG = WS_CONFIG   # the 16-bit prefill kernel
+# float8 rows of at most 128 bytes (D 64, 128): three consumer warpgroups of 64-key units
+# (MaxScoreWsTile::NARROW); D 256: the 16-bit prefill kernel's two.
+FP8_WS_CONFIG = MaxScoreConfig("wgmma", 16)
+FP8_PREFILL_CONFIGS = {d: FP8_WS_CONFIG if _srb(d, 1) <= 128 else WS_CONFIG for d in MAX_SCORE_HEAD_DIMS}
 MAX_SCORE_SPECS.update({
-    (FP8_E4M3, d, WS_CONFIG): register(SOURCE, _max_score_name(FP8_E4M3, d, WS_CONFIG), only_arch=SM90A)
-    for d in MAX_SCORE_HEAD_DIMS
+    (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), only_arch=SM90A)
+    for d, cfg in FP8_PREFILL_CONFIGS.items()
 })
 # Packed rows per request the fp8 decode kernel holds, per head dim (32; 16 at D 256); more
 # rows take the wgmma variant (compute capability 9.0).
@@ -167,11 +170,12 @@ def select_max_score_config(rows: int, compute_capability: int, *, fp8: bool = F
     mma.sync (64-row CTAs); above, the warp-specialised wgmma kernel on sm_90, 8 warps of
     mma.sync elsewhere. ``fp8`` (e4m3 q and k): the decode kernel up to
     ``FP8_DECODE_MAX_ROWS[head_dim]`` rows, else the wgmma kernel (registered for sm_90a
-    only: callers refuse other devices). The wgmma kernel is :data:`WS_CONFIG`."""
+    only: callers refuse other devices). The wgmma kernel is :data:`WS_CONFIG` (float8:
+    :data:`FP8_PREFILL_CONFIGS`)."""
     if fp8:
         if rows <= FP8_DECODE_MAX_ROWS[head_dim]:
             return next(c for c in DECODE_CONFIGS if c.rows_per_cta() >= rows)
-        return WS_CONFIG
+        return FP8_PREFILL_CONFIGS[head_dim]
     if rows <= DECODE_MAX_ROWS:
         return next(c for c in DECODE_CONFIGS if c.rows_per_cta() >= rows)
     if rows <= 64:

@@ -183,6 +183,7 @@ MATE_WG_RS64(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_RS128(WgmmaRSKMajor, bf16_t, "bf16", 0)
 MATE_WG_SS(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, 64, 65, 66)
 MATE_WG_RS_KMAJOR(128, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS64, MATE_WG_ACC64, "{%64,%65,%66,%67}", 68, 69)
+MATE_WG_RS_KMAJOR(64, 32, fp8_t, "e4m3", "1, 1", MATE_WG_REGS32, MATE_WG_ACC32, "{%32,%33,%34,%35}", 36, 37)
 
 #undef MATE_WG_SS
 #undef MATE_WG_RS128
