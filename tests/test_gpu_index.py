@@ -918,14 +918,14 @@ def test_ws_fp8_max_score_long_keys(rng, d, case):
         want = ref.paged_block_max_score(q, k_cache, cu_q, kv, table, qo_offset=off, causal=True, max_k_tiles=nt,
                                          qo_lens=qo)
         got = _launch_max_score_torch(q, k_cache, nt, qo, kv, off, cu_q, score_scale=scale, page_size=page,
-                                      kv_indices=kv_indices, indptr=indptr, config=il.WS_CONFIG)
+                                      kv_indices=kv_indices, indptr=indptr, config=il.FP8_PREFILL_CONFIGS[d])
         k_rows = k_cache.reshape(-1, d)
     else:
         k_rows = _fp8_ints(rng, (int(cu_k[-1]), hkv, d))
         want = ref.block_max_score(q, k_rows, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo,
                                    kv_lens=kv)
         got = _launch_max_score_torch(q, k_rows, nt, qo, kv, off, cu_q, score_scale=scale, cu_k=cu_k,
-                                      config=il.WS_CONFIG)
+                                      config=il.FP8_PREFILL_CONFIGS[d])
     _check_max_score(got, want * scale, q.astype(np.float64) * scale, k_rows.reshape(-1, d).astype(np.float64),
                      f"ws fp8 {case} D{d}", rel=2e-5)
 
@@ -935,7 +935,7 @@ def _launch_ws_max_score(q, k, nt, qo, kv, off, cu_q, cu_k, causal):
     16-bit through CuPy."""
     if q.dtype == FP8_DT:
         return _launch_max_score_torch(q, k, nt, qo, kv, off, cu_q, score_scale=1.0, cu_k=cu_k, causal=causal,
-                                       config=il.WS_CONFIG)
+                                       config=il.FP8_PREFILL_CONFIGS[q.shape[-1]])
     return _launch_max_score(q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=causal, config=il.WS_CONFIG)
 
 
