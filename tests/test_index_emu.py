@@ -550,7 +550,7 @@ def test_ws_max_score_long_keys_emulated(emu, rng, dtype, d, heads, causal, lazy
 def test_ws_max_score_negative_blocks_emulated(emu, rng):
     """float8 blocks whose scores are all negative for some rows of a warp and not for others,
     and a block of zero keys: the kernel's bit-pattern maxima where every row of a warp holds a
-    value >= 0, the float path elsewhere (test_gpu_index.test_ws_max_score_negative_blocks)."""
+    value >= 0 (per thread in the three-warpgroup float8 kernel), the float path elsewhere (test_gpu_index.test_ws_max_score_negative_blocks)."""
     H, run = emu
     hq, hkv, d = 4, 1, 64
     qo, kv = np.array([40], dtype=np.int32), np.array([700], dtype=np.int32)
@@ -563,5 +563,6 @@ def test_ws_max_score_negative_blocks_emulated(emu, rng):
     nt = -(-700 // BLOCK) + 1
     want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo, kv_lens=kv)
     assert (want[np.isfinite(want)] < 0).any() and (want[np.isfinite(want)] > 0).any()
-    got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=True, config=il.WS_CONFIG)
+    got = _emu_max_score(H, run, q, k, nt, qo, kv, off, cu_q, cu_k=cu_k, causal=True,
+                         config=il.FP8_PREFILL_CONFIGS[d])
     _check_max_score(got, want, q.astype(np.float64), k.astype(np.float64), "ws fp8 negative blocks")

@@ -1439,26 +1439,31 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             attn::wg_commit();
         };
         float pend[2];  // this thread's maxima of the half's first column half (before the quad)
+        bool holes = false;  // the tile has keys without a K row (voted once per tile)
         auto epilogue_n = [&](int n, int h, int cx, const float* acc) {
             const int stage = n % STAGES, t = t_begin + n;
             const int kbase = t * kMsBlock + cx * Cfg::UNIT_N;
             const unsigned char* kv = kvalid + stage * kMsBlock + cx * Cfg::UNIT_N;
-            const bool holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
-            const bool edge = __any_sync(kFullMask, t * kMsBlock + kMsBlock > lim_min[h]) || holes;
+            if (h == 0 && cx == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
+            // Per thread (the paths below hold no warp-wide step): its rows reach past the tile's
+            // causal limit, or the tile has holes.
+            const bool edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
             // This thread's maxima of its two rows over the unit's columns: by bit patterns
-            // where every lane's rows hold a value >= 0, else (and on edge tiles) by fmaxf.
+            // where each row holds a value >= 0 (a tree of three-input maxima), else (and on
+            // edge tiles) by fmaxf.
             float mx[2];
             bool done = false;
             if (!edge) {
-                int bm[2] = {kBitsMaxStart, kBitsMaxStart};
+                float r0[2 * NB], r1[2 * NB];
 #pragma unroll
                 for (int n8 = 0; n8 < NB; ++n8) {
-                    bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
-                    bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
+                    r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
+                    r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
                 }
-                mx[0] = __int_as_float(bm[0]);
-                mx[1] = __int_as_float(bm[1]);
-                done = __all_sync(kFullMask, (bm[0] | bm[1]) >= 0);
+                const int bm0 = bits_max_tree(r0), bm1 = bits_max_tree(r1);
+                mx[0] = __int_as_float(bm0);
+                mx[1] = __int_as_float(bm1);
+                done = (bm0 | bm1) >= 0;
             }
             if (!done) {
                 mx[0] = mx[1] = neg_inf();

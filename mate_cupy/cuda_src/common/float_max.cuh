@@ -14,6 +14,30 @@ __device__ __forceinline__ int bits_max3(int running, float a, float b) {
     return __vimax3_s32(running, __float_as_int(a), __float_as_int(b));
 }
 
+// The integer maximum of N floats' bit patterns as a tree of three-input maxima (depth
+// about log3 N, so the row maxima of an accumulator do not wait on one serial chain).
+template <int N>
+__device__ __forceinline__ int bits_max_tree(const float (&v)[N]) {
+    static_assert(N >= 1, "at least one value");
+    if constexpr (N == 1) {
+        return __float_as_int(v[0]);
+    } else if constexpr (N == 2) {
+        return max(__float_as_int(v[0]), __float_as_int(v[1]));
+    } else {
+        constexpr int M = (N + 2) / 3;
+        float w[M];
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            int x;
+            if (3 * i + 2 < N) x = bits_max3(__float_as_int(v[3 * i]), v[3 * i + 1], v[3 * i + 2]);
+            else if (3 * i + 1 < N) x = max(__float_as_int(v[3 * i]), __float_as_int(v[3 * i + 1]));
+            else x = __float_as_int(v[3 * i]);
+            w[i] = __int_as_float(x);
+        }
+        return bits_max_tree<M>(w);
+    }
+}
+
 // The maximum of a bit-pattern value over a row's quad (lanes 4 g .. 4 g + 3).
 __device__ __forceinline__ int quad_bits_max(int x) {
     x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
