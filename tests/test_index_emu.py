@@ -550,7 +550,8 @@ def test_ws_max_score_long_keys_emulated(emu, rng, dtype, d, heads, causal, lazy
 def test_ws_max_score_negative_blocks_emulated(emu, rng):
     """float8 blocks whose scores are all negative for some rows of a warp and not for others,
     and a block of zero keys: the kernel's bit-pattern maxima where every row of a warp holds a
-    value >= 0 (per thread in the three-warpgroup float8 kernel), the float path elsewhere (test_gpu_index.test_ws_max_score_negative_blocks)."""
+    value >= 0 (per thread in the three-warpgroup float8 kernel), the float path elsewhere
+    (test_gpu_index.test_ws_max_score_negative_blocks)."""
     H, run = emu
     hq, hkv, d = 4, 1, 64
     qo, kv = np.array([40], dtype=np.int32), np.array([700], dtype=np.int32)

@@ -1283,82 +1283,60 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     // This lane's word of the key flags of the even / odd tiles, read when the tile's stage is
     // acquired, so that the epilogue's vote does not wait on a shared-memory load.
     u32 flags0 = 0, flags1 = 0;
-    // Unit u: half u % HALVES of the CTA's tile n = u / HALVES, into accumulator set `acc`.
-    auto issue = [&](int u, int h, float* acc) {
-        const int n = u / HALVES, stage = n % STAGES;
-        if (h == 0) {
+    constexpr int NB = Cfg::UNIT_N / 8;  // 8-column accumulator blocks of a unit
+    // Unit (tile n, half h, column block cx): half h's 64 rows against keys cx UNIT_N ..
+    // + UNIT_N of the CTA's tile n, into accumulator set `acc`. The first unit of a tile
+    // acquires its stage and reads this lane's word of the key flags.
+    auto issue = [&](int n, int h, int cx, float* acc) {
+        const int stage = n % STAGES;
+        if (h == 0 && cx == 0) {
             mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
             attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
             const u32 f = reinterpret_cast<const u32*>(kvalid + stage * kMsBlock)[lane];
             if (n & 1) flags1 = f; else flags0 = f;
         }
-        const attn::u64 k_desc = attn::wg_desc(smem_base + (u32)(stage * Cfg::K_TILE_BYTES), 16, 1024);
+        // keys cx UNIT_N ..: UNIT_N rows of 128 bytes further (whole 1024-byte swizzle atoms)
+        const attn::u64 k_desc = attn::wg_desc(
+            smem_base + (u32)(stage * Cfg::K_TILE_BYTES + cx * Cfg::UNIT_N * 128), 16, 1024);
         attn::wg_fence();
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
             const attn::u64 kd = attn::wg_desc_add(k_desc, ko);
-            if (ks == 0) attn::WgmmaRSKMajor<128, T>::first(acc, qf[h][ks], kd);
-            else attn::WgmmaRSKMajor<128, T>::run(acc, qf[h][ks], kd, 1);
+            if (ks == 0) attn::WgmmaRSKMajor<Cfg::UNIT_N, T>::first(acc, qf[h][ks], kd);
+            else attn::WgmmaRSKMajor<Cfg::UNIT_N, T>::run(acc, qf[h][ks], kd, 1);
         }
         attn::wg_commit();
     };
-    // Row maxima of unit u (half h) from `acc` into the stash; after a tile's last half the
-    // stage goes back to the producer and full stash rows are stored.
-    auto epilogue = [&](int u, int h, const float* acc) {
-        const int n = u / HALVES, stage = n % STAGES, t = t_begin + n;
-        const int kbase = t * kMsBlock;
-        const unsigned char* kv = kvalid + stage * kMsBlock;
-        const bool holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
-        const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
-        float mx[2];
-        // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
-        // bound: a whole tile's maxima by bit patterns (float_max.cuh), two values per
-        // instruction, where every row of the warp holds a value >= 0; the rest by fmaxf.
-        bool done = false;
-        if constexpr (sizeof(T) == 1) {
-            if (!edge) {
-                int bm[2] = {kBitsMaxStart, kBitsMaxStart};
+    // This thread's maxima of its two rows over a unit's columns by fmaxf (the fallback of the
+    // bit-pattern maxima)...
+    auto fmax_rows = [&](const float* acc, float* mx) {
+        mx[0] = mx[1] = neg_inf();
 #pragma unroll
-                for (int n8 = 0; n8 < 16; ++n8) {
-                    bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
-                    bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
-                }
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    bm[e] = quad_bits_max(bm[e]);
-                    mx[e] = __int_as_float(bm[e]);
-                }
-                done = __all_sync(kFullMask, (bm[0] | bm[1]) >= 0);
-            }
+        for (int n8 = 0; n8 < NB; ++n8) {
+            mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
         }
-        if (!done) {
-            mx[0] = mx[1] = neg_inf();
-            if (!edge) {
+    };
+    // ... and on edge units over the keys with a K row (kv: the unit's key flags) below each
+    // row's causal limit (kbase: the unit's first key; h: the rows' half).
+    auto fmax_rows_masked = [&](const float* acc, const unsigned char* kv, int kbase, int h, float* mx) {
+        mx[0] = mx[1] = neg_inf();
 #pragma unroll
-                for (int n8 = 0; n8 < 16; ++n8) {
-                    mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
-                    mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
-                }
-            } else {
-#pragma unroll
-                for (int n8 = 0; n8 < 16; ++n8) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int col = n8 * 8 + 2 * (lane & 3) + e;
-                        const bool ok = kv[col] != 0;
-                        if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
-                        if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
-                    }
-                }
-            }
+        for (int n8 = 0; n8 < NB; ++n8) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
-                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
+                const int col = n8 * 8 + 2 * (lane & 3) + e;
+                const bool ok = kv[col] != 0;
+                if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
+                if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
             }
         }
-        const int slot = n % kMsStash;
+    };
+    // The row maxima mx of half h of tile n (reduced over the quad) into the stash; after the
+    // tile's last half the stage goes back to the producer and full stash rows are stored.
+    auto stash_rows = [&](int n, int h, const float* mx) {
+        const int stage = n % STAGES, t = t_begin + n, slot = n % kMsStash;
         if ((lane & 3) == 0) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) stash[(row0(h) + (lane >> 2) + 8 * e) * (kMsStash + 1) + slot] = mx[e] * score_scale;
@@ -1384,23 +1362,58 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
     };
 
     if constexpr (!Cfg::NARROW) {
+        // Row maxima of unit u (half h of tile u / HALVES, all 128 keys) from `acc`.
+        auto epilogue = [&](int u, int h, const float* acc) {
+            const int n = u / HALVES, t = t_begin + n;
+            const int kbase = t * kMsBlock;
+            const bool holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
+            const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
+            float mx[2];
+            // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
+            // bound: a whole tile's maxima by bit patterns (float_max.cuh), two values per
+            // instruction, where every row of the warp holds a value >= 0; the rest by fmaxf.
+            bool done = false;
+            if constexpr (sizeof(T) == 1) {
+                if (!edge) {
+                    int bm[2] = {kBitsMaxStart, kBitsMaxStart};
+#pragma unroll
+                    for (int n8 = 0; n8 < NB; ++n8) {
+                        bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
+                        bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        bm[e] = quad_bits_max(bm[e]);
+                        mx[e] = __int_as_float(bm[e]);
+                    }
+                    done = __all_sync(kFullMask, (bm[0] | bm[1]) >= 0);
+                }
+            }
+            if (!done) {
+                if (!edge) fmax_rows(acc, mx);
+                else fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock, kbase, h, mx);
+#pragma unroll
+                for (int e = 0; e < 2; ++e) mx[e] = quad_max(mx[e]);
+            }
+            stash_rows(n, h, mx);
+        };
         // Units u (acc0) and u + 1 (acc1) per iteration; at the loop head unit u is in flight.
         const int units = (t_end - t_begin) * HALVES;
         float acc0[64], acc1[64];
-        issue(0, 0, acc0);
+        issue(0, 0, 0, acc0);
         int u = 0;
         for (; u + 2 < units; u += 2) {
-            issue(u + 1, HALVES - 1, acc1);
+            issue((u + 1) / HALVES, HALVES - 1, 0, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<64>(acc0);
             epilogue(u, 0, acc0);
-            issue(u + 2, 0, acc0);
+            issue((u + 2) / HALVES, 0, 0, acc0);
             attn::wg_wait<1>();
             attn::wg_fence_regs<64>(acc1);
             epilogue(u + 1, HALVES - 1, acc1);
         }
         if (u + 1 < units) {  // the last two units
-            issue(u + 1, HALVES - 1, acc1);
+            issue((u + 1) / HALVES, HALVES - 1, 0, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<64>(acc0);
             epilogue(u, 0, acc0);
@@ -1413,37 +1426,14 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             epilogue(u, 0, acc0);
         }
     } else {
-        // NARROW: unit (tile n, half h, column half c) against keys 64 c .. 64 c + 63 of the tile,
-        // into one of two 32-register sets; the four units of a tile alternate the sets, and the
-        // row maxima of a half are completed (quad reduction, stash) after its second column half.
-        constexpr int NB = Cfg::UNIT_N / 8;  // 8-column accumulator blocks of a unit
-        auto issue_n = [&](int n, int h, int cx, float* acc) {
-            const int stage = n % STAGES;
-            if (h == 0 && cx == 0) {
-                mbar_wait(full_bar + 8u * stage, (n / STAGES) & 1);
-                attn::fence_proxy_async_smem();  // the producer's cp.async bytes, to wgmma's proxy
-                const u32 f = reinterpret_cast<const u32*>(kvalid + stage * kMsBlock)[lane];
-                if (n & 1) flags1 = f; else flags0 = f;
-            }
-            // keys 64 cx ..: 64 rows of 128 bytes further (whole 1024-byte swizzle atoms)
-            const attn::u64 k_desc = attn::wg_desc(
-                smem_base + (u32)(stage * Cfg::K_TILE_BYTES + cx * Cfg::UNIT_N * 128), 16, 1024);
-            attn::wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                const u32 ko = (u32)((ks >> 2) * (kMsBlock * 128) + (ks & 3) * 32);
-                const attn::u64 kd = attn::wg_desc_add(k_desc, ko);
-                if (ks == 0) attn::WgmmaRSKMajor<Cfg::UNIT_N, T>::first(acc, qf[h][ks], kd);
-                else attn::WgmmaRSKMajor<Cfg::UNIT_N, T>::run(acc, qf[h][ks], kd, 1);
-            }
-            attn::wg_commit();
-        };
+        // NARROW: unit (tile n, half h, column half cx) against keys 64 cx .. 64 cx + 63 of the
+        // tile, into one of two 32-register sets; the four units of a tile alternate the sets,
+        // and the row maxima of a half are completed (quad reduction, stash) after its second
+        // column half.
         float pend[2];  // this thread's maxima of the half's first column half (before the quad)
         bool holes = false;  // the tile has keys without a K row (voted once per tile)
-        auto epilogue_n = [&](int n, int h, int cx, const float* acc) {
-            const int stage = n % STAGES, t = t_begin + n;
-            const int kbase = t * kMsBlock + cx * Cfg::UNIT_N;
-            const unsigned char* kv = kvalid + stage * kMsBlock + cx * Cfg::UNIT_N;
+        auto epilogue = [&](int n, int h, int cx, const float* acc) {
+            const int t = t_begin + n;
             if (h == 0 && cx == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
             // Per thread (the paths below hold no warp-wide step): its rows reach past the tile's
             // causal limit, or the tile has holes.
@@ -1466,25 +1456,9 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
                 done = (bm0 | bm1) >= 0;
             }
             if (!done) {
-                mx[0] = mx[1] = neg_inf();
-                if (!edge) {
-#pragma unroll
-                    for (int n8 = 0; n8 < NB; ++n8) {
-                        mx[0] = fmaxf(mx[0], fmaxf(acc[4 * n8], acc[4 * n8 + 1]));
-                        mx[1] = fmaxf(mx[1], fmaxf(acc[4 * n8 + 2], acc[4 * n8 + 3]));
-                    }
-                } else {
-#pragma unroll
-                    for (int n8 = 0; n8 < NB; ++n8) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = n8 * 8 + 2 * (lane & 3) + e;
-                            const bool ok = kv[col] != 0;
-                            if (ok && kbase + col < lim[h][0]) mx[0] = fmaxf(mx[0], acc[4 * n8 + e]);
-                            if (ok && kbase + col < lim[h][1]) mx[1] = fmaxf(mx[1], acc[4 * n8 + 2 + e]);
-                        }
-                    }
-                }
+                if (!edge) fmax_rows(acc, mx);
+                else fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock + cx * Cfg::UNIT_N,
+                                      t * kMsBlock + cx * Cfg::UNIT_N, h, mx);
             }
             if (cx == 0) {
                 pend[0] = mx[0];
@@ -1492,33 +1466,8 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
                 return;
             }
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                mx[e] = fmaxf(mx[e], pend[e]);
-                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 1));
-                mx[e] = fmaxf(mx[e], __shfl_xor_sync(kFullMask, mx[e], 2));
-            }
-            const int slot = n % kMsStash;
-            if ((lane & 3) == 0) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    stash[(row0(h) + (lane >> 2) + 8 * e) * (kMsStash + 1) + slot] = mx[e] * score_scale;
-            }
-            if (h == HALVES - 1) {
-                __syncwarp();                         // the stash rows, before the store below reads them
-                mbar_arrive(empty_bar + 8u * stage);  // every thread: its own key-flag reads are done
-                if (slot == kMsStash - 1 || t == t_end - 1) {  // store the staged blocks of the warp's rows
-                    const int t_first = t - slot;
-#pragma unroll
-                    for (int rr = 0; rr < 16 * HALVES; rr += 2) {
-                        const int rw = rr + (lane >> 4), cc = lane & 15;
-                        const long long o = __shfl_sync(kFullMask, out_off, rw);
-                        const float v = stash[(row0(rw >> 4) + (rw & 15)) * (kMsStash + 1) + cc];
-                        float* const dst = max_score + (o + t_first + cc);
-                        if (o >= 0 && cc <= slot) *dst = v;
-                    }
-                    __syncwarp();
-                }
-            }
+            for (int e = 0; e < 2; ++e) mx[e] = quad_max(fmaxf(mx[e], pend[e]));
+            stash_rows(n, h, mx);
         };
         static_assert(Cfg::NARROW ? (HALVES == 2 && Cfg::COLS == 2) : true, "four units per tile");
         // Units of tile n: (h 0, c 0) acc0, (0, 1) acc1, (1, 0) acc0, (1, 1) acc1, each issued
@@ -1527,22 +1476,22 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         constexpr int ACC = Cfg::UNIT_N / 2;
         float acc0[ACC], acc1[ACC];
         for (int n = 0; n < t_end - t_begin; ++n) {
-            issue_n(n, 0, 0, acc0);
-            issue_n(n, 0, 1, acc1);
+            issue(n, 0, 0, acc0);
+            issue(n, 0, 1, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc0);
-            epilogue_n(n, 0, 0, acc0);
-            issue_n(n, 1, 0, acc0);
+            epilogue(n, 0, 0, acc0);
+            issue(n, 1, 0, acc0);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc1);
-            epilogue_n(n, 0, 1, acc1);
-            issue_n(n, 1, 1, acc1);
+            epilogue(n, 0, 1, acc1);
+            issue(n, 1, 1, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc0);
-            epilogue_n(n, 1, 0, acc0);
+            epilogue(n, 1, 0, acc0);
             attn::wg_wait<0>();
             attn::wg_fence_regs<ACC>(acc1);
-            epilogue_n(n, 1, 1, acc1);
+            epilogue(n, 1, 1, acc1);
         }
     }
     // Blocks past the CTA's last admissible key.

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from .topk import TopkProblem
 
 __all__ = [
-    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIGS", "FP8_WS_CONFIG", "MAX_SCORE_CONFIGS", "MaxScoreConfig", "WS_CONFIG",
+    "DECODE_CONFIGS", "FP8_DECODE_MAX_ROWS", "FP8_PREFILL_CONFIGS", "FP8_WS_CONFIG", "MAX_SCORE_CONFIGS",
+    "MaxScoreConfig", "WS_CONFIG",
     "decode_splits", "TopkConfig", "block_topk_config", "launch_topk", "max_score_smem_bytes",
     "max_score_splits", "run_max_score", "select_max_score_config", "select_topk_config", "stream_topk_config",
 ]

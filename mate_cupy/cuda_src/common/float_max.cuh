@@ -38,6 +38,12 @@ __device__ __forceinline__ int bits_max_tree(const float (&v)[N]) {
     }
 }
 
+// The maximum of a float over a row's quad (lanes 4 g .. 4 g + 3).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
 // The maximum of a bit-pattern value over a row's quad (lanes 4 g .. 4 g + 3).
 __device__ __forceinline__ int quad_bits_max(int x) {
     x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
