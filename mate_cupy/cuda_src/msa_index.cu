@@ -1114,7 +1114,6 @@ struct MaxScoreWsTile {
     static constexpr int CONSUMERS = NARROW ? 3 : 2;    // consumer warpgroups
     static constexpr int UNIT_N = NARROW ? 64 : 128;    // keys per MMA unit
     static constexpr int COLS = kMsBlock / UNIT_N;      // units per (tile, half)
-    static constexpr int TILE_GROUP = 2;                // NARROW: tiles per group (MMAs in flight across its tiles)
     static constexpr int WG_ROWS = 64 * HALVES;
     static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -1472,14 +1471,12 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         };
         static_assert(Cfg::NARROW ? (HALVES == 2 && Cfg::COLS == 2) : true, "four units per tile");
         // Units of tile n: (h 0, c 0) acc0, (0, 1) acc1, (1, 0) acc0, (1, 1) acc1, each issued
-        // before the previous one's epilogue. Tiles go in groups of TILE_GROUP, each tile's first
-        // unit issued before the previous tile's last epilogue; no MMA stays in flight from one
-        // group to the next (ptxas serialises the MMAs of this loop when one crosses its back edge).
+        // before the previous one's epilogue; no MMA stays in flight from one tile to the next
+        // (the tile's last epilogue runs under the other consumer warpgroups' MMAs).
         constexpr int ACC = Cfg::UNIT_N / 2;
         float acc0[ACC], acc1[ACC];
-        // Tile n's units after its first (h 0, c 0, in flight in acc0); the last, (1, 1), is left
-        // in flight in acc1.
-        auto tile_units = [&](int n) {
+        for (int n = 0; n < t_end - t_begin; ++n) {
+            issue(n, 0, 0, acc0);
             issue(n, 0, 1, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc0);
@@ -1492,33 +1489,9 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc0);
             epilogue(n, 1, 0, acc0);
-        };
-        auto last_unit = [&](int n) {
             attn::wg_wait<0>();
             attn::wg_fence_regs<ACC>(acc1);
             epilogue(n, 1, 1, acc1);
-        };
-        const int tiles = t_end - t_begin;
-        int n = 0;
-        for (; n + Cfg::TILE_GROUP <= tiles; n += Cfg::TILE_GROUP) {
-            issue(n, 0, 0, acc0);
-#pragma unroll
-            for (int j = 0; j < Cfg::TILE_GROUP; ++j) {
-                tile_units(n + j);
-                if (j + 1 < Cfg::TILE_GROUP) {
-                    issue(n + j + 1, 0, 0, acc0);
-                    attn::wg_wait<1>();
-                    attn::wg_fence_regs<ACC>(acc1);
-                    epilogue(n + j, 1, 1, acc1);
-                } else {
-                    last_unit(n + j);
-                }
-            }
-        }
-        for (; n < tiles; ++n) {  // the last tiles, one at a time
-            issue(n, 0, 0, acc0);
-            tile_units(n);
-            last_unit(n);
         }
     }
     // Blocks past the CTA's last admissible key.
