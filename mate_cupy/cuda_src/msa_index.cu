@@ -1106,21 +1106,19 @@ struct MaxScoreWsTile {
     static_assert(CPR <= 32, "a warp copies a row per instruction at least");
     static constexpr int EPC = 16 / (int)sizeof(T);     // values per chunk
     static constexpr int KSTEPS = RB / 32;              // wgmma k-steps of 32 bytes
-    // float8 at D <= 128 (rows of at most 128 bytes): four consumer warpgroups of one 64-row
-    // half each and 64-key units (m64n64, two 32-register accumulator sets each), since with two
-    // warpgroups the row-max epilogue of a unit outlasts the MMA work queued behind it;
-    // otherwise two of 128-key units.
+    static constexpr int HALVES = SRB <= 256 ? 2 : 1;   // 64-row MMA units per consumer warpgroup
+    // float8 at D <= 128 (rows of at most 128 bytes): three consumer warpgroups of 64-key units
+    // (m64n64, two 32-register accumulator sets each), since with two warpgroups the row-max
+    // epilogue of a unit outlasts the MMA work queued behind it; otherwise two of 128-key units.
     static constexpr bool NARROW = sizeof(T) == 1 && SRB <= 128;
-    static constexpr int HALVES = NARROW ? 1 : SRB <= 256 ? 2 : 1;   // 64-row MMA units per consumer warpgroup
-    static constexpr int CONSUMERS = NARROW ? 4 : 2;    // consumer warpgroups
+    static constexpr int CONSUMERS = NARROW ? 3 : 2;    // consumer warpgroups
     static constexpr int UNIT_N = NARROW ? 64 : 128;    // keys per MMA unit
     static constexpr int COLS = kMsBlock / UNIT_N;      // units per (tile, half)
-    static constexpr int TILE_GROUP = 4;                // NARROW: tiles per group (MMAs in flight across its tiles)
     static constexpr int WG_ROWS = 64 * HALVES;
     static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     // setmaxnreg: 128 56 + 256 224 <= 64 K (two consumers), 128 40 + 384 152 <= 64 K (three)
-    static constexpr int PRODUCER_REGS = NARROW ? 32 : 56, CONSUMER_REGS = NARROW ? 112 : 224;
+    static constexpr int PRODUCER_REGS = NARROW ? 40 : 56, CONSUMER_REGS = NARROW ? 152 : 224;
     static constexpr int K_TILE_BYTES = kMsBlock * SRB;
     static constexpr int Q_BYTES = BM * SRB;
     static constexpr int STASH_BYTES = BM * (kMsStash + 1) * 4;
@@ -1428,17 +1426,18 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             epilogue(u, 0, acc0);
         }
     } else {
-        // NARROW: unit u = (tile u / 2, column half u % 2) of the warpgroup's 64 rows against
-        // keys 64 cx .. 64 cx + 63 of the tile, column half 0 in acc0, 1 in acc1; the row maxima
-        // are completed (quad reduction, stash) after the second column half.
-        float pend[2];  // this thread's maxima of the tile's first column half (before the quad)
+        // NARROW: unit (tile n, half h, column half cx) against keys 64 cx .. 64 cx + 63 of the
+        // tile, into one of two 32-register sets; the four units of a tile alternate the sets,
+        // and the row maxima of a half are completed (quad reduction, stash) after its second
+        // column half.
+        float pend[2];  // this thread's maxima of the half's first column half (before the quad)
         bool holes = false;  // the tile has keys without a K row (voted once per tile)
-        auto epilogue = [&](int n, int cx, const float* acc) {
+        auto epilogue = [&](int n, int h, int cx, const float* acc) {
             const int t = t_begin + n;
-            if (cx == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
+            if (h == 0 && cx == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
             // Per thread (the paths below hold no warp-wide step): its rows reach past the tile's
             // causal limit, or the tile has holes.
-            const bool edge = t * kMsBlock + kMsBlock > lim_min[0] || holes;
+            const bool edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
             // This thread's maxima of its two rows over the unit's columns: by bit patterns
             // where each row holds a value >= 0 (a tree of three-input maxima), else (and on
             // edge tiles) by fmaxf.
@@ -1459,7 +1458,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             if (!done) {
                 if (!edge) fmax_rows(acc, mx);
                 else fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock + cx * Cfg::UNIT_N,
-                                      t * kMsBlock + cx * Cfg::UNIT_N, 0, mx);
+                                      t * kMsBlock + cx * Cfg::UNIT_N, h, mx);
             }
             if (cx == 0) {
                 pend[0] = mx[0];
@@ -1468,41 +1467,31 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             }
 #pragma unroll
             for (int e = 0; e < 2; ++e) mx[e] = quad_max(fmaxf(mx[e], pend[e]));
-            stash_rows(n, 0, mx);
+            stash_rows(n, h, mx);
         };
-        static_assert(Cfg::NARROW ? (HALVES == 1 && Cfg::COLS == 2) : true, "two units per tile");
-        // Units u (acc0, column half 0 of tile u / 2) and u + 1 (acc1, column half 1) per
-        // iteration, each issued before the previous one's epilogue; at the loop head unit u is
-        // in flight.
+        static_assert(Cfg::NARROW ? (HALVES == 2 && Cfg::COLS == 2) : true, "four units per tile");
+        // Units of tile n: (h 0, c 0) acc0, (0, 1) acc1, (1, 0) acc0, (1, 1) acc1, each issued
+        // before the previous one's epilogue; no MMA stays in flight from one tile to the next
+        // (the tile's last epilogue runs under the other consumer warpgroups' MMAs).
         constexpr int ACC = Cfg::UNIT_N / 2;
         float acc0[ACC], acc1[ACC];
-        // Tiles in groups of TILE_GROUP: each tile's first unit is issued before the previous
-        // tile's last epilogue inside a group; the group's last unit is waited for alone.
-        constexpr int G = Cfg::TILE_GROUP;
-        const int tiles = t_end - t_begin;
-        int n = 0;
-        auto tile = [&](int n, bool next) {
+        for (int n = 0; n < t_end - t_begin; ++n) {
+            issue(n, 0, 0, acc0);
             issue(n, 0, 1, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc0);
-            epilogue(n, 0, acc0);
-            if (next) {
-                issue(n + 1, 0, 0, acc0);
-                attn::wg_wait<1>();
-            } else {
-                attn::wg_wait<0>();
-            }
+            epilogue(n, 0, 0, acc0);
+            issue(n, 1, 0, acc0);
+            attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc1);
-            epilogue(n, 1, acc1);
-        };
-        for (; n + G <= tiles; n += G) {
-            issue(n, 0, 0, acc0);
-#pragma unroll
-            for (int j = 0; j < G; ++j) tile(n + j, j + 1 < G);
-        }
-        for (; n < tiles; ++n) {
-            issue(n, 0, 0, acc0);
-            tile(n, false);
+            epilogue(n, 0, 1, acc1);
+            issue(n, 1, 1, acc1);
+            attn::wg_wait<1>();
+            attn::wg_fence_regs<ACC>(acc0);
+            epilogue(n, 1, 0, acc0);
+            attn::wg_wait<0>();
+            attn::wg_fence_regs<ACC>(acc1);
+            epilogue(n, 1, 1, acc1);
         }
     }
     // Blocks past the CTA's last admissible key.

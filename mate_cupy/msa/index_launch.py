@@ -101,8 +101,7 @@ class MaxScoreConfig:
         if self.decode:
             return 8 * self.row_blocks
         if self.mma == "wgmma":   # MaxScoreWsTile::BM: consumer warpgroups of 1 or 2 64-row halves
-            narrow = elem_bytes == 1 and _srb(d, elem_bytes) <= 128
-            return (self.num_warps // 4 - 1) * 64 * (2 if _srb(d, elem_bytes) <= 256 and not narrow else 1)
+            return (self.num_warps // 4 - 1) * 64 * (2 if _srb(d, elem_bytes) <= 256 else 1)
         return 16 * self.num_warps
 
 
@@ -150,7 +149,7 @@ MAX_SCORE_SPECS.update({
 })
 # float8 rows of at most 128 bytes (D 64, 128): three consumer warpgroups of 64-key units
 # (MaxScoreWsTile::NARROW); D 256: the 16-bit prefill kernel's two.
-FP8_WS_CONFIG = MaxScoreConfig("wgmma", 20)
+FP8_WS_CONFIG = MaxScoreConfig("wgmma", 16)
 FP8_PREFILL_CONFIGS = {d: FP8_WS_CONFIG if _srb(d, 1) <= 128 else WS_CONFIG for d in MAX_SCORE_HEAD_DIMS}
 MAX_SCORE_SPECS.update({
     (FP8_E4M3, d, cfg): register(SOURCE, _max_score_name(FP8_E4M3, d, cfg), only_arch=SM90A)
