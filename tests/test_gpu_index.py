@@ -973,7 +973,9 @@ def test_ws_max_score_negative_blocks(rng, dtype):
     """Blocks whose scores are all negative for some rows of a warp and not for others (the
     float8 kernel's bit-pattern maxima hold only where a value is >= 0; the float path takes
     the rest): q rows of one sign each (runs of 5, so a warp's 16 rows mix signs), keys of one
-    sign per block of 128 except a mixed one, zeros in one block (maxima of +0 and -0)."""
+    sign per block of 128 except a mixed one and two whose 64-key halves have opposite signs
+    (one 64-key MMA unit of a row negative, the other not), zeros in one block (maxima of +0
+    and -0)."""
     _needs_sm90()
     hq, hkv, d = 4, 1, 128
     qo, kv = np.array([300, 70], dtype=np.int32), np.array([1000, 700], dtype=np.int32)
@@ -985,6 +987,9 @@ def test_ws_max_score_negative_blocks(rng, dtype):
     key_block = (np.arange(total_k) - np.repeat(cu_k[:-1], kv)) // BLOCK
     k_signs = np.where(key_block % 2 == 0, 1.0, -1.0)
     k_signs[key_block == 3] = rng.choice([-1.0, 1.0], size=int((key_block == 3).sum()))
+    first_half = (np.arange(total_k) - np.repeat(cu_k[:-1], kv)) % BLOCK < BLOCK // 2
+    k_signs[key_block == 1] = np.where(first_half, 1.0, -1.0)[key_block == 1]
+    k_signs[key_block == 4] = np.where(first_half, -1.0, 1.0)[key_block == 4]
     k = signed_rows(gen(rng, (total_k, hkv, d)), k_signs)
     k[key_block == 5] = 0
     nt = -(-int(kv.max()) // BLOCK) + 1

@@ -549,9 +549,9 @@ def test_ws_max_score_long_keys_emulated(emu, rng, dtype, d, heads, causal, lazy
 @pytest.mark.slow
 def test_ws_max_score_negative_blocks_emulated(emu, rng):
     """float8 blocks whose scores are all negative for some rows of a warp and not for others,
-    and a block of zero keys: the kernel's bit-pattern maxima where every row of a warp holds a
-    value >= 0 (per thread in the three-warpgroup float8 kernel), the float path elsewhere
-    (test_gpu_index.test_ws_max_score_negative_blocks)."""
+    blocks whose two 64-key halves have opposite signs (one 64-key MMA unit of a row negative,
+    the other not), and a block of zero keys: the kernel's bit-pattern maxima where a row holds
+    a value >= 0, the float path elsewhere (test_gpu_index.test_ws_max_score_negative_blocks)."""
     H, run = emu
     hq, hkv, d = 4, 1, 64
     qo, kv = np.array([40], dtype=np.int32), np.array([700], dtype=np.int32)
@@ -559,7 +559,11 @@ def test_ws_max_score_negative_blocks_emulated(emu, rng):
     ints = lambda shape: rng.integers(1, 4, size=shape).astype(np.float32).astype(FP8)  # noqa: E731
     q = signed_rows(ints((40, hq, d)), np.where(np.arange(40) // 5 % 2 == 0, 1.0, -1.0))
     key_block = np.arange(700) // BLOCK
-    k = signed_rows(ints((700, hkv, d)), np.where(key_block % 2 == 0, 1.0, -1.0))
+    k_signs = np.where(key_block % 2 == 0, 1.0, -1.0)
+    first_half = np.arange(700) % BLOCK < BLOCK // 2
+    k_signs[key_block == 1] = np.where(first_half, 1.0, -1.0)[key_block == 1]
+    k_signs[key_block == 3] = np.where(first_half, -1.0, 1.0)[key_block == 3]
+    k = signed_rows(ints((700, hkv, d)), k_signs)
     k[key_block == 4] = 0
     nt = -(-700 // BLOCK) + 1
     want = ref.block_max_score(q, k, cu_q, cu_k, qo_offset=off, causal=True, max_k_tiles=nt, qo_lens=qo, kv_lens=kv)
