@@ -1117,11 +1117,11 @@ struct MaxScoreWsTile {
     static constexpr int WG_ROWS = 64 * HALVES;
     static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
-    // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 (two consumers), 128 x 40 +
-    // 384 x 152 (three). setmaxnreg moves registers inside the CTA's launch allocation
-    // (__launch_bounds__(THREADS, 1): the 64K file per thread, in multiples of 8); a claim beyond
-    // it would wait forever.
-    static constexpr int PRODUCER_REGS = NARROW ? 40 : 56, CONSUMER_REGS = NARROW ? 152 : 224;
+    // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 (two consumers), 128 x 32 +
+    // 384 x 160 (three: three 32-register accumulator sets and 32 of Q each). setmaxnreg moves
+    // registers inside the CTA's launch allocation (__launch_bounds__(THREADS, 1): the 64K file
+    // per thread, in multiples of 8); a claim beyond it would wait forever.
+    static constexpr int PRODUCER_REGS = NARROW ? 32 : 56, CONSUMER_REGS = NARROW ? 160 : 224;
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
     static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS &&
                       PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && CONSUMER_REGS <= 256,
@@ -1434,22 +1434,17 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
     } else {
         // NARROW: unit (tile n, half h, column half cx) against keys 64 cx .. 64 cx + 63 of the
-        // tile, into one of two 32-register sets; the four units of a tile alternate the sets,
-        // and the row maxima of a half are completed (quad reduction, stash) after its second
-        // column half.
-        float pend[2];  // this thread's maxima of the half's first column half (before the quad)
+        // tile, into one of three 32-register sets (a tile's units in sets 0, 1, 2, 0): a half's
+        // first column half stays in its set until the second's epilogue, so the negative check
+        // and its fmaxf fallback run once per half over both; the first column half's bit-pattern
+        // maxima are carried into the second's tree.
+        float pend[2];       // this thread's maxima of the half's first column half (bits or, on edges, fmaxf)
         bool holes = false;  // the tile has keys without a K row (voted once per tile)
-        auto epilogue = [&](int n, int h, int cx, const float* acc) {
+        bool edge = false;   // per thread and half: its rows reach past the tile's causal limit, or holes
+        auto first_cols = [&](int n, int h, const float* acc) {
             const int t = t_begin + n;
-            if (h == 0 && cx == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
-            // Per thread (the paths below hold no warp-wide step): its rows reach past the tile's
-            // causal limit, or the tile has holes.
-            const bool edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
-            // This thread's maxima of its two rows over the unit's columns: by bit patterns
-            // where each row holds a value >= 0 (a tree of three-input maxima), else (and on
-            // edge tiles) by fmaxf.
-            float mx[2];
-            bool done = false;
+            if (h == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
+            edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
             if (!edge) {
                 float r0[2 * NB], r1[2 * NB];
 #pragma unroll
@@ -1457,48 +1452,70 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
                     r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
                     r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
                 }
+                pend[0] = __int_as_float(bits_max_tree(r0));
+                pend[1] = __int_as_float(bits_max_tree(r1));
+            } else {
+                fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock, t * kMsBlock, h, pend);
+            }
+        };
+        // The second column half (acc; the first still in acc_first): this thread's maxima of its
+        // two rows over the half's 128 keys, by bit patterns where each row holds a value >= 0,
+        // else (and on edges) by fmaxf; then the quad reduction and the stash.
+        auto second_cols = [&](int n, int h, const float* acc_first, const float* acc) {
+            const int t = t_begin + n;
+            float mx[2];
+            if (!edge) {
+                float r0[2 * NB + 1], r1[2 * NB + 1];
+#pragma unroll
+                for (int n8 = 0; n8 < NB; ++n8) {
+                    r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
+                    r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
+                }
+                r0[2 * NB] = pend[0];
+                r1[2 * NB] = pend[1];
                 const int bm0 = bits_max_tree(r0), bm1 = bits_max_tree(r1);
                 mx[0] = __int_as_float(bm0);
                 mx[1] = __int_as_float(bm1);
-                done = (bm0 | bm1) >= 0;
-            }
-            if (!done) {
-                if (!edge) fmax_rows(acc, mx);
-                else fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock + cx * Cfg::UNIT_N,
-                                      t * kMsBlock + cx * Cfg::UNIT_N, h, mx);
-            }
-            if (cx == 0) {
-                pend[0] = mx[0];
-                pend[1] = mx[1];
-                return;
+                if ((bm0 | bm1) < 0) {  // a row without a value >= 0 among the thread's 32
+                    float m0[2], m1[2];
+                    fmax_rows(acc_first, m0);
+                    fmax_rows(acc, m1);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) mx[e] = fmaxf(m0[e], m1[e]);
+                }
+            } else {
+                fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock + Cfg::UNIT_N, t * kMsBlock + Cfg::UNIT_N,
+                                 h, mx);
+#pragma unroll
+                for (int e = 0; e < 2; ++e) mx[e] = fmaxf(mx[e], pend[e]);
             }
 #pragma unroll
-            for (int e = 0; e < 2; ++e) mx[e] = quad_max(fmaxf(mx[e], pend[e]));
+            for (int e = 0; e < 2; ++e) mx[e] = quad_max(mx[e]);
             stash_rows(n, h, mx);
         };
         static_assert(Cfg::NARROW ? (HALVES == 2 && Cfg::COLS == 2) : true, "four units per tile");
-        // Units of tile n: (h 0, c 0) acc0, (0, 1) acc1, (1, 0) acc0, (1, 1) acc1, each issued
+        // Units of tile n: (h 0, c 0) set 0, (0, 1) set 1, (1, 0) set 2, (1, 1) set 0, each issued
         // before the previous one's epilogue; no MMA stays in flight from one tile to the next
         // (the tile's last epilogue runs under the other consumer warpgroups' MMAs).
         constexpr int ACC = Cfg::UNIT_N / 2;
-        float acc0[ACC], acc1[ACC];
+        float acc0[ACC], acc1[ACC], acc2[ACC];
         for (int n = 0; n < t_end - t_begin; ++n) {
             issue(n, 0, 0, acc0);
             issue(n, 0, 1, acc1);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc0);
-            epilogue(n, 0, 0, acc0);
-            issue(n, 1, 0, acc0);
+            first_cols(n, 0, acc0);
+            issue(n, 1, 0, acc2);
             attn::wg_wait<1>();
             attn::wg_fence_regs<ACC>(acc1);
-            epilogue(n, 0, 1, acc1);
-            issue(n, 1, 1, acc1);
+            second_cols(n, 0, acc0, acc1);
+            issue(n, 1, 1, acc0);
             attn::wg_wait<1>();
-            attn::wg_fence_regs<ACC>(acc0);
-            epilogue(n, 1, 0, acc0);
+            attn::wg_fence_regs<ACC>(acc2);
+            first_cols(n, 1, acc2);
             attn::wg_wait<0>();
-            attn::wg_fence_regs<ACC>(acc1);
-            epilogue(n, 1, 1, acc1);
+            attn::wg_fence_regs<ACC>(acc0);
+            second_cols(n, 1, acc2, acc0);
         }
     }
     // Blocks past the CTA's last admissible key.
