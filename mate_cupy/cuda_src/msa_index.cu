@@ -1118,13 +1118,9 @@ struct MaxScoreWsTile {
     static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 (two consumers), 128 x 40 +
-    // 384 x 152 (three). setmaxnreg moves registers inside the CTA's launch allocation
-    // (__launch_bounds__(THREADS, 1): the 64K file per thread, in multiples of 8); a claim beyond
-    // it would wait forever.
+    // 384 x 152 (three).
     static constexpr int PRODUCER_REGS = NARROW ? 40 : 56, CONSUMER_REGS = NARROW ? 152 : 224;
-    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
-    static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS &&
-                      PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && CONSUMER_REGS <= 256,
+    static_assert(setmaxnreg_fits(THREADS, CONSUMERS, PRODUCER_REGS, CONSUMER_REGS),
                   "setmaxnreg: multiples of 8 within the launch allocation");
     static constexpr int K_TILE_BYTES = kMsBlock * SRB;
     static constexpr int Q_BYTES = BM * SRB;
