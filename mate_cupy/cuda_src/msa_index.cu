@@ -1311,8 +1311,19 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
         attn::wg_commit();
     };
-    // This thread's maxima of its two rows over a unit's columns by fmaxf (the fallback of the
-    // bit-pattern maxima)...
+    // This thread's maxima of its two rows over a unit's columns as bit patterns (float_max.cuh:
+    // the float maxima where a row holds a value >= 0), each a tree of three-input maxima...
+    auto bits_rows = [&](const float* acc, int* bm) {
+        float r0[2 * NB], r1[2 * NB];
+#pragma unroll
+        for (int n8 = 0; n8 < NB; ++n8) {
+            r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
+            r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
+        }
+        bm[0] = bits_max_tree(r0);
+        bm[1] = bits_max_tree(r1);
+    };
+    // ... by fmaxf (their fallback) ...
     auto fmax_rows = [&](const float* acc, float* mx) {
         mx[0] = mx[1] = neg_inf();
 #pragma unroll
@@ -1373,17 +1384,13 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
             float mx[2];
             // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
-            // bound: a whole tile's maxima by bit patterns (float_max.cuh), two values per
-            // instruction, where every row of the warp holds a value >= 0; the rest by fmaxf.
+            // bound: a whole tile's maxima by bit patterns, two values per instruction, where
+            // every row of the warp holds a value >= 0; the rest by fmaxf.
             bool done = false;
             if constexpr (sizeof(T) == 1) {
                 if (!edge) {
-                    int bm[2] = {kBitsMaxStart, kBitsMaxStart};
-#pragma unroll
-                    for (int n8 = 0; n8 < NB; ++n8) {
-                        bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
-                        bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
-                    }
+                    int bm[2];
+                    bits_rows(acc, bm);
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         bm[e] = quad_bits_max(bm[e]);
@@ -1442,21 +1449,15 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             // causal limit, or the tile has holes.
             const bool edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
             // This thread's maxima of its two rows over the unit's columns: by bit patterns
-            // where each row holds a value >= 0 (a tree of three-input maxima), else (and on
-            // edge tiles) by fmaxf.
+            // where each row holds a value >= 0, else (and on edge tiles) by fmaxf.
             float mx[2];
             bool done = false;
             if (!edge) {
-                float r0[2 * NB], r1[2 * NB];
-#pragma unroll
-                for (int n8 = 0; n8 < NB; ++n8) {
-                    r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
-                    r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
-                }
-                const int bm0 = bits_max_tree(r0), bm1 = bits_max_tree(r1);
-                mx[0] = __int_as_float(bm0);
-                mx[1] = __int_as_float(bm1);
-                done = (bm0 | bm1) >= 0;
+                int bm[2];
+                bits_rows(acc, bm);
+                mx[0] = __int_as_float(bm[0]);
+                mx[1] = __int_as_float(bm[1]);
+                done = (bm[0] | bm[1]) >= 0;
             }
             if (!done) {
                 if (!edge) fmax_rows(acc, mx);
