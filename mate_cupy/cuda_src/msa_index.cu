@@ -1108,7 +1108,7 @@ struct MaxScoreWsTile {
     static constexpr int KSTEPS = RB / 32;              // wgmma k-steps of 32 bytes
     static constexpr int HALVES = SRB <= 256 ? 2 : 1;   // 64-row MMA units per consumer warpgroup
     // float8 at D <= 128 (rows of at most 128 bytes): three consumer warpgroups of 64-key units
-    // (m64n64, two 32-register accumulator sets each), since with two warpgroups the row-max
+    // (m64n64, three 32-register accumulator sets each), since with two warpgroups the row-max
     // epilogue of a unit outlasts the MMA work queued behind it; otherwise two of 128-key units.
     static constexpr bool NARROW = sizeof(T) == 1 && SRB <= 128;
     static constexpr int CONSUMERS = NARROW ? 3 : 2;    // consumer warpgroups
@@ -1118,13 +1118,9 @@ struct MaxScoreWsTile {
     static constexpr int BM = CONSUMERS * WG_ROWS;      // packed rows per CTA
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
     // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 (two consumers), 128 x 32 +
-    // 384 x 160 (three: three 32-register accumulator sets and 32 of Q each). setmaxnreg moves
-    // registers inside the CTA's launch allocation (__launch_bounds__(THREADS, 1): the 64K file
-    // per thread, in multiples of 8); a claim beyond it would wait forever.
+    // 384 x 160 (three: three 32-register accumulator sets and 32 of Q each).
     static constexpr int PRODUCER_REGS = NARROW ? 32 : 56, CONSUMER_REGS = NARROW ? 160 : 224;
-    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
-    static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS &&
-                      PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && PRODUCER_REGS >= 24 && CONSUMER_REGS <= 256,
+    static_assert(setmaxnreg_fits(THREADS, CONSUMERS, PRODUCER_REGS, CONSUMER_REGS),
                   "setmaxnreg: multiples of 8 within the launch allocation");
     static constexpr int K_TILE_BYTES = kMsBlock * SRB;
     static constexpr int Q_BYTES = BM * SRB;
@@ -1315,8 +1311,19 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
         attn::wg_commit();
     };
-    // This thread's maxima of its two rows over a unit's columns by fmaxf (the fallback of the
-    // bit-pattern maxima)...
+    // This thread's maxima of its two rows over a unit's columns as bit patterns (float_max.cuh:
+    // the float maxima where a row holds a value >= 0), each a tree of three-input maxima...
+    auto bits_rows = [&](const float* acc, int* bm) {
+        float r0[2 * NB], r1[2 * NB];
+#pragma unroll
+        for (int n8 = 0; n8 < NB; ++n8) {
+            r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
+            r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
+        }
+        bm[0] = bits_max_tree(r0);
+        bm[1] = bits_max_tree(r1);
+    };
+    // ... by fmaxf (their fallback) ...
     auto fmax_rows = [&](const float* acc, float* mx) {
         mx[0] = mx[1] = neg_inf();
 #pragma unroll
@@ -1377,17 +1384,13 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             const bool edge = __any_sync(kFullMask, kbase + kMsBlock > lim_min[h]) || holes;
             float mx[2];
             // float8, whose MMAs take half the time of 16-bit ones and leave the row maxima the
-            // bound: a whole tile's maxima by bit patterns (float_max.cuh), two values per
-            // instruction, where every row of the warp holds a value >= 0; the rest by fmaxf.
+            // bound: a whole tile's maxima by bit patterns, two values per instruction, where
+            // every row of the warp holds a value >= 0; the rest by fmaxf.
             bool done = false;
             if constexpr (sizeof(T) == 1) {
                 if (!edge) {
-                    int bm[2] = {kBitsMaxStart, kBitsMaxStart};
-#pragma unroll
-                    for (int n8 = 0; n8 < NB; ++n8) {
-                        bm[0] = bits_max3(bm[0], acc[4 * n8], acc[4 * n8 + 1]);
-                        bm[1] = bits_max3(bm[1], acc[4 * n8 + 2], acc[4 * n8 + 3]);
-                    }
+                    int bm[2];
+                    bits_rows(acc, bm);
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         bm[e] = quad_bits_max(bm[e]);
@@ -1446,14 +1449,10 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             if (h == 0) holes = !__all_sync(kFullMask, ((n & 1) ? flags1 : flags0) == 0x01010101u);
             edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
             if (!edge) {
-                float r0[2 * NB], r1[2 * NB];
-#pragma unroll
-                for (int n8 = 0; n8 < NB; ++n8) {
-                    r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
-                    r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
-                }
-                pend[0] = __int_as_float(bits_max_tree(r0));
-                pend[1] = __int_as_float(bits_max_tree(r1));
+                int bm[2];
+                bits_rows(acc, bm);
+                pend[0] = __int_as_float(bm[0]);
+                pend[1] = __int_as_float(bm[1]);
             } else {
                 fmax_rows_masked(acc, kvalid + (n % STAGES) * kMsBlock, t * kMsBlock, h, pend);
             }

@@ -40,14 +40,18 @@ def drop_function(src: str, name: str) -> str:
 
 
 def emulator_source() -> str:
-    """msa_index.cu with topk.cuh and float_max.cuh pasted in, the GPU headers and inline PTX left out."""
+    """msa_index.cu with topk.cuh, float_max.cuh and warp_specialized.cuh (its host part: the
+    compile-time checks) pasted in, the other GPU headers and inline PTX left out."""
     src = (CUDA_SRC / "msa_index.cu").read_text()
     topk = (CUDA_SRC / "common" / "topk.cuh").read_text()
     topk = topk.replace("#pragma once", "").replace('#include "dtype.cuh"', "")
-    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/attention_wgmma.cuh"',
-                '#include "common/warp_specialized.cuh"'):
+    for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/attention_wgmma.cuh"'):
         assert inc in src, inc
         src = src.replace(inc, "")
+    ws = (CUDA_SRC / "common" / "warp_specialized.cuh").read_text()
+    ws = ws.replace("#pragma once", "").replace('#include "dtype.cuh"', "")
+    assert '#include "common/warp_specialized.cuh"' in src
+    src = src.replace('#include "common/warp_specialized.cuh"', ws)
     assert '#include "common/topk.cuh"' in src
     src = src.replace('#include "common/topk.cuh"', topk)
     float_max = (CUDA_SRC / "common" / "float_max.cuh").read_text().replace("#pragma once", "")

@@ -92,11 +92,7 @@ struct MainloopSm90 {
     static constexpr int kThreads = 384;
     // Registers per thread after setmaxnreg (the host's choice, attention_launch.WS_REGISTERS).
     static constexpr int kProducerRegs = kRegs / 1000, kConsumerRegs = kRegs % 1000;
-    // setmaxnreg moves registers inside the CTA's launch allocation (__launch_bounds__(384, 1):
-    // the 64K file per thread, in multiples of 8); a claim beyond it would wait forever.
-    static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kLaunchRegs * kThreads && kProducerRegs % 8 == 0 &&
-                      kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+    static_assert(setmaxnreg_fits(kThreads, 2, kProducerRegs, kConsumerRegs),
                   "setmaxnreg: multiples of 8 within the launch allocation");
     static constexpr int kRowBytes = kD * 2;
     static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row

@@ -1,9 +1,22 @@
 // Synchronisation of warp-specialised sm_90 kernels (producer and consumer warpgroups):
 // mbarriers addressed as shared-space bytes, cp.async arrivals, named barriers and register
 // reallocation (PTX ISA "mbarrier", "cp.async.mbarrier.arrive", "bar", "setmaxnreg").
-// Compiled for the GPU only; the CPU emulators supply their own versions of these functions.
+// The functions are compiled for the GPU only (the CPU emulators supply their own versions);
+// setmaxnreg_fits, a compile-time check, everywhere.
 #pragma once
 #include "dtype.cuh"
+
+namespace mate {
+// Whether setmaxnreg budgets fit a CTA of `threads` launched at __launch_bounds__(threads, 1):
+// one producer warpgroup at `producer_regs` and `consumers` consumer warpgroups at
+// `consumer_regs` per thread, multiples of 8 in [24, 256], within the launch allocation (the
+// 64K file per thread, in multiples of 8). setmaxnreg only moves registers inside that
+// allocation: a claim beyond it waits forever.
+constexpr bool setmaxnreg_fits(int threads, int consumers, int producer_regs, int consumer_regs) {
+    return 128 * producer_regs + 128 * consumers * consumer_regs <= 65536 / threads / 8 * 8 * threads &&
+           producer_regs % 8 == 0 && consumer_regs % 8 == 0 && producer_regs >= 24 && consumer_regs <= 256;
+}
+}  // namespace mate
 
 #if defined(__CUDA_ARCH__)
 namespace mate {
