@@ -1311,18 +1311,22 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
         }
         attn::wg_commit();
     };
-    // This thread's maxima of its two rows over a unit's columns as bit patterns (float_max.cuh:
-    // the float maxima where a row holds a value >= 0), each a tree of three-input maxima...
-    auto bits_rows = [&](const float* acc, int* bm) {
-        float r0[2 * NB], r1[2 * NB];
+    // This thread's maxima of its two rows over a unit's columns and the carried bit patterns
+    // `carry` (kBitsMaxStart: none) as bit patterns (float_max.cuh: the float maxima where a row
+    // holds a value >= 0), each a tree of three-input maxima...
+    auto bits_rows = [&](const float* acc, const int* carry, int* bm) {
+        float r0[2 * NB + 1], r1[2 * NB + 1];
 #pragma unroll
         for (int n8 = 0; n8 < NB; ++n8) {
             r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
             r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
         }
+        r0[2 * NB] = __int_as_float(carry[0]);
+        r1[2 * NB] = __int_as_float(carry[1]);
         bm[0] = bits_max_tree(r0);
         bm[1] = bits_max_tree(r1);
     };
+    constexpr int kNoCarry[2] = {kBitsMaxStart, kBitsMaxStart};
     // ... by fmaxf (their fallback) ...
     auto fmax_rows = [&](const float* acc, float* mx) {
         mx[0] = mx[1] = neg_inf();
@@ -1390,7 +1394,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             if constexpr (sizeof(T) == 1) {
                 if (!edge) {
                     int bm[2];
-                    bits_rows(acc, bm);
+                    bits_rows(acc, kNoCarry, bm);
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         bm[e] = quad_bits_max(bm[e]);
@@ -1450,7 +1454,7 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             edge = t * kMsBlock + kMsBlock > lim_min[h] || holes;
             if (!edge) {
                 int bm[2];
-                bits_rows(acc, bm);
+                bits_rows(acc, kNoCarry, bm);
                 pend[0] = __int_as_float(bm[0]);
                 pend[1] = __int_as_float(bm[1]);
             } else {
@@ -1464,18 +1468,12 @@ msa_max_score_ws_kernel(MAX_SCORE_KERNEL_ARGS) {
             const int t = t_begin + n;
             float mx[2];
             if (!edge) {
-                float r0[2 * NB + 1], r1[2 * NB + 1];
-#pragma unroll
-                for (int n8 = 0; n8 < NB; ++n8) {
-                    r0[2 * n8] = acc[4 * n8], r0[2 * n8 + 1] = acc[4 * n8 + 1];
-                    r1[2 * n8] = acc[4 * n8 + 2], r1[2 * n8 + 1] = acc[4 * n8 + 3];
-                }
-                r0[2 * NB] = pend[0];
-                r1[2 * NB] = pend[1];
-                const int bm0 = bits_max_tree(r0), bm1 = bits_max_tree(r1);
-                mx[0] = __int_as_float(bm0);
-                mx[1] = __int_as_float(bm1);
-                if ((bm0 | bm1) < 0) {  // a row without a value >= 0 among the thread's 32
+                const int carry[2] = {__float_as_int(pend[0]), __float_as_int(pend[1])};
+                int bm[2];
+                bits_rows(acc, carry, bm);
+                mx[0] = __int_as_float(bm[0]);
+                mx[1] = __int_as_float(bm[1]);
+                if ((bm[0] | bm[1]) < 0) {  // a row without a value >= 0 among the thread's 32
                     float m0[2], m1[2];
                     fmax_rows(acc_first, m0);
                     fmax_rows(acc, m1);
