@@ -119,10 +119,17 @@ struct Params {
 
 __device__ __forceinline__ int dtype_of(int dtypes, int field) { return (dtypes >> field) & 3; }
 
-__device__ __forceinline__ float load_as_float(const void* p, long long i, int code) {
-    if (code == kF32) return static_cast<const float*>(p)[i];
-    if (code == kF16) return __half2float(static_cast<const half_t*>(p)[i]);
-    return __bfloat162float(static_cast<const bf16_t*>(p)[i]);
+// Element i of an fp32 / fp16 / bf16 array as its raw bits (16-bit types in the low half).
+// The prologue loads raw bits first and converts after, so all of a task's loads are in
+// flight together (one memory round trip) instead of one conversion branch per load.
+__device__ __forceinline__ u32 load_bits(const void* p, long long i, int code) {
+    return code == kF32 ? static_cast<const u32*>(p)[i] : static_cast<u32>(static_cast<const unsigned short*>(p)[i]);
+}
+
+__device__ __forceinline__ float bits_to_float(u32 x, int code) {
+    if (code == kF32) return __uint_as_float(x);
+    if (code == kF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
+    return __uint_as_float(x << 16);
 }
 
 __device__ __forceinline__ void store_from_float(void* p, long long i, int code, float x) {
@@ -171,15 +178,6 @@ __device__ __forceinline__ float normalise_qk(float* qv, float* kv, int flags) {
     return warp_sum(kq);
 }
 
-// The gate's exp(A_log[hv]) (1 without A_log or without the in-kernel gate).
-__device__ __forceinline__ float gate_scale(const Params& p, int hv) {
-    return ((p.flags & kGateInKernel) && p.A_log != nullptr) ? expf(p.A_log[hv]) : 1.f;
-}
-// dt_bias[hv, col] when the gate is computed here with a bias, else 0.
-__device__ __forceinline__ float gate_bias(const Params& p, int hv, int col) {
-    if (!(p.flags & kGateInKernel) || p.dt_bias == nullptr) return 0.f;
-    return load_as_float(p.dt_bias, hv * kDim + col, dtype_of(p.dtypes, kDtBias));
-}
 // exp(gk) of one channel from x = a (+ dt_bias): gk = a itself without the in-kernel gate,
 // else lower_bound * sigmoid(eA x) or -eA softplus(x).
 __device__ __forceinline__ float decay_of(const Params& p, float x, float eA) {
@@ -339,13 +337,38 @@ __device__ __forceinline__ Smem carve_smem(int stage_bytes, int tc, int VS) {
 // Prepare tokens c0 .. c0+cn-1 of sequence n for value head hv (q/k head h) and the V range
 // [v0, v0+VS): normalised q and k, k.q, exp(gate), the token's slot code, v and beta.
 // Per token one warp task for q/k (4 channels per lane, warp reductions) and one for the
-// gate and slot; then all threads load v and b of the slice. Ends without a barrier.
+// gate and slot; every thread also loads v and b elements of the slice, its first one before
+// its warp's tasks. Each task issues all its loads before converting any (one memory round
+// trip; the prologue is on a CTA's path from its slot to its state). Ends without a barrier.
 __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, const Smem& m, int n, int hv, int h,
                                                int v0, int VS, int c0, int cn) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5;
     const int col = lane * 4;
+    const int vc = dtype_of(p.dtypes, kDtV), bc = dtype_of(p.dtypes, kDtB);
+    const bool per_channel = (p.flags & kBetaPerChannel) != 0;
+    // v and b of element i (token i / VS, row v0 + i % VS) as raw bits; false (nothing read)
+    // for rows past V, whose values are 0.
+    auto load_vb = [&](int i, u32& vbits, u32& bbits) {
+        const int t = i / VS;
+        const int row = v0 + (i - t * VS);
+        if (row >= p.V) return false;
+        const long long tok = s.bos + c0 + t;
+        vbits = load_bits(p.v, static_cast<long long>(s.bidx) * p.v_sb + tok * p.v_st +
+                                   static_cast<long long>(hv) * p.v_sh + row, vc);
+        bbits = load_bits(p.b, static_cast<long long>(s.bidx) * p.b_sb + tok * p.b_st +
+                                   static_cast<long long>(hv) * p.b_sh + (per_channel ? row : 0), bc);
+        return true;
+    };
+    auto store_vb = [&](int i, bool in, u32 vbits, u32 bbits) {
+        m.v[i] = in ? bits_to_float(vbits, vc) : 0.f;
+        m.b[i] = in ? beta_of(p.flags, bits_to_float(bbits, bc)) : 0.f;
+    };
+    // The thread's first v / b element is in flight while its warp runs the q/k or gate task.
+    const int first = threadIdx.x;
+    u32 v_first = 0u, b_first = 0u;
+    const bool first_in = first < cn * VS && load_vb(first, v_first, b_first);
     for (int task = warp; task < 2 * cn; task += nwarps) {  // warp-uniform loop
         const int t = task >> 1;
         const long long tok = s.bos + c0 + t;
@@ -355,11 +378,17 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
             const long long ko = static_cast<long long>(s.bidx) * p.k_sb + tok * p.k_st +
                                  static_cast<long long>(h) * p.k_sh + col;
             const int qc = dtype_of(p.dtypes, kDtQ), kc = dtype_of(p.dtypes, kDtK);
+            u32 qb[4], kb[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                qb[e] = load_bits(p.q, qo + e, qc);
+                kb[e] = load_bits(p.k, ko + e, kc);
+            }
             float qv[4], kv[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                qv[e] = load_as_float(p.q, qo + e, qc);
-                kv[e] = load_as_float(p.k, ko + e, kc);
+                qv[e] = bits_to_float(qb[e], qc);
+                kv[e] = bits_to_float(kb[e], kc);
             }
             const float kq = normalise_qk(qv, kv, p.flags);
             *reinterpret_cast<float4*>(m.q + t * kDim + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
@@ -368,32 +397,31 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
         } else {
             const long long ao = static_cast<long long>(s.bidx) * p.a_sb + tok * p.a_st +
                                  static_cast<long long>(hv) * p.a_sh + col;
-            const int ac = dtype_of(p.dtypes, kDtA);
-            const float eA = gate_scale(p, hv);
+            // a, dt_bias[hv, col..] and A_log[hv] are loaded before any is used; the gate's
+            // exp(A_log[hv]) is 1 and dt_bias 0 where the gate is not computed here.
+            const int ac = dtype_of(p.dtypes, kDtA), dc = dtype_of(p.dtypes, kDtBias);
+            const bool gate = (p.flags & kGateInKernel) != 0;
+            const bool bias = gate && p.dt_bias != nullptr;
+            u32 ab[4], db[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                ab[e] = load_bits(p.a, ao + e, ac);
+                if (bias) db[e] = load_bits(p.dt_bias, hv * kDim + col + e, dc);
+            }
+            const float eA = (gate && p.A_log != nullptr) ? expf(p.A_log[hv]) : 1.f;
             float ev[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                ev[e] = decay_of(p, load_as_float(p.a, ao + e, ac) + gate_bias(p, hv, col + e), eA);
+                ev[e] = decay_of(p, bits_to_float(ab[e], ac) + (bias ? bits_to_float(db[e], dc) : 0.f), eA);
             *reinterpret_cast<float4*>(m.e + t * kDim + col) = make_float4(ev[0], ev[1], ev[2], ev[3]);
             if (lane == 0) m.slot[t] = token_slot(p, n, c0 + t);
         }
     }
-    const int vc = dtype_of(p.dtypes, kDtV), bc = dtype_of(p.dtypes, kDtB);
-    const bool per_channel = (p.flags & kBetaPerChannel) != 0;
-    for (int i = threadIdx.x; i < cn * VS; i += blockDim.x) {
-        const int t = i / VS;
-        const int row = v0 + (i - t * VS);
-        float vv = 0.f, bb = 0.f;
-        if (row < p.V) {
-            const long long tok = s.bos + c0 + t;
-            vv = load_as_float(p.v, static_cast<long long>(s.bidx) * p.v_sb + tok * p.v_st +
-                                        static_cast<long long>(hv) * p.v_sh + row, vc);
-            bb = beta_of(p.flags, load_as_float(p.b, static_cast<long long>(s.bidx) * p.b_sb + tok * p.b_st +
-                                                         static_cast<long long>(hv) * p.b_sh + (per_channel ? row : 0),
-                                                bc));
-        }
-        m.v[i] = vv;
-        m.b[i] = bb;
+    if (first < cn * VS) store_vb(first, first_in, v_first, b_first);
+    for (int i = first + blockDim.x; i < cn * VS; i += blockDim.x) {
+        u32 vbits = 0u, bbits = 0u;
+        const bool in = load_vb(i, vbits, bbits);
+        store_vb(i, in, vbits, bbits);
     }
 }
 
