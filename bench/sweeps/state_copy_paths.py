@@ -14,7 +14,10 @@ shared memory (``smem_kb``) sets the CTAs per SM. Paths:
 * ``bulk>regs>smem>bulk``: registers written back to the stage, one bulk store per warp;
 * ``bulk>regs>smem>bulk/cta``: the same, one bulk store per CTA after a CTA barrier;
 * ``bulk>bulk``: bulk copy in, bulk store out (no registers, no change to the values);
-* ``ldg>stcs``: 16-byte loads straight into registers, streaming stores.
+* ``ldg>stcs``: 16-byte loads straight into registers, streaming stores;
+* ``persistent>stcs/S``: as many CTAs as fit per SM, each rewriting every G-th slice (the
+  decode kernel's path per slice), with S slices' bulk copies in flight per CTA: the next
+  slice's read is issued as soon as the current one is in registers, before its stores.
 
 Beside them a device-to-device copy of the same bytes. Times are medians of back-to-back
 launches (CUDA events). Writes ``OUTDIR/state_copy_paths_TAG.json``.
@@ -102,6 +105,58 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
     }
     }
 }
+
+// Persistent CTAs: CTA c rewrites slices c, c + G, c + 2G, ... (G = gridDim.x). STAGES slices
+// are in flight per CTA: as soon as every lane has moved stage st into registers, thread 0
+// issues the bulk copy of the slice STAGES iterations ahead into it, so the next slices' reads
+// overlap this slice's stores.
+template <int STAGES>
+__global__ void __launch_bounds__(128) state_rw_persistent(float* pool, const int* slots, int HV, int splits,
+                                                            int slice_elems, int n_slices) {
+    extern __shared__ __align__(128) float stage[];
+    __shared__ unsigned long long bar[STAGES];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const unsigned bytes = slice_elems * 4;
+    auto base_of = [&](int s) {
+        const int split = s % splits, nh = s / splits, hv = nh % HV, n = nh / HV;
+        return pool + ((long long)slots[n] * HV + hv) * (128LL * 128) + (long long)split * slice_elems;
+    };
+    if (tid == 0)
+        for (int st = 0; st < STAGES; ++st) mbarrier_init_one(&bar[st]);
+    __syncthreads();
+    if (tid == 0)
+        for (int st = 0; st < STAGES; ++st) {
+            const int s = blockIdx.x + st * gridDim.x;
+            if (s < n_slices) bulk_load(stage + st * slice_elems, base_of(s), bytes, &bar[st]);
+        }
+    const int rows = slice_elems / 128, wrows = rows / (blockDim.x >> 5);
+    const int off = (warp * wrows + (lane >> 3)) * 128 + (lane & 7) * 4;
+    int it = 0;
+    for (int s = blockIdx.x; s < n_slices; s += gridDim.x, ++it) {
+        const int st = it % STAGES;
+        float* base = base_of(s);
+        float* sp = stage + st * slice_elems;
+        mbarrier_wait(&bar[st], (it / STAGES) & 1);
+        float4 x[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) x[r][j] = *reinterpret_cast<const float4*>(sp + off + r * 4 * 128 + j * 32);
+        __syncthreads();
+        if (tid == 0) {
+            const int s2 = s + STAGES * gridDim.x;
+            if (s2 < n_slices) bulk_load(sp, base_of(s2), bytes, &bar[st]);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4 y = x[r][j];
+                y.x += 1.f; y.y += 1.f; y.z += 1.f; y.w += 1.f;
+                __stcs(reinterpret_cast<float4*>(base + off + r * 4 * 128 + j * 32), y);
+            }
+    }
+}
 """
 def module_options() -> tuple:
     """NVRTC options: the project's kernel headers (``common/bulk_copy.cuh``) and the CUDA headers."""
@@ -113,6 +168,8 @@ def module_options() -> tuple:
 MODES = {"bulk>regs>stcs": 0, "bulk>regs>st": 1, "bulk>bulk": 2, "bulk>regs>smem>bulk": 3,
          "bulk>regs>smem>bulk/cta": 4, "ldg>stcs": 5}
 KERNEL = "state_rw"  # SRC's kernel template, instantiated once per mode
+# Persistent CTAs (as many as fit per SM, each looping over slices): stages in flight per CTA.
+PERSISTENT = {"persistent>stcs/1": 1, "persistent>stcs/2": 2}
 HV = 32
 HEAD = 128 * 128
 
@@ -145,6 +202,8 @@ def main(argv) -> None:
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
     kernels = mode_kernels(SRC, KERNEL, MODES)
+    persistent = mode_kernels(SRC, "state_rw_persistent", PERSISTENT)
+    sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
     shapes = [(32, 2, 16, 26), (32, 4, 32, 50), (256, 4, 32, 50), (256, 4, 32, 36), (1024, 4, 32, 50),
@@ -172,10 +231,22 @@ def main(argv) -> None:
                 kern((grid,), (warps * 32,), (pool, perms[it[0]], np.int32(HV), np.int32(splits), np.int32(slice_elems)),
                      shared_mem=smem_kb * 1024)
             row[name] = timed_us(call, reps)
+        for name, kern in persistent.items():
+            smem = (PERSISTENT[name] * slice_kb + smem_kb - slice_kb) * 1024
+            kern.max_dynamic_shared_size_bytes = smem
+            per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, warps * 32, smem)
+            it = [0]
+
+            def call(kern=kern, smem=smem, ctas=sm_count * per_sm):
+                it[0] = (it[0] + 1) % 4
+                kern((ctas,), (warps * 32,), (pool, perms[it[0]], np.int32(HV), np.int32(splits), np.int32(slice_elems),
+                                              np.int32(grid)), shared_mem=smem)
+            row[name] = timed_us(call, reps)
+            row[name + " ctas/SM"] = per_sm
         results.append(row)
         print(f"B{B:<5d} w{warps} {slice_kb}KB smem {smem_kb}KB copy {row['copy_us']:.1f} us "
               f"({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in MODES), flush=True)
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in (*MODES, *PERSISTENT)), flush=True)
         del pool, src, dst
     (outdir / f"state_copy_paths_{tag}.json").write_text(json.dumps(results, indent=1))
 
