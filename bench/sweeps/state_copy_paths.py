@@ -47,6 +47,13 @@ __device__ __forceinline__ void bulk_store_read(void* gmem, const void* smem, un
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
+// Slice s (split fastest, then head, then sequence) of the pool: 128 x 128 floats per head.
+__device__ __forceinline__ float* slice_base(float* pool, const int* slots, int HV, int splits, int slice_elems,
+                                             int s) {
+    const int split = s % splits, nh = s / splits, hv = nh % HV, n = nh / HV;
+    return pool + ((long long)slots[n] * HV + hv) * (128LL * 128) + (long long)split * slice_elems;
+}
+
 // MODE 0: bulk > regs > st.global.cs   1: bulk > regs > st.global   2: bulk > bulk
 // MODE 3: bulk > regs > smem > bulk store per warp   4: ... per CTA   5: ld.global > st.global.cs
 template <int MODE>
@@ -55,10 +62,7 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
     extern __shared__ __align__(128) float stage[];
     __shared__ unsigned long long bar;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int split = blockIdx.x % splits, nh = blockIdx.x / splits;
-    const int hv = nh % HV, n = nh / HV;
-    const long long head = 128LL * 128;
-    float* base = pool + ((long long)slots[n] * HV + hv) * head + (long long)split * slice_elems;
+    float* base = slice_base(pool, slots, HV, splits, slice_elems, blockIdx.x);
     const unsigned bytes = slice_elems * 4;
     if constexpr (MODE != 5) {
         if (tid == 0) mbarrier_init_one(&bar);
@@ -117,10 +121,7 @@ __global__ void __launch_bounds__(128) state_rw_persistent(float* pool, const in
     __shared__ unsigned long long bar[STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const unsigned bytes = slice_elems * 4;
-    auto base_of = [&](int s) {
-        const int split = s % splits, nh = s / splits, hv = nh % HV, n = nh / HV;
-        return pool + ((long long)slots[n] * HV + hv) * (128LL * 128) + (long long)split * slice_elems;
-    };
+    auto base_of = [&](int s) { return slice_base(pool, slots, HV, splits, slice_elems, s); };
     if (tid == 0)
         for (int st = 0; st < STAGES; ++st) mbarrier_init_one(&bar[st]);
     __syncthreads();

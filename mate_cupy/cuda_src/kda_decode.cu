@@ -119,6 +119,10 @@ struct Params {
 
 __device__ __forceinline__ int dtype_of(int dtypes, int field) { return (dtypes >> field) & 3; }
 
+// The low / high bf16 of a pair of bf16 bits, widened to float (exact).
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
 // Element i of an fp32 / fp16 / bf16 array as its raw bits (16-bit types in the low half).
 // The prologue loads raw bits first and converts after, so all of a task's loads are in
 // flight together (one memory round trip) instead of one conversion branch per load.
@@ -129,7 +133,7 @@ __device__ __forceinline__ u32 load_bits(const void* p, long long i, int code) {
 __device__ __forceinline__ float bits_to_float(u32 x, int code) {
     if (code == kF32) return __uint_as_float(x);
     if (code == kF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
-    return __uint_as_float(x << 16);
+    return bf16_lo(x);
 }
 
 __device__ __forceinline__ void store_from_float(void* p, long long i, int code, float x) {
@@ -210,9 +214,7 @@ template <> struct Chunk<float> {
     static __device__ __forceinline__ float round(float x) { return x; }
 };
 
-__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-// The same values by byte permutes: a second widening the compiler does not merge with the
+// bf16_lo / bf16_hi by byte permutes: a second widening the compiler does not merge with the
 // first, so the V-first update recomputes decayed values instead of keeping them live.
 __device__ __forceinline__ float bf16_lo_prmt(u32 w) { return __uint_as_float(__byte_perm(w, 0u, 0x1044)); }
 __device__ __forceinline__ float bf16_hi_prmt(u32 w) { return __uint_as_float(__byte_perm(w, 0u, 0x3244)); }
@@ -398,7 +400,8 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
             const long long ao = static_cast<long long>(s.bidx) * p.a_sb + tok * p.a_st +
                                  static_cast<long long>(hv) * p.a_sh + col;
             // a, dt_bias[hv, col..] and A_log[hv] are loaded before any is used; the gate's
-            // exp(A_log[hv]) is 1 and dt_bias 0 where the gate is not computed here.
+            // exp(A_log[hv]) is 1 and dt_bias 0 (zero bits in every dtype) where the gate is not
+            // computed here.
             const int ac = dtype_of(p.dtypes, kDtA), dc = dtype_of(p.dtypes, kDtBias);
             const bool gate = (p.flags & kGateInKernel) != 0;
             const bool bias = gate && p.dt_bias != nullptr;
@@ -412,7 +415,7 @@ __device__ __forceinline__ void prepare_tokens(const Params& p, const Seq& s, co
             float ev[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                ev[e] = decay_of(p, bits_to_float(ab[e], ac) + (bias ? bits_to_float(db[e], dc) : 0.f), eA);
+                ev[e] = decay_of(p, bits_to_float(ab[e], ac) + bits_to_float(db[e], dc), eA);
             *reinterpret_cast<float4*>(m.e + t * kDim + col) = make_float4(ev[0], ev[1], ev[2], ev[3]);
             if (lane == 0) m.slot[t] = token_slot(p, n, c0 + t);
         }
