@@ -4,7 +4,9 @@
 rotation (``0, 1, ..., n_sets - 1, 0, ...``) so that consecutive calls read
 different memory and the L2 cache (50 MB on an H200) does not flatter.
 
-* :meth:`Timer.time`: warm-up calls, one estimate, then ``samples`` event pairs
+* :meth:`Timer.time`: warm-up calls, one estimate, more warm-up calls until
+  ``warmup_ms`` of GPU time has run (so that the GPU settles under the op's own
+  load before any sample, whatever ran or idled before it), then ``samples`` event pairs
   each around ``inner`` back-to-back calls (``inner`` grows for sub-millisecond
   ops so a sample lasts at least ``min_sample_ms``); the result is the median
   sample divided by ``inner``. No host synchronisation between samples, so this
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 @dataclass
 class TimingConfig:
     warmup: int = 3
+    warmup_ms: float = 50.0        # then back-to-back calls for at least this long before the samples
     samples: int = 10
     min_samples: int = 3
     min_sample_ms: float = 1.0
@@ -87,6 +90,8 @@ class Timer:
         e1.record()
         self.sync()
         est = max(e0.elapsed_time(e1) / n_sets, 1e-4)
+        for w in range(int(min(cfg.warmup_ms / est, 10_000))):
+            run(w % n_sets)
         inner = int(min(cfg.max_inner, max(1, math.ceil(cfg.min_sample_ms / est))))
         fit = int(cfg.budget_s * 1e3 / (est * inner))
         samples = max(cfg.min_samples, min(samples, fit))

@@ -206,6 +206,54 @@ def test_cpu_timer_rotates_and_takes_median():
         timer.time_graph(lambda i: None, 1)
 
 
+class _FakeCudaClock:
+    """torch stand-in for :class:`bench.timing.Timer`: every call of the timed op advances a
+    GPU clock by ``call_ms``; events read that clock when recorded."""
+
+    def __init__(self, call_ms):
+        self.call_ms, self.now = call_ms, 0.0
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = clock.now
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        class cuda:
+            synchronize = staticmethod(lambda: None)
+
+        cuda.Event = Event
+        self.cuda = cuda
+
+    def op(self, calls):
+        def run(i):
+            calls.append(i)
+            self.now += self.call_ms
+        return run
+
+
+def test_cuda_timer_warms_up_for_a_time_before_its_samples():
+    from bench.timing import Timer
+
+    for call_ms, n_sets in ((0.5, 2), (0.0625, 3), (80.0, 1)):  # exact binary fractions
+        fake = _FakeCudaClock(call_ms)
+        timer = Timer.__new__(Timer)
+        timer.cfg, timer.torch = TimingConfig(warmup=3, warmup_ms=50.0, samples=4, min_sample_ms=1.0), fake
+        calls = []
+        res = timer.time(fake.op(calls), n_sets)
+        extra = int(50.0 / call_ms)                      # back-to-back warm-up after the estimate
+        inner = max(1, math.ceil(1.0 / call_ms))
+        assert res["inner"] == inner and res["samples"] == 4
+        assert len(calls) == 3 + n_sets + extra + 4 * inner
+        assert calls[3 + n_sets:3 + n_sets + extra] == [w % n_sets for w in range(extra)]
+        assert res["ms"] == pytest.approx(call_ms)
+
+
 def test_time_box_interrupts_and_restores():
     with pytest.raises(TimeBoxExceeded):
         with time_box(0.2, "sleeper"):
