@@ -12,7 +12,8 @@ different memory and the L2 cache (50 MB on an H200) does not flatter.
   sample divided by ``inner``. No host synchronisation between samples, so this
   is the throughput of plain Python launches (launch overhead included).
 * :meth:`Timer.time_graph`: captures ``calls`` rotated calls in one
-  ``torch.cuda.CUDAGraph`` and times replays: the GPU-side cost without Python.
+  ``torch.cuda.CUDAGraph``, replays it back to back for ``warmup_ms`` as above, and times
+  ``samples`` replays: the GPU-side cost without Python.
 * :class:`CpuTimer`: the same interface on ``time.perf_counter`` for the CPU
   smoke run (tests); no graphs.
 """
@@ -127,6 +128,14 @@ class Timer:
                     run(j % n_sets)
             graph.replay()
             self.sync()
+            e0, e1 = self._event(), self._event()  # one timed replay, then replays for warmup_ms
+            e0.record()
+            graph.replay()
+            e1.record()
+            self.sync()
+            est = max(e0.elapsed_time(e1), 1e-4)
+            for _ in range(int(min(self.cfg.warmup_ms / est, 10_000))):
+                graph.replay()
             events = [(self._event(), self._event()) for _ in range(samples)]
             for start, end in events:
                 start.record()

@@ -2,6 +2,7 @@
 per-case loop's isolation, the peers' block masks and the fp32 check references."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -230,10 +231,42 @@ class _FakeCudaClock:
         cuda.Event = Event
         self.cuda = cuda
 
+        class CUDAGraph:  # capture records the calls; a replay runs them on the clock
+            def __init__(self):
+                self.calls = []
+
+            def replay(self):
+                clock.now += clock.call_ms * len(self.calls)
+                clock.replays += 1
+
+        @contextlib.contextmanager
+        def graph(g):
+            clock.capturing = g
+            try:
+                yield
+            finally:
+                clock.capturing = None
+
+        @contextlib.contextmanager
+        def stream(s):
+            yield
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        cuda.CUDAGraph, cuda.graph, cuda.stream, cuda.Stream = CUDAGraph, staticmethod(graph), \
+            staticmethod(stream), Stream
+        cuda.current_stream = staticmethod(Stream)
+        self.capturing, self.replays = None, 0
+
     def op(self, calls):
         def run(i):
             calls.append(i)
-            self.now += self.call_ms
+            if self.capturing is not None:
+                self.capturing.calls.append(i)
+            else:
+                self.now += self.call_ms
         return run
 
 
@@ -252,6 +285,24 @@ def test_cuda_timer_warms_up_for_a_time_before_its_samples():
         assert len(calls) == 3 + n_sets + extra + 4 * inner
         assert calls[3 + n_sets:3 + n_sets + extra] == [w % n_sets for w in range(extra)]
         assert res["ms"] == pytest.approx(call_ms)
+
+
+def test_cuda_graph_timer_warms_up_for_a_time_before_its_samples():
+    from bench.timing import Timer
+
+    for call_ms, n_sets in ((0.5, 2), (0.0625, 3), (4.0, 1)):  # exact binary fractions
+        fake = _FakeCudaClock(call_ms)
+        timer = Timer.__new__(Timer)
+        timer.cfg, timer.torch = TimingConfig(warmup_ms=50.0, graph_min_calls=32), fake
+        calls = []
+        res = timer.time_graph(fake.op(calls), n_sets, samples=4)
+        graph_calls = n_sets * math.ceil(32 / n_sets)
+        assert res["graph_calls"] == graph_calls
+        assert calls[:n_sets] == list(range(n_sets))   # the side-stream warm-up, then the capture
+        assert calls[n_sets:] == [j % n_sets for j in range(graph_calls)]
+        extra = int(50.0 / (call_ms * graph_calls))     # replays after the timed one
+        assert fake.replays == 1 + 1 + extra + 4
+        assert res["ms_graph"] == pytest.approx(call_ms)
 
 
 def test_time_box_interrupts_and_restores():
