@@ -144,12 +144,12 @@ def _python_us(torch, fn, calls: int) -> float:
 
     launch_mod = importlib.import_module("mate_cupy.jit.launch")  # the module (``jit.launch`` is its function)
 
-    saved = launch_mod._launch_kernel  # bound by the warm-up calls
-    launch_mod._launch_kernel = lambda *a: None
+    saved = launch_mod._launch_kernel, launch_mod._launch_kernel_programmatic  # bound by the warm-up calls
+    launch_mod._launch_kernel = launch_mod._launch_kernel_programmatic = lambda *a: None
     try:
         return _host_us(torch, fn, calls, repeats=3)
     finally:
-        launch_mod._launch_kernel = saved
+        launch_mod._launch_kernel, launch_mod._launch_kernel_programmatic = saved
 
 
 # ----------------------------------------------------------------------------- the stub device
@@ -184,16 +184,17 @@ class StubKernel:
 
 
 class StubLaunches:
-    """Records every ``cuLaunchKernel`` of the stub device: ``(kernel name, grid, block,
-    shared memory, stream, packed parameter bytes)``, read through the ``void**`` table
-    with the kernel's ``KernelParams``."""
+    """Records every launch of the stub device (``cuLaunchKernel``, or ``cuLaunchKernelEx``
+    through :meth:`programmatic`): ``(kernel name, grid, block, shared memory, stream, packed
+    parameter bytes, programmatic)``, read through the ``void**`` table with the kernel's
+    ``KernelParams``."""
 
     def __init__(self):
         self.records = []
         self.recording = False
         self.names = {}  # fake CUfunction address -> kernel name
 
-    def __call__(self, f, gx, gy, gz, bx, by, bz, smem, stream, table, extra):
+    def __call__(self, f, gx, gy, gz, bx, by, bz, smem, stream, table, extra, programmatic=False):
         if not self.recording:
             return
         import ctypes
@@ -204,7 +205,10 @@ class StubLaunches:
         from mate_cupy.jit.launch import _SIZE
 
         packed = b"".join(ctypes.string_at(ptrs[i], _SIZE[k]) for i, k in enumerate(params.kinds))
-        self.records.append((name, (gx, gy, gz), (bx, by, bz), smem, stream, packed))
+        self.records.append((name, (gx, gy, gz), (bx, by, bz), smem, stream, packed, programmatic))
+
+    def programmatic(self, *args):
+        self(*args, programmatic=True)
 
     def record(self, fn) -> list:
         """The launches of one ``fn()`` call."""
@@ -269,7 +273,9 @@ def install_stub_device(patch=setattr) -> StubLaunches:
     patch(interop, "_TORCH_RAW_STREAM", [lambda dev: STUB_STREAM])
     interop._torch_dtype_map()
     patch(interop, "_TORCH_TYPES", interop._TORCH_TYPES | {FakeCudaTensor, torch.Tensor})
-    patch(importlib.import_module("mate_cupy.jit.launch"), "_launch_kernel", rec)  # (``jit.launch`` is the function)
+    launch_mod = importlib.import_module("mate_cupy.jit.launch")  # (``jit.launch`` is the function)
+    patch(launch_mod, "_launch_kernel", rec)
+    patch(launch_mod, "_launch_kernel_programmatic", rec.programmatic)
     return rec
 
 

@@ -406,6 +406,40 @@ def test_decode_twice_equals_two_tokens(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
+def test_decode_back_to_back_steps(graph, rng):
+    """Twelve single-token in-place steps queued back to back on one stream with no host
+    synchronisation (on sm_90 each a programmatic launch, scheduled while the step before it
+    finishes), plain or captured in one CUDA graph == one twelve-token step."""
+    import mate_cupy as m
+
+    cp = _cupy()
+    c = replace(_BASE, B=32, T=12, H=16, HV=32, slots="none", out_dtype="float32")  # 4096 CTAs a step
+    prep = build_case(c, rng)
+    a = {n: _to_device(x) for n, x in prep.args.items()}
+    kw = dict(prep.kwargs, state_indices=None)
+    steps = [{n: (_to_device(np.ascontiguousarray(prep.args[n][:, t:t + 1])) if n in ("q", "k", "v", "a", "b")
+                  else x) for n, x in a.items()} for t in range(c.T)]
+    outs = [_poisoned((c.B, 1, c.HV, c.V), np.float32) for _ in range(c.T)]
+    pool0 = a["state"].copy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        if graph:
+            m.gated_delta_rule_decode(**steps[0], **kw, output=outs[0])  # compile and load the module
+            a["state"][...] = pool0
+            outs[0].fill(np.nan)
+            stream.begin_capture()
+        for t in range(c.T):
+            m.gated_delta_rule_decode(**steps[t], **kw, output=outs[t])
+        if graph:
+            stream.end_capture().launch()
+    stream.synchronize()
+    got = np.concatenate([cp.asnumpy(o) for o in outs], axis=1)
+    assert rel_err(got, prep.ref_out) <= 2e-4
+    assert rel_err(cp.asnumpy(a["state"])[: c.B].astype(np.float64), prep.ref_pool[: c.B]) <= 2e-4
+
+
+@pytest.mark.gpu
 def test_decode_strided_inputs(rng):
     """q/k/v views of one packed projection (non-contiguous) give the same result."""
     import mate_cupy as m

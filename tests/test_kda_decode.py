@@ -794,6 +794,16 @@ def test_vfirst_bulk_staging_only_for_whole_slices_on_sm90(rng):
 
 
 @pytest.mark.torch
+def test_programmatic_launch_from_sm90(rng):
+    from mate_cupy.kda.decode_launch import select_config
+
+    for v_first in (True, False):
+        p = _problem(rng, v_first=v_first)
+        assert select_config(p, 132, 90).programmatic and select_config(p, 132, 100).programmatic
+        assert not select_config(p, 108, 80).programmatic and not select_config(p, 128, 89).programmatic
+
+
+@pytest.mark.torch
 def test_kfirst_shape_tokens_and_shared_memory(rng):
     from mate_cupy.kda.decode_launch import K_DIM, MAX_CHUNK, select_config, smem_bytes
 

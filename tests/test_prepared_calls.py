@@ -48,6 +48,8 @@ def test_a_prepared_call_launches_what_its_miss_and_the_launcher_launch(stub, op
     miss = stub.record(fn)  # validates, prepares, launches the prepared launch
     hit = stub.record(fn)  # the prepared launch only
     assert miss and hit == miss
+    # KDA decode launches are programmatic on the stub's sm_90; the others are not
+    assert all(r[6] == op.startswith("gated") for r in miss)
     assert all(r[4] == ho.STUB_STREAM for r in hit)
     # The unprepared launcher on the same arrays.
     if op.startswith("gated"):
@@ -318,6 +320,30 @@ def test_prepared_launch_run_packs_what_launch_packs(monkeypatch):
     t.join()
     launch(K(), (3, 2), (128,), params, (-3, 0x600, 7, 0x900, 0.5, 0x500, 1 << 40, -2.25), stream=9)
     assert len(seen) == 2 and seen[0] == seen[1]
+
+
+def test_programmatic_launcher_passes_the_launch_config():
+    """``cuLaunchKernelEx`` gets a ``CUlaunchConfig`` with the launch's grid, block, shared
+    memory and stream and one attribute, programmatic stream serialization = 1, and the
+    kernel's parameter table; the config is packed again at every launch."""
+    import ctypes
+    import struct
+
+    from mate_cupy.jit.launch import programmatic_launcher
+
+    seen = []
+
+    def fake_launch_ex(config, f, table, extra):
+        gx, gy, gz, bx, by, bz, smem, stream, attrs, n_attrs = struct.unpack("<7I4xQQI4x", ctypes.string_at(config, 56))
+        attr_id, value = struct.unpack_from("<i4xi", ctypes.string_at(attrs, 72))
+        seen.append(((gx, gy, gz), (bx, by, bz), smem, stream, n_attrs, attr_id, value, f, table, extra))
+        return 0
+
+    launch_ex = programmatic_launcher(fake_launch_ex)
+    launch_ex(0x1230, 4096, 1, 1, 64, 1, 1, 17920, 0x5000, 0x7000, 0)
+    launch_ex(0x1240, 3, 2, 1, 128, 2, 1, 0, 0, 0x7100, 0)
+    assert seen == [((4096, 1, 1), (64, 1, 1), 17920, 0x5000, 1, 6, 1, 0x1230, 0x7000, None),
+                    ((3, 2, 1), (128, 2, 1), 0, 0, 1, 6, 1, 0x1240, 0x7100, None)]
 
 
 def test_prepared_launch_encodes_tensor_maps_on_the_call_address(monkeypatch):

@@ -29,6 +29,10 @@
 // where it goes. Between token chunks (sequences longer than kMaxChunk) the registers go
 // back to the stage, so the prologue never holds the state in registers.
 //
+// Launch. On sm_90 and later the launcher asks for programmatic dependent launch: both
+// kernels call grid_dependency_sync before their first global access, so a step's CTAs take
+// SM slots while the previous step's last CTAs finish and start the moment it completes.
+//
 // Slots (CTA-uniform): the read slot is n, state_indices[n], state_indices[n, 0] or
 // state_indices[n, num_accepted_tokens[n] - 1]; a negative or out-of-pool read slot (or an
 // accepted count outside [1, C]) makes the whole sequence padding: zero output, no state
@@ -39,6 +43,7 @@
 #include "common/dtype.cuh"
 #include "common/mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
 #include "common/bulk_copy.cuh"
+#include "common/grid_dependency.cuh"
 
 using namespace mate;
 
@@ -521,6 +526,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const int hv = nh % p.HV, n = nh / p.HV;
     const int h = hv / (p.HV / p.H);
     const int v0 = split * VS;
+    grid_dependency_sync();  // before the first global access (programmatic launches)
     const Seq s = sequence_of(p, n);
     // Thread 0's mbarrier.init is ordered before every other access to the barrier (its own
     // arrive below, every thread's wait after the prologue) by a CTA barrier, not by program
@@ -782,6 +788,7 @@ __global__ void __launch_bounds__(KFirst<StateT>::kThreads, 512 / KFirst<StateT>
     const int lcol = (lane & 7) * C::kVPL;  // first V column of the lane within the slice
     const bool col_ok = v0 + lcol < p.V;    // V % kVPL == 0: a chunk is all in or all out
     const int krow0 = warp * 4 * C::kKPL + kg;  // K row of i = 0; row i is krow0 + 4i
+    grid_dependency_sync();  // before the first global access (programmatic launches)
     const Seq s = sequence_of(p, n);
 
     const long long head_elems = static_cast<long long>(p.V) * kDim;

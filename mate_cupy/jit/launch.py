@@ -5,7 +5,9 @@ A :class:`KernelParams` is a kernel's parameter list, ``(("q", "ptr"), ("total_q
 :func:`launch` packs one call's values into a C buffer with one ``struct`` call and hands
 ``cuLaunchKernel`` pointers into it: no per-argument conversion objects, no allocation on
 the device, and nothing cached across calls beyond the per-thread packing buffer of each
-parameter list.
+parameter list. A programmatic launch (``programmatic=True``) goes through
+``cuLaunchKernelEx`` with programmatic stream serialization allowed (sm_90+): the kernel may
+be scheduled while the previous kernel on the stream finishes, and waits for it on the device.
 
 Pointer values are integers (addresses), ``None`` (a null pointer), or any object with an
 integer ``ptr`` attribute (:class:`mate_cupy.runtime.interop.Arg`); CuPy arrays are
@@ -109,6 +111,13 @@ class KernelParams:
 
 
 _launch_kernel = None
+_launch_kernel_programmatic = None
+
+#: ``CUlaunchAttribute`` {id, padding to 8 bytes, the 64-byte value union}: the attribute
+#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` (6) with the value 1.
+_PROGRAMMATIC_ATTRIBUTE = struct.pack("<i4xi60x", 6, 1)
+#: ``CUlaunchConfig`` {gridDim x/y/z, blockDim x/y/z, sharedMemBytes, hStream, attrs, numAttrs}.
+_LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
 
 
 def _driver_launch():
@@ -120,13 +129,59 @@ def _driver_launch():
     return _launch_kernel
 
 
-def launch(kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, stream: int = 0) -> None:
+def programmatic_launcher(launch_kernel_ex):
+    """A function with ``cuLaunchKernel``'s arguments that launches through
+    ``launch_kernel_ex`` (``cuLaunchKernelEx``) with programmatic stream serialization
+    allowed: the kernel may start before the previous kernel on the stream has completed,
+    and must wait for it (``griddepcontrol.wait``) before touching memory. One launch
+    configuration per thread, packed at each launch."""
+    tls = threading.local()
+
+    def launch_programmatic(f, gx, gy, gz, bx, by, bz, smem, stream, table, extra):
+        bufs = getattr(tls, "bufs", None)
+        if bufs is None:
+            attr = ctypes.create_string_buffer(_PROGRAMMATIC_ATTRIBUTE, len(_PROGRAMMATIC_ATTRIBUTE))
+            cfg = ctypes.create_string_buffer(_LAUNCH_CONFIG.size)
+            bufs = tls.bufs = (cfg, ctypes.addressof(cfg), attr, ctypes.addressof(attr))
+        cfg, cfg_address, _, attr_address = bufs
+        _LAUNCH_CONFIG.pack_into(cfg, 0, gx, gy, gz, bx, by, bz, smem, stream, attr_address, 1)
+        rc = launch_kernel_ex(cfg_address, f, table, extra or None)
+        if rc != 0:
+            from cupy.cuda import driver
+
+            raise driver.CUDADriverError(rc)
+
+    return launch_programmatic
+
+
+def _driver_launch_programmatic():
+    global _launch_kernel_programmatic
+    if _launch_kernel_programmatic is None:
+        from ..runtime.device import _driver
+
+        lib = _driver()
+        if not lib:
+            raise RuntimeError("programmatic launches need the CUDA driver (libcuda), which is not loaded")
+        fn = lib.cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_kernel_programmatic = programmatic_launcher(fn)
+    return _launch_kernel_programmatic
+
+
+def launch(kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, stream: int = 0,
+           programmatic: bool = False) -> None:
     """Launch ``kernel`` (a :class:`mate_cupy.jit.compiler.Kernel`) on the stream address ``stream``.
 
     ``grid`` and ``block`` are 1-3 integers; ``values`` follow ``params``. Dynamic shared
-    memory above 48 KiB is opted into once per kernel and size.
+    memory above 48 KiB is opted into once per kernel and size. ``programmatic``: a
+    programmatic dependent launch (sm_90+), for kernels that call ``grid_dependency_sync``
+    (``cuda_src/common/grid_dependency.cuh``) before their first global memory access.
     """
-    launch_kernel = _launch_kernel or _driver_launch()
+    if programmatic:
+        launch_kernel = _launch_kernel_programmatic or _driver_launch_programmatic()
+    else:
+        launch_kernel = _launch_kernel or _driver_launch()
     if shared_mem > 48 * 1024:
         kernel.reserve_shared_memory(shared_mem)
     g = tuple(grid) + (1, 1)
@@ -163,18 +218,20 @@ class PreparedLaunch:
     that runs the launch holds its own parameter buffer with the fixed values packed once;
     a run packs only the span of parameters from the first to the last source (one C-level
     pick from ``addresses + fixed values`` and one ``struct`` call) and calls
-    ``cuLaunchKernel``: the launch :func:`launch` makes with the same values, without
-    recomputing anything from the call.
+    ``cuLaunchKernel`` (``cuLaunchKernelEx`` when ``programmatic``): the launch :func:`launch`
+    makes with the same values, without recomputing anything from the call.
     """
 
-    __slots__ = ("kernel", "grid", "block", "params", "shared_mem", "n_addresses", "_fixed", "_pick",
-                 "_span", "_span_offset", "_span_pick", "_maps", "_tls")
+    __slots__ = ("kernel", "grid", "block", "params", "shared_mem", "programmatic", "n_addresses", "_fixed",
+                 "_pick", "_span", "_span_offset", "_span_pick", "_maps", "_tls")
 
-    def __init__(self, kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, n_addresses: int):
+    def __init__(self, kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, n_addresses: int,
+                 programmatic: bool = False):
         values = tuple(values)
         if len(values) != len(params.kinds):
             raise TypeError(f"kernel takes {len(params.kinds)} parameters, got {len(values)}")
         self.kernel, self.params, self.shared_mem = kernel, params, int(shared_mem)
+        self.programmatic = bool(programmatic)
         self.grid = (tuple(int(x) for x in grid) + (1, 1))[:3]
         self.block = (tuple(int(x) for x in block) + (1, 1))[:3]
         self.n_addresses = n = int(n_addresses)
@@ -245,8 +302,11 @@ class PreparedLaunch:
                     m.encode_into(base + offset, a)
                     held[j] = a
         g, b = self.grid, self.block
-        (_launch_kernel or _driver_launch())(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem,
-                                             stream, bufs[2], 0)
+        if self.programmatic:
+            launch_kernel = _launch_kernel_programmatic or _driver_launch_programmatic()
+        else:
+            launch_kernel = _launch_kernel or _driver_launch()
+        launch_kernel(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, bufs[2], 0)
 
 
 def _itemgetter(picks):

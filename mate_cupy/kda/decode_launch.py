@@ -79,6 +79,8 @@ class DecodeConfig:
     ``n_splits`` slices per head, ``grid = N * HV * n_splits`` CTAs of ``threads``;
     ``token_chunk`` tokens prepared per prologue; ``smem`` dynamic shared memory bytes;
     ``bulk_stage``: the V-first slice is staged by one bulk copy (sm_90, whole slices);
+    ``programmatic``: a programmatic dependent launch (sm_90+: the kernels wait for the
+    previous grid on the device, so their CTAs are scheduled while it finishes);
     ``option_flags`` / ``dtype_codes``: the kernel's flag word and packed dtype codes.
     """
 
@@ -91,6 +93,7 @@ class DecodeConfig:
     token_chunk: int
     smem: int
     bulk_stage: bool
+    programmatic: bool
     option_flags: int
     dtype_codes: int
 
@@ -173,7 +176,7 @@ def decode_config(problem, cc: int, warps: int | None = None) -> DecodeConfig:
         spec=SPECS[(p.state_dtype, p.state_v_first)], warps=warps, threads=32 * warps, v_slice=v_slice,
         n_splits=n_splits, grid=p.N * p.HV * n_splits, token_chunk=token_chunk,
         smem=smem_bytes(v_slice * K_DIM * p.state_dtype.itemsize, token_chunk, v_slice, red_floats),
-        bulk_stage=bulk_stage, option_flags=_option_flags(p) | (F_BULK if bulk_stage else 0),
+        bulk_stage=bulk_stage, programmatic=cc >= 90, option_flags=_option_flags(p) | (F_BULK if bulk_stage else 0),
         dtype_codes=_dtype_codes(p),
     )
 
@@ -203,7 +206,8 @@ def run(call, problem):
     if cfg.grid:
         with call.device_scope():
             launch(get_kernel(cfg.spec, None, p.device), (cfg.grid,), (cfg.threads,), PARAMS,
-                   kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, stream=call.stream_ptr)
+                   kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, stream=call.stream_ptr,
+                   programmatic=cfg.programmatic)
     if write_back:
         with call.launch_scope():
             for dst, src in write_back:
@@ -252,7 +256,8 @@ def prepared_launch(problem, arrays):
         return None
     ptrs = {name: Source(i) for i, name in enumerate(PREPARED_ARRAYS) if name in arrays}
     return PreparedLaunch(get_kernel(cfg.spec, None, p.device), (cfg.grid,), (cfg.threads,), PARAMS,
-                          kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, n_addresses=len(PREPARED_ARRAYS))
+                          kernel_values(p, cfg, ptrs), shared_mem=cfg.smem, n_addresses=len(PREPARED_ARRAYS),
+                          programmatic=cfg.programmatic)
 
 
 def prepare(call, problem):
