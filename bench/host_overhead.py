@@ -235,7 +235,7 @@ def _params_of_table(table: int):
                 if isinstance(value, KernelParams) and value._buffers()[2] == table:
                     return value
     for obj in gc.get_objects():
-        if isinstance(obj, PreparedLaunch):
+        if type(obj) is PreparedLaunch:  # (isinstance would read __class__ of every object, some deprecated)
             bufs = getattr(obj._tls, "bufs", None)
             if bufs is not None and bufs[2] == table:
                 return obj.params
