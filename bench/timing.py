@@ -76,6 +76,10 @@ class Timer:
     def _event(self):
         return self.torch.cuda.Event(enable_timing=True)
 
+    def _warmup_count(self, est_ms: float) -> int:
+        """Back-to-back calls (or replays) of ``est_ms`` each that fill ``warmup_ms``."""
+        return int(min(self.cfg.warmup_ms / est_ms, 10_000))
+
     def time(self, run, n_sets: int, *, samples: int | None = None, warmup: int | None = None) -> dict:
         cfg = self.cfg
         samples = cfg.samples if samples is None else samples
@@ -91,7 +95,7 @@ class Timer:
         e1.record()
         self.sync()
         est = max(e0.elapsed_time(e1) / n_sets, 1e-4)
-        for w in range(int(min(cfg.warmup_ms / est, 10_000))):
+        for w in range(self._warmup_count(est)):
             run(w % n_sets)
         inner = int(min(cfg.max_inner, max(1, math.ceil(cfg.min_sample_ms / est))))
         fit = int(cfg.budget_s * 1e3 / (est * inner))
@@ -133,8 +137,7 @@ class Timer:
             graph.replay()
             e1.record()
             self.sync()
-            est = max(e0.elapsed_time(e1), 1e-4)
-            for _ in range(int(min(self.cfg.warmup_ms / est, 10_000))):
+            for _ in range(self._warmup_count(max(e0.elapsed_time(e1), 1e-4))):
                 graph.replay()
             events = [(self._event(), self._event()) for _ in range(samples)]
             for start, end in events:

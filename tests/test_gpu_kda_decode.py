@@ -383,6 +383,13 @@ def test_decode_allocated_output(name, rng):
     check_results(c, prep, out, pool, final)
 
 
+def _token_steps(prep, device_args: dict) -> list:
+    """The arguments of one single-token call per token of ``prep`` (q, k, v, a, b sliced to
+    that token and copied to the device; the others, the pool among them, shared)."""
+    return [{n: (_to_device(np.ascontiguousarray(prep.args[n][:, t:t + 1])) if n in ("q", "k", "v", "a", "b")
+                 else x) for n, x in device_args.items()} for t in range(prep.args["q"].shape[1])]
+
+
 @pytest.mark.gpu
 def test_decode_twice_equals_two_tokens(rng):
     """Two single-token in-place steps == one two-token step (the recurrence is carried)."""
@@ -394,9 +401,7 @@ def test_decode_twice_equals_two_tokens(rng):
     a = {n: _to_device(x) for n, x in prep.args.items()}
     kw = dict(prep.kwargs, state_indices=None)
     outs = []
-    for t in range(2):
-        step = {n: (_to_device(np.ascontiguousarray(prep.args[n][:, t:t + 1])) if n in ("q", "k", "v", "a", "b")
-                    else x) for n, x in a.items()}
+    for step in _token_steps(prep, a):
         o = _poisoned((c.B, 1, c.HV, c.V), np.float32)
         m.gated_delta_rule_decode(**step, **kw, output=o)
         outs.append(cp.asnumpy(o))
@@ -418,8 +423,7 @@ def test_decode_back_to_back_steps(graph, rng):
     prep = build_case(c, rng)
     a = {n: _to_device(x) for n, x in prep.args.items()}
     kw = dict(prep.kwargs, state_indices=None)
-    steps = [{n: (_to_device(np.ascontiguousarray(prep.args[n][:, t:t + 1])) if n in ("q", "k", "v", "a", "b")
-                  else x) for n, x in a.items()} for t in range(c.T)]
+    steps = _token_steps(prep, a)
     outs = [_poisoned((c.B, 1, c.HV, c.V), np.float32) for _ in range(c.T)]
     pool0 = a["state"].copy()
     stream = cp.cuda.Stream(non_blocking=True)

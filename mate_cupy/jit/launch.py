@@ -169,6 +169,14 @@ def _driver_launch_programmatic():
     return _launch_kernel_programmatic
 
 
+def _launcher(programmatic: bool):
+    """The driver launch function: ``cuLaunchKernel``, or the programmatic ``cuLaunchKernelEx``
+    (looked up at each launch, so a stand-in set on the module takes effect)."""
+    if programmatic:
+        return _launch_kernel_programmatic or _driver_launch_programmatic()
+    return _launch_kernel or _driver_launch()
+
+
 def launch(kernel, grid, block, params: KernelParams, values, *, shared_mem: int = 0, stream: int = 0,
            programmatic: bool = False) -> None:
     """Launch ``kernel`` (a :class:`mate_cupy.jit.compiler.Kernel`) on the stream address ``stream``.
@@ -178,10 +186,7 @@ def launch(kernel, grid, block, params: KernelParams, values, *, shared_mem: int
     programmatic dependent launch (sm_90+), for kernels that call ``grid_dependency_sync``
     (``cuda_src/common/grid_dependency.cuh``) before their first global memory access.
     """
-    if programmatic:
-        launch_kernel = _launch_kernel_programmatic or _driver_launch_programmatic()
-    else:
-        launch_kernel = _launch_kernel or _driver_launch()
+    launch_kernel = _launcher(programmatic)
     if shared_mem > 48 * 1024:
         kernel.reserve_shared_memory(shared_mem)
     g = tuple(grid) + (1, 1)
@@ -302,11 +307,8 @@ class PreparedLaunch:
                     m.encode_into(base + offset, a)
                     held[j] = a
         g, b = self.grid, self.block
-        if self.programmatic:
-            launch_kernel = _launch_kernel_programmatic or _driver_launch_programmatic()
-        else:
-            launch_kernel = _launch_kernel or _driver_launch()
-        launch_kernel(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, bufs[2], 0)
+        _launcher(self.programmatic)(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
+                                     bufs[2], 0)
 
 
 def _itemgetter(picks):
