@@ -113,3 +113,49 @@ def test_get_kernel_loads_and_opts_in_on_the_requested_device(monkeypatch):
     assert current[0] == 0 and k.device == 1
     assert compiler.get_kernel(spec, None, 1) is k and compiler.get_kernel(spec, None, 0) is not k
     assert events[-1] == ("load", 0)
+
+
+def test_programmatic_launch_structures_match_the_driver_header(tmp_path):
+    """The ``CUlaunchConfig`` and ``CUlaunchAttribute`` bytes handed to ``cuLaunchKernelEx``
+    have the layout of ``cuda.h``: sizes, field offsets and the attribute's id, as the C
+    compiler lays them out."""
+    import os
+    import shutil
+    import subprocess
+
+    from mate_cupy.jit.compiler import cuda_include_dirs
+    from mate_cupy.jit.launch import _LAUNCH_CONFIG, _PROGRAMMATIC_ATTRIBUTE
+
+    include = next((d for d in cuda_include_dirs() if os.path.isfile(os.path.join(d, "cuda.h"))), None)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if include is None or cc is None:
+        pytest.skip("needs cuda.h and a C compiler")
+    src = tmp_path / "layout.c"
+    src.write_text(
+        "#include <stddef.h>\n#include <stdio.h>\n#include <cuda.h>\n"
+        "int main(void) {\n"
+        "  printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu %d\\n\", sizeof(CUlaunchConfig),\n"
+        "    offsetof(CUlaunchConfig, blockDimX), offsetof(CUlaunchConfig, sharedMemBytes),\n"
+        "    offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),\n"
+        "    offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute),\n"
+        "    offsetof(CUlaunchAttribute, value),\n"
+        "    offsetof(CUlaunchAttributeValue, programmaticStreamSerializationAllowed),\n"
+        "    (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n"
+        "  return 0;\n}\n")
+    exe = tmp_path / "layout"
+    subprocess.run([cc, f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    size, block_at, smem_at, stream_at, attrs_at, n_at, attr_size, value_at, allowed_at, attr_id = map(
+        int, subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split())
+
+    cfg = _LAUNCH_CONFIG.pack(11, 12, 13, 21, 22, 23, 31, 0x0102030405060708, 0x1112131415161718, 3)
+    assert len(cfg) == size
+    assert struct.unpack_from("<3I", cfg, 0) == (11, 12, 13)
+    assert struct.unpack_from("<3I", cfg, block_at) == (21, 22, 23)
+    assert struct.unpack_from("<I", cfg, smem_at) == (31,)
+    assert struct.unpack_from("<Q", cfg, stream_at) == (0x0102030405060708,)
+    assert struct.unpack_from("<Q", cfg, attrs_at) == (0x1112131415161718,)
+    assert struct.unpack_from("<I", cfg, n_at) == (3,)
+
+    assert len(_PROGRAMMATIC_ATTRIBUTE) == attr_size
+    assert struct.unpack_from("<i", _PROGRAMMATIC_ATTRIBUTE, 0) == (attr_id,)
+    assert struct.unpack_from("<i", _PROGRAMMATIC_ATTRIBUTE, value_at + allowed_at) == (1,)
