@@ -1,12 +1,16 @@
 """Kernel parameter packing (mate_cupy.jit.launch) on the host: layout and conversions."""
 from __future__ import annotations
 
+import os
+import shutil
 import struct
+import subprocess
 
 import numpy as np
 import pytest
 
-from mate_cupy.jit.launch import KernelParams, address
+from mate_cupy.jit.compiler import cuda_include_dirs
+from mate_cupy.jit.launch import _LAUNCH_CONFIG, _PROGRAMMATIC_ATTRIBUTE, KernelParams, address
 
 
 class _HasPtr:
@@ -119,13 +123,6 @@ def test_programmatic_launch_structures_match_the_driver_header(tmp_path):
     """The ``CUlaunchConfig`` and ``CUlaunchAttribute`` bytes handed to ``cuLaunchKernelEx``
     have the layout of ``cuda.h``: sizes, field offsets and the attribute's id, as the C
     compiler lays them out."""
-    import os
-    import shutil
-    import subprocess
-
-    from mate_cupy.jit.compiler import cuda_include_dirs
-    from mate_cupy.jit.launch import _LAUNCH_CONFIG, _PROGRAMMATIC_ATTRIBUTE
-
     include = next((d for d in cuda_include_dirs() if os.path.isfile(os.path.join(d, "cuda.h"))), None)
     cc = shutil.which("cc") or shutil.which("gcc")
     if include is None or cc is None:
