@@ -6,7 +6,8 @@ Small requests (lengths off the block, a one-token request, a request without qu
 repeated and out-of-range block ids, causal and not, page tables and CSR page lists, several
 row windows (the window forced small), lists of 40 slots, lists as dense as a top-k selection's,
 a workspace of garbage and an output poisoned with NaN.
-The attention kernel's three warpgroups and its work counter run as real threads, with cp.async
+The attention kernel's three warpgroups and its work counter run as real threads (a launch's
+CTAs one after another, and in one test several at once), with cp.async
 copies landing at issue or at the retiring wait. Set
 MATE_CUPY_EMU_SANITIZE=1 to build the emulator with ASan/UBSan.
 """
@@ -172,3 +173,19 @@ def test_gather_tile_emulated_dense_lists(emu, rng):
     b = gl.gather_bounds(p.total_q, p.hkv, sel.shape[2], len(p.qo), int(p.qo.max()), int(p.kv.max()))
     assert (sel >= 0).sum() > 0.99 * b.max_pairs
     _check(p, sel, out, lse, True, "dense lists")
+
+
+@pytest.mark.slow
+def test_gather_tile_emulated_concurrent_ctas_are_bitwise_equal(emu, rng, monkeypatch):
+    """Four CTAs of each launch at once (the count and scatter kernels' atomics, the attention
+    kernel's work counter then interleave, so pairs land in other orders and items hold other
+    queries), over three row windows and a varlen batch: bitwise the output of CTAs run one
+    after another."""
+    p = make_problem(rng, [50, 1, 30], [260, 40, 500], 16, 1, 128, page_size=128)
+    sel = random_selection(rng, p, 5)
+    one = _run(emu, p, sel, rows=32, monkeypatch=monkeypatch)
+    monkeypatch.setenv("EMU_CONCURRENT_BLOCKS", "4")
+    out, lse, _ = _run(emu, p, sel, rows=32, monkeypatch=monkeypatch)
+    assert np.array_equal(out.view(np.uint16), one[0].view(np.uint16)), "out"
+    assert np.array_equal(lse.view(np.uint32), one[1].view(np.uint32)), "lse"
+    _check(p, sel, out, lse, True, "concurrent CTAs")

@@ -4,7 +4,11 @@
 // collective (shuffles, votes, reductions, ldmatrix, mma.sync). cp.async copies either
 // when issued (exposes buffers refilled while still being read) or at the wait that
 // retires their group (exposes missing waits). Fragment layouts follow the PTX ISA.
-// Dynamic shared memory is a fresh allocation per block filled with 0xFF (NaN).
+// Dynamic shared memory is a fresh allocation per block filled with 0xFF (NaN). Blocks run
+// one after another, or up to g_concurrent_blocks at once (their threads interleave, so the
+// order of cross-block atomics varies). A static __shared__ variable is one object for
+// every block here; a harness that runs blocks at once rewrites such declarations to
+// block_shared (one object per block, filled with 0xFF).
 // Extras: emu_wgmma.h (wgmma), emu_bulk.h (bulk copies, mbarriers); per kernel family
 // tests/index_emu/emu_index.h, tests/kda_chunk_emu/emu_kda.h, tests/kda_decode_emu/emu_kda_decode.h.
 #pragma once
@@ -15,12 +19,15 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -55,13 +62,32 @@ struct Block {
     std::vector<std::unique_ptr<Warp>> warps;
     unsigned char* smem = nullptr;
     size_t smem_bytes = 0;
+    std::mutex named_m;  // named barriers (bar.sync id, count), made at first use
+    std::unique_ptr<std::barrier<>> named[16];
+    int named_count[16] = {};
+    std::mutex statics_m;  // block_shared objects, made at first use
+    std::map<int, std::unique_ptr<std::max_align_t[]>> statics;
 };
-inline Block* g_block = nullptr;
+inline thread_local Block* g_block = nullptr;  // the block of this emulated thread
 inline bool g_lazy_cp_async = false;
+inline int g_concurrent_blocks = 1;  // blocks run at once (1: one after another)
 struct PendingCopy { void* dst; const void* src; bool pred; };
 inline thread_local std::vector<PendingCopy> t_open;              // issued, not committed
 inline thread_local std::deque<std::vector<PendingCopy>> t_groups;  // committed, not retired
 inline unsigned char* dyn_smem() { return g_block->smem; }
+// The static __shared__ variable `Id` of type T (an array type allowed) of this thread's block.
+template <typename T, int Id>
+inline T& block_shared() {
+    Block& b = *g_block;
+    std::lock_guard<std::mutex> lock(b.statics_m);
+    auto& p = b.statics[Id];
+    if (!p) {
+        const size_t n = (sizeof(T) + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
+        p.reset(new std::max_align_t[n]);
+        std::memset(p.get(), 0xFF, n * sizeof(std::max_align_t));
+    }
+    return *reinterpret_cast<T*>(p.get());
+}
 inline Warp& my_warp() { return *g_block->warps[threadIdx.x / 32]; }
 inline int my_lane() { return threadIdx.x % 32; }
 template <typename V>
@@ -73,24 +99,32 @@ inline void do_copy(const PendingCopy& p) {
     if (p.pred) std::memcpy(p.dst, p.src, 16); else std::memset(p.dst, 0, 16);
 }
 
-// Blocks run one after another (x fastest, then y, then z).
+// Blocks in order (x fastest, then y, then z), g_concurrent_blocks of them at a time.
 template <typename F>
 inline void launch(EmuDim grid, int threads, size_t smem_bytes, F&& body) {
     gridDim = grid;
     blockDim = EmuDim{(unsigned)threads, 1, 1};
+    std::vector<std::unique_ptr<Block>> live;
+    std::vector<std::thread> ts;
+    auto finish = [&] {
+        for (auto& t : ts) t.join();
+        ts.clear();
+        for (auto& b : live) std::free(b->smem);
+        live.clear();
+    };
     for (unsigned bz = 0; bz < std::max(grid.z, 1u); ++bz)
         for (unsigned by = 0; by < std::max(grid.y, 1u); ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
-                Block b;
-                b.bar = std::make_unique<std::barrier<>>(threads);
-                for (int w = 0; w < threads / 32; ++w) b.warps.emplace_back(std::make_unique<Warp>());
-                b.smem_bytes = smem_bytes;
-                b.smem = smem_bytes ? (unsigned char*)std::aligned_alloc(128, (smem_bytes + 127) / 128 * 128) : nullptr;
-                if (b.smem) std::memset(b.smem, 0xFF, smem_bytes);
-                g_block = &b;
-                std::vector<std::thread> ts;
+                live.emplace_back(std::make_unique<Block>());
+                Block* b = live.back().get();
+                b->bar = std::make_unique<std::barrier<>>(threads);
+                for (int w = 0; w < threads / 32; ++w) b->warps.emplace_back(std::make_unique<Warp>());
+                b->smem_bytes = smem_bytes;
+                b->smem = smem_bytes ? (unsigned char*)std::aligned_alloc(128, (smem_bytes + 127) / 128 * 128) : nullptr;
+                if (b->smem) std::memset(b->smem, 0xFF, smem_bytes);
                 for (int t = 0; t < threads; ++t)
-                    ts.emplace_back([&, t, bx, by, bz] {
+                    ts.emplace_back([&body, b, t, bx, by, bz] {
+                        g_block = b;
                         threadIdx = EmuDim{(unsigned)t, 0, 0};
                         blockIdx = EmuDim{bx, by, bz};
                         t_open.clear();
@@ -99,10 +133,9 @@ inline void launch(EmuDim grid, int threads, size_t smem_bytes, F&& body) {
                         for (auto& p : t_open) do_copy(p);  // (a kernel should not exit with copies in flight)
                         for (auto& g : t_groups) for (auto& p : g) do_copy(p);
                     });
-                for (auto& t : ts) t.join();
-                std::free(b.smem);
-                g_block = nullptr;
+                if ((int)live.size() >= std::max(g_concurrent_blocks, 1)) finish();
             }
+    finish();
 }
 }  // namespace emu
 

@@ -9,6 +9,7 @@
 //   then one line per kernel argument: "A <index> <byte offset>" (array DIR/a<index>.bin),
 //   "P0" (null pointer), "I <integer>" or "F <float>".
 // Arrays are loaded 256-byte aligned (once per index) and written back to DIR/a<index>.out.
+// EMU_CONCURRENT_BLOCKS=N: up to N blocks of the launch run at once (default 1).
 #ifndef EMU_HEADER
 #define EMU_HEADER "emu_index.h"
 #endif
@@ -131,6 +132,7 @@ int main(int argc, char** argv) {
     if (it == kernels().end()) { std::fprintf(stderr, "kernel not in the driver: %s\n", name.c_str()); return 4; }
     emu::g_lazy_cp_async = lazy != 0;
     emu::g_lazy_wgmma = lazy != 0;
+    if (const char* c = std::getenv("EMU_CONCURRENT_BLOCKS")) emu::g_concurrent_blocks = std::atoi(c);
     emu::launch(EmuDim{gx, gy, gz}, threads, smem, [&] { it->second(args); });
     for (auto& [idx, buf] : loaded) {
         std::ofstream out(dir + "/a" + std::to_string(idx) + ".out", std::ios::binary);

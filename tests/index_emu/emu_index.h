@@ -80,21 +80,19 @@ inline void cp_async_wait_all() {
 }
 template <int N> inline void regs_release() {}
 template <int N> inline void regs_claim() {}
-// bar.sync id, 128: one std::barrier per id, made afresh for each block.
+// bar.sync id, threads: one std::barrier per id and block (of `threads` arrivals).
 inline void named_sync(int id, int threads) {
-    if (threads != 128) { std::fprintf(stderr, "named_sync: only warpgroup barriers are emulated\n"); std::abort(); }
-    static std::mutex m;
-    static const emu::Block* owner = nullptr;
-    static std::unique_ptr<std::barrier<>> bars[16];
+    if (id < 0 || id >= 16 || threads % 32 || threads <= 0) { std::fprintf(stderr, "named_sync: barrier\n"); std::abort(); }
+    emu::Block& blk = *emu::g_block;
     std::barrier<>* b;
     {
-        std::lock_guard<std::mutex> lock(m);
-        if (owner != emu::g_block) {
-            for (auto& x : bars) x.reset();
-            owner = emu::g_block;
+        std::lock_guard<std::mutex> lock(blk.named_m);
+        if (!blk.named[id]) {
+            blk.named[id] = std::make_unique<std::barrier<>>(threads);
+            blk.named_count[id] = threads;
         }
-        if (!bars[id]) bars[id] = std::make_unique<std::barrier<>>(128);
-        b = bars[id].get();
+        if (blk.named_count[id] != threads) { std::fprintf(stderr, "named_sync: thread count differs\n"); std::abort(); }
+        b = blk.named[id].get();
     }
     b->arrive_and_wait();
 }
