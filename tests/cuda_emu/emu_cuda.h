@@ -7,8 +7,8 @@
 // Dynamic shared memory is a fresh allocation per block filled with 0xFF (NaN). Blocks run
 // one after another, or up to g_concurrent_blocks at once (their threads interleave, so the
 // order of cross-block atomics varies). A static __shared__ variable is one object for
-// every block here; a harness that runs blocks at once rewrites such declarations to
-// block_shared (one object per block, filled with 0xFF).
+// every block here; tests/index_emu's driver build, which can run blocks at once, rewrites
+// such declarations to block_shared (one object per block, filled with 0xFF).
 // Extras: emu_wgmma.h (wgmma), emu_bulk.h (bulk copies, mbarriers); per kernel family
 // tests/index_emu/emu_index.h, tests/kda_chunk_emu/emu_kda.h, tests/kda_decode_emu/emu_kda_decode.h.
 #pragma once
@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -66,7 +65,7 @@ struct Block {
     std::unique_ptr<std::barrier<>> named[16];
     int named_count[16] = {};
     std::mutex statics_m;  // block_shared objects, made at first use
-    std::map<int, std::unique_ptr<std::max_align_t[]>> statics;
+    std::map<int, std::unique_ptr<unsigned char, decltype(&std::free)>> statics;
 };
 inline thread_local Block* g_block = nullptr;  // the block of this emulated thread
 inline bool g_lazy_cp_async = false;
@@ -75,18 +74,20 @@ struct PendingCopy { void* dst; const void* src; bool pred; };
 inline thread_local std::vector<PendingCopy> t_open;              // issued, not committed
 inline thread_local std::deque<std::vector<PendingCopy>> t_groups;  // committed, not retired
 inline unsigned char* dyn_smem() { return g_block->smem; }
-// The static __shared__ variable `Id` of type T (an array type allowed) of this thread's block.
+// The static __shared__ variable `Id` of type T (an array type allowed) of this thread's
+// block, 128-byte aligned.
 template <typename T, int Id>
 inline T& block_shared() {
     Block& b = *g_block;
     std::lock_guard<std::mutex> lock(b.statics_m);
-    auto& p = b.statics[Id];
-    if (!p) {
-        const size_t n = (sizeof(T) + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
-        p.reset(new std::max_align_t[n]);
-        std::memset(p.get(), 0xFF, n * sizeof(std::max_align_t));
+    auto it = b.statics.find(Id);
+    if (it == b.statics.end()) {
+        const size_t n = (sizeof(T) + 127) / 128 * 128;
+        it = b.statics.emplace(Id, std::unique_ptr<unsigned char, decltype(&std::free)>(
+                                       (unsigned char*)std::aligned_alloc(128, n), &std::free)).first;
+        std::memset(it->second.get(), 0xFF, n);
     }
-    return *reinterpret_cast<T*>(p.get());
+    return *reinterpret_cast<T*>(it->second.get());
 }
 inline Warp& my_warp() { return *g_block->warps[threadIdx.x / 32]; }
 inline int my_lane() { return threadIdx.x % 32; }

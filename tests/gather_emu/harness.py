@@ -49,23 +49,7 @@ def emulator_source() -> str:
     src = src.replace(bar, "named_sync(1 + wg, 128);")
     decl = "extern __shared__ __align__(1024) unsigned char smem_raw[];"
     assert src.count(decl) == 1
-    return _block_statics(src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();"))
-
-
-def _block_statics(src: str) -> str:
-    """Each ``__shared__ T a[n], b;`` declaration as references to one object per block
-    (``emu::block_shared``), so that blocks run at once do not share it."""
-    ids = iter(range(1 << 20))
-
-    def one(m):
-        decls = [d.strip() for d in m.group(1).split(",")]
-        ty, name, dims = re.fullmatch(r"(.*\S)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)", decls[0]).groups()
-        refs = [(name, dims)] + [re.fullmatch(r"([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)", d).groups() for d in decls[1:]]
-        return " ".join(f"auto& {n} = emu::block_shared<{ty}{d}, {next(ids)}>();" for n, d in refs)
-
-    out = re.sub(r"(?<!extern )__shared__ ([^;]*);", one, src)
-    assert "__shared__" not in out, "a shared declaration the rewrite does not handle"
-    return out
+    return src.replace(decl, "unsigned char* smem_raw = emu::dyn_smem();")
 
 
 def build(tmp_dir: Path, dtype_code: int, sanitize: bool | None = None) -> Path:

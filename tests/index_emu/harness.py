@@ -9,6 +9,7 @@ runs in the emulator, and the arrays come back with what the kernel wrote.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -69,10 +70,30 @@ def kernel_names() -> list:
     return [k for s in specs for k in s.kernels]
 
 
+def block_statics(src: str) -> str:
+    """Each static ``__shared__ [__align__(n)] T a[n], b;`` declaration of ``src`` as references
+    to one object per block (``emu::block_shared``), so that blocks the driver runs at once
+    (``EMU_CONCURRENT_BLOCKS``) do not share it."""
+    ids = itertools.count()
+
+    def one(m):
+        decls = [d.strip() for d in m.group(1).split(",")]
+        ty, name, dims = re.fullmatch(r"(.*\S)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)", decls[0]).groups()
+        refs = [(name, dims)] + [re.fullmatch(r"([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)", d).groups() for d in decls[1:]]
+        return " ".join(f"auto& {n} = emu::block_shared<{ty}{d}, {next(ids)}>();" for n, d in refs)
+
+    # block_shared storage is 128-byte aligned: an alignment up to that needs no attribute
+    src = re.sub(r"(?<!extern )__shared__ __align__\((\d+)\)",
+                 lambda m: "__shared__" if int(m.group(1)) <= 128 else m.group(0), src)
+    out = re.sub(r"(?<!extern )__shared__ ([^;]*);", one, src)
+    assert "__shared__" not in out.replace("extern __shared__", ""), "a shared declaration the rewrite does not handle"
+    return out
+
+
 def build_driver(tmp_dir: Path, exe_name: str, source: str, kernels, *, header: str | None = None,
                  include_dirs=(), defines=(), strict_aliasing: bool = True, sanitize: bool | None = None) -> Path:
-    """Compile ``driver.cpp`` around ``source`` (a kernel file prepared for the emulator) with
-    ``kernels`` registered; ``header``: the family's emulator extras (``EMU_HEADER``, default
+    """Compile ``driver.cpp`` around ``source`` (a kernel file prepared for the emulator, its
+    static shared variables made per block: :func:`block_statics`) with ``kernels`` registered; ``header``: the family's emulator extras (``EMU_HEADER``, default
     emu_index.h), found in ``include_dirs``. Returns the executable ``tmp_dir/exe_name``."""
     from mate_cupy.jit.compiler import cuda_include_dirs
 
@@ -82,7 +103,7 @@ def build_driver(tmp_dir: Path, exe_name: str, source: str, kernels, *, header: 
         sanitize = bool(os.environ.get("MATE_CUPY_EMU_SANITIZE"))
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    (tmp_dir / f"{exe_name}.inc").write_text(source)
+    (tmp_dir / f"{exe_name}.inc").write_text(block_statics(source))
     (tmp_dir / "emu_kernels.inc").write_text("".join(f'REG("{n}", {n});\n' for n in kernels))
     flags = ["-O1", "-g", "-fsanitize=address,undefined"] if sanitize else ["-O2"]
     if not strict_aliasing:  # kernels that reinterpret registers through pointer casts, as CUDA C++ allows
