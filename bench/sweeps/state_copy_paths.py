@@ -19,7 +19,11 @@ shared memory (``smem_kb``) sets the CTAs per SM. Paths:
   decode kernel's path per slice), with S slices' bulk copies in flight per CTA: the next
   slice's read is issued as soon as the current one is in registers, before its stores.
 
-Beside them a device-to-device copy of the same bytes. Times are medians of back-to-back
+``bulk>regs>stcs/out`` and ``bulk>bulk/out`` write the same slots of a second pool instead
+(out of place). Beside them a device-to-device copy of the same bytes, and ``flat`` /
+``flat/out``: one contiguous range of the same size read, incremented and written in place /
+to another buffer by a grid-stride kernel (four 16-byte pieces in flight per thread), which
+separates what writing in place costs from what the slices and slots cost. Times are medians of back-to-back
 launches (CUDA events). Writes ``OUTDIR/state_copy_paths_TAG.json``.
 """
 from __future__ import annotations
@@ -57,12 +61,13 @@ __device__ __forceinline__ float* slice_base(float* pool, const int* slots, int 
 // MODE 0: bulk > regs > st.global.cs   1: bulk > regs > st.global   2: bulk > bulk
 // MODE 3: bulk > regs > smem > bulk store per warp   4: ... per CTA   5: ld.global > st.global.cs
 template <int MODE>
-__global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, int HV, int splits,
+__global__ void __launch_bounds__(128) state_rw(float* pool, float* out, const int* slots, int HV, int splits,
                                                  int slice_elems) {
     extern __shared__ __align__(128) float stage[];
     __shared__ unsigned long long bar;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float* base = slice_base(pool, slots, HV, splits, slice_elems, blockIdx.x);
+    float* obase = slice_base(out, slots, HV, splits, slice_elems, blockIdx.x);  // base when in place
     const unsigned bytes = slice_elems * 4;
     if constexpr (MODE != 5) {
         if (tid == 0) mbarrier_init_one(&bar);
@@ -71,7 +76,7 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
         mbarrier_wait(&bar, 0);
     }
     if constexpr (MODE == 2) {
-        if (tid == 0) bulk_store_read(base, stage, bytes);
+        if (tid == 0) bulk_store_read(obase, stage, bytes);
     } else {
     // lane rows warp * 16 + (lane >> 3) + 4 r (r < 4), 16-byte pieces j * 8 + (lane & 7) (j < 4)
     const int rows = slice_elems / 128, wrows = rows / (blockDim.x >> 5);
@@ -90,7 +95,7 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
         for (int r = 0; r < 4; ++r)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                float4* d = reinterpret_cast<float4*>(base + off + r * 4 * 128 + j * 32);
+                float4* d = reinterpret_cast<float4*>(obase + off + r * 4 * 128 + j * 32);
                 if (MODE == 1) *d = x[r][j]; else __stcs(d, x[r][j]);
             }
     } else {
@@ -101,12 +106,28 @@ __global__ void __launch_bounds__(128) state_rw(float* pool, const int* slots, i
     attn::fence_proxy_async_smem();
     if constexpr (MODE == 3) {
         __syncwarp();
-        if (lane == 0) bulk_store_read(base + warp * wrows * 128, stage + warp * wrows * 128, wrows * 512);
+        if (lane == 0) bulk_store_read(obase + warp * wrows * 128, stage + warp * wrows * 128, wrows * 512);
     } else {
         __syncthreads();
-        if (tid == 0) bulk_store_read(base, stage, bytes);
+        if (tid == 0) bulk_store_read(obase, stage, bytes);
     }
     }
+    }
+}
+
+// Every 16-byte piece of a contiguous range read, incremented and written to dst (dst == src:
+// in place), four pieces in flight per thread, streaming loads and stores.
+__global__ void __launch_bounds__(256) flat_rw(const float4* src, float4* dst, long long n4) {
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += 4 * step) {
+        float4 x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) if (i + u * step < n4) x[u] = __ldcs(src + i + u * step);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            x[u].x += 1.f; x[u].y += 1.f; x[u].z += 1.f; x[u].w += 1.f;
+            if (i + u * step < n4) __stcs(dst + i + u * step, x[u]);
+        }
     }
 }
 
@@ -171,6 +192,9 @@ MODES = {"bulk>regs>stcs": 0, "bulk>regs>st": 1, "bulk>bulk": 2, "bulk>regs>smem
 KERNEL = "state_rw"  # SRC's kernel template, instantiated once per mode
 # Persistent CTAs (as many as fit per SM, each looping over slices): stages in flight per CTA.
 PERSISTENT = {"persistent>stcs/1": 1, "persistent>stcs/2": 2}
+#: Modes also run out of place: read from the pool, written to the same slots of a second pool.
+OUT_OF_PLACE = ("bulk>regs>stcs", "bulk>bulk")
+NAMED = (*MODES, *PERSISTENT, "flat")  # the row keys that are times
 HV = 32
 HEAD = 128 * 128
 
@@ -204,6 +228,7 @@ def main(argv) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     kernels = mode_kernels(SRC, KERNEL, MODES)
     persistent = mode_kernels(SRC, "state_rw_persistent", PERSISTENT)
+    flat = cp.RawModule(code=SRC, options=module_options()).get_function("flat_rw")
     sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
@@ -213,6 +238,7 @@ def main(argv) -> None:
     for B, warps, slice_kb, smem_kb in shapes:
         P = 4 * B
         pool = cp.random.standard_normal((P, HV, HEAD), dtype=cp.float32)
+        pool2 = cp.zeros_like(pool)  # the out-of-place rows' destination (same slots)
         perms = [cp.asarray(np.random.default_rng(i).permutation(P)[:B].astype(np.int32)) for i in range(4)]
         slice_elems = slice_kb * 256
         splits = HEAD // slice_elems
@@ -225,13 +251,20 @@ def main(argv) -> None:
                    copy_us=timed_us(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, 0), reps))
         for name, kern in kernels.items():
             kern.max_dynamic_shared_size_bytes = smem_kb * 1024
-            it = [0]
+            for suffix, out in (("", pool), ("/out", pool2)):
+                if suffix and name not in OUT_OF_PLACE:
+                    continue
+                it = [0]
 
-            def call():
-                it[0] = (it[0] + 1) % 4
-                kern((grid,), (warps * 32,), (pool, perms[it[0]], np.int32(HV), np.int32(splits), np.int32(slice_elems)),
-                     shared_mem=smem_kb * 1024)
-            row[name] = timed_us(call, reps)
+                def call(kern=kern, out=out):
+                    it[0] = (it[0] + 1) % 4
+                    kern((grid,), (warps * 32,), (pool, out, perms[it[0]], np.int32(HV), np.int32(splits),
+                                                  np.int32(slice_elems)), shared_mem=smem_kb * 1024)
+                row[name + suffix] = timed_us(call, reps)
+        n4 = half // 16
+        flat_grid = (sm_count * 8,)
+        row["flat"] = timed_us(lambda: flat(flat_grid, (256,), (pool, pool, np.int64(n4))), reps)
+        row["flat/out"] = timed_us(lambda: flat(flat_grid, (256,), (src, dst, np.int64(n4))), reps)
         for name, kern in persistent.items():
             smem = (PERSISTENT[name] * slice_kb + smem_kb - slice_kb) * 1024
             kern.max_dynamic_shared_size_bytes = smem
@@ -247,8 +280,9 @@ def main(argv) -> None:
         results.append(row)
         print(f"B{B:<5d} w{warps} {slice_kb}KB smem {smem_kb}KB copy {row['copy_us']:.1f} us "
               f"({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in (*MODES, *PERSISTENT)), flush=True)
-        del pool, src, dst
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in row if n.startswith(NAMED)),
+              flush=True)
+        del pool, pool2, src, dst
     (outdir / f"state_copy_paths_{tag}.json").write_text(json.dumps(results, indent=1))
 
 
