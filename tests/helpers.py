@@ -53,6 +53,27 @@ def poison_like(xp, shape, dtype):
     return a
 
 
+def side_stream():
+    """A new non-blocking CuPy stream whose work starts after everything queued so far on the
+    current stream. Inputs made on the legacy default stream (copies, fills) are not ordered
+    before a non-blocking stream's work by CUDA itself; this event wait orders them."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+    return stream
+
+
+def torch_side_stream():
+    """A new torch CUDA stream (non-blocking) whose work starts after everything queued so far
+    on torch's current stream (the legacy default stream, where CuPy's inputs were made too)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
+
+
 def kernel_params(source, kernel: str, macros=()) -> list:
     """``(name, kind)`` of each parameter of ``kernel`` as declared in the ``.cu`` file ``source``.
 

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import kernel_params, to_f64
+from helpers import kernel_params, side_stream, to_f64, torch_side_stream
 from mate_cupy.kda import chunk as ch
 from mate_cupy.jit import address
 from mate_cupy.kda import chunk_launch as cl
@@ -915,7 +915,7 @@ def test_chunk_pipelined_in_cuda_graph_and_torch_stream(rng):
     want, want_s = chunk_kda(**d, output_final_state=True)
     out, fs = _nan(x["v"].shape, BF16), _nan((1, 2, K, K), F32)
     ws = cupy.empty(ch.chunk_kda_workspace_bytes(1, 8192, 2), np.uint8)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         chunk_kda(**d, output_final_state=True, output=out, final_state=fs, workspace=ws)  # warm
         out.fill(0)
@@ -932,7 +932,7 @@ def test_chunk_pipelined_in_cuda_graph_and_torch_stream(rng):
     if not torch.cuda.is_available():
         return
     t = {k_: (torch.from_dlpack(v_) if isinstance(v_, cupy.ndarray) else v_) for k_, v_ in d.items()}
-    ts = torch.cuda.Stream()
+    ts = torch_side_stream()
     with torch.cuda.stream(ts):
         o_t, s_t = chunk_kda(**t, output_final_state=True)
     ts.synchronize()
@@ -1023,7 +1023,7 @@ def test_chunk_caller_workspace_and_outputs_equal_default(rng, layout):
 
     ws_array = cupy.empty(need, np.uint8)  # any contiguous CUDA array serves as well
     out2, fs2 = _nan(x["v"].shape, BF16), _nan(shape_fs, state)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         stream.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal)
         try:
@@ -1078,7 +1078,7 @@ def test_chunk_torch_tensors(rng):
     x = make_inputs(rng, 0, 0, 1, 2, gate_params=True, lens=[100, 3], state=F32)
     ref_out, ref_fs = chunk_kda(**_dev(x), output_final_state=True)
     t = {k_: torch.from_dlpack(v_) for k_, v_ in _dev(x).items()}
-    stream = torch.cuda.Stream()
+    stream = torch_side_stream()
     with torch.cuda.stream(stream):
         out, fs = chunk_kda(**t, output_final_state=True)
     stream.synchronize()

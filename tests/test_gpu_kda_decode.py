@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import rel_err, side_stream, torch_side_stream
 from mate_cupy.reference.kda import kda_decode
 
 K = 128
@@ -426,7 +426,7 @@ def test_decode_back_to_back_steps(graph, rng):
     steps = _token_steps(prep, a)
     outs = [_poisoned((c.B, 1, c.HV, c.V), np.float32) for _ in range(c.T)]
     pool0 = a["state"].copy()
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         if graph:
             m.gated_delta_rule_decode(**steps[0], **kw, output=outs[0])  # compile and load the module
@@ -568,7 +568,7 @@ def test_decode_torch_tensors_on_side_stream(rng):
 
     args = {n: to_t(x) for n, x in prep.args.items()}
     si = to_t(prep.kwargs["state_indices"])
-    s = torch.cuda.Stream()
+    s = torch_side_stream()
     with torch.cuda.stream(s):
         out = torch.full((c.B, 1, c.HV, c.V), float("nan"), device="cuda", dtype=torch.float32)
         res, final = m.gated_delta_rule_decode(**args, **dict(prep.kwargs, state_indices=si), output=out)
@@ -583,14 +583,13 @@ def test_decode_cuda_graph_capture(rng):
     """A preallocated in-place step can be captured in a CUDA graph and replayed."""
     import mate_cupy as m
 
-    cp = _cupy()
     c = replace(_BASE, B=8, T=1, out_dtype="float32")
     prep = build_case(c, rng)
     args = {n: _to_device(x) for n, x in prep.args.items()}
     kw = dict(prep.kwargs, state_indices=_to_device(prep.kwargs["state_indices"]))
     out = _poisoned(prep.out_shape, np.float32)
     pool0 = args["state"].copy()
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         m.gated_delta_rule_decode(**args, **kw, output=out)  # warm-up: compile and load the module
         args["state"][...] = pool0

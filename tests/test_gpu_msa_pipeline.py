@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_rel, to_f64
+from helpers import assert_rel, side_stream, to_f64
 from msa_cases import BF16, FP8, make_problem
 from test_msa_gpu import dev, masked_ref, poisoned
 from test_msa_pipeline import fp8_index, index_branch
@@ -154,8 +154,6 @@ def test_fp8_index_decode_pipeline(rng):
 def test_speculative_decode_per_token_lists(rng, spec):
     """``spec`` draft tokens per request, each with its own causal top-k list, through the sparse
     decode path: eager plan, then a static plan captured in a CUDA graph."""
-    import cupy
-
     qo = [spec, spec, spec, spec]
     kv = [5000 + spec, 300, 129 + spec, 1000]
     p = make_problem(rng, qo, kv, 16, 1, 128, page_size=128)
@@ -183,7 +181,7 @@ def test_speculative_decode_per_token_lists(rng, spec):
     mc.upload_plan(static, 0, head_dim=128, dtype=BF16)
     q, kc, vc, selc = dev(p.q), dev(p.k_cache), dev(p.v_cache), dev(sel)
     out2 = poisoned(p.q.shape, BF16)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         stream.begin_capture()
         mc.sparse_decode_atten_func(q, kc, vc, static, kv_block_indexes=selc, runtime_metadata=md, out=out2)
@@ -226,7 +224,7 @@ def test_static_pipeline_one_graph_serves_steps_of_changing_lengths(rng):
     md_arrays = metadata(p)
     md = mc.MsaRuntimeMetadata(**md_arrays)
     out = poisoned(p.q.shape, BF16)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         stream.begin_capture()
         mc.sparse_attention_pipeline(bufs["q"], bufs["k"], bufs["v"], bufs["iq"], bufs["ik"], plan,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_rel, to_f64
+from helpers import assert_rel, side_stream, to_f64
 from msa_cases import BF16, FP8, make_problem, offsets_of, random_selection
 
 import mate_cupy as mc
@@ -225,13 +225,11 @@ def _metadata(p, **extra):
 
 
 def test_static_dense_graph_capture(rng):
-    import cupy
-
     p = make_problem(rng, [3, 50, 1], [100, 50, 700], 8, 1, 128)
     info = mc.msa_plan(3, 64, 1024, 8, num_kv_heads=1, total_seqlen_k=2048)
     q, k, v, md = dev(p.q), dev(p.k), dev(p.v), _metadata(p)
     out, lse = poisoned(p.q.shape, BF16), poisoned((p.total_q, 8), np.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         mc.msa(q, k, v, info, runtime_metadata=md, out=out, lse=lse)  # warm-up: compiles kernels
         out.fill(np.nan)
@@ -244,8 +242,6 @@ def test_static_dense_graph_capture(rng):
 
 
 def test_static_sparse_decode_graph_capture(rng):
-    import cupy
-
     p = make_problem(rng, [1, 1, 1], [300, 129, 4000], 16, 1, 128, page_size=128)
     info = mc.msa_plan(3, 1, 4096, 16, num_kv_heads=1, page_size=128, kv_block_num=8, total_seqlen_k=8192)
     table = np.zeros((3, 32), np.int32)
@@ -254,7 +250,7 @@ def test_static_sparse_decode_graph_capture(rng):
     args = (dev(p.q), dev(p.k_cache), dev(p.v_cache), info)
     kw = dict(kv_block_indexes=dev(sel), runtime_metadata=_metadata(p, page_table=dev(table)),
               out=poisoned(p.q.shape, BF16))
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = side_stream()
     with stream:
         mc.sparse_decode_atten_func(*args, **kw)
         kw["out"].fill(np.nan)
@@ -358,8 +354,9 @@ def test_cuda_lengths_upload_the_plan_at_build(rng):
     import cupy
 
     p = make_problem(rng, [3, 40], [100, 40], 8, 1, 128)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    info = mc.msa_plan_from_lengths(cupy.asarray(p.qo), cupy.asarray(p.kv), 8, 1, stream=stream)
+    qo, kv = cupy.asarray(p.qo), cupy.asarray(p.kv)
+    stream = side_stream()
+    info = mc.msa_plan_from_lengths(qo, kv, 8, 1, stream=stream)
     stream.synchronize()
     vec = info[3].device_vectors
     assert vec is not None and vec.device == 0

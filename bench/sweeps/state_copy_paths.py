@@ -228,7 +228,7 @@ def main(argv) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     kernels = mode_kernels(SRC, KERNEL, MODES)
     persistent = mode_kernels(SRC, "state_rw_persistent", PERSISTENT)
-    flat = cp.RawModule(code=SRC, options=module_options()).get_function("flat_rw")
+    flat = cp.RawModule(code=SRC, options=module_options(), name_expressions=["flat_rw"]).get_function("flat_rw")
     sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.
