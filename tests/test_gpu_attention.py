@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import kernel_params, rel_err, signed_rows, to_f64
+from helpers import kernel_params, rel_err, signed_rows, to_f64, torch_side_stream
 from msa_cases import BF16, FP8, make_problem, random_selection
 
 from mate_cupy.msa import attention_launch as al
@@ -1195,8 +1195,7 @@ def test_static_paged_plan_captured_in_torch_graph_and_replayed(rng):
         mc.msa(q, kc, vc, info, page_table=table, runtime_metadata=md, out=out, lse=lse)
 
     kv, tbl = fill([4096, 1, 2500, 700])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    side = torch_side_stream()
     with torch.cuda.stream(side):
         call()  # warm-up: compiles, allocates the split workspace
     torch.cuda.current_stream().wait_stream(side)

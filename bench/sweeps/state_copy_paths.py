@@ -23,8 +23,8 @@ shared memory (``smem_kb``) sets the CTAs per SM. Paths:
 (out of place). Beside them a device-to-device copy of the same bytes, and ``flat`` /
 ``flat/out``: one contiguous range of the same size read, incremented and written in place /
 to another buffer by a grid-stride kernel (four 16-byte pieces in flight per thread), which
-separates what writing in place costs from what the slices and slots cost. Times are medians of back-to-back
-launches (CUDA events). Writes ``OUTDIR/state_copy_paths_TAG.json``.
+separates what writing in place costs from what the slices and slots cost. Times are medians
+of back-to-back launches (CUDA events). Writes ``OUTDIR/state_copy_paths_TAG.json``.
 """
 from __future__ import annotations
 
@@ -194,7 +194,8 @@ KERNEL = "state_rw"  # SRC's kernel template, instantiated once per mode
 PERSISTENT = {"persistent>stcs/1": 1, "persistent>stcs/2": 2}
 #: Modes also run out of place: read from the pool, written to the same slots of a second pool.
 OUT_OF_PLACE = ("bulk>regs>stcs", "bulk>bulk")
-NAMED = (*MODES, *PERSISTENT, "flat")  # the row keys that are times
+#: The row keys that are times, in the order printed.
+TIMED = (*(n + s for n in MODES for s in ("", "/out") if not s or n in OUT_OF_PLACE), "flat", "flat/out", *PERSISTENT)
 HV = 32
 HEAD = 128 * 128
 
@@ -280,8 +281,7 @@ def main(argv) -> None:
         results.append(row)
         print(f"B{B:<5d} w{warps} {slice_kb}KB smem {smem_kb}KB copy {row['copy_us']:.1f} us "
               f"({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in row if n.startswith(NAMED)),
-              flush=True)
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in TIMED), flush=True)
         del pool, pool2, src, dst
     (outdir / f"state_copy_paths_{tag}.json").write_text(json.dumps(results, indent=1))
 
