@@ -338,6 +338,17 @@ def select_blocks(last_block, hkv: int, n_blocks: int, topk: int, gen):
     return ids[..., :topk].to(torch.int32).contiguous()
 
 
+# The GPU whose FlexAttention per-token time (``flex_note_ms``) the per-token case reports when
+# ``--flex-per-token`` is off; on any other GPU the row has no Flex entry.
+FLEX_PER_TOKEN_GPU = "H200"
+
+
+def _on_gpu(cfg, name: str) -> bool:
+    import torch
+
+    return str(cfg.device) != "cpu" and torch.cuda.is_available() and name in torch.cuda.get_device_name()
+
+
 def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, target: Target | None,
                 flex_note_ms: float | None = None) -> Case:
     dev = cfg.device
@@ -398,12 +409,13 @@ def sparse_case(cfg, s: int, hq: int, hkv: int, topk: int, *, per_token: bool, t
     if per_token:
         flex.samples = 3
         if not cfg.flex_per_token:
-            if flex_note_ms is None:
+            if flex_note_ms is None or not _on_gpu(cfg, FLEX_PER_TOKEN_GPU):
                 flex = None
             else:
                 flex.fixed = {"ms": flex_note_ms,
                               "note": f"FlexAttention per-token selection: {flex_note_ms} ms per call measured on "
-                                      "this H200 earlier (project notes), not re-run; --flex-per-token times it"}
+                                      f"an {FLEX_PER_TOKEN_GPU} (bench/results/2026-11-30-H200-e/), not re-run; "
+                                      "--flex-per-token times it"}
 
     def ref(inp):
         import torch
