@@ -200,10 +200,9 @@ HV = 32
 HEAD = 128 * 128
 
 
-def mode_kernels(src: str, kernel: str, modes: dict) -> dict:
-    """``{mode name: function}``: the template ``kernel`` of ``src`` instantiated for every mode
-    (``kernel<mode>``), from one NVRTC module."""
-    exprs = {name: f"{kernel}<{m}>" for name, m in modes.items()}
+def module_functions(src: str, exprs: dict) -> dict:
+    """``{name: function}`` for the name expressions ``exprs`` (``{name: "kernel<mode>"}``) of
+    ``src``, from one NVRTC module."""
     mod = cp.RawModule(code=src, options=module_options(), name_expressions=list(exprs.values()))
     return {name: mod.get_function(e) for name, e in exprs.items()}
 
@@ -227,9 +226,12 @@ def main(argv) -> None:
     outdir = Path(argv[0])
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
-    kernels = mode_kernels(SRC, KERNEL, MODES)
-    persistent = mode_kernels(SRC, "state_rw_persistent", PERSISTENT)
-    flat = cp.RawModule(code=SRC, options=module_options(), name_expressions=["flat_rw"]).get_function("flat_rw")
+    fns = module_functions(SRC, {**{n: f"{KERNEL}<{m}>" for n, m in MODES.items()},
+                                 **{n: f"state_rw_persistent<{m}>" for n, m in PERSISTENT.items()},
+                                 "flat": "flat_rw"})
+    kernels = {n: fns[n] for n in MODES}
+    persistent = {n: fns[n] for n in PERSISTENT}
+    flat = fns["flat"]
     sm_count = cp.cuda.Device().attributes["MultiProcessorCount"]
     # (B, warps, slice_kb, smem_kb): the decode kernel's shapes (B32: two-warp CTAs, 8 per SM;
     # B >= 256: four-warp CTAs, 4 per SM) and more CTAs per SM where registers allow.

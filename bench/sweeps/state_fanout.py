@@ -29,7 +29,7 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.sweeps.state_copy_paths import HEAD, HV, mode_kernels, timed_us  # noqa: E402
+from bench.sweeps.state_copy_paths import HEAD, HV, module_functions, timed_us  # noqa: E402
 
 SRC = r"""
 #include "common/bulk_copy.cuh"
@@ -101,7 +101,7 @@ def main(argv) -> None:
     outdir = Path(argv[0])
     tag = argv[1] if len(argv) > 1 else "run"
     outdir.mkdir(parents=True, exist_ok=True)
-    kernels = mode_kernels(SRC, KERNEL, MODES)
+    kernels = module_functions(SRC, {n: f"{KERNEL}<{m}>" for n, m in MODES.items()})
     # (B, T, warps, slice_kb, smem_kb): the decode kernel's CTAs for speculative verify
     # (B >= 33: four-warp CTAs, 4 per SM) and two-warp CTAs for comparison.
     shapes = [(64, 4, 4, 32, 50), (64, 4, 2, 16, 26), (256, 4, 4, 32, 50), (64, 1, 4, 32, 50),
