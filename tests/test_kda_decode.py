@@ -748,16 +748,20 @@ def test_cuda_and_host_inputs_are_refused_alike(rng):
 # ----------------------------------------------------------------------------- launch configuration
 
 
-def _problem(rng, B=32, HV=32, H=16, V=128, T=1, sdt=F32, v_first=True):
-    """The problem of a CUDA call of these sizes (stand-in tensors, no memory)."""
+def _problem(rng, B=32, HV=32, H=16, V=128, T=1, sdt=F32, v_first=True, token_slots=False):
+    """The problem of a CUDA call of these sizes (stand-in tensors, no memory); with
+    ``token_slots`` in place with ``[B, T]`` slots (a state written per token)."""
     K = 128
 
     def t(*shape, dtype=BF16):
         return fake_cuda(_huge(shape, dtype), stride=tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))))
 
+    P = B * T if token_slots else B
     x = dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, HV, V), a=t(B, T, HV, K), b=t(B, T, HV),
-             state=t(B, HV, V, K, dtype=sdt) if v_first else t(B, HV, K, V, dtype=sdt),
+             state=t(P, HV, V, K, dtype=sdt) if v_first else t(P, HV, K, V, dtype=sdt),
              A_log=t(HV, dtype=F32), dt_bias=t(HV, K, dtype=F32), num_accepted_tokens=None, cu_seqlens=None)
+    if token_slots:
+        x.update(state_indices=t(B, T, dtype=np.dtype(np.int32)), inplace_final_state=True)
     return _validate(**x, state_v_first=v_first)[1]
 
 
@@ -778,6 +782,25 @@ def test_vfirst_warps_fill_the_gpu(rng):
     cfg = select_config(_problem(rng, B=256, sdt=BF16), 132, 90)  # 8 bf16 rows per lane: 32 per warp
     assert (cfg.warps, cfg.threads, cfg.v_slice, cfg.n_splits, cfg.grid) == (4, 128, 128, 1, 256 * 32)
     assert cfg.spec.kernels == ("kda_decode::kda_decode_vfirst_kernel<__nv_bfloat16>",)
+
+
+@pytest.mark.torch
+def test_vfirst_warps_take_four_warps_for_several_tokens(rng):
+    """Several tokens per sequence: four-warp CTAs once there is one per SM (the prologue's
+    tasks per token spread over four warps); one token keeps the 16-per-SM rule."""
+    from mate_cupy.kda.decode_launch import select_config, tokens_per_sequence, vfirst_warps
+
+    assert tokens_per_sequence(_problem(rng, B=4, T=4)) == 4.0
+    assert vfirst_warps(48 * 32, 128, 132, 32) == 2  # bf16 B48, one token: 1536 four-warp CTAs < 16 per SM
+    assert vfirst_warps(48 * 32, 128, 132, 32, 2) == 4
+    assert vfirst_warps(4 * 32, 128, 132, 16, 4) == 4  # fp32 B4: 256 four-warp CTAs >= 1 per SM
+    assert vfirst_warps(4 * 32, 128, 132, 16) == 1
+    assert vfirst_warps(2 * 32, 128, 132, 16, 4) == 1  # 128 four-warp CTAs < 1 per SM: the one-token rule
+    assert vfirst_warps(4 * 32, 128, 132, 32, 4) == 1
+    assert vfirst_warps(8 * 32, 128, 132, 32, 1.5) == 1  # (varlen: fewer than two tokens per sequence)
+    assert select_config(_problem(rng, B=64, T=4, sdt=BF16, token_slots=True), 132, 90).warps == 4
+    assert select_config(_problem(rng, B=8, T=2, sdt=BF16), 132, 90).warps == 4
+    assert select_config(_problem(rng, B=64, T=1, sdt=BF16), 132, 90).warps == 2
 
 
 @pytest.mark.torch

@@ -1,6 +1,7 @@
 """KDA decode (V-first pools) with two- and four-warp CTAs, CUDA-graph replay.
 
-    PYTHONPATH=. python bench/sweeps/kda_decode_grid.py OUTDIR [TAG] [--tree DIR]
+    PYTHONPATH=. python bench/sweeps/kda_decode_grid.py OUTDIR [TAG] [--tree DIR] [--rows S:B:T,...]
+        [--variants default,w1,w2,w4]
 
 Case: HV 32, H 16, K = V = 128, fp16 q/k/v/a/b (the bf16 inputs' kernel path), gate
 ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``, q/k L2 norm and beta sigmoid in kernel, a pool of 4 * B slots updated in
@@ -9,7 +10,9 @@ permutation). Rows: fp32 and bf16 pools at B 32 / 256 / 1024 (T = 1, ``[B]`` slo
 speculative verify (T = 4, ``[B, 4]`` slots and accepted counts) at B 64 / 256.
 
 Launches per row: ``select_config``'s (``default``), and ``decode_launch.select_config``
-replaced by two- and four-warp CTAs (``w2``, ``w4``). Beside them a device-to-device copy of
+replaced by one-, two- and four-warp CTAs (``w1``, ``w2``, ``w4``; ``--variants`` picks, by
+default ``default,w2,w4``). ``--rows`` replaces the rows (state dtype, B, T; T > 1 with
+``[B, T]`` slots). Beside them a device-to-device copy of
 the state bytes one call moves (read + written). ``--tree DIR`` imports ``mate_cupy`` from DIR
 (another checkout's package) instead of this one, for A/B runs of two trees on the same inputs. Writes
 ``OUTDIR/kda_decode_grid_TAG.json``.
@@ -107,9 +110,11 @@ def copy_us(nbytes: int, reps: int = 20) -> float:
 
 VARIANTS = {
     "default": None,
+    "w1": variant(1),
     "w2": variant(2),
     "w4": variant(4),
 }
+DEFAULT_VARIANTS = ("default", "w2", "w4")
 ROWS = [("float32", 32, 1), ("float32", 256, 1), ("float32", 1024, 1), ("bfloat16", 32, 1),
         ("bfloat16", 256, 1), ("bfloat16", 1024, 1), ("float32", 64, 4), ("float32", 256, 4)]
 
@@ -133,27 +138,32 @@ def main(argv) -> None:
     ap.add_argument("outdir")
     ap.add_argument("tag", nargs="?", default="run")
     ap.add_argument("--tree", default=None)
+    ap.add_argument("--rows", default=None, help="rows as STATE:B:T,... (default: ROWS)")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="of " + ", ".join(VARIANTS))
     a = ap.parse_args(argv)
+    rows = ROWS if a.rows is None else [(r.split(":")[0], int(r.split(":")[1]), int(r.split(":")[2]))
+                                        for r in a.rows.split(",")]
+    variants = {n: VARIANTS[n] for n in a.variants.split(",")}
     outdir = Path(a.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     if a.tree:
         use_tree(a.tree)
     select = dl.select_config
     results = []
-    for sdt, B, T in ROWS:
+    for sdt, B, T in rows:
         step, nbytes = make_case(B, T, sdt)
         row = dict(state=sdt, B=B, T=T, bytes=nbytes, copy_us=copy_us(nbytes), tree=m.__file__)
-        for name, cfg in VARIANTS.items():
+        for name, cfg in variants.items():
             dl.select_config = select if cfg is None else cfg
             try:
                 us = graph_us(step)
             finally:
                 dl.select_config = select
             row[name] = us
-        row["best"] = min(VARIANTS, key=lambda n: row[n])
+        row["best"] = min(variants, key=lambda n: row[n])
         results.append(row)
         print(f"{sdt:8s} B{B:<5d} T{T} copy {row['copy_us']:8.1f} us ({nbytes / row['copy_us'] / 1e6:.2f} TB/s) | "
-              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in VARIANTS), flush=True)
+              + " ".join(f"{n} {row[n]:.1f} ({nbytes / row[n] / 1e6:.2f})" for n in variants), flush=True)
     (outdir / f"kda_decode_grid_{a.tag}.json").write_text(json.dumps(results, indent=1))
 
 

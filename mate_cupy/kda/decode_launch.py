@@ -105,19 +105,30 @@ def smem_bytes(stage_bytes: int, token_chunk: int, v_slice: int, red_floats: int
             + 2 * tc * v_slice * 4 + red_floats * 4)
 
 
-def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int) -> int:
+def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int, tokens: float = 1.0) -> int:
     """Warps per V-first CTA over ``n_heads`` = N * HV states of V rows, ``rows_per_warp``
-    rows per warp: 4 when that still gives >= 16 CTAs per SM, else 2 when that gives >= 4
-    per SM, else 1 (H200 sweeps: at B32 x HV32 two-warp CTAs are 1-6% faster than four-warp
-    ones; at B256 and up four-warp CTAs are as fast (fp32) or 4% faster (bf16))."""
+    rows per warp, ``tokens`` per sequence: 4 when that still gives >= 16 CTAs per SM, or with
+    several tokens at least one CTA per SM (the prologue's two tasks per token then spread over
+    four warps, and a CTA of twice the rows runs one prologue where two would run two); else 2
+    when two-warp CTAs give >= 4 per SM, else 1. H200 sweeps, one token: at B32 x HV32 two-warp
+    CTAs are 1-6% faster than four-warp ones; at B256 and up four-warp CTAs are as fast (fp32)
+    or 4% faster (bf16). H100 sweeps of speculative verify (T 2-8, a state written per token):
+    four-warp CTAs are as fast as or up to 17% faster than two-warp ones from B4 (fp32) / B8
+    (bf16) up."""
     def ctas(warps):
         return n_heads * -(-V // (rows_per_warp * warps))
 
-    if ctas(4) >= 16 * sm_count:
+    if ctas(4) >= 16 * sm_count or (tokens >= 2 and ctas(4) >= sm_count):
         return 4
     if ctas(2) >= 4 * sm_count:
         return 2
     return 1
+
+
+def tokens_per_sequence(problem) -> float:
+    """Tokens a CTA runs: T, or with ``cu_seqlens`` the packed tokens over the sequences."""
+    p = problem
+    return p.T / max(p.N, 1) if p.varlen else float(p.T)
 
 
 # Boolean problem fields and the kernel flag each one sets.
@@ -154,7 +165,8 @@ def select_config(problem, sm_count: int, cc: int) -> DecodeConfig:
     p = problem
     warps = None
     if p.state_v_first:
-        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, VFIRST_ROWS_PER_WARP[p.state_dtype])
+        warps = vfirst_warps(p.N * p.HV, p.V, sm_count, VFIRST_ROWS_PER_WARP[p.state_dtype],
+                             tokens_per_sequence(p))
     return decode_config(p, cc, warps)
 
 
