@@ -773,7 +773,7 @@ def test_vfirst_warps_fill_the_gpu(rng):
     assert vfirst_warps(64 * 32, 128, 132, 16) == 4  # 4096 CTAs >= 16 per SM
     assert vfirst_warps(32 * 32, 128, 132, 16) == 2  # B32: 2048 four-warp CTAs would be < 16 per SM
     assert vfirst_warps(8 * 32, 128, 132, 16) == 2
-    assert vfirst_warps(1 * 32, 128, 132, 16) == 1  # B = 1: 256 one-warp CTAs
+    assert vfirst_warps(1 * 32, 128, 132, 16) == 2  # B = 1: two warps run the prologue's two tasks side by side
     assert vfirst_warps(64 * 32, 128, 132, 32) == 2  # bf16 rows: 2048 four-warp CTAs < 16 per SM
     assert vfirst_warps(256 * 32, 128, 132, 32) == 4
     cfg = select_config(_problem(rng, B=32), 132, 90)
@@ -786,21 +786,22 @@ def test_vfirst_warps_fill_the_gpu(rng):
 
 @pytest.mark.torch
 def test_vfirst_warps_take_four_warps_for_several_tokens(rng):
-    """Several tokens per sequence: four-warp CTAs once there is one per SM (the prologue's
-    tasks per token spread over four warps); one token keeps the 16-per-SM rule."""
+    """Several tokens per sequence: four-warp CTAs at every batch (the prologue's tasks per
+    token spread over four warps); one token keeps the 16-per-SM rule, never one warp."""
     from mate_cupy.kda.decode_launch import select_config, tokens_per_sequence, vfirst_warps
 
     assert tokens_per_sequence(_problem(rng, B=4, T=4)) == 4.0
     assert vfirst_warps(48 * 32, 128, 132, 32) == 2  # bf16 B48, one token: 1536 four-warp CTAs < 16 per SM
     assert vfirst_warps(48 * 32, 128, 132, 32, 2) == 4
-    assert vfirst_warps(4 * 32, 128, 132, 16, 4) == 4  # fp32 B4: 256 four-warp CTAs >= 1 per SM
-    assert vfirst_warps(4 * 32, 128, 132, 16) == 1
-    assert vfirst_warps(2 * 32, 128, 132, 16, 4) == 1  # 128 four-warp CTAs < 1 per SM: the one-token rule
-    assert vfirst_warps(4 * 32, 128, 132, 32, 4) == 1
-    assert vfirst_warps(8 * 32, 128, 132, 32, 1.5) == 1  # (varlen: fewer than two tokens per sequence)
+    assert vfirst_warps(1 * 32, 128, 132, 16, 4) == 4  # fp32 B1, four tokens: 64 four-warp CTAs
+    assert vfirst_warps(1 * 32, 128, 132, 32) == 2
+    assert vfirst_warps(8 * 32, 128, 132, 32, 1.5) == 2  # (varlen: fewer than two tokens per sequence)
+    assert vfirst_warps(3 * 4, 16, 132, 16, 2) == 1  # V = 16: one warp holds every row
+    assert vfirst_warps(3 * 4, 64, 132, 32, 2) == 2
     assert select_config(_problem(rng, B=64, T=4, sdt=BF16, token_slots=True), 132, 90).warps == 4
-    assert select_config(_problem(rng, B=8, T=2, sdt=BF16), 132, 90).warps == 4
+    assert select_config(_problem(rng, B=2, T=2, sdt=BF16), 132, 90).warps == 4
     assert select_config(_problem(rng, B=64, T=1, sdt=BF16), 132, 90).warps == 2
+    assert select_config(_problem(rng, B=1, T=1), 132, 90).warps == 2
 
 
 @pytest.mark.torch
@@ -812,7 +813,7 @@ def test_vfirst_bulk_staging_only_for_whole_slices_on_sm90(rng):
     assert not select_config(p, 132, 80).bulk_stage  # no bulk copies before sm_90
     p40 = _problem(rng, B=2, HV=4, H=2, V=40)  # a partial last slice
     cfg = select_config(p40, 132, 90)
-    assert cfg.v_slice == 16 and cfg.n_splits == 3 and not cfg.bulk_stage and not cfg.option_flags & F_BULK
+    assert cfg.v_slice == 32 and cfg.n_splits == 2 and not cfg.bulk_stage and not cfg.option_flags & F_BULK
     assert not select_config(_problem(rng, v_first=False), 132, 90).bulk_stage  # K-first: cp.async
 
 

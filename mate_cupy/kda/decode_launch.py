@@ -107,22 +107,18 @@ def smem_bytes(stage_bytes: int, token_chunk: int, v_slice: int, red_floats: int
 
 def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int, tokens: float = 1.0) -> int:
     """Warps per V-first CTA over ``n_heads`` = N * HV states of V rows, ``rows_per_warp``
-    rows per warp, ``tokens`` per sequence: 4 when that still gives >= 16 CTAs per SM, or with
-    several tokens at least one CTA per SM (the prologue's two tasks per token then spread over
-    four warps, and a CTA of twice the rows runs one prologue where two would run two); else 2
-    when two-warp CTAs give >= 4 per SM, else 1. H200 sweeps, one token: at B32 x HV32 two-warp
-    CTAs are 1-6% faster than four-warp ones; at B256 and up four-warp CTAs are as fast (fp32)
-    or 4% faster (bf16). H100 sweeps of speculative verify (T 2-8, a state written per token):
-    four-warp CTAs are as fast as or up to 17% faster than two-warp ones from B4 (fp32) / B8
-    (bf16) up."""
-    def ctas(warps):
-        return n_heads * -(-V // (rows_per_warp * warps))
-
-    if ctas(4) >= 16 * sm_count or (tokens >= 2 and ctas(4) >= sm_count):
-        return 4
-    if ctas(2) >= 4 * sm_count:
-        return 2
-    return 1
+    rows per warp, ``tokens`` per sequence: 4 with two or more tokens, or when four-warp CTAs
+    still give >= 16 per SM; else 2; halved while a CTA would have more rows than V. At least two warps run the prologue's two tasks per token
+    (q/k, gate) side by side, and with several tokens four warps take half the rounds of two
+    and a CTA of twice the rows runs one prologue where two CTAs would run two. H100 sweeps
+    (``bench/results/2026-12-07-H100-g/``): one-warp CTAs take 4-22% longer than two-warp ones
+    at B 1-16 and T 1; with T 2-8 four-warp CTAs are the fastest from B1 up (equal in one of 40
+    rows). H200 sweeps, one token: at B32 x HV32 two-warp CTAs are 1-6% faster than four-warp
+    ones; at B256 and up four-warp CTAs are as fast (fp32) or 4% faster (bf16)."""
+    warps = 4 if tokens >= 2 or n_heads * -(-V // (rows_per_warp * 4)) >= 16 * sm_count else 2
+    while warps > 1 and rows_per_warp * warps > V:  # no wider than the state: no idle warps
+        warps //= 2
+    return warps
 
 
 def tokens_per_sequence(problem) -> float:
