@@ -141,8 +141,7 @@ def main(argv) -> None:
     ap.add_argument("--rows", default=None, help="rows as STATE:B:T,... (default: ROWS)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="of " + ", ".join(VARIANTS))
     a = ap.parse_args(argv)
-    rows = ROWS if a.rows is None else [(r.split(":")[0], int(r.split(":")[1]), int(r.split(":")[2]))
-                                        for r in a.rows.split(",")]
+    rows = ROWS if a.rows is None else [(s, int(b), int(t)) for s, b, t in (r.split(":") for r in a.rows.split(","))]
     variants = {n: VARIANTS[n] for n in a.variants.split(",")}
     outdir = Path(a.outdir)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,9 @@ changes the per-token prologue, which runs once per CTA outside the state loop.
 
 Work split (``docs/kda_decode.md``): one CTA per (sequence, value head, V-slice).
 V-first slices are ``16 * warps`` (fp32) or ``32 * warps`` (bf16) rows, 256 bytes of state
-per lane either way, ``warps`` in {1, 2, 4} picked by
-:func:`select_config` so that small batches still put work on every SM, staged by one bulk
-copy on sm_90 when V is a whole number of slices; K-first slices are 128 bytes of each
+per lane either way, ``warps`` in {1, 2, 4} picked by :func:`vfirst_warps` (the tokens per
+sequence and the CTAs per SM), staged by one bulk copy on sm_90 when V is a whole number of
+slices; K-first slices are 128 bytes of each
 K row (32 fp32 or 64 bf16 columns).
 """
 from __future__ import annotations
@@ -107,14 +107,10 @@ def smem_bytes(stage_bytes: int, token_chunk: int, v_slice: int, red_floats: int
 
 def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int, tokens: float = 1.0) -> int:
     """Warps per V-first CTA over ``n_heads`` = N * HV states of V rows, ``rows_per_warp``
-    rows per warp, ``tokens`` per sequence: 4 with two or more tokens, or when four-warp CTAs
-    still give >= 16 per SM; else 2; halved while a CTA would have more rows than V. At least two warps run the prologue's two tasks per token
-    (q/k, gate) side by side, and with several tokens four warps take half the rounds of two
-    and a CTA of twice the rows runs one prologue where two CTAs would run two. H100 sweeps
-    (``bench/results/2026-12-07-H100-g/``): one-warp CTAs take 4-22% longer than two-warp ones
-    at B 1-16 and T 1; with T 2-8 four-warp CTAs are the fastest from B1 up (equal in one of 40
-    rows). H200 sweeps, one token: at B32 x HV32 two-warp CTAs are 1-6% faster than four-warp
-    ones; at B256 and up four-warp CTAs are as fast (fp32) or 4% faster (bf16)."""
+    rows per warp, ``tokens`` per sequence: 4 with two or more tokens or when four-warp CTAs
+    still give >= 16 per SM, else 2; halved while a CTA would hold more rows than V. Two warps
+    run the prologue's two tasks per token side by side, four take half the rounds of two
+    with several tokens (measurements: ``docs/kda_decode.md``, "Configuration")."""
     warps = 4 if tokens >= 2 or n_heads * -(-V // (rows_per_warp * 4)) >= 16 * sm_count else 2
     while warps > 1 and rows_per_warp * warps > V:  # no wider than the state: no idle warps
         warps //= 2
@@ -123,8 +119,7 @@ def vfirst_warps(n_heads: int, V: int, sm_count: int, rows_per_warp: int, tokens
 
 def tokens_per_sequence(problem) -> float:
     """Tokens a CTA runs: T, or with ``cu_seqlens`` the packed tokens over the sequences."""
-    p = problem
-    return p.T / max(p.N, 1) if p.varlen else float(p.T)
+    return problem.T / max(problem.N, 1) if problem.varlen else float(problem.T)
 
 
 # Boolean problem fields and the kernel flag each one sets.
