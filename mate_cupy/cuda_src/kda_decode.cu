@@ -464,6 +464,18 @@ __device__ __forceinline__ void reduce_halves(float* x, int g, int msk) {
     }
 }
 
+// The thread index read anew: a volatile read, which ptxas neither merges with earlier reads
+// nor hoists, so values derived from it are recomputed where used instead of held in registers.
+__device__ __forceinline__ int fresh_thread_index() {
+#if defined(__CUDA_ARCH__)
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+#else
+    return threadIdx.x;
+#endif
+}
+
 template <typename StateT>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
@@ -502,6 +514,10 @@ struct VFirst {
     // for lane group g = lane & 7, so 8 lanes cover 128 contiguous bytes.
     static __device__ constexpr int chunk_offset(int j) { return j * 8 * kEPC; }
     static __device__ constexpr int row_offset(int r) { return r * 4 * kDim; }  // rows r*4 apart
+    // Element offset of thread tid's chunk 0 of row 0 within the CTA's slice.
+    static __device__ __forceinline__ int lane_offset(int tid) {
+        return ((tid >> 5) * kRowsPerWarp + ((tid & 31) >> 3)) * kDim + (tid & 7) * kEPC;
+    }
 };
 
 // State [P, HV, V, K] (V-first). Grid: N * HV * n_splits CTAs of nwarps * 32 threads; CTA
@@ -538,7 +554,7 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
     const long long slot_elems = head_elems * p.HV;
     const long long slice = hv * head_elems + static_cast<long long>(v0) * kDim;  // within a slot
     const int lrow0 = warp * C::kRowsPerWarp + (lane >> 3);  // local row of r = 0
-    const int lane_off = lrow0 * kDim + g * C::kEPC;          // element offset within the slice
+    const int lane_off = C::lane_offset(threadIdx.x);         // element offset within the slice
     const int stage_elems = VS * kDim;
     StateT* const stage = reinterpret_cast<StateT*>(kda_decode_smem) + lane_off;
     // Rows of this lane inside V: r < rows_in (rows lrow0 + 4r, increasing with r).
@@ -715,7 +731,10 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             }
             changed = true;
             if (slot >= 0) {
-                StateT* dst = static_cast<StateT*>(p.state) + slot * slot_elems + slice + lane_off;
+                // The lane offset read anew: held across the token loop, the bf16 kernel (128
+                // registers) spills it and reloads it on every token's store path.
+                StateT* dst = static_cast<StateT*>(p.state) + (slot * slot_elems + slice) +
+                              C::lane_offset(fresh_thread_index());
 #pragma unroll
                 for (int r = 0; r < C::kRows; ++r) {
                     if (r >= rows_in) continue;
