@@ -895,6 +895,25 @@ def test_decode_variants_registered():
     assert set(dl.SPECS) == {(dt, v) for dt in (F32, BF16) for v in (True, False)}
 
 
+@pytest.mark.slow
+def test_vfirst_kernel_spills():
+    """ptxas (sm_90a, 128 registers): the fp32 V-first kernel does not spill; the bf16 one
+    spills no more than the addresses docs/kda_decode.md ("Pipeline inside a CTA") accounts
+    for (60 bytes stored, 44 loaded; with the lane offset held across the token loop and
+    reloaded before each token's stores it loaded 68)."""
+    import re
+
+    from mate_cupy.jit import compile_variant
+    from mate_cupy.kda import decode_launch as dl
+
+    for dt, (max_st, max_ld) in ((F32, (0, 0)), (BF16, (64, 48))):
+        log = compile_variant(dl.SPECS[(dt, True)], "sm_90a", ptxas_verbose=True)["log"]
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert len(spills) == 1, log
+        st, ld = map(int, spills[0])
+        assert st <= max_st and ld <= max_ld, (dt, st, ld)
+
+
 def test_cuda_problems_are_reused_only_for_equal_signatures(rng, monkeypatch):
     """CUDA calls (host arrays posing as device 0 here) reuse the problem of an earlier call
     with equal array metadata and options; anything validation reads that differs gives
