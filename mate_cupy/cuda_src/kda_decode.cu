@@ -44,6 +44,7 @@
 #include "common/mma.cuh"  // cp_async_16 / cp_async_commit / cp_async_wait
 #include "common/bulk_copy.cuh"
 #include "common/grid_dependency.cuh"
+#include "common/opaque.cuh"
 
 using namespace mate;
 
@@ -464,18 +465,6 @@ __device__ __forceinline__ void reduce_halves(float* x, int g, int msk) {
     }
 }
 
-// The thread index read anew: a volatile read, which ptxas neither merges with earlier reads
-// nor hoists, so values derived from it are recomputed where used instead of held in registers.
-__device__ __forceinline__ int fresh_thread_index() {
-#if defined(__CUDA_ARCH__)
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t;
-#else
-    return threadIdx.x;
-#endif
-}
-
 template <typename StateT>
 struct VFirst {
     static constexpr int kEPC = Chunk<StateT>::kElems;  // elements per 16-byte chunk: 4 / 8
@@ -731,10 +720,10 @@ __global__ void __maxnreg__(VFirst<StateT>::kMaxRegs) kda_decode_vfirst_kernel(K
             }
             changed = true;
             if (slot >= 0) {
-                // The lane offset read anew: held across the token loop, the bf16 kernel (128
-                // registers) spills it and reloads it on every token's store path.
+                // The lane offset recomputed (opaque): held across the token loop, the bf16
+                // kernel (128 registers) spills it and reloads it on every token's store path.
                 StateT* dst = static_cast<StateT*>(p.state) + (slot * slot_elems + slice) +
-                              C::lane_offset(fresh_thread_index());
+                              C::lane_offset(opaque(static_cast<int>(threadIdx.x)));
 #pragma unroll
                 for (int r = 0; r < C::kRows; ++r) {
                     if (r >= rows_in) continue;

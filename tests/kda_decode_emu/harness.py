@@ -24,14 +24,16 @@ CUDA_SRC = Path(dl.__file__).resolve().parent.parent / "cuda_src"
 
 def emulator_source() -> str:
     """kda_decode.cu without its GPU headers (the emulator supplies them; the grid dependency
-    header, a no-op off the GPU, is inlined as it is), its dynamic shared memory the emulator's."""
+    header, a no-op off the GPU, and the opaque header, plain inline asm, are inlined as they
+    are), its dynamic shared memory the emulator's."""
     src = (CUDA_SRC / dl.SOURCE).read_text()
     for inc in ('#include "common/dtype.cuh"', '#include "common/mma.cuh"', '#include "common/bulk_copy.cuh"'):
         assert inc in src, inc
         src = src.replace(inc, "")
-    inc = '#include "common/grid_dependency.cuh"'
-    assert inc in src, inc
-    src = src.replace(inc, (CUDA_SRC / "common" / "grid_dependency.cuh").read_text().replace("#pragma once", ""))
+    for name in ("grid_dependency.cuh", "opaque.cuh"):
+        inc = f'#include "common/{name}"'
+        assert inc in src, inc
+        src = src.replace(inc, (CUDA_SRC / "common" / name).read_text().replace("#pragma once", ""))
     decl = "extern __shared__ __align__(16) unsigned char kda_decode_smem[];"
     assert src.count(decl) == 1
     return src.replace(decl, "#define kda_decode_smem (emu::dyn_smem())")

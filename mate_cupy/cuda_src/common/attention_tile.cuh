@@ -13,6 +13,7 @@
 #pragma once
 #include "dtype.cuh"
 #include "mma.cuh"
+#include "opaque.cuh"
 
 namespace mate {
 namespace attn {
@@ -68,17 +69,6 @@ template <int ROW_BYTES>
 __device__ __forceinline__ u32 lane_offset_vt8(int k0, int lane) {
     const int row = k0 + (lane & 7) + (lane >> 3) * 8;
     return row * ROW_BYTES + swizzle_bytes<ROW_BYTES>(row);
-}
-
-// Hide a loop-invariant value from the optimiser: expressions of it are then
-// recomputed in the loop (a few integer ops) instead of hoisted and spilled.
-__device__ __forceinline__ u32 opaque(u32 x) {
-    asm volatile("" : "+r"(x));
-    return x;
-}
-__device__ __forceinline__ int opaque(int x) {
-    asm volatile("" : "+r"(x));
-    return x;
 }
 
 // 16-byte global -> shared copy to a shared-space address; `pred == false` zero-fills.
